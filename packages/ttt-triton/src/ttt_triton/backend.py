@@ -1,0 +1,100 @@
+"""The ``triton`` backend of ttt: fused Triton kernels for the forward and the backward.
+
+Importing this module is cheap: triton and the kernels are imported on first use.
+On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from ttt import Backend, Capabilities, GradNeeds, Gradients, Problem
+
+MAX_HEAD_DIM = 128
+"""The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
+need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonBackend(Backend):
+    """One program per (sequence, head) carries the fp32 state through the chunks; the
+    backward recomputes states from fp32 checkpoints stored every G chunks."""
+
+    name = "triton"
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        devices = {"cuda", "cpu"} if _interpreting() else {"cuda"}
+        return Capabilities(
+            devices=frozenset(devices),
+            dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+            max_head_dim=MAX_HEAD_DIM,
+            chunk_sizes=frozenset({16, 32, 64}),
+            varlen=True,
+            varlen_backward=True,
+            backward=True,
+            deterministic=True,
+            notes=(
+                "fp32 state and accumulation; IEEE dots for float32 inputs",
+                "backward stores an fp32 checkpoint every G chunks and recomputes the rest",
+                f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
+                "D = 256 does not fit the state in one program's registers",
+                "cpu only under the Triton interpreter (TRITON_INTERPRET=1)",
+            ),
+        )
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:
+            return f"triton cannot be imported ({err}); pip install triton"
+        return None
+
+    def versions(self) -> dict[str, str]:
+        try:
+            import triton
+        except ImportError:
+            return {"triton": "not installed"}
+        return {"triton": triton.__version__, "interpreter": str(_interpreting())}
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        why = super().not_supported_reasons(problem)
+        if problem.D > MAX_HEAD_DIM:
+            why.append(f"head dim {problem.D}: the triton backend keeps the fp32 state "
+                       f"[D, D] and its gradient in one program's registers, which does "
+                       f"not fit above D = {MAX_HEAD_DIM}")
+        if _interpreting() and problem.dtype == torch.bfloat16:
+            why.append("bfloat16 not supported under the Triton interpreter "
+                       "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")
+        return why
+
+    def forward(self, problem: Problem, needs_backward: bool):
+        from .ops.ttt_linear import ttt_linear_fwd
+
+        p = problem
+        o, ht, hbt, saved = ttt_linear_fwd(
+            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size,
+            p.initial_state, p.initial_state_bias, p.output_final_state, p.cu_seqlens,
+            p.seq_lens, save_for_backward=needs_backward)
+        return o, ht, hbt, saved
+
+    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+                 dht: torch.Tensor | None, dhbt: torch.Tensor | None,
+                 needs: GradNeeds) -> Gradients:
+        from .ops.ttt_linear import ttt_linear_bwd
+
+        p = problem
+        want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
+        dq, dk, dv, dw, db, deta, dh0, dhb0 = ttt_linear_bwd(
+            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size, saved, do,
+            dht, dhbt, want_dh0, p.cu_seqlens, p.seq_lens)
+        return Gradients(
+            dq=dq, dk=dk, dv=dv, dw=dw, db=db,
+            deta=deta if p.eta_is_tensor else None,
+            dh0=dh0 if p.initial_state is not None else None,
+            dhb0=dhb0 if p.initial_state_bias is not None else None)

@@ -1,0 +1,1 @@
+"""Triton operators (kernel -> launcher layering, one folder per operator)."""

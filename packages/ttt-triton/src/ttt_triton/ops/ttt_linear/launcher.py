@@ -1,0 +1,159 @@
+"""Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
+
+Tunables live in :data:`CKPT_INTERVAL`, :func:`num_warps` and :func:`num_stages`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .bwd import ttt_linear_bwd_kernel
+from .fwd import ttt_linear_fwd_kernel
+
+# ---------------------------------------------------------------- tunables, in one place
+CKPT_INTERVAL = 8
+"""G: the forward stores the fp32 state before every G-th chunk; the backward recomputes the
+G states of a group into a per-program scratch of G states."""
+
+HALF_DOT_PRECISION = "tf32"
+"""input_precision of the dots for fp16/bf16 inputs (operands are fp32 tiles: the state is
+kept in fp32). float32 inputs always use "ieee"."""
+
+
+def num_warps(BD: int, backward: bool) -> int:
+    if BD <= 32:
+        return 2 if not backward else 4
+    if BD <= 64:
+        return 4
+    return 8
+
+
+def num_stages(BD: int, backward: bool) -> int:
+    return 1
+# ----------------------------------------------------------------------------------------
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
+    return chunk_size, max(16, triton.next_power_of_2(D))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
+
+
+def _launch_kwargs(BD: int, backward: bool) -> dict:
+    if interpreting():
+        return {}
+    return dict(num_warps=num_warps(BD, backward), num_stages=num_stages(BD, backward))
+
+
+@dataclass
+class Saved:
+    """What the forward keeps for the backward: the fp32 checkpoints and their offsets."""
+
+    ck: torch.Tensor          # [NCK, H, D, D] fp32
+    ckb: torch.Tensor         # [NCK, H, D] fp32
+    ck_offsets: torch.Tensor | None  # [N + 1] int64 (varlen only)
+    G: int
+
+
+def _checkpoint_offsets(seq_lens, BT: int, G: int) -> list[int]:
+    offs = [0]
+    for length in seq_lens:
+        offs.append(offs[-1] + triton.cdiv(triton.cdiv(length, BT), G))
+    return offs
+
+
+def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
+                   output_final_state: bool, cu_seqlens, seq_lens, save_for_backward: bool):
+    """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
+    save_for_backward."""
+    B, T, H, D = q.shape
+    N = len(seq_lens)
+    BT, BD = block_sizes(D, chunk_size)
+    G = CKPT_INTERVAL
+    dev = q.device
+    o = torch.empty_like(q)
+    ht = hbt = None
+    if output_final_state:
+        ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
+        hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
+    ck_offsets = None
+    if save_for_backward:
+        offs = _checkpoint_offsets(seq_lens, BT, G)
+        ck = torch.empty(offs[-1], H, D, D, dtype=torch.float32, device=dev)
+        ckb = torch.empty(offs[-1], H, D, dtype=torch.float32, device=dev)
+        if cu_seqlens is not None:
+            ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+    else:
+        ck = ckb = None
+    if h0 is not None:
+        h0 = h0.float().contiguous()
+    if hb0 is not None:
+        hb0 = hb0.float().contiguous()
+    if h0 is not None and hb0 is None:
+        hb0 = torch.zeros(N, H, 1, D, dtype=torch.float32, device=dev)
+    if hb0 is not None and h0 is None:
+        h0 = torch.zeros(N, H, D, D, dtype=torch.float32, device=dev)
+
+    ttt_linear_fwd_kernel[(N * H,)](
+        q, k, v, eta, w, b, h0, hb0, o, ht, hbt, ck, ckb, cu_seqlens, ck_offsets,
+        float(scale), float(eps), T,
+        H=H, D=D, BT=BT, BD=BD, G=G,
+        USE_INITIAL=h0 is not None, STORE_FINAL=output_final_state,
+        SAVE_CKPT=save_for_backward, IS_VARLEN=cu_seqlens is not None,
+        PREC=_precision(q.dtype), **_launch_kwargs(BD, False))
+    saved = Saved(ck, ckb, ck_offsets, G) if save_for_backward else None
+    return o, ht, hbt, saved
+
+
+def ttt_linear_bwd(q, k, v, w, b, eta, scale, eps, chunk_size, saved: Saved, do, dht, dhbt,
+                   want_dh0: bool, cu_seqlens, seq_lens):
+    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
+    fp32, dh0/dhb0 None unless want_dh0."""
+    B, T, H, D = q.shape
+    N = len(seq_lens)
+    BT, BD = block_sizes(D, chunk_size)
+    G = saved.G
+    dev = q.device
+    # per-program scratch of SG = min(G, chunks of the longest sequence) states
+    SG = min(G, max(triton.cdiv(length, BT) for length in seq_lens))
+    scr = torch.empty(N * H, SG, D, D, dtype=torch.float32, device=dev)
+    scrb = torch.empty(N * H, SG, D, dtype=torch.float32, device=dev)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(q)
+    dv = torch.empty_like(q)
+    deta = torch.empty(B, T, H, 1, dtype=torch.float32, device=dev)
+    dh0 = dhb0 = None
+    if want_dh0:
+        dh0 = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
+        dhb0 = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
+    dwp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
+    dbp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
+    use_dht = dht is not None or dhbt is not None
+    if use_dht:
+        if dht is None:
+            dht = torch.zeros(N, H, D, D, dtype=torch.float32, device=dev)
+        if dhbt is None:
+            dhbt = torch.zeros(N, H, 1, D, dtype=torch.float32, device=dev)
+        dht = dht.contiguous()
+        dhbt = dhbt.contiguous()
+
+    ttt_linear_bwd_kernel[(N * H,)](
+        q, k, v, eta, w, b, do, dht, dhbt, saved.ck, saved.ckb, scr, scrb,
+        dq, dk, dv, deta, dh0, dhb0, dwp, dbp, cu_seqlens, saved.ck_offsets,
+        float(scale), float(eps), T, SG,
+        H=H, D=D, BT=BT, BD=BD, G=G,
+        USE_DHT=use_dht, STORE_DH0=want_dh0, IS_VARLEN=cu_seqlens is not None,
+        PREC=_precision(q.dtype), **_launch_kwargs(BD, True))
+    dw = dwp.sum(0)
+    db = dbp.sum(0)
+    return dq, dk, dv, dw, db, deta, dh0, dhb0

@@ -1,0 +1,36 @@
+"""ttt: chunked TTT-linear for PyTorch, with pluggable backends.
+
+``ttt.chunk_ttt_linear(q, k, v, w, b, eta, ...)`` runs on the active backend
+(``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the inputs).
+Importing ttt touches no GPU and compiles nothing.
+"""
+
+from .backend import Backend, Capabilities, GradNeeds
+from .ops import chunk_ttt_linear
+from .problem import Gradients, Problem
+from .registry import (
+    KNOWN_BACKENDS,
+    BackendNotSupportedError,
+    available_backends,
+    get_backend,
+    load_backend,
+    set_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendNotSupportedError",
+    "Capabilities",
+    "Gradients",
+    "GradNeeds",
+    "KNOWN_BACKENDS",
+    "Problem",
+    "available_backends",
+    "chunk_ttt_linear",
+    "get_backend",
+    "load_backend",
+    "set_backend",
+    "__version__",
+]

@@ -1,0 +1,117 @@
+"""The interface every backend implements, and its declared capabilities.
+
+A backend is an object with a ``name``, a :class:`Capabilities` and two methods:
+
+``forward(problem, needs_backward) -> (o, final_state, final_state_bias, saved)``
+    the whole operator (inner TTT recurrence *and* the post norm-residual). ``o`` has the
+    input dtype; the states are None unless ``problem.output_final_state``. ``saved`` is
+    anything the backend wants back in ``backward`` (only kept when ``needs_backward``).
+
+``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
+    ``do`` is the cotangent of ``o`` (contiguous, never None); ``dht`` and ``dhbt`` those of
+    the final states (None when they were not requested or not used). ``needs`` is a
+    :class:`GradNeeds`; gradients not needed may be returned as None.
+
+The core (`ttt.ops`) owns validation, the autograd.Function and dtype casts of gradients;
+nothing in the core special-cases a backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .problem import Gradients, Problem
+
+
+@dataclass(frozen=True)
+class GradNeeds:
+    """Which gradients autograd asks for."""
+
+    q: bool = True
+    k: bool = True
+    v: bool = True
+    w: bool = True
+    b: bool = True
+    eta: bool = True
+    initial_state: bool = True
+    initial_state_bias: bool = True
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can take. ``head_dims`` None means any; ``chunk_sizes`` None any."""
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    head_dims: frozenset[int] | None = None
+    max_head_dim: int | None = None
+    chunk_sizes: frozenset[int] | None = None
+    varlen: bool = True
+    varlen_backward: bool = True
+    backward: bool = True
+    deterministic: bool = True
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def reasons(self, problem: Problem) -> list[str]:
+        """Why a backend with these capabilities cannot take ``problem`` (empty: it can)."""
+        why = []
+        if problem.device.type not in self.devices:
+            why.append(f"device {problem.device.type!r} not supported "
+                       f"(supports {sorted(self.devices)})")
+        if problem.dtype not in self.dtypes:
+            names = sorted(str(d).replace("torch.", "") for d in self.dtypes)
+            why.append(f"dtype {str(problem.dtype).replace('torch.', '')} not supported "
+                       f"(supports {names})")
+        if self.head_dims is not None and problem.D not in self.head_dims:
+            why.append(f"head dim {problem.D} not supported (supports {sorted(self.head_dims)})")
+        if self.max_head_dim is not None and problem.D > self.max_head_dim:
+            why.append(f"head dim {problem.D} above the maximum {self.max_head_dim}")
+        if self.chunk_sizes is not None and problem.chunk_size not in self.chunk_sizes:
+            why.append(f"chunk_size {problem.chunk_size} not supported "
+                       f"(supports {sorted(self.chunk_sizes)})")
+        if problem.is_varlen and not self.varlen:
+            why.append("cu_seqlens (variable-length batches) not supported")
+        if problem.requires_grad and not self.backward:
+            why.append("backward not supported")
+        if problem.requires_grad and problem.is_varlen and not self.varlen_backward:
+            why.append("backward of cu_seqlens (variable-length) batches not supported")
+        return why
+
+
+class Backend:
+    """Base class for backends. Subclasses set ``name`` and ``capabilities``."""
+
+    name: str = "?"
+    capabilities: Capabilities
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run at all on this machine (None: it can)."""
+        return None
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the engine(s) the backend uses, for reports."""
+        return {}
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        """Why this backend cannot take ``problem``; empty when it can."""
+        why = []
+        unavailable = self.unavailable_reason()
+        if unavailable:
+            why.append(unavailable)
+        why.extend(self.capabilities.reasons(problem))
+        return why
+
+    def forward(self, problem: Problem, needs_backward: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]:
+        raise NotImplementedError
+
+    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+                 dht: torch.Tensor | None, dhbt: torch.Tensor | None,
+                 needs: GradNeeds) -> Gradients:
+        raise NotImplementedError
+
+
+BackendFactory = Callable[[], Backend]

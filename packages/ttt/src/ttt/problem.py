@@ -1,0 +1,102 @@
+"""The validated inputs of one call, as every backend receives them.
+
+The core (`ttt.validation`) builds a :class:`Problem` once per call; backends never see bad
+input. Tensors in a Problem are contiguous and never to be written by a backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One call of ``chunk_ttt_linear`` after validation.
+
+    Shapes (``D`` is the head dim, key dim == value dim):
+
+    - ``q, k, v``: ``[B, T, H, D]``, one dtype (the *input dtype*), contiguous.
+    - ``w, b``: ``[H, D]`` (the LayerNorm weight and bias, used by the inner loss and by
+      the post norm-residual), any floating dtype.
+    - ``eta``: ``[B, T, H, 1]`` always a tensor; when the user passed a float it is a
+      constant tensor and ``eta_is_tensor`` is False (no gradient is returned for it).
+    - ``initial_state``: ``[N, H, D, D]`` or None; ``initial_state_bias``: ``[N, H, 1, D]``
+      or None. Float32 (float64 with float64 inputs).
+    - ``cu_seqlens``: ``[N + 1]`` int64 on the inputs' device, or None; ``seq_lens`` the
+      per-sequence lengths as Python ints (N of them), available without a device sync.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor
+    eta: torch.Tensor
+    scale: float
+    eps: float
+    chunk_size: int
+    initial_state: torch.Tensor | None
+    initial_state_bias: torch.Tensor | None
+    output_final_state: bool
+    cu_seqlens: torch.Tensor | None
+    seq_lens: tuple[int, ...]
+    eta_is_tensor: bool
+    requires_grad: bool = field(default=False)
+
+    @property
+    def B(self) -> int:  # noqa: N802 - the field's own name
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:  # noqa: N802
+        return self.q.shape[1]
+
+    @property
+    def H(self) -> int:  # noqa: N802
+        return self.q.shape[2]
+
+    @property
+    def D(self) -> int:  # noqa: N802
+        return self.q.shape[3]
+
+    @property
+    def N(self) -> int:  # noqa: N802
+        """Number of sequences: B, or len(cu_seqlens) - 1 for packed batches."""
+        return len(self.seq_lens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+    def describe(self) -> str:
+        kind = f"varlen N={self.N}" if self.is_varlen else f"B={self.B}"
+        return (f"{kind} T={self.T} H={self.H} D={self.D} chunk={self.chunk_size} "
+                f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
+
+
+@dataclass
+class Gradients:
+    """Gradients a backend returns; None where not requested or not applicable."""
+
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    dw: torch.Tensor | None = None
+    db: torch.Tensor | None = None
+    deta: torch.Tensor | None = None
+    dh0: torch.Tensor | None = None
+    dhb0: torch.Tensor | None = None

@@ -1,0 +1,157 @@
+r"""Pure-PyTorch reference backend: any device, float64 included, every feature.
+
+Per (sequence, head), with state ``W [D, D]`` and bias state ``hb [D]`` (from the initial
+states, else zero), each chunk of ``L <= chunk_size`` *valid* rows (q scaled by ``scale``):
+
+.. math::
+
+    \hat x &= \mathrm{LN}(k W + hb)                      \quad (\text{no affine, eps})\\
+    y &= (\hat x \odot w + b - (v - k)) \odot w          \quad (= \partial \ell / \partial \hat x)\\
+    g &= \mathrm{rstd}\,(y - \overline{y} - \hat x\,\overline{y \hat x})
+                                                          \quad (= \partial \ell / \partial (kW+hb))\\
+    o &= q W + hb - \eta \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\, g\big)\\
+    W &\leftarrow W - \eta_{last}\, k^\top g, \qquad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
+
+then per head ``o + LN(o) * w + b``. Positions past a sequence's end take no part (the
+padding rule). Half inputs compute in float32, float64 in float64; the backward recomputes
+the forward under autograd (memory light, and the fallback is not where speed matters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .backend import Backend, Capabilities, GradNeeds
+from .problem import Gradients, Problem
+
+
+def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.mean(-1, keepdim=True)
+    centered = x - mean
+    rstd = torch.rsqrt((centered * centered).mean(-1, keepdim=True) + eps)
+    return centered * rstd, rstd
+
+
+def _sequence_forward(q, k, v, eta, w, b, h0, hb0, scale, eps, chunk_size):
+    """One group of equal-length sequences. q, k, v: [B, H, T, D]; eta [B, H, T, 1];
+    w, b: [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns o [B, H, T, D], states."""
+    T = q.shape[2]
+    state, state_bias = h0, hb0
+    outputs = []
+    for start in range(0, T, chunk_size):
+        stop = min(start + chunk_size, T)
+        b_q = q[:, :, start:stop] * scale                    # [B, H, L, D]
+        b_k = k[:, :, start:stop]                            # [B, H, L, D]
+        b_v = v[:, :, start:stop]                            # [B, H, L, D]
+        b_e = eta[:, :, start:stop]                          # [B, H, L, 1]
+        length = stop - start
+
+        b_kh = b_k @ state + state_bias                      # [B, H, L, D]
+        b_xhat, b_rstd = _layer_norm_stats(b_kh, eps)
+        b_y = (b_xhat * w + b - b_v + b_k) * w
+        b_g = b_rstd * (b_y - b_y.mean(-1, keepdim=True)
+                        - b_xhat * (b_y * b_xhat).mean(-1, keepdim=True))
+
+        causal = torch.ones(length, length, dtype=q.dtype, device=q.device).tril()
+        b_A = (b_q @ b_k.transpose(-1, -2)) * causal + causal   # [B, H, L, L]
+        outputs.append(b_q @ state + state_bias - b_e * (b_A @ b_g))
+
+        b_e_last = b_e[:, :, -1:]                            # [B, H, 1, 1]
+        state = state - b_e_last * (b_k.transpose(-1, -2) @ b_g)
+        state_bias = state_bias - b_e_last * b_g.sum(-2, keepdim=True)
+    o = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
+    return o, state, state_bias
+
+
+def _post_norm_residual(o: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float):
+    o_hat, _ = _layer_norm_stats(o, eps)
+    return o + o_hat * w + b
+
+
+def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0):
+    """The whole operator on given tensors (which may require grad)."""
+    cdt = problem.state_dtype
+    B, T, H, D = q.shape
+    N = problem.N
+    to = dict(dtype=cdt)
+    q, k, v = (t.to(**to).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    eta = eta.to(**to).transpose(1, 2)                          # [B, H, T, 1]
+    w4 = w.to(**to).reshape(1, H, 1, D)
+    b4 = b.to(**to).reshape(1, H, 1, D)
+    if h0 is None:
+        h0 = q.new_zeros(N, H, D, D)
+    if hb0 is None:
+        hb0 = q.new_zeros(N, H, 1, D)
+    h0, hb0 = h0.to(**to), hb0.to(**to)
+    args = (problem.scale, problem.eps, problem.chunk_size)
+
+    if problem.cu_seqlens is None:
+        o, ht, hbt = _sequence_forward(q, k, v, eta, w4, b4, h0, hb0, *args)
+    else:
+        pieces, states, biases = [], [], []
+        start = 0
+        for n, length in enumerate(problem.seq_lens):
+            sl = slice(start, start + length)
+            o_n, ht_n, hbt_n = _sequence_forward(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], eta[:, :, sl], w4, b4,
+                h0[n:n + 1], hb0[n:n + 1], *args)
+            pieces.append(o_n)
+            states.append(ht_n)
+            biases.append(hbt_n)
+            start += length
+        o, ht, hbt = torch.cat(pieces, 2), torch.cat(states), torch.cat(biases)
+
+    o = _post_norm_residual(o, w4, b4, problem.eps).transpose(1, 2).to(problem.dtype)
+    if not problem.output_final_state:
+        ht = hbt = None
+    return o, ht, hbt
+
+
+class ReferenceBackend(Backend):
+    """Plain PyTorch ops, a Python loop over chunks; every device and dtype."""
+
+    name = "reference"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "mps", "xpu", "meta"}),
+        dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
+        notes=("pure PyTorch; a Python loop over chunks; backward recomputes the forward",),
+    )
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def forward(self, problem: Problem, needs_backward: bool):
+        with torch.no_grad():
+            o, ht, hbt = compute(problem, problem.q, problem.k, problem.v, problem.w,
+                                 problem.b, problem.eta, problem.initial_state,
+                                 problem.initial_state_bias)
+        return o, ht, hbt, None
+
+    def backward(self, problem: Problem, saved: Any, do, dht, dhbt, needs: GradNeeds):
+        names = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias")
+        given = (problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
+                 problem.initial_state, problem.initial_state_bias)
+        leaves = {}
+        for name, tensor in zip(names, given):
+            want = getattr(needs, name) and tensor is not None
+            if name == "eta":
+                want = want and problem.eta_is_tensor
+            leaves[name] = tensor.detach().requires_grad_(want) if tensor is not None else None
+        with torch.enable_grad():
+            o, ht, hbt = compute(problem, *leaves.values())
+            outputs, cotangents = [o], [do]
+            for out, cot in ((ht, dht), (hbt, dhbt)):
+                if out is not None and cot is not None:
+                    outputs.append(out)
+                    cotangents.append(cot)
+            wanted = [name for name in names if leaves[name] is not None
+                      and leaves[name].requires_grad]
+            grads = torch.autograd.grad(outputs, [leaves[n] for n in wanted], cotangents,
+                                        allow_unused=True) if wanted else ()
+        found = dict(zip(wanted, grads))
+        return Gradients(
+            dq=found.get("q"), dk=found.get("k"), dv=found.get("v"), dw=found.get("w"),
+            db=found.get("b"), deta=found.get("eta"), dh0=found.get("initial_state"),
+            dhb0=found.get("initial_state_bias"))

@@ -1,0 +1,116 @@
+r"""The float64 oracle: TTT-linear written from its definition, independent of every backend.
+
+It does not use the closed-form LayerNorm gradient the backends use. Per chunk it states
+the inner loss of each token and lets autograd differentiate it:
+
+.. math::
+
+    \ell_j(W, hb) = \tfrac12 \big\| \mathrm{LN}(k_j W + hb) \odot w + b - (v_j - k_j) \big\|^2
+
+where LN normalises over the head dim (mean, biased variance, ``eps``) without affine.
+Token ``i`` of a chunk reads the state after a gradient step over tokens ``j <= i`` of its
+chunk with its own learning rate; the state then moves by the step of the chunk's last
+(valid) token:
+
+.. math::
+
+    W_i = W - \eta_i \sum_{j \le i} \nabla_W \ell_j, \quad
+    hb_i = hb - \eta_i \sum_{j \le i} \nabla_{hb} \ell_j, \quad
+    o_i = (\text{scale}\, q_i) W_i + hb_i
+
+    W \leftarrow W_{last}, \quad hb \leftarrow hb_{last}
+
+and the result is ``o + LN(o) * w + b`` per head. Each sequence is cut into chunks on its
+own (a packed batch restarts at every ``cu_seqlens`` offset) and a partial last chunk holds
+only real tokens: positions past a sequence's end take no part.
+
+Gradients of the oracle come from autograd through ``create_graph=True`` inner gradients.
+Everything runs in float64 on the inputs' device; it is slow and meant for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    mean = x.mean(dim=-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps)
+
+
+def _chunk(W, hb, q, k, v, eta, w, b, eps):
+    """One chunk for one sequence, all heads. W [H, D, D], hb [H, D]; q, k, v [H, L, D];
+    eta [H, L]; w, b [H, D]. Returns o [H, L, D] and the next (W, hb)."""
+    H, L, D = k.shape
+    # One copy of the state per token, so that autograd gives per-token gradients.
+    W_tok = W.unsqueeze(1).expand(H, L, D, D)
+    hb_tok = hb.unsqueeze(1).expand(H, L, D)
+    if not W_tok.requires_grad:  # no outer gradient flows into W: still need inner ones
+        W_tok = W_tok.detach().requires_grad_(True)
+        hb_tok = hb_tok.detach().requires_grad_(True)
+    prediction = torch.einsum("hld,hlde->hle", k, W_tok) + hb_tok
+    target = v - k
+    loss = 0.5 * ((_layer_norm(prediction, eps) * w[:, None] + b[:, None] - target) ** 2).sum()
+    grad_W, grad_hb = torch.autograd.grad(loss, (W_tok, hb_tok), create_graph=True)
+    # grad_W[h, j] = d l_j / dW; cumulative sums over tokens j <= i
+    cum_W = grad_W.cumsum(dim=1)
+    cum_hb = grad_hb.cumsum(dim=1)
+    W_i = W.unsqueeze(1) - eta[:, :, None, None] * cum_W          # [H, L, D, D]
+    hb_i = hb.unsqueeze(1) - eta[:, :, None] * cum_hb             # [H, L, D]
+    o = torch.einsum("hld,hlde->hle", q, W_i) + hb_i
+    return o, W_i[:, -1], hb_i[:, -1]
+
+
+def _sequence(q, k, v, eta, w, b, W, hb, scale, eps, chunk_size):
+    """q, k, v [T, H, D]; eta [T, H]. Returns o [T, H, D], final W, hb."""
+    T = q.shape[0]
+    outputs = []
+    for start in range(0, T, chunk_size):
+        stop = min(start + chunk_size, T)
+        part = [x[start:stop].transpose(0, 1) for x in (q, k, v, eta)]
+        o, W, hb = _chunk(W, hb, part[0] * scale, part[1], part[2], part[3], w, b, eps)
+        outputs.append(o.transpose(0, 1))
+    o = torch.cat(outputs, dim=0)
+    o = o + _layer_norm(o, eps) * w + b
+    return o, W, hb
+
+
+def oracle_chunk_ttt_linear(q, k, v, w, b, eta, scale=None, eps=1e-6, chunk_size=16,
+                            initial_state=None, initial_state_bias=None,
+                            cu_seqlens=None):
+    """float64 (o, final_state, final_state_bias) for float64 inputs (differentiable).
+
+    Shapes as in :func:`ttt.chunk_ttt_linear`; ``eta`` a [B, T, H, 1] tensor or a float.
+    Final states are always returned.
+    """
+    B, T, H, D = q.shape
+    if scale is None:
+        scale = D ** -0.5
+    if not isinstance(eta, torch.Tensor):
+        eta = torch.full((B, T, H, 1), float(eta), dtype=q.dtype, device=q.device)
+    eta = eta[..., 0]
+    if cu_seqlens is None:
+        spans = [(n, 0, T) for n in range(B)]
+    else:
+        offsets = [int(x) for x in cu_seqlens.tolist()]
+        spans = [(0, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
+    N = len(spans)
+    if initial_state is None:
+        initial_state = q.new_zeros(N, H, D, D)
+    if initial_state_bias is None:
+        initial_state_bias = q.new_zeros(N, H, 1, D)
+
+    outputs, finals, final_biases = [], [], []
+    for n, (row, start, stop) in enumerate(spans):
+        o, W, hb = _sequence(q[row, start:stop], k[row, start:stop], v[row, start:stop],
+                             eta[row, start:stop], w, b, initial_state[n],
+                             initial_state_bias[n, :, 0], scale, eps, chunk_size)
+        outputs.append(o)
+        finals.append(W)
+        final_biases.append(hb.unsqueeze(1))
+    if cu_seqlens is None:
+        o = torch.stack(outputs)
+    else:
+        o = torch.cat(outputs).unsqueeze(0)
+    return o, torch.stack(finals), torch.stack(final_biases)

@@ -1,0 +1,166 @@
+"""Input checks for ``chunk_ttt_linear``: one place, run once per call, before any backend.
+
+Every failure raises ``TypeError`` (wrong kind of object, wrong dtype) or ``ValueError``
+(wrong shape, value or device), naming the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .problem import Problem
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _require_tensor(name: str, value, rank: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(value.shape)}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
+                        f"got {_name(value.dtype)}")
+    return value
+
+
+def _require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...], meaning: str):
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
+                         f"got {tuple(value.shape)}")
+
+
+def _require_device(name: str, value: torch.Tensor, device: torch.device):
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), "
+                         f"got one on {value.device}")
+
+
+def _positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive finite float, got {value}")
+    return value
+
+
+def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple[int, ...]:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {_name(cu_seqlens.dtype)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
+                         f"got shape {tuple(cu_seqlens.shape)}")
+    _require_device("cu_seqlens", cu_seqlens, device)
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed batches need q with batch size B == 1 "
+                         f"(sequences concatenated along T), got B = {B}")
+    offsets = [int(x) for x in cu_seqlens.tolist()]  # one host sync, to check the values
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {offsets[0]}")
+    if offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] == T == {T}, got {offsets[-1]}")
+    lengths = tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    for i, length in enumerate(lengths):
+        if length <= 0:
+            raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got "
+                             f"cu_seqlens[{i}] = {offsets[i]} >= cu_seqlens[{i + 1}] = "
+                             f"{offsets[i + 1]}")
+    return lengths
+
+
+def build_problem(q, k, v, w, b, eta, scale, eps, chunk_size, initial_state,
+                  initial_state_bias, output_final_state, cu_seqlens) -> Problem:
+    """Check every argument and return the contiguous :class:`Problem` backends receive."""
+    q = _require_tensor("q", q, 4)
+    B, T, H, D = q.shape
+    k = _require_tensor("k", k, 4)
+    v = _require_tensor("v", v, 4)
+    if k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
+                         f"K = {k.shape[-1]} and V = {v.shape[-1]}")
+    _require_shape("k", k, (B, T, H, D), "[B, T, H, D] like q")
+    _require_shape("v", v, (B, T, H, D), "[B, T, H, D] like q")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {_name(q.dtype)} (the dtype of q), "
+                            f"got {_name(t.dtype)}")
+        _require_device(name, t, q.device)
+    if T < 1 or B < 1 or H < 1 or D < 1:
+        raise ValueError(f"q: expected non-empty [B, T, H, D], got shape {tuple(q.shape)}")
+
+    w = _require_tensor("w", w, 2)
+    b = _require_tensor("b", b, 2)
+    _require_shape("w", w, (H, D), "[H, D]")
+    _require_shape("b", b, (H, D), "[H, D]")
+    _require_device("w", w, q.device)
+    _require_device("b", b, q.device)
+
+    eta_is_tensor = isinstance(eta, torch.Tensor)
+    if eta_is_tensor:
+        _require_tensor("eta", eta, 4)
+        _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
+        _require_device("eta", eta, q.device)
+    elif isinstance(eta, numbers.Real) and not isinstance(eta, bool):
+        if not math.isfinite(float(eta)):
+            raise ValueError(f"eta: expected a finite float, got {eta}")
+        eta = torch.full((B, T, H, 1), float(eta), dtype=q.dtype, device=q.device)
+    else:
+        raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
+                        f"got {type(eta).__name__}")
+
+    scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
+    eps = _positive_float("eps", eps)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state: expected a bool, "
+                        f"got {type(output_final_state).__name__}")
+
+    if cu_seqlens is not None:
+        seq_lens = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
+    else:
+        seq_lens = (T,) * B
+    N = len(seq_lens)
+
+    state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    for name, state, shape, meaning in (
+            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
+            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
+        if state is None:
+            continue
+        _require_tensor(name, state, 4)
+        if tuple(state.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} "
+                             f"{'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}),"
+                             f" got {tuple(state.shape)}")
+        if state.dtype not in state_dtypes:
+            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
+                            f"got {_name(state.dtype)}")
+        _require_device(name, state, q.device)
+
+    def contiguous(t):
+        return None if t is None else t.contiguous()
+
+    requires_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (q, k, v, w, b, eta, initial_state, initial_state_bias))
+    return Problem(
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), w=w.contiguous(),
+        b=b.contiguous(), eta=eta.contiguous(), scale=scale, eps=eps, chunk_size=int(chunk_size),
+        initial_state=contiguous(initial_state), initial_state_bias=contiguous(initial_state_bias),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
+        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad)
