@@ -1,0 +1,143 @@
+"""The backend registry: choice by call, context, environment; errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+
+import pytest
+import torch
+
+import ttt
+from ttt import registry
+
+
+def _inputs(dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 2, 16, generator=g).to(device, dtype) for _ in range(3))
+    return dict(q=q, k=k, v=v, w=torch.ones(2, 16, dtype=dtype, device=device),
+                b=torch.zeros(2, 16, dtype=dtype, device=device), eta=0.1)
+
+
+def test_default_choice_is_auto_and_cpu_goes_to_reference(monkeypatch):
+    monkeypatch.delenv("TTT_BACKEND", raising=False)
+    assert ttt.get_backend() == "auto"
+    problem = ttt.validation.build_problem(*_inputs().values(), None, 1e-6, 16, None, None,
+                                           False, None)
+    assert registry.select_backend(problem).name == "reference"
+
+
+def test_set_backend_as_call_and_as_with_block(monkeypatch):
+    monkeypatch.delenv("TTT_BACKEND", raising=False)
+    with ttt.set_backend("reference") as choice:
+        assert choice.name == "reference"
+        assert ttt.get_backend() == "reference"
+        with ttt.set_backend(None):
+            assert ttt.get_backend() == "auto"
+        assert ttt.get_backend() == "reference"
+    assert ttt.get_backend() == "auto"
+    token = ttt.set_backend("reference")
+    try:
+        assert ttt.get_backend() == "reference"
+    finally:
+        token.__exit__(None, None, None)
+    assert ttt.get_backend() == "auto"
+
+
+def test_environment_variable_sets_the_default(monkeypatch):
+    monkeypatch.setenv("TTT_BACKEND", "reference")
+    assert ttt.get_backend() == "reference"
+    with ttt.set_backend("auto"):
+        assert ttt.get_backend() == "auto"
+
+
+def test_context_is_per_thread():
+    import threading
+    seen = []
+    with ttt.set_backend("reference"):
+        t = threading.Thread(target=lambda: seen.append(ttt.get_backend()))
+        t.start()
+        t.join()
+    # a new thread starts from the default context, not from this one's choice
+    assert seen == [os.environ.get("TTT_BACKEND") or "auto"]
+
+
+def test_unknown_backend_is_a_value_error_listing_known_ones():
+    with pytest.raises(ValueError, match="unknown backend 'nope'.*reference"):
+        ttt.set_backend("nope")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ttt.chunk_ttt_linear(**_inputs(), backend="nope")
+
+
+def test_missing_backend_raises_import_error_with_pip_command(monkeypatch):
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
+        "ttt_ghost_backend_not_installed:Backend", "pip install ./packages/ttt-ghost", 5))
+    registry._LOADED.pop("ghost", None)
+    with pytest.raises(ImportError, match=r"pip install \./packages/ttt-ghost"):
+        ttt.set_backend("ghost")
+    status = ttt.available_backends()["ghost"]
+    assert not status.available and "pip install ./packages/ttt-ghost" in status.reason
+    # automatic choice passes over it
+    o, _, _ = ttt.chunk_ttt_linear(**_inputs())
+    assert o.shape == (1, 20, 2, 16)
+
+
+def test_unsupported_inputs_name_every_reason(monkeypatch):
+    class Picky(ttt.Backend):
+        name = "picky"
+        capabilities = ttt.Capabilities(devices=frozenset({"cuda"}),
+                                        dtypes=frozenset({torch.float16}),
+                                        chunk_sizes=frozenset({64}))
+
+    monkeypatch.setitem(registry._LOADED, "picky", Picky())
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, "picky",
+                        registry.KnownBackend("x:y", "pip install picky", 1))
+    with pytest.raises(ttt.BackendNotSupportedError) as info:
+        ttt.chunk_ttt_linear(**_inputs(), backend="picky")
+    message = str(info.value)
+    for words in ("device 'cpu'", "dtype float32", "chunk_size 16"):
+        assert words in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_entry_point_backends_are_discovered(monkeypatch, tmp_path):
+    module = tmp_path / "ttt_fake_plugin.py"
+    module.write_text(textwrap.dedent("""
+        import ttt
+        from ttt.reference import ReferenceBackend
+
+        class FakeBackend(ReferenceBackend):
+            name = "fake"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = metadata.EntryPoint("fake", "ttt_fake_plugin:FakeBackend", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
+    assert "fake" in ttt.available_backends()
+    o, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="fake")
+    ref, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="reference")
+    assert torch.equal(o, ref)
+    registry._LOADED.pop("fake", None)
+    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
+
+
+def test_entry_point_may_not_shadow_a_builtin(monkeypatch):
+    ep = metadata.EntryPoint("reference", "somewhere_else:Backend", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [ep])
+    with pytest.warns(UserWarning, match="built-in backend name"):
+        names = registry.known_names()
+    assert names.count("reference") == 1
+    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
+
+
+def test_import_does_no_gpu_work_and_loads_no_backend():
+    code = ("import sys, ttt; "
+            "bad = [m for m in ('triton', 'cupy', 'ttt_triton', 'ttt_cupy') if m in sys.modules]; "
+            "import torch; assert not torch.cuda.is_initialized(); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

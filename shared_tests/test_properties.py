@@ -1,0 +1,179 @@
+"""Properties every backend must have, beyond matching the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance import (
+    BF16,
+    DTYPE_NAMES,
+    F16,
+    F32,
+    TOLERANCES,
+    Case,
+    differentiable,
+    grad_leaves,
+    make_inputs,
+    rel_error,
+    run_op,
+    skip_unless_supported,
+)
+
+PROPERTY_DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (F32, BF16, F16)]
+
+
+def _outputs_and_grads(backend_name, inputs, seed=7):
+    o, ht, hbt = run_op(backend_name, inputs)
+    outputs = [x for x in (o, ht, hbt) if x is not None]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cots = [torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype) for x in outputs]
+    leaves = grad_leaves(inputs)
+    grads = torch.autograd.grad(outputs, [t for _, t in leaves], cots)
+    return outputs, dict(zip([n for n, _ in leaves], grads))
+
+
+def _assert_close(label, x, ref, tol):
+    err = rel_error(x, ref)
+    assert err <= tol, f"{label}: relative error {err:.3e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
+def test_varlen_equals_each_sequence_alone(dtype, backend, backend_name, device):
+    lens = (5, 16, 1, 33, 20)
+    case = Case(1, sum(lens), 2, 32, 16, dtype, seq_lens=lens)
+    packed = differentiable(make_inputs(case, device, seed=11))
+    skip_unless_supported(backend, packed)
+    (o, ht, hbt), grads = _outputs_and_grads(backend_name, packed)
+    tol = TOLERANCES[dtype][0]
+
+    start = 0
+    for n, length in enumerate(lens):
+        sl = slice(start, start + length)
+        alone = {"chunk_size": 16, "output_final_state": True}
+        for name in ("q", "k", "v", "eta"):
+            alone[name] = packed[name][:, sl].detach().clone().requires_grad_(True)
+        for name in ("w", "b"):
+            alone[name] = packed[name].detach().clone().requires_grad_(True)
+        for name in ("initial_state", "initial_state_bias"):
+            alone[name] = packed[name][n:n + 1].detach().clone().requires_grad_(True)
+        o_n, ht_n, hbt_n = run_op(backend_name, alone)
+        _assert_close(f"o of sequence {n}", o[:, sl], o_n, tol)
+        _assert_close(f"final_state of sequence {n}", ht[n:n + 1], ht_n, tol)
+        _assert_close(f"final_state_bias of sequence {n}", hbt[n:n + 1], hbt_n, tol)
+        start += length
+    assert set(grads) == {"q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias"}
+
+
+@pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
+def test_split_at_chunk_boundary_equals_one_call(dtype, backend, backend_name, device):
+    case = Case(2, 96, 2, 32, 16, dtype)
+    whole = differentiable(make_inputs(case, device, seed=21))
+    skip_unless_supported(backend, whole)
+    (o, ht, hbt), grads = _outputs_and_grads(backend_name, whole)
+
+    split = 48  # a multiple of the chunk size
+    first = {name: whole[name] for name in ("w", "b", "initial_state", "initial_state_bias")}
+    first.update(chunk_size=16, output_final_state=True)
+    second = {name: whole[name] for name in ("w", "b")}
+    second.update(chunk_size=16, output_final_state=True)
+    for name in ("q", "k", "v", "eta"):
+        first[name] = whole[name][:, :split]
+        second[name] = whole[name][:, split:]
+    o1, ht1, hbt1 = run_op(backend_name, first)
+    o2, ht2, hbt2 = run_op(backend_name, {**second, "initial_state": ht1,
+                                          "initial_state_bias": hbt1})
+    out_tol, grad_tol = TOLERANCES[dtype]
+    _assert_close("o", torch.cat([o1, o2], dim=1), o, out_tol)
+    _assert_close("final_state", ht2, ht, out_tol)
+    _assert_close("final_state_bias", hbt2, hbt, out_tol)
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    cots = [torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
+            for x in (o, ht, hbt)]
+    names = list(grads)
+    split_grads = torch.autograd.grad(
+        [torch.cat([o1, o2], dim=1), ht2, hbt2], [whole[n] for n in names], cots)
+    for name, grad in zip(names, split_grads):
+        _assert_close(f"d{name}", grad, grads[name], grad_tol)
+
+
+@pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_bitwise_deterministic(dtype, varlen, backend, backend_name, device):
+    case = Case(1, 70, 3, 64, 16, dtype, seq_lens=(30, 40) if varlen else None) if varlen \
+        else Case(2, 70, 3, 64, 16, dtype)
+    inputs = differentiable(make_inputs(case, device, seed=31))
+    skip_unless_supported(backend, inputs)
+    first_out, first_grads = _outputs_and_grads(backend_name, inputs)
+    for _ in range(2):
+        out, grads = _outputs_and_grads(backend_name, inputs)
+        for i, (a, b) in enumerate(zip(out, first_out)):
+            assert torch.equal(a, b), f"output {i} differs between identical calls"
+        for name in grads:
+            assert torch.equal(grads[name], first_grads[name]), f"d{name} differs between calls"
+
+
+@pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
+def test_inputs_are_not_modified(dtype, backend, backend_name, device):
+    case = Case(2, 37, 2, 32, 16, dtype)
+    inputs = differentiable(make_inputs(case, device, seed=41))
+    skip_unless_supported(backend, inputs)
+    before = {n: t.detach().clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    _outputs_and_grads(backend_name, inputs)
+    for name, saved in before.items():
+        assert torch.equal(inputs[name].detach(), saved), f"{name} was modified"
+
+
+@pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
+def test_non_contiguous_inputs(dtype, backend, backend_name, device):
+    case = Case(2, 37, 2, 32, 16, dtype)
+    inputs = differentiable(make_inputs(case, device, seed=51))
+    skip_unless_supported(backend, inputs)
+    (o, ht, hbt), grads = _outputs_and_grads(backend_name, inputs)
+
+    strided = dict(inputs)
+    for name in ("q", "k", "v", "eta"):  # [B, H, T, D] storage seen as [B, T, H, D]
+        x = inputs[name].detach().transpose(1, 2).contiguous().transpose(1, 2)
+        strided[name] = x.requires_grad_(True)
+        assert not strided[name].is_contiguous() or name == "eta"
+    strided["w"] = inputs["w"].detach().t().contiguous().t().requires_grad_(True)
+    strided["initial_state"] = (inputs["initial_state"].detach().transpose(-1, -2)
+                                .contiguous().transpose(-1, -2).requires_grad_(True))
+    (o2, ht2, hbt2), grads2 = _outputs_and_grads(backend_name, strided)
+    for label, a, b in (("o", o2, o), ("final_state", ht2, ht), ("final_state_bias", hbt2, hbt)):
+        assert torch.equal(a, b), f"{label} differs for non-contiguous inputs"
+    for name in grads:
+        assert torch.equal(grads2[name], grads[name]), f"d{name} differs for non-contiguous inputs"
+
+
+def test_final_states_none_unless_requested(backend, backend_name, device):
+    inputs = make_inputs(Case(1, 20, 1, 16, 16, F32, final_state=False), device)
+    skip_unless_supported(backend, inputs, requires_grad=False)
+    o, ht, hbt = run_op(backend_name, inputs)
+    assert ht is None and hbt is None
+    assert o.shape == inputs["q"].shape and o.dtype == F32
+
+
+def test_partial_chunk_padding_takes_no_part(backend, backend_name, device):
+    """The bias state after T = 20 (chunk 16) must not see the 12 padded positions:
+    appending tokens that are then cut off must not change anything before them."""
+    case = Case(1, 20, 2, 32, 16, F32)
+    inputs = make_inputs(case, device, seed=61)
+    skip_unless_supported(backend, inputs, requires_grad=False)
+    longer = make_inputs(Case(1, 32, 2, 32, 16, F32), device, seed=62)
+    for name in ("q", "k", "v", "eta"):
+        longer[name][:, :20] = inputs[name]
+    for name in ("w", "b", "initial_state", "initial_state_bias"):
+        longer[name] = inputs[name]
+    o, ht, hbt = run_op(backend_name, inputs)
+    o_long, _, _ = run_op(backend_name, longer)
+    _assert_close("o (first 20 tokens)", o, o_long[:, :20], 1e-6)
+    # and the first 16 tokens do not depend on the partial chunk at all
+    first = {**inputs, **{n: inputs[n][:, :16] for n in ("q", "k", "v", "eta")}}
+    o16, ht16, hbt16 = run_op(backend_name, first)
+    _assert_close("o (first chunk)", o[:, :16], o16, 1e-6)
+    # the final bias state equals the oracle's, which leaves padded positions out
+    from conformance import run_oracle
+    _, (_, ref_ht, ref_hbt) = run_oracle(inputs)
+    _assert_close("final_state_bias", hbt, ref_hbt, TOLERANCES[F32][0])
