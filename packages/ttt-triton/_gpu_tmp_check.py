@@ -1,6 +1,11 @@
-import os, sys, time, itertools
+import itertools
+import time
+
 DEV = "cuda"
-import torch, ttt
+import torch
+
+import ttt
+
 torch.manual_seed(0)
 
 def rel(x, r):

@@ -7,6 +7,7 @@ reason, so automatic selection passes it over and an explicit choice says why.
 from __future__ import annotations
 
 import torch
+
 from ttt import Backend, Capabilities
 
 

@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 import torch
-from ttt import Backend, Capabilities, GradNeeds, Gradients, Problem
+
+from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 
 MAX_HEAD_DIM = 128
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would

@@ -8,9 +8,10 @@ states, else zero), each chunk of ``L <= chunk_size`` *valid* rows (q scaled by 
     \hat x &= \mathrm{LN}(k W + hb)                      \quad (\text{no affine, eps})\\
     y &= (\hat x \odot w + b - (v - k)) \odot w          \quad (= \partial \ell / \partial \hat x)\\
     g &= \mathrm{rstd}\,(y - \overline{y} - \hat x\,\overline{y \hat x})
-                                                          \quad (= \partial \ell / \partial (kW+hb))\\
+         \quad (= \partial \ell / \partial (kW+hb))\\
     o &= q W + hb - \eta \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\, g\big)\\
-    W &\leftarrow W - \eta_{last}\, k^\top g, \qquad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
+    W &\leftarrow W - \eta_{last}\, k^\top g, \qquad
+    hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
 then per head ``o + LN(o) * w + b``. Positions past a sequence's end take no part (the
 padding rule). Half inputs compute in float32, float64 in float64; the backward recomputes

@@ -1,0 +1,89 @@
+"""nox sessions for ttt.
+
+CPU machine (CI, laptops): each session makes a pip-based venv, installs torch 2.13 (CPU),
+``packages/ttt`` and only the backend it tests:
+
+    nox -s lint tests          # ruff, then the conformance suite per backend (small cases)
+    nox -s "tests(backend='triton')"   # one backend (Triton runs in its interpreter on CPU)
+    nox -s demo                # python -m ttt demo
+
+Offline GPU runner (torch, triton, cupy preinstalled, no package registry): run on the
+current interpreter; the sessions then install only our packages, editable, without deps,
+and run every case, big ones included, on the GPU:
+
+    nox --no-venv -s "tests(backend='triton')"
+    nox --no-venv -s bench
+
+Extra arguments after ``--`` go to pytest (e.g. ``-- -x -k varlen``).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "tests"]
+nox.options.error_on_missing_interpreters = False
+
+TORCH = "torch==2.13.0"
+TEST_DEPS = ["pytest>=7", "numpy"]
+
+# backend -> (its package, what it needs on a CPU machine, environment for CPU runs)
+BACKENDS = {
+    "reference": ([], [], {}),
+    "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"}),
+}
+
+
+def _offline(session: nox.Session) -> bool:
+    """True with ``nox --no-venv``: the GPU runner, where nothing can be downloaded."""
+    return session.venv_backend == "none"
+
+
+def _install(session: nox.Session, packages: list[str], deps: list[str]) -> None:
+    ours = ["packages/ttt", *packages]
+    if _offline(session):
+        editable = [arg for path in ours for arg in ("-e", path)]
+        session.run("python", "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", *editable)
+        return
+    session.install(TORCH, *TEST_DEPS, *deps)
+    session.install(*ours)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    if not _offline(session):
+        session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+@nox.parametrize("backend", list(BACKENDS))
+def tests(session: nox.Session, backend: str) -> None:
+    """The conformance suite for one backend (plus the core's own tests for reference)."""
+    packages, deps, cpu_env = BACKENDS[backend]
+    _install(session, packages, deps)
+    paths = ["shared_tests"] + (["packages/ttt/tests"] if backend == "reference" else [])
+    if _offline(session):
+        env, selection = {}, []            # GPU runner: every case, big ones included
+    else:
+        env, selection = cpu_env, ["-m", "not big"]
+    session.run("python", "-m", "pytest", *paths, "--backend", backend, *selection,
+                *session.posargs, env=env)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """python -m ttt demo on the best backend installed here."""
+    _install(session, ["packages/ttt-triton"] if _offline(session) else [], [])
+    session.run("python", "-m", "ttt", "info")
+    session.run("python", "-m", "ttt", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks on a GPU (every installed backend, and FLA when fla-core is installed)."""
+    _install(session, ["packages/ttt-triton"], ["triton", "einops"])
+    session.run("python", "benchmarks/run.py", *session.posargs)
