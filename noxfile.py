@@ -19,6 +19,8 @@ Extra arguments after ``--`` go to pytest (e.g. ``-- -x -k varlen``).
 
 from __future__ import annotations
 
+import sys
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -40,11 +42,17 @@ def _offline(session: nox.Session) -> bool:
     return session.venv_backend == "none"
 
 
+def _python(session: nox.Session) -> str:
+    """The venv's python, or with --no-venv the interpreter running nox (which may be the
+    only one named python3 on a GPU runner)."""
+    return sys.executable if _offline(session) else "python"
+
+
 def _install(session: nox.Session, packages: list[str], deps: list[str]) -> None:
     ours = ["packages/ttt", *packages]
     if _offline(session):
         editable = [arg for path in ours for arg in ("-e", path)]
-        session.run("python", "-m", "pip", "install", "-q", "--no-deps",
+        session.run(_python(session), "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", *editable)
         return
     session.install(TORCH, *TEST_DEPS, *deps)
@@ -70,7 +78,7 @@ def tests(session: nox.Session, backend: str) -> None:
         env, selection = {}, []            # GPU runner: every case, big ones included
     else:
         env, selection = cpu_env, ["-m", "not big"]
-    session.run("python", "-m", "pytest", *paths, "--backend", backend, *selection,
+    session.run(_python(session), "-m", "pytest", *paths, "--backend", backend, *selection,
                 *session.posargs, env=env)
 
 
@@ -78,12 +86,12 @@ def tests(session: nox.Session, backend: str) -> None:
 def demo(session: nox.Session) -> None:
     """python -m ttt demo on the best backend installed here."""
     _install(session, ["packages/ttt-triton"] if _offline(session) else [], [])
-    session.run("python", "-m", "ttt", "info")
-    session.run("python", "-m", "ttt", "demo", *session.posargs)
+    session.run(_python(session), "-m", "ttt", "info")
+    session.run(_python(session), "-m", "ttt", "demo", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks on a GPU (every installed backend, and FLA when fla-core is installed)."""
     _install(session, ["packages/ttt-triton"], ["triton", "einops"])
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run(_python(session), "benchmarks/run.py", *session.posargs)

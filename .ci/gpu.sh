@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
+# as wheels in .whl/): install our packages, run the conformance suite for the reference
+# and triton backends on CUDA tensors (big cases included), then the benchmarks.
+#   bash .ci/gpu.sh [stages...]     stages: info ref triton bench (default: all four)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ttt-gpu}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+stages=${*:-info ref triton bench}
+XDIST=${XDIST:--n 8}
+for stage in $stages; do
+  case $stage in
+    info)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+      python3 -m nox --no-venv -s demo 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
+    ref)
+      timeout ${REF_TIMEOUT:-200} python3 -m nox --no-venv -s "tests(backend='reference')" -- \
+        -q $XDIST 2>&1 | tee "$OUT/tests-reference.log" | tail -15 ;;
+    triton)
+      timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
+        -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
+    bench)
+      timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
+        2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  esac
+done

@@ -1,0 +1,94 @@
+"""Timing and peak-memory measurement: ``triton.testing.do_bench`` on CUDA, a wall clock on CPU.
+
+Times are in milliseconds as ``(p20, p50, p80)``; the p50 (median) is the headline figure.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+QUANTILES = (0.2, 0.5, 0.8)
+MAX_REP_MS = 5000.0   # never time one measurement for longer than this (plus warm-up)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long to warm up and to measure (ms), and the fewest timed calls wanted."""
+
+    warmup_ms: float = 50.0
+    rep_ms: float = 300.0
+    min_iters: int = 10
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _quantiles(times: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(times)
+    if len(ordered) == 1:
+        return ordered[0], ordered[0], ordered[0]
+    cuts = statistics.quantiles(ordered, n=10, method="inclusive")  # deciles: 10%..90%
+    return cuts[1], statistics.median(ordered), cuts[7]
+
+
+def bench(fn: Callable[[], object], device: torch.device,
+          budget: Budget) -> tuple[float, float, float]:
+    """``(p20, p50, p80)`` ms of ``fn``; the first call (compilation, autotuning) is untimed."""
+    fn()                                   # compile / autotune outside every timed region
+    estimate = max(_one_call_ms(fn, device), 1e-3)
+    rep = min(max(budget.rep_ms, budget.min_iters * estimate), MAX_REP_MS)
+    if device.type == "cuda":
+        import triton.testing
+
+        result = triton.testing.do_bench(fn, warmup=budget.warmup_ms, rep=rep,
+                                         quantiles=list(QUANTILES), return_mode="median")
+        if isinstance(result, (int, float)):
+            return float(result), float(result), float(result)
+        p20, p50, p80 = (float(x) for x in result)
+        return p20, p50, p80
+    # CPU (smoke test of the reporting path only): a plain wall clock.
+    deadline = time.perf_counter() + budget.warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + rep / 1e3
+    while len(times) < budget.min_iters or time.perf_counter() < deadline:
+        times.append(_one_call_ms(fn, device))
+        if len(times) >= 10_000:
+            break
+    return _quantiles(times)
+
+
+def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak device memory one call of ``fn`` allocates above what was live before (MiB).
+
+    ``fn`` should return nothing that outlives it (its results are dropped at once). None
+    on devices without allocator statistics (CPU).
+    """
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return (peak - before) / 2**20
