@@ -2,7 +2,7 @@
 # One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
 # as wheels in .whl/): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
-#   bash .ci/gpu.sh [stages...]     stages: info ref triton bench (default: all four)
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton bench (default: all but demo)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttt-gpu}
@@ -17,7 +17,12 @@ for stage in $stages; do
   case $stage in
     info)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-      python3 -m nox --no-venv -s demo 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
+      python3 -m pip install -q --no-deps --no-build-isolation -e packages/ttt \
+        -e packages/ttt-triton 2>&1 | tail -3
+      python3 -m ttt info 2>&1 | tee "$OUT/info.log" ;;
+    demo)
+      timeout ${DEMO_TIMEOUT:-120} python3 -m nox --no-venv -s demo 2>&1 \
+        | tee "$OUT/demo.log" | tail -25 ;;
     ref)
       timeout ${REF_TIMEOUT:-200} python3 -m nox --no-venv -s "tests(backend='reference')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-reference.log" | tail -15 ;;
