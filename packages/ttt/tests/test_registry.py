@@ -15,6 +15,19 @@ import ttt
 from ttt import registry
 
 
+class _FakeMetadata:
+    """Stands in for importlib.metadata inside ttt.registry only (triton and others keep
+    the real one)."""
+
+    EntryPoint = metadata.EntryPoint
+
+    def __init__(self, eps):
+        self._eps = eps
+
+    def entry_points(self, group=None, **_):
+        return [ep for ep in self._eps if group in (None, ep.group)]
+
+
 def _inputs(dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 20, 2, 16, generator=g).to(device, dtype) for _ in range(3))
@@ -115,8 +128,7 @@ def test_entry_point_backends_are_discovered(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     ep = metadata.EntryPoint("fake", "ttt_fake_plugin:FakeBackend", registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
-    monkeypatch.setattr(registry.metadata, "entry_points",
-                        lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(registry, "metadata", _FakeMetadata([ep]))
     assert "fake" in ttt.available_backends()
     o, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="fake")
     ref, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="reference")
@@ -128,7 +140,7 @@ def test_entry_point_backends_are_discovered(monkeypatch, tmp_path):
 def test_entry_point_may_not_shadow_a_builtin(monkeypatch):
     ep = metadata.EntryPoint("reference", "somewhere_else:Backend", registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
-    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [ep])
+    monkeypatch.setattr(registry, "metadata", _FakeMetadata([ep]))
     with pytest.warns(UserWarning, match="built-in backend name"):
         names = registry.known_names()
     assert names.count("reference") == 1
