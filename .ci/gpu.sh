@@ -30,6 +30,7 @@ for stage in $stages; do
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
     bench)
+      # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
         2>&1 | tee "$OUT/bench.log" | tail -40 ;;
   esac
