@@ -177,3 +177,42 @@ def test_partial_chunk_padding_takes_no_part(backend, backend_name, device):
     from conformance import run_oracle
     _, (_, ref_ht, ref_hbt) = run_oracle(inputs)
     _assert_close("final_state_bias", hbt, ref_hbt, TOLERANCES[F32][0])
+
+
+@pytest.mark.big
+def test_more_than_2_31_elements(backend, backend_name, device):
+    """64-bit offsets: the last batch element of a [64, 2080, 256, 64] bf16 input lies past
+    2**31 elements; its outputs and gradients must equal those of the element run alone."""
+    B, T, H, D = 64, 2080, 256, 64
+    if B * T * H * D <= 2**31:
+        raise AssertionError("the case must exceed 2**31 elements")
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA device with about 48 GiB free (big case)")
+    if backend_name == "reference":
+        pytest.skip("reference: plain PyTorch indexing, and its autograd graph at this size "
+                    "needs about 90 GiB")
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < 48 * 2**30:
+        pytest.skip(f"needs about 48 GiB free device memory, {free / 2**30:.0f} GiB free")
+    dtype = BF16
+    g = torch.Generator(device=device).manual_seed(71)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    inputs = dict(q=randn(B, T, H, D), k=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1),
+                  v=randn(B, T, H, D), w=1 + 0.1 * randn(H, D), b=0.1 * randn(H, D),
+                  eta=0.1 * torch.rand(B, T, H, 1, generator=g, device=device, dtype=dtype),
+                  chunk_size=16)
+    skip_unless_supported(backend, inputs)
+    leaves = {n: inputs[n].requires_grad_(True) for n in ("q", "k", "v", "eta")}
+    o, _, _ = run_op(backend_name, inputs)
+    do = randn(B, T, H, D)
+    dq, dk, dv, deta = torch.autograd.grad(o, list(leaves.values()), do)
+    last = {n: inputs[n][-1:].detach().clone().requires_grad_(True) for n in leaves}
+    o_last, _, _ = run_op(backend_name, {**inputs, **last})
+    grads_last = torch.autograd.grad(o_last, list(last.values()), do[-1:])
+    out_tol, grad_tol = TOLERANCES[dtype]
+    _assert_close("o of the last batch element", o[-1:], o_last, out_tol)
+    for name, full, alone in zip(("q", "k", "v", "eta"), (dq, dk, dv, deta), grads_last):
+        _assert_close(f"d{name} of the last batch element", full[-1:], alone, grad_tol)
