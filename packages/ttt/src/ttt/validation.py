@@ -114,7 +114,9 @@ def build_problem(q, k, v, w, b, eta, scale, eps, chunk_size, initial_state,
     elif isinstance(eta, numbers.Real) and not isinstance(eta, bool):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
-        eta = torch.full((B, T, H, 1), float(eta), dtype=q.dtype, device=q.device)
+        # float32 (float64 for float64 inputs) keeps the constant exact to float32 precision
+        eta_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        eta = torch.full((B, T, H, 1), float(eta), dtype=eta_dtype, device=q.device)
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
