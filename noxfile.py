@@ -30,10 +30,14 @@ nox.options.error_on_missing_interpreters = False
 TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=7", "numpy"]
 
-# backend -> (its package, what it needs on a CPU machine, environment for CPU runs)
+# backend -> (its package, what it needs on a CPU machine, environment for CPU runs,
+#             the backend's own tests besides the conformance suite)
 BACKENDS = {
-    "reference": ([], [], {}),
-    "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"}),
+    "reference": ([], [], {}, ["packages/ttt/tests"]),
+    "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"}, []),
+    # on CPU: NVRTC compiles every kernel instance (sm_80, sm_90) and the GPU cases of the
+    # suite skip with the backend's reason
+    "cupy": (["packages/ttt-cupy[compile-check]"], [], {}, ["packages/ttt-cupy/tests"]),
 }
 
 
@@ -70,10 +74,10 @@ def lint(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("backend", list(BACKENDS))
 def tests(session: nox.Session, backend: str) -> None:
-    """The conformance suite for one backend (plus the core's own tests for reference)."""
-    packages, deps, cpu_env = BACKENDS[backend]
+    """The conformance suite for one backend, plus that backend's own tests."""
+    packages, deps, cpu_env, own_tests = BACKENDS[backend]
     _install(session, packages, deps)
-    paths = ["shared_tests"] + (["packages/ttt/tests"] if backend == "reference" else [])
+    paths = ["shared_tests", *own_tests]
     if _offline(session):
         env, selection = {}, []            # GPU runner: every case, big ones included
     else:

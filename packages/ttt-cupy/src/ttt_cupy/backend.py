@@ -1,27 +1,68 @@
-"""The ``cupy`` backend: registered, kernels not written yet.
+"""The ``cupy`` backend of ttt: raw CUDA C++ kernels compiled at run time by CuPy (NVRTC).
 
-It loads (so ``ttt.available_backends()`` lists it) and declines every problem with the
-reason, so automatic selection passes it over and an explicit choice says why.
+Importing this module is cheap: cupy is imported, and the kernels compiled, on first use.
+The kernels (csrc/ttt_linear.cu) port the Triton backend's design: one thread block per
+(sequence, head) carries the fp32 state through the chunks in shared memory; the backward
+recomputes states from fp32 checkpoints stored every G chunks.
+
+Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
+ttt_cupy.nvrtc_check``) but have not yet been run on a GPU, so the backend declines every
+problem unless ``TTT_CUPY_UNVERIFIED=1``.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 
-from ttt import Backend, Capabilities
+from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
+
+MAX_HEAD_DIM = 128
+OPT_IN_ENV = "TTT_CUPY_UNVERIFIED"
+INSTALL_HINT = "pip install './packages/ttt-cupy[cuda13]' (or [cuda12])"
+DEFAULT_SMEM_LIMIT = 227 * 1024
+"""Opt-in shared memory per block of an H100 / H200, used when torch does not report it."""
+
+
+def _unverified_allowed() -> bool:
+    return os.environ.get(OPT_IN_ENV, "") == "1"
 
 
 class CupyBackend(Backend):
+    """One CUDA thread block per (sequence, head), fp32 state in shared memory; SIMT fp32
+    arithmetic (no tensor cores); deterministic."""
+
     name = "cupy"
     capabilities = Capabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         chunk_sizes=frozenset({16, 32, 64}),
-        max_head_dim=128,
+        max_head_dim=MAX_HEAD_DIM,
+        varlen=True,
+        varlen_backward=True,
+        backward=True,
+        deterministic=True,
+        notes=(
+            "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and arithmetic",
+            "backward stores an fp32 checkpoint every G chunks and recomputes the rest",
+            "shared memory bounds (chunk_size, head dim); e.g. the backward with head dim "
+            "> 64 takes chunk_size 16 only on an H100/H200 (227 KiB per block)",
+            "compile-checked for sm_80 / sm_90, not yet verified on a GPU: opt in with "
+            f"{OPT_IN_ENV}=1",
+        ),
     )
 
     def unavailable_reason(self) -> str | None:
-        return "the CUDA kernels of the cupy backend are not written yet (issue: CuPy backend)"
+        try:
+            import cupy  # noqa: F401
+        except ImportError as err:
+            return f"cupy cannot be imported ({err}); {INSTALL_HINT}"
+        if not _unverified_allowed():
+            return ("the cupy kernels compile (NVRTC) but have not yet been verified on a GPU; "
+                    f"set {OPT_IN_ENV}=1 to use them anyway")
+        return None
 
     def versions(self) -> dict[str, str]:
         try:
@@ -29,3 +70,41 @@ class CupyBackend(Backend):
         except ImportError:
             return {"cupy": "not installed"}
         return {"cupy": cupy.__version__}
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        why = super().not_supported_reasons(problem)
+        if why or problem.device.type != "cuda":
+            return why
+        from .launcher import max_smem_optin, smem_reason
+
+        limit = max_smem_optin(problem.device) or DEFAULT_SMEM_LIMIT
+        reason = smem_reason(problem.D, problem.chunk_size, problem.requires_grad, limit)
+        if reason:
+            why.append(reason)
+        return why
+
+    def forward(self, problem: Problem, needs_backward: bool):
+        from .launcher import ttt_linear_fwd
+
+        p = problem
+        o, ht, hbt, saved = ttt_linear_fwd(
+            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size,
+            p.initial_state, p.initial_state_bias, p.output_final_state, p.cu_seqlens,
+            p.seq_lens, save_for_backward=needs_backward)
+        return o, ht, hbt, saved
+
+    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+                 dht: torch.Tensor | None, dhbt: torch.Tensor | None,
+                 needs: GradNeeds) -> Gradients:
+        from .launcher import ttt_linear_bwd
+
+        p = problem
+        want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
+        dq, dk, dv, dw, db, deta, dh0, dhb0 = ttt_linear_bwd(
+            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size, saved, do,
+            dht, dhbt, want_dh0, p.cu_seqlens, p.seq_lens)
+        return Gradients(
+            dq=dq, dk=dk, dv=dv, dw=dw, db=db,
+            deta=deta if p.eta_is_tensor else None,
+            dh0=dh0 if p.initial_state is not None else None,
+            dhb0=dhb0 if p.initial_state_bias is not None else None)

@@ -1,0 +1,189 @@
+"""Compile every kernel instance with NVRTC, without a GPU or a driver.
+
+``python -m ttt_cupy.nvrtc_check`` compiles ``ttt_linear_fwd`` and ``ttt_linear_bwd`` for
+every dtype x D_PAD x BT, one program per (dtype, D_PAD, BT) as the backend does at run
+time, to cubins for each ``--arch`` (default sm_80 and sm_90), and checks that the C++
+shared-memory sizes equal :func:`ttt_cupy.compile.smem_bytes`. It uses ``cuda.bindings.nvrtc``
+(``pip install './packages/ttt-cupy[compile-check]'``: cuda-python plus the NVRTC and
+CUDA-runtime header wheels), which load ``libnvrtc`` from site-packages; CuPy's compile path
+needs a driver, this does not. Exits 1 with the NVRTC log on the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from .compile import (
+    BLOCK_TS,
+    CTYPES,
+    D_PADS,
+    NVRTC_OPTIONS,
+    cuda_include_dir,
+    include_options,
+    kernel_name,
+    smem_bytes,
+    source,
+)
+
+DEFAULT_ARCHS = ("80", "90")
+
+
+class CheckError(RuntimeError):
+    """A compile failed; the message holds the NVRTC log."""
+
+
+@dataclass
+class Compiled:
+    arch: str
+    names: dict[str, str]          # name expression -> lowered (mangled) name
+    cubin_bytes: int
+    log: str
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # cuda-python < 12.6
+        except ImportError as err:
+            raise CheckError(
+                "cuda-python is not installed: pip install './packages/ttt-cupy[compile-check]'"
+            ) from err
+    return nvrtc
+
+
+def smem_asserts() -> str:
+    """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes`."""
+    lines = []
+    for dp in D_PADS:
+        for bt in BLOCK_TS:
+            for kind, field in (("fwd", "kFwdBytes"), ("bwd", "kBwdBytes")):
+                n = smem_bytes(kind, dp, bt)
+                lines.append(f"static_assert(ttt::TttTraits<{dp}, {bt}>::{field} == {n}ull, "
+                             f"\"smem_bytes('{kind}', {dp}, {bt}) != TttTraits::{field}\");")
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def _check(result, what: str, nvrtc, prog=None) -> tuple:
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        log = _log(nvrtc, prog) if prog is not None else ""
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        raise CheckError(f"{what}: {msg.decode() if isinstance(msg, bytes) else msg}\n{log}")
+    return result[1:]
+
+
+def _log(nvrtc, prog) -> str:
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\x00").strip()
+
+
+def compile_instance(code: str, names: list[str], arch: str, options: list[str],
+                     ptxas_verbose: bool = False) -> Compiled:
+    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch``."""
+    nvrtc = _nvrtc()
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
+                     "nvrtcCreateProgram", nvrtc)
+    try:
+        for name in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
+                   f"nvrtcAddNameExpression({name})", nvrtc)
+        opts = [o.encode() for o in (*options, f"-arch=sm_{arch}")]
+        if ptxas_verbose:
+            opts.append(b"--ptxas-options=-v")
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
+               f"nvrtcCompileProgram({names}, sm_{arch})", nvrtc, prog)
+        lowered = {}
+        for name in names:
+            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
+                            f"nvrtcGetLoweredName({name})", nvrtc)
+            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
+        if size <= 0:
+            raise CheckError(f"empty cubin for {names} on sm_{arch}")
+        return Compiled(arch, lowered, int(size), _log(nvrtc, prog))
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+SOURCE_NAME = "ttt_linear.cu"
+
+
+def _compile_task(task) -> tuple[tuple[str, int, int], Compiled]:
+    code, ct, dp, bt, arch, options, ptxas_verbose = task
+    names = [kernel_name("fwd", ct, dp, bt), kernel_name("bwd", ct, dp, bt)]
+    return (ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose)
+
+
+def instances() -> list[tuple[str, int, int]]:
+    """(C++ type, D_PAD, BT) of every program the backend may build."""
+    return [(ct, dp, bt) for ct in CTYPES.values() for dp in D_PADS for bt in BLOCK_TS]
+
+
+def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
+        out=sys.stdout) -> dict[str, int]:
+    """Compile everything; returns {arch: kernel instances compiled}. Raises CheckError."""
+    nvrtc = _nvrtc()
+    _, major, minor = nvrtc.nvrtcVersion()
+    inc = cuda_include_dir()
+    options = [*NVRTC_OPTIONS, *include_options()]
+    code = source() + smem_asserts()
+    print(f"NVRTC {major}.{minor}; CUDA headers: {inc or 'NVRTC built-ins'}; "
+          f"options {options}", file=out)
+    jobs = jobs or os.cpu_count() or 1
+    counts = {}
+    for arch in archs:
+        start = time.perf_counter()
+        tasks = [(code, ct, dp, bt, arch, tuple(options), ptxas_verbose)
+                 for ct, dp, bt in instances()]
+        if jobs > 1:
+            # processes: the bindings hold the GIL while NVRTC compiles
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                results = list(pool.map(_compile_task, tasks))
+        else:
+            results = [_compile_task(t) for t in tasks]
+        n = sum(len(c.names) for _, c in results)
+        counts[arch] = n
+        cubin = sum(c.cubin_bytes for _, c in results)
+        print(f"sm_{arch}: {n} kernel instances compiled ({len(results)} programs, "
+              f"{cubin / 1e6:.1f} MB of cubin, {time.perf_counter() - start:.1f} s)", file=out)
+        if ptxas_verbose:
+            for (ct, dp, bt), c in results:
+                for line in c.log.splitlines():
+                    if re.search(r"Used \d+ registers|spill", line):
+                        print(f"  {ct:>13} D_PAD={dp:<3} BT={bt:<2} {line.strip()}", file=out)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ttt_cupy.nvrtc_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", action="append", dest="archs", metavar="SM",
+                        help="compute capability without a dot (repeatable; default 80 and 90)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="parallel compile processes (default: cpus)")
+    parser.add_argument("--ptxas-verbose", action="store_true",
+                        help="print registers and spills of every kernel")
+    args = parser.parse_args(argv)
+    try:
+        counts = run(tuple(args.archs or DEFAULT_ARCHS), args.jobs, args.ptxas_verbose)
+    except CheckError as err:
+        print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
+        return 1
+    total = sum(counts.values())
+    print(f"OK: {total} kernel instances compiled "
+          + ", ".join(f"sm_{a}: {n}" for a, n in counts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
