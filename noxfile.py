@@ -34,7 +34,8 @@ TEST_DEPS = ["pytest>=7", "numpy"]
 #             the backend's own tests besides the conformance suite)
 BACKENDS = {
     "reference": ([], [], {}, ["packages/ttt/tests"]),
-    "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"}, []),
+    "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"},
+               ["packages/ttt-triton/tests"]),
     # on CPU: NVRTC compiles every kernel instance (sm_80, sm_90) and the GPU cases of the
     # suite skip with the backend's reason
     "cupy": (["packages/ttt-cupy[compile-check]"], [], {}, ["packages/ttt-cupy/tests"]),

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from conformance import (
+    BF16,
+    F16,
+    F32,
     ORACLE_CASES,
     TOLERANCES,
+    Case,
     check_close,
     differentiable,
     grad_leaves,
@@ -65,4 +69,28 @@ def test_forward_backward_match_oracle(case, backend, backend_name, device):
             failures.append(f"d{name}: dtype {grad.dtype}, expected {leaf.dtype}")
         check_close(f"d{name}", grad, ref, grad_tol, failures)
 
+    assert not failures, f"{case.id} on {backend_name}: " + "; ".join(failures)
+
+
+FORWARD_ONLY_CASES = [
+    Case(2, 50, 2, 32, 16, dtype, seq_lens=None) for dtype in (F32, BF16, F16)
+] + [
+    Case(1, 70, 2, 32, chunk, dtype, seq_lens=(5, 16, 49))
+    for chunk in (16, 64) for dtype in (F32, BF16, F16)
+]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in FORWARD_ONLY_CASES])
+def test_forward_only_matches_oracle(case, backend, backend_name, device):
+    """Inference: no input requires grad (kernels may take another path than training)."""
+    inputs = make_inputs(case, device, seed=hash(case.id) % 2**31 + 1)
+    skip_unless_supported(backend, inputs, requires_grad=False)
+    out_tol, _ = TOLERANCES[case.dtype]
+    with torch.no_grad():
+        o, ht, hbt = run_op(backend_name, inputs)
+        _, (ref_o, ref_ht, ref_hbt) = run_oracle(inputs)
+    failures: list[str] = []
+    check_close("o", o, ref_o, out_tol, failures)
+    check_close("final_state", ht, ref_ht, out_tol, failures)
+    check_close("final_state_bias", hbt, ref_hbt, out_tol, failures)
     assert not failures, f"{case.id} on {backend_name}: " + "; ".join(failures)

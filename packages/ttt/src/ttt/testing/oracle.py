@@ -44,15 +44,19 @@ def _chunk(W, hb, q, k, v, eta, w, b, eps):
     eta [H, L]; w, b [H, D]. Returns o [H, L, D] and the next (W, hb)."""
     H, L, D = k.shape
     # One copy of the state per token, so that autograd gives per-token gradients.
+    outer = torch.is_grad_enabled()
     W_tok = W.unsqueeze(1).expand(H, L, D, D)
     hb_tok = hb.unsqueeze(1).expand(H, L, D)
-    if not W_tok.requires_grad:  # no outer gradient flows into W: still need inner ones
+    if not (outer and W_tok.requires_grad):  # no outer gradient into W: still need inner ones
         W_tok = W_tok.detach().requires_grad_(True)
         hb_tok = hb_tok.detach().requires_grad_(True)
-    prediction = torch.einsum("hld,hlde->hle", k, W_tok) + hb_tok
-    target = v - k
-    loss = 0.5 * ((_layer_norm(prediction, eps) * w[:, None] + b[:, None] - target) ** 2).sum()
-    grad_W, grad_hb = torch.autograd.grad(loss, (W_tok, hb_tok), create_graph=True)
+    with torch.enable_grad():  # the inner gradients are part of the forward definition
+        prediction = torch.einsum("hld,hlde->hle", k, W_tok) + hb_tok
+        target = v - k
+        loss = 0.5 * ((_layer_norm(prediction, eps) * w[:, None] + b[:, None] - target)
+                      ** 2).sum()
+        grad_W, grad_hb = torch.autograd.grad(loss, (W_tok, hb_tok),
+                                              create_graph=outer)
     # grad_W[h, j] = d l_j / dW; cumulative sums over tokens j <= i
     cum_W = grad_W.cumsum(dim=1)
     cum_hb = grad_hb.cumsum(dim=1)

@@ -51,6 +51,21 @@ def _row_layer_norm(b_x, m_2d, D, eps):
     return b_xc * b_rstd[:, None], b_rstd
 
 
+@triton.jit
+def _load_chunk(q, k, v, eta, p_base, p_ebase, r0, seq_len, o_t, o_d, m_d, H, D):
+    """Raw (input dtype) q, k, v [BT, BD] and eta [BT] of the chunk starting at row r0;
+    rows at or past ``seq_len`` read as zero."""
+    o_r = r0 + o_t                                                         # [BT]
+    m_t = o_r < seq_len
+    m_2d = m_t[:, None] & m_d[None, :]
+    o_x = p_base + o_r.to(tl.int64)[:, None] * (H * D) + o_d[None, :]      # [BT, BD]
+    r_q = tl.load(q + o_x, mask=m_2d, other=0.)
+    r_k = tl.load(k + o_x, mask=m_2d, other=0.)
+    r_v = tl.load(v + o_x, mask=m_2d, other=0.)
+    r_e = tl.load(eta + p_ebase + o_r.to(tl.int64) * H, mask=m_t, other=0.)
+    return r_q, r_k, r_v, r_e
+
+
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_kernel(
     q, k, v, eta, w, b,
@@ -72,6 +87,7 @@ def ttt_linear_fwd_kernel(
     SAVE_CKPT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -106,6 +122,9 @@ def ttt_linear_fwd_kernel(
     # row 0 of this (sequence, head); rows are H * D apart (H apart for eta)
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
+    if PREFETCH:  # the first chunk's tiles; each step then loads the next chunk's early
+        r_q, r_k, r_v, r_e = _load_chunk(q, k, v, eta, p_base, p_ebase, 0, seq_len, o_t, o_d,
+                                         m_d, H, D)
     for i_c in range(0, NC):
         if SAVE_CKPT:
             if i_c % G == 0:
@@ -116,10 +135,19 @@ def ttt_linear_fwd_kernel(
         m_t = o_r < seq_len
         m_2d = m_t[:, None] & m_d[None, :]
         o_x = p_base + o_r.to(tl.int64)[:, None] * (H * D) + o_d[None, :]  # [BT, BD]
-        b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BT, BD]
-        b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_e = tl.load(eta + p_ebase + o_r.to(tl.int64) * H, mask=m_t, other=0.).to(tl.float32)  # [BT]
+        if PREFETCH:
+            b_q = r_q.to(tl.float32) * scale                               # [BT, BD]
+            b_k = r_k.to(tl.float32)                                       # [BT, BD]
+            b_v = r_v.to(tl.float32)                                       # [BT, BD]
+            b_e = r_e.to(tl.float32)                                       # [BT]
+            # issued now, waited for at the next step: the loads leave the chain
+            r_q, r_k, r_v, r_e = _load_chunk(q, k, v, eta, p_base, p_ebase, (i_c + 1) * BT,
+                                             seq_len, o_t, o_d, m_d, H, D)
+        else:
+            b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BT, BD]
+            b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)     # [BT, BD]
+            b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)     # [BT, BD]
+            b_e = tl.load(eta + p_ebase + o_r.to(tl.int64) * H, mask=m_t, other=0.).to(tl.float32)  # [BT]
         L = tl.minimum(seq_len - i_c * BT, BT)
         b_el = tl.sum(tl.where(o_t == L - 1, b_e, 0.), 0)                  # scalar
 

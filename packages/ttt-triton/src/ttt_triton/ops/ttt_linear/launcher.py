@@ -36,6 +36,13 @@ def num_warps(BD: int, backward: bool, ieee: bool = False) -> int:
 
 def num_stages(BD: int, backward: bool) -> int:
     return 1
+
+
+def prefetch() -> bool:
+    """Forward: load the next chunk's tiles one step early (register double buffering).
+    Off by default: checked in the interpreter only, not yet timed nor conformance-tested on
+    a GPU; ``TTT_TRITON_PREFETCH=1`` turns it on for that."""
+    return os.environ.get("TTT_TRITON_PREFETCH", "0") == "1"
 # ----------------------------------------------------------------------------------------
 
 
@@ -89,13 +96,14 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
     if output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
+    offs = _checkpoint_offsets(seq_lens, BT, G)
+    # the varlen kernel reads its sequence's checkpoint offset whether or not it saves
     ck_offsets = None
+    if cu_seqlens is not None:
+        ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
     if save_for_backward:
-        offs = _checkpoint_offsets(seq_lens, BT, G)
         ck = torch.empty(offs[-1], H, D, D, dtype=torch.float32, device=dev)
         ckb = torch.empty(offs[-1], H, D, dtype=torch.float32, device=dev)
-        if cu_seqlens is not None:
-            ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
     else:
         ck = ckb = None
     if h0 is not None:
@@ -113,7 +121,7 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
         H=H, D=D, BT=BT, BD=BD, G=G,
         USE_INITIAL=h0 is not None, STORE_FINAL=output_final_state,
         SAVE_CKPT=save_for_backward, IS_VARLEN=cu_seqlens is not None,
-        PREC=_precision(q.dtype), **_launch_kwargs(BD, False, q.dtype))
+        PREC=_precision(q.dtype), PREFETCH=prefetch(), **_launch_kwargs(BD, False, q.dtype))
     saved = Saved(ck, ckb, ck_offsets, G) if save_for_backward else None
     return o, ht, hbt, saved
 
