@@ -1,0 +1,93 @@
+"""Registers, spills and shared memory of the Triton kernels for sm_90, without a GPU.
+
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [--arch 90]
+
+Compiles each kernel configuration the launcher would pick (chunk 16/32/64, padded head
+dim 16..128, bf16 and fp32) ahead of time with Triton's bundled ptxas and prints
+``cuobjdump -res-usage``: what costs no device time (METHOD.md). The numbers come from the
+Triton installed here, which may differ from the GPU runner's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ttt_triton.ops.ttt_linear import launcher
+from ttt_triton.ops.ttt_linear.bwd import ttt_linear_bwd_kernel
+from ttt_triton.ops.ttt_linear.fwd import ttt_linear_fwd_kernel
+
+INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
+INTS = {"cu_seqlens": "*i64", "ck_offsets": "*i64", "T": "i32", "SG": "i32",
+        "scale": "fp32", "eps": "fp32"}
+
+
+def _signature(fn, dtype: str, consts: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in INTS:
+            sig[name] = INTS[name]
+        else:
+            sig[name] = f"*{dtype}" if name in INPUTS else "*fp32"
+    return sig
+
+
+def _usage(kernel) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return (f"regs {m.group(1):>3} stack {m.group(2):>4} local {m.group(4):>4} "
+            f"smem {kernel.metadata.shared:>6}") if m else out.strip()[:200]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--prefetch", action="store_true")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for dtype, prec, torch_fp32 in (("bf16", launcher.HALF_DOT_PRECISION, False),
+                                    ("fp32", "ieee", True)):
+        for BD in (16, 32, 64, 128):
+            for BT in (16, 32, 64):
+                for name, fn, backward in (("fwd", ttt_linear_fwd_kernel, False),
+                                           ("bwd", ttt_linear_bwd_kernel, True)):
+                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=launcher.CKPT_INTERVAL,
+                                  IS_VARLEN=False, PREC=prec)
+                    if backward:
+                        consts.update(USE_DHT=True, STORE_DH0=True)
+                    else:
+                        consts.update(USE_INITIAL=True, STORE_FINAL=True, SAVE_CKPT=True,
+                                      PREFETCH=args.prefetch)
+                    src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
+                                    constexprs={(fn.arg_names.index(k),): v
+                                                for k, v in consts.items()})
+                    nw = launcher.num_warps(BD, backward, torch_fp32)
+                    label = f"{name} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
+                    try:
+                        kernel = triton.compile(
+                            src, target=GPUTarget("cuda", args.arch, 32),
+                            options=dict(num_warps=nw,
+                                         num_stages=launcher.num_stages(BD, backward)))
+                        print(f"{label}: {_usage(kernel)}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - a report line
+                        print(f"{label}: FAILED {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:120]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
