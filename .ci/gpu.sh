@@ -2,7 +2,8 @@
 # One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
 # as wheels in .whl/): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton bench (default: all but demo)
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy prefetch bench
+#                                   (default: info ref triton bench)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttt-gpu}
@@ -29,6 +30,15 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
+    cupy)   # the unverified CUDA C++ backend: opt in, run its suite on the GPU
+      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_UNVERIFIED=1 python3 -m nox --no-venv \
+        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
+    prefetch)   # the opt-in Triton forward prefetch: suite, then timing
+      timeout ${TRITON_TIMEOUT:-300} env TTT_TRITON_PREFETCH=1 python3 -m nox --no-venv \
+        -s "tests(backend='triton')" -- -q $XDIST 2>&1 | tee "$OUT/tests-prefetch.log" | tail -20
+      timeout ${BENCH_TIMEOUT:-240} env TTT_TRITON_PREFETCH=1 python3 benchmarks/run.py \
+        --backends triton --no-check --fwd-only --out "$OUT/bench-prefetch" 2>&1 \
+        | tee "$OUT/bench-prefetch.log" | tail -20 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
