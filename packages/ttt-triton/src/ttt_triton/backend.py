@@ -102,8 +102,5 @@ class TritonBackend(Backend):
         dq, dk, dv, dw, db, deta, dh0, dhb0 = ttt_linear_bwd(
             p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size, saved, do,
             dht, dhbt, want_dh0, p.cu_seqlens, p.seq_lens)
-        return Gradients(
-            dq=dq, dk=dk, dv=dv, dw=dw, db=db,
-            deta=deta if p.eta_is_tensor else None,
-            dh0=dh0 if p.initial_state is not None else None,
-            dhb0=dhb0 if p.initial_state_bias is not None else None)
+        # the core keeps only the gradients autograd asked for (GradNeeds)
+        return Gradients(dq=dq, dk=dk, dv=dv, dw=dw, db=db, deta=deta, dh0=dh0, dhb0=dhb0)
