@@ -86,22 +86,12 @@ class CupyBackend(Backend):
     def forward(self, problem: Problem, needs_backward: bool):
         from .launcher import ttt_linear_fwd
 
-        p = problem
-        o, ht, hbt, saved = ttt_linear_fwd(
-            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size,
-            p.initial_state, p.initial_state_bias, p.output_final_state, p.cu_seqlens,
-            p.seq_lens, save_for_backward=needs_backward)
-        return o, ht, hbt, saved
+        return ttt_linear_fwd(problem, save_for_backward=needs_backward)
 
     def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
         from .launcher import ttt_linear_bwd
 
-        p = problem
-        want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
-        dq, dk, dv, dw, db, deta, dh0, dhb0 = ttt_linear_bwd(
-            p.q, p.k, p.v, p.w, p.b, p.eta, p.scale, p.eps, p.chunk_size, saved, do,
-            dht, dhbt, want_dh0, p.cu_seqlens, p.seq_lens)
-        # the core keeps only the gradients autograd asked for (GradNeeds)
-        return Gradients(dq=dq, dk=dk, dv=dv, dw=dw, db=db, deta=deta, dh0=dh0, dhb0=dhb0)
+        # every gradient computed; the core keeps only those autograd asked for (needs)
+        return Gradients(*ttt_linear_bwd(problem, saved, do, dht, dhbt))

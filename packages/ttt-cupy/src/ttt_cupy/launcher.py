@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ttt import Problem
+
 from .compile import d_pad, get_kernels, smem_bytes, threads
 
 CKPT_INTERVAL = 8
@@ -19,10 +21,6 @@ CKPT_INTERVAL = 8
 G states of a group into a per-block scratch of G states (as the Triton backend)."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -66,13 +64,6 @@ class Saved:
     G: int
 
 
-def _checkpoint_offsets(seq_lens, BT: int, G: int) -> list[int]:
-    offs = [0]
-    for length in seq_lens:
-        offs.append(offs[-1] + _cdiv(_cdiv(length, BT), G))
-    return offs
-
-
 @functools.cache
 def _device_smem_limit(index: int) -> int:
     import cupy
@@ -106,15 +97,18 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
             kernel((grid,), (block,), args, shared_mem=smem)
 
 
-def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
-                   output_final_state: bool, cu_seqlens, seq_lens, save_for_backward: bool):
+def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
+    p = problem
+    q, k, v, w, b, eta = p.q, p.k, p.v, p.w, p.b, p.eta
+    h0, hb0, cu_seqlens = p.initial_state, p.initial_state_bias, p.cu_seqlens
+    output_final_state = p.output_final_state
     if q.dtype not in _DTYPE_NAMES:
         raise TypeError(f"the cupy kernels take float32, float16 and bfloat16, got {q.dtype}")
     B, T, H, D = q.shape
-    N = len(seq_lens)
-    BT, dp = int(chunk_size), d_pad(D)
+    N = p.N
+    BT, dp = p.chunk_size, d_pad(D)
     G = CKPT_INTERVAL
     dev = q.device
     o = torch.empty_like(q)
@@ -124,41 +118,41 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     ck = ckb = ck_offsets = None
     if save_for_backward:
-        offs = _checkpoint_offsets(seq_lens, BT, G)
+        offs = p.group_offsets(G)
         ck = torch.empty(offs[-1], H, D, D, dtype=torch.float32, device=dev)
         ckb = torch.empty(offs[-1], H, D, dtype=torch.float32, device=dev)
         if cu_seqlens is not None:
             ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
     h0, hb0 = _f32(h0), _f32(hb0)
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
 
     fwd, _ = get_kernels(_DTYPE_NAMES[q.dtype], dp, BT, _index(dev))
     smem = smem_bytes("fwd", dp, BT)
     args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0),
             _ptr(o), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(cu_seqlens),
-            _ptr(ck_offsets), np.float32(scale), np.float32(eps), np.int64(T), np.int32(H),
+            _ptr(ck_offsets), np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H),
             np.int32(D), np.int32(G), np.uint64(smem))
     _launch(fwd, dev, N * H, threads(dp), smem, args)
     saved = Saved(ck, ckb, ck_offsets, G) if save_for_backward else None
     return o, ht, hbt, saved
 
 
-def ttt_linear_bwd(q, k, v, w, b, eta, scale, eps, chunk_size, saved: Saved, do, dht, dhbt,
-                   want_dh0: bool, cu_seqlens, seq_lens):
+def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
-    fp32, dh0/dhb0 None unless want_dh0."""
+    fp32, dh0/dhb0 None without initial states."""
+    p = problem
+    q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
+    want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoints of a forward run with "
                            "needs_backward=True")
     B, T, H, D = q.shape
-    N = len(seq_lens)
-    BT, dp = int(chunk_size), d_pad(D)
+    N = p.N
+    BT, dp = p.chunk_size, d_pad(D)
     G = saved.G
     dev = q.device
     # per-block scratch of SG = min(G, chunks of the longest sequence) states
-    SG = min(G, max((_cdiv(length, BT) for length in seq_lens), default=0))
+    SG = min(G, max(p.chunk_counts()))
     scr = torch.empty(N * H, SG, D, D, dtype=torch.float32, device=dev)
     scrb = torch.empty(N * H, SG, D, dtype=torch.float32, device=dev)
     dq = torch.empty_like(q)
@@ -174,16 +168,14 @@ def ttt_linear_bwd(q, k, v, w, b, eta, scale, eps, chunk_size, saved: Saved, do,
     dht, dhbt = _f32(dht), _f32(dhbt)
     do = do.contiguous()
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
 
     _, bwd = get_kernels(_DTYPE_NAMES[q.dtype], dp, BT, _index(dev))
     smem = smem_bytes("bwd", dp, BT)
     args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
             _ptr(dht), _ptr(dhbt), _ptr(saved.ck), _ptr(saved.ckb), _ptr(scr), _ptr(scrb),
             _ptr(dq), _ptr(dk), _ptr(dv), _ptr(deta), _ptr(dh0), _ptr(dhb0), _ptr(dwp),
-            _ptr(dbp), _ptr(cu_seqlens), _ptr(saved.ck_offsets), np.float32(scale),
-            np.float32(eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int32(SG),
+            _ptr(dbp), _ptr(cu_seqlens), _ptr(saved.ck_offsets), np.float32(p.scale),
+            np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int32(SG),
             np.uint64(smem))
     _launch(bwd, dev, N * H, threads(dp), smem, args)
     dw = dwp.sum(0)

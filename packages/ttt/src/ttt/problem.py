@@ -82,6 +82,19 @@ class Problem:
     def state_dtype(self) -> torch.dtype:
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
 
+    def chunk_counts(self) -> list[int]:
+        """Chunks per sequence (a partial last chunk counts as one)."""
+        return [-(-length // self.chunk_size) for length in self.seq_lens]
+
+    def group_offsets(self, chunks_per_group: int) -> list[int]:
+        """``[N + 1]`` offsets of each sequence's first group of ``chunks_per_group``
+        chunks, counted over the batch: where kernels that keep one checkpoint per group
+        put a sequence's checkpoints."""
+        offsets = [0]
+        for chunks in self.chunk_counts():
+            offsets.append(offsets[-1] - (-chunks // chunks_per_group))
+        return offsets
+
     def describe(self) -> str:
         kind = f"varlen N={self.N}" if self.is_varlen else f"B={self.B}"
         return (f"{kind} T={self.T} H={self.H} D={self.D} chunk={self.chunk_size} "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ttt import Problem
+
 from .bwd import ttt_linear_bwd_kernel
 from .fwd import ttt_linear_fwd_kernel
 
@@ -75,20 +77,16 @@ class Saved:
     G: int
 
 
-def _checkpoint_offsets(seq_lens, BT: int, G: int) -> list[int]:
-    offs = [0]
-    for length in seq_lens:
-        offs.append(offs[-1] + triton.cdiv(triton.cdiv(length, BT), G))
-    return offs
-
-
-def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
-                   output_final_state: bool, cu_seqlens, seq_lens, save_for_backward: bool):
+def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
+    p = problem
+    q, k, v, w, b, eta = p.q, p.k, p.v, p.w, p.b, p.eta
+    h0, hb0, cu_seqlens = p.initial_state, p.initial_state_bias, p.cu_seqlens
+    output_final_state = p.output_final_state
     B, T, H, D = q.shape
-    N = len(seq_lens)
-    BT, BD = block_sizes(D, chunk_size)
+    N = p.N
+    BT, BD = block_sizes(D, p.chunk_size)
     G = CKPT_INTERVAL
     dev = q.device
     o = torch.empty_like(q)
@@ -96,7 +94,7 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
     if output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
-    offs = _checkpoint_offsets(seq_lens, BT, G)
+    offs = p.group_offsets(G)
     # the varlen kernel reads its sequence's checkpoint offset whether or not it saves
     ck_offsets = None
     if cu_seqlens is not None:
@@ -117,7 +115,7 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
 
     ttt_linear_fwd_kernel[(N * H,)](
         q, k, v, eta, w, b, h0, hb0, o, ht, hbt, ck, ckb, cu_seqlens, ck_offsets,
-        float(scale), float(eps), T,
+        float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G,
         USE_INITIAL=h0 is not None, STORE_FINAL=output_final_state,
         SAVE_CKPT=save_for_backward, IS_VARLEN=cu_seqlens is not None,
@@ -126,17 +124,19 @@ def ttt_linear_fwd(q, k, v, w, b, eta, scale, eps, chunk_size, h0, hb0,
     return o, ht, hbt, saved
 
 
-def ttt_linear_bwd(q, k, v, w, b, eta, scale, eps, chunk_size, saved: Saved, do, dht, dhbt,
-                   want_dh0: bool, cu_seqlens, seq_lens):
+def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
-    fp32, dh0/dhb0 None unless want_dh0."""
+    fp32, dh0/dhb0 None without initial states."""
+    p = problem
+    q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
+    want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
     B, T, H, D = q.shape
-    N = len(seq_lens)
-    BT, BD = block_sizes(D, chunk_size)
+    N = p.N
+    BT, BD = block_sizes(D, p.chunk_size)
     G = saved.G
     dev = q.device
     # per-program scratch of SG = min(G, chunks of the longest sequence) states
-    SG = min(G, max(triton.cdiv(length, BT) for length in seq_lens))
+    SG = min(G, max(p.chunk_counts()))
     scr = torch.empty(N * H, SG, D, D, dtype=torch.float32, device=dev)
     scrb = torch.empty(N * H, SG, D, dtype=torch.float32, device=dev)
     dq = torch.empty_like(q)
@@ -161,7 +161,7 @@ def ttt_linear_bwd(q, k, v, w, b, eta, scale, eps, chunk_size, saved: Saved, do,
     ttt_linear_bwd_kernel[(N * H,)](
         q, k, v, eta, w, b, do, dht, dhbt, saved.ck, saved.ckb, scr, scrb,
         dq, dk, dv, deta, dh0, dhb0, dwp, dbp, cu_seqlens, saved.ck_offsets,
-        float(scale), float(eps), T, SG,
+        float(p.scale), float(p.eps), T, SG,
         H=H, D=D, BT=BT, BD=BD, G=G,
         USE_DHT=use_dht, STORE_DH0=want_dh0, IS_VARLEN=cu_seqlens is not None,
         PREC=_precision(q.dtype), **_launch_kwargs(BD, True, q.dtype))
