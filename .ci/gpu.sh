@@ -2,7 +2,7 @@
 # One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
 # as wheels in .whl/): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy prefetch bench
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy tune bench
 #                                   (default: info ref triton bench)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -33,12 +33,15 @@ for stage in $stages; do
     cupy)   # the unverified CUDA C++ backend: opt in, run its suite on the GPU
       timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_UNVERIFIED=1 python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
-    prefetch)   # the opt-in Triton forward prefetch: suite, then timing
-      timeout ${TRITON_TIMEOUT:-300} env TTT_TRITON_PREFETCH=1 python3 -m nox --no-venv \
-        -s "tests(backend='triton')" -- -q $XDIST 2>&1 | tee "$OUT/tests-prefetch.log" | tail -20
-      timeout ${BENCH_TIMEOUT:-240} env TTT_TRITON_PREFETCH=1 python3 benchmarks/run.py \
-        --backends triton --no-check --fwd-only --out "$OUT/bench-prefetch" 2>&1 \
-        | tee "$OUT/bench-prefetch.log" | tail -20 ;;
+    tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
+      for t in ${TUNE:-"chain=4,group=4" "chain=2,group=4" "chain=4,group=8"}; do
+        echo "== TTT_TRITON_TUNE=$t"
+        timeout ${BENCH_TIMEOUT:-240} env TTT_TRITON_TUNE=$t python3 benchmarks/run.py \
+          --backends triton --no-check --no-plot --rep 50 --warmup 20 \
+          --out "$OUT/tune-${t//[,=]/_}" 2>&1 | tail -9
+      done
+      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/run.py --backends fla.chunk --no-check \
+        --no-plot --rep 50 --warmup 20 --out "$OUT/tune-fla" 2>&1 | tail -9 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \

@@ -21,12 +21,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ttt_triton.ops.ttt_linear import launcher
-from ttt_triton.ops.ttt_linear.bwd import ttt_linear_bwd_kernel
-from ttt_triton.ops.ttt_linear.fwd import ttt_linear_fwd_kernel
+from ttt_triton.ops.ttt_linear.bwd_chain import ttt_linear_bwd_chain_kernel
+from ttt_triton.ops.ttt_linear.bwd_grads import ttt_linear_bwd_grads_kernel
+from ttt_triton.ops.ttt_linear.bwd_local import ttt_linear_bwd_local_kernel
+from ttt_triton.ops.ttt_linear.fwd_chain import ttt_linear_fwd_chain_kernel
+from ttt_triton.ops.ttt_linear.fwd_out import ttt_linear_fwd_out_kernel
 
 INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
-INTS = {"cu_seqlens": "*i64", "ck_offsets": "*i64", "T": "i32", "SG": "i32",
+INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i32",
         "scale": "fp32", "eps": "fp32"}
+# (name, kernel, launch kind, extra constexprs)
+KERNELS = (
+    ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
+    ("fwd_out", ttt_linear_fwd_out_kernel, "group", dict(HALF=None)),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "group", dict(HALF=None)),
+    ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
+    ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", {}),
+)
 
 
 def _signature(fn, dtype: str, consts: dict) -> dict:
@@ -57,32 +68,29 @@ def _usage(kernel) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated kernel names")
     args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for dtype, prec, torch_fp32 in (("bf16", launcher.HALF_DOT_PRECISION, False),
-                                    ("fp32", "ieee", True)):
+    for dtype, prec in (("bf16", launcher.HALF_DOT_PRECISION), ("fp32", "ieee")):
         for BD in (16, 32, 64, 128):
             for BT in (16, 32, 64):
-                for name, fn, backward in (("fwd", ttt_linear_fwd_kernel, False),
-                                           ("bwd", ttt_linear_bwd_kernel, True)):
+                for name, fn, kind, extra in KERNELS:
+                    if only and name not in only:
+                        continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=launcher.CKPT_INTERVAL,
-                                  IS_VARLEN=False, PREC=prec)
-                    if backward:
-                        consts.update(USE_DHT=True, STORE_DH0=True)
-                    else:
-                        consts.update(USE_INITIAL=True, STORE_FINAL=True, SAVE_CKPT=True,
-                                      PREFETCH=args.prefetch)
+                                  IS_VARLEN=False, PREC=prec, **extra)
+                    if "HALF" in consts:
+                        consts["HALF"] = dtype != "fp32"
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})
-                    nw = launcher.num_warps(BD, backward, torch_fp32)
-                    label = f"{name} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
+                    nw = launcher.num_warps(kind, BD, dtype == "fp32")
+                    label = f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
                     try:
                         kernel = triton.compile(
                             src, target=GPUTarget("cuda", args.arch, 32),
-                            options=dict(num_warps=nw,
-                                         num_stages=launcher.num_stages(BD, backward)))
+                            options=dict(num_warps=nw, num_stages=1))
                         print(f"{label}: {_usage(kernel)}", flush=True)
                     except Exception as exc:  # noqa: BLE001 - a report line
                         print(f"{label}: FAILED {type(exc).__name__}: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -45,6 +46,11 @@ class Case:
                 f"{DTYPE_NAMES[self.dtype]}{'-h0' if self.states else ''}"
                 f"{'-etaT' if self.eta_tensor else '-etaF'}"
                 f"{'' if self.final_state else '-nofinal'}")
+
+    @property
+    def seed(self) -> int:
+        """A seed fixed per case (``hash`` of a str changes with every process)."""
+        return zlib.crc32(self.id.encode())
 
     def param(self):
         marks = [pytest.mark.big] if self.big else []

@@ -1,5 +1,6 @@
-"""Chunked TTT-linear: forward kernel (``fwd.py``), backward kernel (``bwd.py``), launchers
-(``launcher.py``). Importing this package imports triton."""
+"""Chunked TTT-linear kernels: sequential chains (``fwd_chain``, ``bwd_chain``), group-parallel
+kernels (``fwd_out``, ``bwd_local``, ``bwd_grads``), shared device helpers (``common``) and
+the launchers (``launcher``). Importing this package imports triton."""
 
 from .launcher import ttt_linear_bwd, ttt_linear_fwd
 

@@ -1,6 +1,6 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
-Tunables live in :data:`CKPT_INTERVAL`, :func:`num_warps` and :func:`num_stages`.
+Tunables live in :data:`CKPT_INTERVAL`, :data:`HALF_DOT_PRECISION` and :data:`NUM_WARPS`.
 """
 
 from __future__ import annotations
@@ -13,38 +13,38 @@ import triton
 
 from ttt import Problem
 
-from .bwd import ttt_linear_bwd_kernel
-from .fwd import ttt_linear_fwd_kernel
+from .bwd_chain import ttt_linear_bwd_chain_kernel
+from .bwd_grads import ttt_linear_bwd_grads_kernel
+from .bwd_local import ttt_linear_bwd_local_kernel
+from .fwd_chain import ttt_linear_fwd_chain_kernel
+from .fwd_out import ttt_linear_fwd_out_kernel
 
 # ---------------------------------------------------------------- tunables, in one place
-CKPT_INTERVAL = 8
-"""G: the forward stores the fp32 state before every G-th chunk; the backward recomputes the
-G states of a group into a per-program scratch of G states."""
+CKPT_INTERVAL = 16
+"""G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
+the parallel kernels replay one group each from its slot."""
 
 HALF_DOT_PRECISION = "tf32"
-"""input_precision of the dots for fp16/bf16 inputs (operands are fp32 tiles: the state is
-kept in fp32). float32 inputs always use "ieee"."""
+"""input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
+inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
+inputs always use "ieee"."""
+
+NUM_WARPS = {"chain": 4, "group": 4}
+"""num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
+kernels (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
+doubled for BD >= 128 or IEEE (float32) dots at BD >= 64. Override for tuning with
+``TTT_TRITON_TUNE="chain=2,group=8"``."""
 
 
-def num_warps(BD: int, backward: bool, ieee: bool = False) -> int:
-    """Measured on an H200, triton 3.6, chunk 16 (fwd / fwd+bwd ms):
-    D=64 bf16 B*H=512: 4 warps 0.98/5.6 (8: 1.9/7.8); D=64 bf16 B*H=16 T=32k: 4 warps
-    6.9/32.4 (8: 7.8/31.2); D=128 bf16: 8 warps 0.82/6.0 (4: 1.3/10.3); D=64 fp32 (IEEE
-    dots): 8 warps 3.0/19 (4: 24/51). 1 and 2 warps were always worse. BD <= 32 untuned."""
+def num_warps(kind: str, BD: int, ieee: bool) -> int:
+    tune = dict(NUM_WARPS)
+    for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
+        key, _, value = item.partition("=")
+        tune[key.strip()] = int(value)
+    warps = tune[kind]
     if BD >= 128 or (ieee and BD >= 64):
-        return 8
-    return 4
-
-
-def num_stages(BD: int, backward: bool) -> int:
-    return 1
-
-
-def prefetch() -> bool:
-    """Forward: load the next chunk's tiles one step early (register double buffering).
-    Off by default: checked in the interpreter only, not yet timed nor conformance-tested on
-    a GPU; ``TTT_TRITON_PREFETCH=1`` turns it on for that."""
-    return os.environ.get("TTT_TRITON_PREFETCH", "0") == "1"
+        warps = min(2 * warps, 8)
+    return warps
 # ----------------------------------------------------------------------------------------
 
 
@@ -60,67 +60,91 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
 
 
-def _launch_kwargs(BD: int, backward: bool, dtype: torch.dtype) -> dict:
+def _launch(kind: str, BD: int, dtype: torch.dtype) -> dict:
     if interpreting():
         return {}
-    return dict(num_warps=num_warps(BD, backward, dtype == torch.float32),
-                num_stages=num_stages(BD, backward))
+    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32), num_stages=1)
+
+
+@dataclass
+class Groups:
+    """How a batch splits into groups of G chunks, and where the checkpoint slots go."""
+
+    G: int
+    count: int                          # groups over the batch
+    slots: int                          # checkpoint slots: count + N
+    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
+    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
+
+    @classmethod
+    def of(cls, p: Problem, G: int) -> "Groups":
+        offs = p.group_offsets(G)
+        offsets = seq = None
+        if p.is_varlen:
+            dev = p.q.device
+            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
+            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
+            seq = seq.to(dev, non_blocking=True)
+        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
 
 
 @dataclass
 class Saved:
-    """What the forward keeps for the backward: the fp32 checkpoints and their offsets."""
+    """What the forward keeps for the backward: the fp32 state slots and the grouping."""
 
-    ck: torch.Tensor          # [NCK, H, D, D] fp32
-    ckb: torch.Tensor         # [NCK, H, D] fp32
-    ck_offsets: torch.Tensor | None  # [N + 1] int64 (varlen only)
-    G: int
+    ck: torch.Tensor          # [slots, H, D, D] fp32
+    ckb: torch.Tensor         # [slots, H, D] fp32
+    groups: Groups
+
+
+def _initial_states(p: Problem):
+    h0, hb0 = p.initial_state, p.initial_state_bias
+    if h0 is None and hb0 is None:
+        return None, None
+    dev = p.q.device
+    h0 = (torch.zeros(p.N, p.H, p.D, p.D, dtype=torch.float32, device=dev) if h0 is None
+          else h0.float().contiguous())
+    hb0 = (torch.zeros(p.N, p.H, 1, p.D, dtype=torch.float32, device=dev) if hb0 is None
+           else hb0.float().contiguous())
+    return h0, hb0
 
 
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
     p = problem
-    q, k, v, w, b, eta = p.q, p.k, p.v, p.w, p.b, p.eta
-    h0, hb0, cu_seqlens = p.initial_state, p.initial_state_bias, p.cu_seqlens
-    output_final_state = p.output_final_state
+    q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
     B, T, H, D = q.shape
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
-    G = CKPT_INTERVAL
     dev = q.device
-    o = torch.empty_like(q)
+    grp = Groups.of(p, CKPT_INTERVAL)
+    G = grp.G
     ht = hbt = None
-    if output_final_state:
+    if p.output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
-    offs = p.group_offsets(G)
-    # the varlen kernel reads its sequence's checkpoint offset whether or not it saves
-    ck_offsets = None
-    if cu_seqlens is not None:
-        ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
-    if save_for_backward:
-        ck = torch.empty(offs[-1], H, D, D, dtype=torch.float32, device=dev)
-        ckb = torch.empty(offs[-1], H, D, dtype=torch.float32, device=dev)
-    else:
-        ck = ckb = None
-    if h0 is not None:
-        h0 = h0.float().contiguous()
-    if hb0 is not None:
-        hb0 = hb0.float().contiguous()
-    if h0 is not None and hb0 is None:
-        hb0 = torch.zeros(N, H, 1, D, dtype=torch.float32, device=dev)
-    if hb0 is not None and h0 is None:
-        h0 = torch.zeros(N, H, D, D, dtype=torch.float32, device=dev)
+    h0, hb0 = _initial_states(p)
+    ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
+    ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
+    gbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    prec = _precision(q.dtype)
+    varlen = cu_seqlens is not None
 
-    ttt_linear_fwd_kernel[(N * H,)](
-        q, k, v, eta, w, b, h0, hb0, o, ht, hbt, ck, ckb, cu_seqlens, ck_offsets,
+    ttt_linear_fwd_chain_kernel[(N * H,)](
+        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, gbuf, cu_seqlens, grp.offsets,
+        float(p.eps), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
+        STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, PREC=prec,
+        **_launch("chain", BD, q.dtype))
+    o = torch.empty_like(q)
+    ttt_linear_fwd_out_kernel[(grp.count, H)](
+        q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BD=BD, G=G,
-        USE_INITIAL=h0 is not None, STORE_FINAL=output_final_state,
-        SAVE_CKPT=save_for_backward, IS_VARLEN=cu_seqlens is not None,
-        PREC=_precision(q.dtype), PREFETCH=prefetch(), **_launch_kwargs(BD, False, q.dtype))
-    saved = Saved(ck, ckb, ck_offsets, G) if save_for_backward else None
+        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
+        PREC=prec, **_launch("group", BD, q.dtype))
+    saved = Saved(ck, ckb, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -133,38 +157,50 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     B, T, H, D = q.shape
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
-    G = saved.G
+    grp = saved.groups
+    G = grp.G
     dev = q.device
-    # per-program scratch of SG = min(G, chunks of the longest sequence) states
-    SG = min(G, max(p.chunk_counts()))
-    scr = torch.empty(N * H, SG, D, D, dtype=torch.float32, device=dev)
-    scrb = torch.empty(N * H, SG, D, dtype=torch.float32, device=dev)
+    prec = _precision(q.dtype)
+    varlen = cu_seqlens is not None
+    f32 = dict(dtype=torch.float32, device=dev)
+
+    xbuf = torch.empty(q.shape, **f32)
+    dopbuf = torch.empty(q.shape, **f32)
+    dgbuf = torch.empty(q.shape, **f32)
+    rbuf = torch.empty(B, T, H, **f32)
     dq = torch.empty_like(q)
-    dk = torch.empty_like(q)
-    dv = torch.empty_like(q)
-    deta = torch.empty(B, T, H, 1, dtype=torch.float32, device=dev)
+    deta = torch.empty(B, T, H, 1, **f32)
+    dwp = torch.empty(2, grp.count, H, D, **f32)
+    dbp = torch.empty(2, grp.count, H, D, **f32)
+    ttt_linear_bwd_local_kernel[(grp.count, H)](
+        q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
+        dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
+        float(p.scale), float(p.eps), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
+        PREC=prec, **_launch("group", BD, q.dtype))
+
     dh0 = dhb0 = None
     if want_dh0:
-        dh0 = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
-        dhb0 = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
-    dwp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
-    dbp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
+        dh0 = torch.empty(N, H, D, D, **f32)
+        dhb0 = torch.empty(N, H, 1, D, **f32)
     use_dht = dht is not None or dhbt is not None
     if use_dht:
-        if dht is None:
-            dht = torch.zeros(N, H, D, D, dtype=torch.float32, device=dev)
-        if dhbt is None:
-            dhbt = torch.zeros(N, H, 1, D, dtype=torch.float32, device=dev)
-        dht = dht.contiguous()
-        dhbt = dhbt.contiguous()
+        dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
+        dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
+    dck = torch.empty_like(saved.ck)
+    dckb = torch.empty_like(saved.ckb)
+    ttt_linear_bwd_chain_kernel[(N * H,)](
+        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, dht, dhbt, dck, dckb, dh0, dhb0,
+        cu_seqlens, grp.offsets, float(p.scale), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
+        IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype))
 
-    ttt_linear_bwd_kernel[(N * H,)](
-        q, k, v, eta, w, b, do, dht, dhbt, saved.ck, saved.ckb, scr, scrb,
-        dq, dk, dv, deta, dh0, dhb0, dwp, dbp, cu_seqlens, saved.ck_offsets,
-        float(p.scale), float(p.eps), T, SG,
-        H=H, D=D, BT=BT, BD=BD, G=G,
-        USE_DHT=use_dht, STORE_DH0=want_dh0, IS_VARLEN=cu_seqlens is not None,
-        PREC=_precision(q.dtype), **_launch_kwargs(BD, True, q.dtype))
-    dw = dwp.sum(0)
-    db = dbp.sum(0)
-    return dq, dk, dv, dw, db, deta, dh0, dhb0
+    dk = torch.empty_like(q)
+    dv = torch.empty_like(q)
+    ttt_linear_bwd_grads_kernel[(grp.count, H)](
+        q, k, v, eta, w, b, saved.ck, saved.ckb, dck, dckb, xbuf, rbuf, dopbuf, dgbuf,
+        dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
+        float(p.scale), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, PREC=prec,
+        **_launch("group", BD, q.dtype))
+    return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0

@@ -1,0 +1,116 @@
+r"""Backward, sequential part: carry the state's cotangent back through the chunks.
+
+One program per (sequence, head), chunks in reverse, with ``dW = dL/dW'`` and
+``dhb = dL/dhb'`` the cotangents of the state *after* the chunk. ``g`` comes back from the
+stored ``xhat`` and ``r`` (row-local); ``dg_loc`` and ``do_pre`` were stored by
+``bwd_local.py``. The chain:
+
+.. math::
+
+    dg &= dg_{loc} - \eta_{last}\,(k\, dW + dhb) \;\to\; dkh \text{ (inner-grad backward,
+        common.py)}\\
+    dW &\leftarrow dW + q^\top do_{pre} + k^\top dkh, \qquad
+        dhb \leftarrow dhb + \textstyle\sum_i do_{pre,i} + \textstyle\sum_i dkh_i
+
+The cotangent of checkpoint slot ``s`` (the state before chunk ``s * G``; the last slot is
+the final state) is written to ``dck``/``dckb`` for ``bwd_grads.py``, and slot 0's to
+``dh0``/``dhb0`` when asked. Inputs of the next chunk are loaded one step early.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import inner_grad_bwd, inner_grad_from_xhat, last_row_eta, row_offsets, seq_coords
+
+
+@triton.jit
+def _load_step(q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, r0, o_t, o_d, seq_len,
+               m_d, H: tl.constexpr, D: tl.constexpr):
+    o_x, m_2d, o_e, m_t = row_offsets(p_base, r0, o_t, o_d, seq_len, m_d, H, D)
+    r_q = tl.load(q + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    r_k = tl.load(k + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    r_v = tl.load(v + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                        # [BT, BD]
+    b_r = tl.load(rbuf + p_ebase + o_e, mask=m_t, other=0.)                # [BT]
+    b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                     # [BT, BD]
+    b_dgl = tl.load(dgbuf + o_x, mask=m_2d, other=0.)                      # [BT, BD]
+    return r_q, r_k, r_v, b_xh, b_r, b_dop, b_dgl
+
+
+@triton.jit(do_not_specialize=["T"])
+def ttt_linear_bwd_chain_kernel(
+    q, k, v, eta, w, b,
+    xbuf, rbuf, dopbuf, dgbuf,  # from bwd_local
+    dht, dhbt,          # [N, H, D, D], [N, H, 1, D] cotangents of the final states
+    dck, dckb,          # [slots, H, D, D], [slots, H, D] fp32 cotangents of the slots
+    dh0, dhb0,          # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_DH0)
+    cu_seqlens, grp_offsets,
+    scale,
+    T,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    G: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
+                                             IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_dd = m_d[:, None] & m_d[None, :]
+    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+
+    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    if USE_DHT:
+        b_dW = tl.load(dht + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
+        b_dhb = tl.load(dhbt + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
+    else:
+        b_dW = tl.zeros([BD, BD], dtype=tl.float32)                        # [BD, BD]
+        b_dhb = tl.zeros([BD], dtype=tl.float32)                           # [BD]
+    i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
+    tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
+    tl.store(dckb + i_ck * D + o_d, b_dhb, mask=m_d)
+
+    p_base = (bos * H + i_h) * D
+    p_ebase = bos * H + i_h
+    r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
+        q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, (NC - 1) * BT, o_t, o_d,
+        seq_len, m_d, H, D)
+    r_el = last_row_eta(eta, p_ebase, NC - 1, seq_len, BT, H)
+    for i_r in range(0, NC):
+        i_c = NC - 1 - i_r
+        b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
+        b_k = r_k.to(tl.float32)                                           # [BT, BD]
+        b_v = r_v.to(tl.float32)                                           # [BT, BD]
+        b_xh, b_r, b_dop, b_dgl, b_el = r_xh, r_r, r_dop, r_dgl, r_el
+        _, m_2d, _, _ = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
+        # the previous chunk's inputs (a chunk before the first reads as nothing)
+        i_p = tl.maximum(i_c - 1, 0)
+        r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
+            q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, i_p * BT, o_t, o_d,
+            seq_len, m_d, H, D)
+        r_el = last_row_eta(eta, p_ebase, i_p, seq_len, BT, H)
+
+        b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
+        b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
+        b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
+        b_dkh, _ = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
+        b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
+            + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
+        b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
+        if i_c % G == 0:
+            i_ck = (slot_base + i_c // G) * H + i_h
+            tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
+            tl.store(dckb + i_ck * D + o_d, b_dhb, mask=m_d)
+
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * D * D + o_dd, b_dW, mask=m_dd)
+        tl.store(dhb0 + i_nh.to(tl.int64) * D + o_d, b_dhb, mask=m_d)

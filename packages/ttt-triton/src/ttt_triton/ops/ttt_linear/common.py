@@ -1,0 +1,160 @@
+r"""Device helpers shared by the chunked TTT-linear kernels: coordinates, loads, and the
+per-row math of the inner loss and its backward.
+
+Notation (per chunk of ``L <= BT`` valid rows; rows past the sequence end are zero):
+
+.. math::
+
+    kh &= k W + hb, \qquad \hat x = (kh - \mu)\,r, \quad r = 1/\sqrt{\sigma^2 + \epsilon}\\
+    y &= (\hat x \odot w + b - v + k) \odot w\\
+    g &= r\,(y - \overline{y} - \hat x\,\overline{y \hat x})
+
+``g`` is the gradient of the inner loss ``1/2 ||LN(kh) w + b - (v - k)||^2`` w.r.t. ``kh``.
+
+Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)``); slot
+``s < NG`` holds the state before chunk ``s * G`` and slot ``NG`` the final state. A
+*group* is the run of ``G`` chunks between two slots.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def seq_coords(i_n, cu_seqlens, grp_offsets, T, BT: tl.constexpr, G: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    """(bos, seq_len, NC, slot_base) of sequence ``i_n``: first row (int64), length, chunk
+    count and index of its first checkpoint slot."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        slot_base = tl.load(grp_offsets + i_n).to(tl.int64) + i_n
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        slot_base = i_n.to(tl.int64) * (tl.cdiv(tl.cdiv(T, BT), G) + 1)
+    seq_len = (eos - bos).to(tl.int32)
+    NC = tl.cdiv(seq_len, BT)
+    return bos, seq_len, NC, slot_base
+
+
+@triton.jit
+def group_coords(gid, cu_seqlens, grp_offsets, grp_seq, T, BT: tl.constexpr,
+                 G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(i_n, bos, seq_len, c0, nc, slot) of group ``gid`` (counted over the batch): its
+    sequence, that sequence's first row and length, the group's first chunk, its chunk
+    count (<= G) and the slot holding the state before chunk ``c0``."""
+    if IS_VARLEN:
+        i_n = tl.load(grp_seq + gid)
+        j = gid - tl.load(grp_offsets + i_n).to(tl.int32)
+    else:
+        NGs = tl.cdiv(tl.cdiv(T, BT), G)
+        i_n = gid // NGs
+        j = gid % NGs
+    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
+                                             IS_VARLEN)
+    c0 = j * G
+    nc = tl.minimum(NC - c0, G)
+    return i_n, bos, seq_len, c0, nc, slot_base + j
+
+
+@triton.jit
+def row_offsets(p_base, r0, o_t, o_d, seq_len, m_d, H: tl.constexpr, D: tl.constexpr):
+    """Offsets [BT, BD] of the rows r0 .. r0 + BT - 1 of one (sequence, head) in a
+    [rows, H, D] tensor whose row 0 is at ``p_base``, with the mask of valid rows/cols, and
+    the per-row offsets [BT] (relative to the sequence's first row) for [rows, H] tensors."""
+    o_r = r0 + o_t                                                         # [BT]
+    m_t = o_r < seq_len
+    m_2d = m_t[:, None] & m_d[None, :]                                     # [BT, BD]
+    o_x = p_base + o_r.to(tl.int64)[:, None] * (H * D) + o_d[None, :]      # [BT, BD]
+    return o_x, m_2d, o_r.to(tl.int64) * H, m_t
+
+
+@triton.jit
+def last_row_eta(eta, p_ebase, c, seq_len, BT: tl.constexpr, H: tl.constexpr):
+    """eta of the last valid row of chunk ``c`` (always an in-bounds row)."""
+    r_last = tl.minimum((c + 1) * BT, seq_len) - 1
+    return tl.load(eta + p_ebase + r_last.to(tl.int64) * H).to(tl.float32)
+
+
+@triton.jit
+def inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr, eps):
+    """g, xhat, r, y of kh (see the module docstring); zero outside ``m_2d``."""
+    b_mean = tl.sum(tl.where(m_2d, b_kh, 0.), 1) / D                       # [BT]
+    b_xc = tl.where(m_2d, b_kh - b_mean[:, None], 0.)                      # [BT, BD]
+    b_rstd = 1. / tl.sqrt(tl.sum(b_xc * b_xc, 1) / D + eps)                # [BT]
+    b_xh = b_xc * b_rstd[:, None]                                          # [BT, BD]
+    b_g, b_y = inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D)
+    return b_g, b_xh, b_rstd, b_y
+
+
+@triton.jit
+def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr):
+    """g and y from a stored xhat and r (rows with r = 0 give g = 0)."""
+    b_y = (b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k) * b_w[None, :]  # [BT, BD]
+    b_y = tl.where(m_2d, b_y, 0.)
+    b_ym = tl.sum(b_y, 1) / D                                              # [BT]
+    b_yx = tl.sum(b_y * b_xh, 1) / D                                       # [BT]
+    b_g = b_rstd[:, None] * (b_y - b_ym[:, None] - b_xh * b_yx[:, None])   # [BT, BD]
+    return tl.where(m_2d, b_g, 0.), b_y
+
+
+@triton.jit
+def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
+    r"""Backward of g(kh, v, k) for a cotangent dg [BT, BD]: returns (dkh, dy) with dy the
+    cotangent of y (so dv = -dy w, and dk, dw, db get dy-terms from the caller).
+
+    .. math::
+        dy &= r (dg - \overline{dg} - \hat x\, \overline{dg\, \hat x}),\quad
+        d\hat x = -r (dg\, \overline{\hat x y} + y\, \overline{dg\, \hat x}) + dy\, w^2,
+        \quad dr = \textstyle\sum dg\, g / r\\
+        dkh &= r (d\hat x - \overline{d\hat x} - \hat x\, \overline{d\hat x\, \hat x})
+            - dr\, r^2 \hat x / D
+    """
+    b_a1 = tl.sum(b_dg, 1) / D                                             # [BT]
+    b_a2 = tl.sum(b_dg * b_xh, 1) / D                                      # [BT]
+    b_a3 = tl.sum(b_xh * b_y, 1) / D                                       # [BT]
+    b_dy = b_rstd[:, None] * (b_dg - b_a1[:, None] - b_xh * b_a2[:, None])
+    b_dy = tl.where(m_2d, b_dy, 0.)                                        # [BT, BD]
+    b_dxh = -b_rstd[:, None] * (b_dg * b_a3[:, None] + b_y * b_a2[:, None]) \
+        + b_dy * (b_w * b_w)[None, :]
+    b_dxh = tl.where(m_2d, b_dxh, 0.)                                      # [BT, BD]
+    # dr * r^2 / D with dr = sum(dg * g) / r
+    b_dr = tl.sum(b_dg * b_g, 1) * b_rstd / D                              # [BT]
+    b_c1 = tl.sum(b_dxh, 1) / D
+    b_c2 = tl.sum(b_dxh * b_xh, 1) / D
+    b_dkh = b_rstd[:, None] * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
+        - b_dr[:, None] * b_xh
+    return tl.where(m_2d, b_dkh, 0.), b_dy
+
+
+@triton.jit
+def post_norm(b_o, b_w, b_b, m_2d, D: tl.constexpr, eps):
+    """The fused post norm-residual: o + LN(o) w + b (LayerNorm over D, no affine);
+    returns it with LN(o) and its r."""
+    b_mean = tl.sum(tl.where(m_2d, b_o, 0.), 1) / D                        # [BT]
+    b_xc = tl.where(m_2d, b_o - b_mean[:, None], 0.)                       # [BT, BD]
+    b_ro = 1. / tl.sqrt(tl.sum(b_xc * b_xc, 1) / D + eps)                  # [BT]
+    b_oh = b_xc * b_ro[:, None]                                            # [BT, BD]
+    return b_o + b_oh * b_w[None, :] + b_b[None, :], b_oh, b_ro
+
+
+@triton.jit
+def post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D: tl.constexpr):
+    """Cotangent of the pre-norm output: do + r (do w - mean(do w) - oh mean(do w oh))."""
+    b_doh = b_do * b_w[None, :]                                            # [BT, BD]
+    b_m1 = tl.sum(b_doh, 1) / D
+    b_m2 = tl.sum(b_doh * b_oh, 1) / D
+    b_dop = b_do + b_ro[:, None] * (b_doh - b_m1[:, None] - b_oh * b_m2[:, None])
+    return tl.where(m_2d, b_dop, 0.)
+
+
+@triton.jit
+def qk_tril(r_q, r_k, m_tril, scale, HALF: tl.constexpr, PREC: tl.constexpr):
+    """A = tril(scale q k^T) + tril(1) [BT, BT] from the raw input tiles (half inputs: a
+    half-precision dot with fp32 accumulation, exact products)."""
+    if HALF:
+        b_A = tl.dot(r_q, tl.trans(r_k))
+    else:
+        b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+    return tl.where(m_tril, b_A * scale + 1., 0.)

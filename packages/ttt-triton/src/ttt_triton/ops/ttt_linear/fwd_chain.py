@@ -1,0 +1,97 @@
+r"""Forward, sequential part: carry the state through the chunks, nothing else.
+
+One program per (sequence, head). The only work on the chain from one chunk to the next:
+
+.. math::
+
+    kh = k W + hb \;\to\; g \text{ (inner-loss gradient, see common.py)} \;\to\;
+    W \leftarrow W - \eta_{last}\, k^\top g, \quad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
+
+with ``eta_last`` the eta of the chunk's last valid row. The program writes ``g`` (fp32)
+for the output kernel, the fp32 state into checkpoint slot ``s`` before chunk ``s * G``
+and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
+(which need ``q``) are left to the parallel kernel in ``fwd_out.py``. The next chunk's
+``k``, ``v`` and ``eta_last`` are loaded one step early so their latency leaves the chain.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import inner_grad, last_row_eta, row_offsets, seq_coords
+
+
+@triton.jit(do_not_specialize=["T"])
+def ttt_linear_fwd_chain_kernel(
+    k, v, eta, w, b,
+    h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
+    ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
+    ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots
+    gbuf,               # [B * T, H, D] fp32: g of every valid row
+    cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
+    grp_offsets,        # [N + 1] int64 first group of each sequence (when IS_VARLEN)
+    eps,
+    T,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    G: tl.constexpr,
+    USE_INITIAL: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
+                                             IS_VARLEN)
+
+    o_t = tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_dd = m_d[:, None] & m_d[None, :]
+    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+
+    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    if USE_INITIAL:
+        b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
+        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
+    else:
+        b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
+        b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+
+    p_base = (bos * H + i_h) * D       # row 0 of this (sequence, head); rows H * D apart
+    p_ebase = bos * H + i_h            # the same for eta; rows H apart
+    # the first chunk's tiles; each step then loads the next chunk's before its math
+    o_x, m_2d, _, _ = row_offsets(p_base, 0, o_t, o_d, seq_len, m_d, H, D)
+    r_k = tl.load(k + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    r_v = tl.load(v + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    r_el = last_row_eta(eta, p_ebase, 0, seq_len, BT, H)
+    for i_c in range(0, NC):
+        if i_c % G == 0:
+            i_ck = (slot_base + i_c // G) * H + i_h
+            tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
+            tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
+        b_k = r_k.to(tl.float32)                                           # [BT, BD]
+        b_v = r_v.to(tl.float32)                                           # [BT, BD]
+        b_el = r_el
+        o_x, m_2d, _, _ = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
+        # next chunk (masked to nothing past the end; eta clamps to the last row)
+        o_xn, m_2dn, _, _ = row_offsets(p_base, (i_c + 1) * BT, o_t, o_d, seq_len, m_d, H, D)
+        r_k = tl.load(k + o_xn, mask=m_2dn, other=0.)
+        r_v = tl.load(v + o_xn, mask=m_2dn, other=0.)
+        r_el = last_row_eta(eta, p_ebase, tl.minimum(i_c + 1, NC - 1), seq_len, BT, H)
+
+        b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
+        b_g, _, _, _ = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
+        tl.store(gbuf + o_x, b_g, mask=m_2d)
+        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
+        b_hb = b_hb - b_el * tl.sum(b_g, 0)
+
+    i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
+    tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
+    tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
+    if STORE_FINAL:
+        tl.store(ht + i_nh.to(tl.int64) * D * D + o_dd, b_W, mask=m_dd)
+        tl.store(hbt + i_nh.to(tl.int64) * D + o_d, b_hb, mask=m_d)

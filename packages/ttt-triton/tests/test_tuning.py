@@ -1,0 +1,25 @@
+"""The launch tunables: defaults, the doubling rule and the TTT_TRITON_TUNE override."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
+
+
+def test_defaults_and_doubling(monkeypatch):
+    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
+    chain = launcher.NUM_WARPS["chain"]
+    assert launcher.num_warps("chain", 64, ieee=False) == chain
+    assert launcher.num_warps("chain", 128, ieee=False) == min(2 * chain, 8)
+    assert launcher.num_warps("chain", 64, ieee=True) == min(2 * chain, 8)
+    assert launcher.num_warps("chain", 32, ieee=True) == chain
+
+
+def test_environment_override(monkeypatch):
+    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, group=8")
+    assert launcher.num_warps("chain", 64, ieee=False) == 2
+    assert launcher.num_warps("group", 64, ieee=False) == 8
+    assert launcher.num_warps("group", 128, ieee=False) == 8
