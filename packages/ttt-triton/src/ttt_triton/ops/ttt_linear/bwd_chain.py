@@ -91,7 +91,7 @@ def ttt_linear_bwd_chain_kernel(
         b_k = r_k.to(tl.float32)                                           # [BT, BD]
         b_v = r_v.to(tl.float32)                                           # [BT, BD]
         b_xh, b_r, b_dop, b_dgl, b_el = r_xh, r_r, r_dop, r_dgl, r_el
-        _, m_2d, _, _ = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
+        o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
         # the previous chunk's inputs (a chunk before the first reads as nothing)
         i_p = tl.maximum(i_c - 1, 0)
         r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
@@ -102,7 +102,7 @@ def ttt_linear_bwd_chain_kernel(
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
         b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
-        b_dkh, _ = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
+        b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
         b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
             + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)

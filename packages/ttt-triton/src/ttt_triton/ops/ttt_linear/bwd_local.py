@@ -21,8 +21,15 @@ later kernels ``xhat``, ``r``, ``do_pre`` and ``dg_loc`` (fp32).
 import triton
 import triton.language as tl
 
-from .common import (group_coords, inner_grad, last_row_eta, post_norm, post_norm_bwd,
-                     qk_tril, row_offsets)
+from .common import (
+    group_coords,
+    inner_grad,
+    last_row_eta,
+    post_norm,
+    post_norm_bwd,
+    qk_tril,
+    row_offsets,
+)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -80,13 +87,13 @@ def ttt_linear_bwd_local_kernel(
 
         # the forward of the chunk
         b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
-        b_g, b_xh, b_rstd, _ = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
+        b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
         b_A = qk_tril(r_q, r_k, m_tril, scale, HALF, PREC)                 # [BT, BT]
         b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
         b_o = b_o - b_e[:, None] * tl.dot(b_A, b_g, input_precision=PREC)
 
         # post norm-residual backward
-        _, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
+        b_on, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         b_dw += tl.sum(b_do * b_oh, 0)
         b_db += tl.sum(b_do, 0)
         b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BT, BD]

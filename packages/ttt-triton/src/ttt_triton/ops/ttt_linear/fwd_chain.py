@@ -64,9 +64,9 @@ def ttt_linear_fwd_chain_kernel(
     p_base = (bos * H + i_h) * D       # row 0 of this (sequence, head); rows H * D apart
     p_ebase = bos * H + i_h            # the same for eta; rows H apart
     # the first chunk's tiles; each step then loads the next chunk's before its math
-    o_x, m_2d, _, _ = row_offsets(p_base, 0, o_t, o_d, seq_len, m_d, H, D)
-    r_k = tl.load(k + o_x, mask=m_2d, other=0.)                            # [BT, BD]
-    r_v = tl.load(v + o_x, mask=m_2d, other=0.)                            # [BT, BD]
+    o_x0, m_2d0, o_e0, m_t0 = row_offsets(p_base, 0, o_t, o_d, seq_len, m_d, H, D)
+    r_k = tl.load(k + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
+    r_v = tl.load(v + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
     r_el = last_row_eta(eta, p_ebase, 0, seq_len, BT, H)
     for i_c in range(0, NC):
         if i_c % G == 0:
@@ -76,15 +76,16 @@ def ttt_linear_fwd_chain_kernel(
         b_k = r_k.to(tl.float32)                                           # [BT, BD]
         b_v = r_v.to(tl.float32)                                           # [BT, BD]
         b_el = r_el
-        o_x, m_2d, _, _ = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
+        o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
         # next chunk (masked to nothing past the end; eta clamps to the last row)
-        o_xn, m_2dn, _, _ = row_offsets(p_base, (i_c + 1) * BT, o_t, o_d, seq_len, m_d, H, D)
+        o_xn, m_2dn, o_en, m_tn = row_offsets(p_base, (i_c + 1) * BT, o_t, o_d, seq_len, m_d,
+                                              H, D)
         r_k = tl.load(k + o_xn, mask=m_2dn, other=0.)
         r_v = tl.load(v + o_xn, mask=m_2dn, other=0.)
         r_el = last_row_eta(eta, p_ebase, tl.minimum(i_c + 1, NC - 1), seq_len, BT, H)
 
         b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
-        b_g, _, _, _ = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
+        b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
         tl.store(gbuf + o_x, b_g, mask=m_2d)
         b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
         b_hb = b_hb - b_el * tl.sum(b_g, 0)

@@ -70,7 +70,7 @@ def ttt_linear_fwd_out_kernel(
         b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
         b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
         b_o = b_o - b_e[:, None] * tl.dot(b_A, b_g, input_precision=PREC)
-        b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)
+        b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 
         b_k = r_k.to(tl.float32)

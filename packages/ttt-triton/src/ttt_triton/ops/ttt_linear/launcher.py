@@ -77,7 +77,7 @@ class Groups:
     seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
 
     @classmethod
-    def of(cls, p: Problem, G: int) -> "Groups":
+    def of(cls, p: Problem, G: int) -> Groups:
         offs = p.group_offsets(G)
         offsets = seq = None
         if p.is_varlen:
