@@ -23,3 +23,10 @@ def test_environment_override(monkeypatch):
     assert launcher.num_warps("chain", 64, ieee=False) == 2
     assert launcher.num_warps("group", 64, ieee=False) == 8
     assert launcher.num_warps("group", 128, ieee=False) == 8
+
+
+def test_checkpoint_interval_override(monkeypatch):
+    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
+    assert launcher.tunables()["G"] == launcher.CKPT_INTERVAL
+    monkeypatch.setenv("TTT_TRITON_TUNE", "G=4")
+    assert launcher.tunables()["G"] == 4

@@ -1,6 +1,7 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
-Tunables live in :data:`CKPT_INTERVAL`, :data:`HALF_DOT_PRECISION` and :data:`NUM_WARPS`.
+Tunables live in :data:`CKPT_INTERVAL`, :data:`HALF_DOT_PRECISION`, :data:`NUM_WARPS`
+(:func:`tunables` applies ``TTT_TRITON_TUNE`` overrides).
 """
 
 from __future__ import annotations
@@ -32,16 +33,20 @@ inputs always use "ieee"."""
 NUM_WARPS = {"chain": 4, "group": 4}
 """num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
 kernels (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
-doubled for BD >= 128 or IEEE (float32) dots at BD >= 64. Override for tuning with
-``TTT_TRITON_TUNE="chain=2,group=8"``."""
+doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
 
-def num_warps(kind: str, BD: int, ieee: bool) -> int:
-    tune = dict(NUM_WARPS)
+def tunables() -> dict[str, int]:
+    """G and NUM_WARPS, overridden for tuning runs by ``TTT_TRITON_TUNE="chain=2,G=8"``."""
+    tune = dict(NUM_WARPS, G=CKPT_INTERVAL)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
-    warps = tune[kind]
+    return tune
+
+
+def num_warps(kind: str, BD: int, ieee: bool) -> int:
+    warps = tunables()[kind]
     if BD >= 128 or (ieee and BD >= 64):
         warps = min(2 * warps, 8)
     return warps
@@ -119,7 +124,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
-    grp = Groups.of(p, CKPT_INTERVAL)
+    grp = Groups.of(p, tunables()["G"])
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
