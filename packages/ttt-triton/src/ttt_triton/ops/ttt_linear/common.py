@@ -100,6 +100,11 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
 
 
 @triton.jit
+def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
+
+
+@triton.jit
 def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
     r"""Backward of g(kh, v, k) for a cotangent dg [BT, BD]: returns (dkh, dy) with dy the
     cotangent of y (so dv = -dy w, and dk, dw, db get dy-terms from the caller).
@@ -110,21 +115,33 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
         \quad dr = \textstyle\sum dg\, g / r\\
         dkh &= r (d\hat x - \overline{d\hat x} - \hat x\, \overline{d\hat x\, \hat x})
             - dr\, r^2 \hat x / D
+
+    The row means of dxhat are expanded into means of dg against fixed vectors, so all
+    five reductions that involve dg happen in one round (one ``tl.reduce``):
+    ``mean(dxh) = r (mean(w^2 dg) - a3 a1 - ym a2 - mean(w^2) a1 - mean(w^2 xh) a2)`` and
+    ``mean(dxh xh) = r (mean(w^2 xh dg) - 2 a3 a2 - mean(w^2 xh) a1 - mean(w^2 xh^2) a2)``
+    with ``a1 = mean(dg)``, ``a2 = mean(dg xh)``, ``a3 = mean(xh y)``, ``ym = mean(y)``.
     """
-    b_a1 = tl.sum(b_dg, 1) / D                                             # [BT]
-    b_a2 = tl.sum(b_dg * b_xh, 1) / D                                      # [BT]
+    b_w2 = (b_w * b_w)[None, :]                                            # [1, BD]
+    b_wxh = b_w2 * b_xh                                                    # [BT, BD]
+    # row constants: independent of dg
     b_a3 = tl.sum(b_xh * b_y, 1) / D                                       # [BT]
-    b_dy = b_rstd[:, None] * (b_dg - b_a1[:, None] - b_xh * b_a2[:, None])
-    b_dy = tl.where(m_2d, b_dy, 0.)                                        # [BT, BD]
-    b_dxh = -b_rstd[:, None] * (b_dg * b_a3[:, None] + b_y * b_a2[:, None]) \
-        + b_dy * (b_w * b_w)[None, :]
-    b_dxh = tl.where(m_2d, b_dxh, 0.)                                      # [BT, BD]
-    # dr * r^2 / D with dr = sum(dg * g) / r
-    b_dr = tl.sum(b_dg * b_g, 1) * b_rstd / D                              # [BT]
-    b_c1 = tl.sum(b_dxh, 1) / D
-    b_c2 = tl.sum(b_dxh * b_xh, 1) / D
-    b_dkh = b_rstd[:, None] * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
-        - b_dr[:, None] * b_xh
+    b_ym = tl.sum(b_y, 1) / D
+    b_wx1 = tl.sum(b_wxh, 1) / D
+    b_wx2 = tl.sum(b_wxh * b_xh, 1) / D
+    b_W2 = tl.sum(b_w * b_w, 0) / D                                        # scalar
+    # the one round of reductions that involves dg
+    b_s1, b_s2, b_sg, b_sw, b_swx = tl.reduce(
+        (b_dg, b_dg * b_xh, b_dg * b_g, b_dg * b_w2, b_dg * b_wxh), 1, _add5)
+    b_a1 = b_s1 / D                                                        # [BT]
+    b_a2 = b_s2 / D
+    b_r = b_rstd[:, None]                                                  # [BT, 1]
+    b_dy = tl.where(m_2d, b_r * (b_dg - b_a1[:, None] - b_xh * b_a2[:, None]), 0.)
+    b_dxh = -b_r * (b_dg * b_a3[:, None] + b_y * b_a2[:, None]) + b_dy * b_w2
+    b_c1 = b_rstd * (b_sw / D - b_a3 * b_a1 - b_ym * b_a2 - b_W2 * b_a1 - b_wx1 * b_a2)
+    b_c2 = b_rstd * (b_swx / D - 2. * b_a3 * b_a2 - b_wx1 * b_a1 - b_wx2 * b_a2)
+    b_dkh = b_r * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
+        - (b_sg * b_rstd / D)[:, None] * b_xh
     return tl.where(m_2d, b_dkh, 0.), b_dy
 
 
