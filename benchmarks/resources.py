@@ -69,12 +69,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--only", default="", help="comma-separated kernel names")
+    parser.add_argument("--bd", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--bt", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for dtype, prec in (("bf16", launcher.HALF_DOT_PRECISION), ("fp32", "ieee")):
-        for BD in (16, 32, 64, 128):
-            for BT in (16, 32, 64):
+    for dtype in args.dtypes:
+        prec = "ieee" if dtype == "fp32" else launcher.HALF_DOT_PRECISION
+        for BD in args.bd:
+            for BT in args.bt:
                 for name, fn, kind, extra in KERNELS:
                     if only and name not in only:
                         continue

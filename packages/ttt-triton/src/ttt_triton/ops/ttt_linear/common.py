@@ -78,14 +78,39 @@ def last_row_eta(eta, p_ebase, c, seq_len, BT: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr, eps):
-    """g, xhat, r, y of kh (see the module docstring); zero outside ``m_2d``."""
+    """g, xhat, r, y of kh (see the module docstring); zero outside ``m_2d``.
+
+    Two rounds of row reductions on the chain: the mean, then one ``tl.reduce`` for the
+    variance and the two means g needs, written with ``xc = kh - mean`` (still centred) and
+    ``c = (b - v + k) w`` (known before kh): ``y = xhat w^2 + c``,
+    ``mean(y) = r mean(xc w^2) + mean(c)``, ``mean(y xhat) = r^2 mean(xc^2 w^2) +
+    r mean(xc c)``."""
+    b_w2 = (b_w * b_w)[None, :]                                            # [1, BD]
+    b_c = tl.where(m_2d, (b_b[None, :] - b_v + b_k) * b_w[None, :], 0.)    # [BT, BD]
+    b_cm = tl.sum(b_c, 1) / D                                              # [BT]
     b_mean = tl.sum(tl.where(m_2d, b_kh, 0.), 1) / D                       # [BT]
     b_xc = tl.where(m_2d, b_kh - b_mean[:, None], 0.)                      # [BT, BD]
-    b_rstd = 1. / tl.sqrt(tl.sum(b_xc * b_xc, 1) / D + eps)                # [BT]
+    b_xc2 = b_xc * b_xc
+    b_s2, b_sw, b_s2w, b_sc = tl.reduce((b_xc2, b_xc * b_w2, b_xc2 * b_w2, b_xc * b_c), 1,
+                                        _add4)
+    b_rstd = 1. / tl.sqrt(b_s2 / D + eps)                                  # [BT]
     b_xh = b_xc * b_rstd[:, None]                                          # [BT, BD]
-    b_g, b_y = inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D)
-    return b_g, b_xh, b_rstd, b_y
+    b_ym = b_rstd * b_sw / D + b_cm                                        # [BT]
+    b_yx = b_rstd * b_rstd * b_s2w / D + b_rstd * b_sc / D                 # [BT]
+    b_y = b_xh * b_w2 + b_c                                                # [BT, BD]
+    b_g = b_rstd[:, None] * (b_y - b_ym[:, None] - b_xh * b_yx[:, None])   # [BT, BD]
+    return tl.where(m_2d, b_g, 0.), b_xh, b_rstd, b_y
 
 
 @triton.jit
@@ -93,9 +118,8 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
     """g and y from a stored xhat and r (rows with r = 0 give g = 0)."""
     b_y = (b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k) * b_w[None, :]  # [BT, BD]
     b_y = tl.where(m_2d, b_y, 0.)
-    b_ym = tl.sum(b_y, 1) / D                                              # [BT]
-    b_yx = tl.sum(b_y * b_xh, 1) / D                                       # [BT]
-    b_g = b_rstd[:, None] * (b_y - b_ym[:, None] - b_xh * b_yx[:, None])   # [BT, BD]
+    b_sy, b_syx = tl.reduce((b_y, b_y * b_xh), 1, _add2)                   # [BT]
+    b_g = b_rstd[:, None] * (b_y - (b_sy / D)[:, None] - b_xh * (b_syx / D)[:, None])
     return tl.where(m_2d, b_g, 0.), b_y
 
 
