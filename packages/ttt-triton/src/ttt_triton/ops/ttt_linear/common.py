@@ -16,6 +16,8 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 *group* is the run of ``G`` chunks between two slots.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -77,6 +79,12 @@ def last_row_eta(eta, p_ebase, c, seq_len, BT: tl.constexpr, H: tl.constexpr):
     return tl.load(eta + p_ebase + r_last.to(tl.int64) * H).to(tl.float32)
 
 
+# Several row sums in one reduction (one round of shuffles / shared memory) on a GPU. The
+# interpreter runs tl.reduce's combine function element by element in Python, which is
+# ~10x slower than tl.sum: there the same sums are taken one by one.
+ONE_ROUND: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
 @triton.jit
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
@@ -85,6 +93,46 @@ def _add2(a0, a1, b0, b1):
 @triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
+
+
+@triton.jit
+def row_sums2(x0, x1):
+    if ONE_ROUND:
+        s0, s1 = tl.reduce((x0, x1), 1, _add2)
+    else:
+        s0 = tl.sum(x0, 1)
+        s1 = tl.sum(x1, 1)
+    return s0, s1
+
+
+@triton.jit
+def row_sums4(x0, x1, x2, x3):
+    if ONE_ROUND:
+        s0, s1, s2, s3 = tl.reduce((x0, x1, x2, x3), 1, _add4)
+    else:
+        s0 = tl.sum(x0, 1)
+        s1 = tl.sum(x1, 1)
+        s2 = tl.sum(x2, 1)
+        s3 = tl.sum(x3, 1)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def row_sums5(x0, x1, x2, x3, x4):
+    if ONE_ROUND:
+        s0, s1, s2, s3, s4 = tl.reduce((x0, x1, x2, x3, x4), 1, _add5)
+    else:
+        s0 = tl.sum(x0, 1)
+        s1 = tl.sum(x1, 1)
+        s2 = tl.sum(x2, 1)
+        s3 = tl.sum(x3, 1)
+        s4 = tl.sum(x4, 1)
+    return s0, s1, s2, s3, s4
 
 
 @triton.jit
@@ -102,8 +150,7 @@ def inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr, eps):
     b_mean = tl.sum(tl.where(m_2d, b_kh, 0.), 1) / D                       # [BT]
     b_xc = tl.where(m_2d, b_kh - b_mean[:, None], 0.)                      # [BT, BD]
     b_xc2 = b_xc * b_xc
-    b_s2, b_sw, b_s2w, b_sc = tl.reduce((b_xc2, b_xc * b_w2, b_xc2 * b_w2, b_xc * b_c), 1,
-                                        _add4)
+    b_s2, b_sw, b_s2w, b_sc = row_sums4(b_xc2, b_xc * b_w2, b_xc2 * b_w2, b_xc * b_c)
     b_rstd = 1. / tl.sqrt(b_s2 / D + eps)                                  # [BT]
     b_xh = b_xc * b_rstd[:, None]                                          # [BT, BD]
     b_ym = b_rstd * b_sw / D + b_cm                                        # [BT]
@@ -118,14 +165,9 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
     """g and y from a stored xhat and r (rows with r = 0 give g = 0)."""
     b_y = (b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k) * b_w[None, :]  # [BT, BD]
     b_y = tl.where(m_2d, b_y, 0.)
-    b_sy, b_syx = tl.reduce((b_y, b_y * b_xh), 1, _add2)                   # [BT]
+    b_sy, b_syx = row_sums2(b_y, b_y * b_xh)                               # [BT]
     b_g = b_rstd[:, None] * (b_y - (b_sy / D)[:, None] - b_xh * (b_syx / D)[:, None])
     return tl.where(m_2d, b_g, 0.), b_y
-
-
-@triton.jit
-def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
 
 
 @triton.jit
@@ -141,7 +183,7 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
             - dr\, r^2 \hat x / D
 
     The row means of dxhat are expanded into means of dg against fixed vectors, so all
-    five reductions that involve dg happen in one round (one ``tl.reduce``):
+    five reductions that involve dg happen in one round (``row_sums5``):
     ``mean(dxh) = r (mean(w^2 dg) - a3 a1 - ym a2 - mean(w^2) a1 - mean(w^2 xh) a2)`` and
     ``mean(dxh xh) = r (mean(w^2 xh dg) - 2 a3 a2 - mean(w^2 xh) a1 - mean(w^2 xh^2) a2)``
     with ``a1 = mean(dg)``, ``a2 = mean(dg xh)``, ``a3 = mean(xh y)``, ``ym = mean(y)``.
@@ -155,8 +197,8 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
     b_wx2 = tl.sum(b_wxh * b_xh, 1) / D
     b_W2 = tl.sum(b_w * b_w, 0) / D                                        # scalar
     # the one round of reductions that involves dg
-    b_s1, b_s2, b_sg, b_sw, b_swx = tl.reduce(
-        (b_dg, b_dg * b_xh, b_dg * b_g, b_dg * b_w2, b_dg * b_wxh), 1, _add5)
+    b_s1, b_s2, b_sg, b_sw, b_swx = row_sums5(b_dg, b_dg * b_xh, b_dg * b_g, b_dg * b_w2,
+                                              b_dg * b_wxh)
     b_a1 = b_s1 / D                                                        # [BT]
     b_a2 = b_s2 / D
     b_r = b_rstd[:, None]                                                  # [BT, 1]
