@@ -19,7 +19,7 @@ for stage in $stages; do
     info)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
       python3 -m pip install -q --no-deps --no-build-isolation -e packages/ttt \
-        -e packages/ttt-triton 2>&1 | tail -3
+        -e packages/ttt-triton -e packages/ttt-cupy 2>&1 | tail -3
       python3 -m ttt info 2>&1 | tee "$OUT/info.log" ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} python3 -m nox --no-venv -s demo 2>&1 \
@@ -30,8 +30,8 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
-    cupy)   # the unverified CUDA C++ backend: opt in, run its suite on the GPU
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_UNVERIFIED=1 python3 -m nox --no-venv \
+    cupy)   # the CUDA C++ backend's suite on the GPU
+      timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
     tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
       for t in ${TUNE:-"chain=4,group=4" "chain=2,group=4" "chain=4,group=8"}; do

@@ -6,13 +6,11 @@ The kernels (csrc/ttt_linear.cu) port the Triton backend's design: one thread bl
 recomputes states from fp32 checkpoints stored every G chunks.
 
 Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
-ttt_cupy.nvrtc_check``) but have not yet been run on a GPU, so the backend declines every
-problem unless ``TTT_CUPY_UNVERIFIED=1``.
+ttt_cupy.nvrtc_check``, in CI) and pass the conformance suite on an H200.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -20,14 +18,9 @@ import torch
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 
 MAX_HEAD_DIM = 128
-OPT_IN_ENV = "TTT_CUPY_UNVERIFIED"
 INSTALL_HINT = "pip install './packages/ttt-cupy[cuda13]' (or [cuda12])"
 DEFAULT_SMEM_LIMIT = 227 * 1024
 """Opt-in shared memory per block of an H100 / H200, used when torch does not report it."""
-
-
-def _unverified_allowed() -> bool:
-    return os.environ.get(OPT_IN_ENV, "") == "1"
 
 
 class CupyBackend(Backend):
@@ -49,8 +42,7 @@ class CupyBackend(Backend):
             "backward stores an fp32 checkpoint every G chunks and recomputes the rest",
             "shared memory bounds (chunk_size, head dim); e.g. the backward with head dim "
             "> 64 takes chunk_size 16 only on an H100/H200 (227 KiB per block)",
-            "compile-checked for sm_80 / sm_90, not yet verified on a GPU: opt in with "
-            f"{OPT_IN_ENV}=1",
+            "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200",
         ),
     )
 
@@ -59,9 +51,6 @@ class CupyBackend(Backend):
             import cupy  # noqa: F401
         except ImportError as err:
             return f"cupy cannot be imported ({err}); {INSTALL_HINT}"
-        if not _unverified_allowed():
-            return ("the cupy kernels compile (NVRTC) but have not yet been verified on a GPU; "
-                    f"set {OPT_IN_ENV}=1 to use them anyway")
         return None
 
     def versions(self) -> dict[str, str]:

@@ -4,7 +4,7 @@ checkpoint slot (``q`` pre-scaled, ``A = tril(q k^T) + tril(1)``, ``e`` per-row 
 
 .. math::
 
-    &g \text{ from the forward's } \hat x, r;\quad
+    &kh, \hat x, r, y, g \text{ as in the forward;}\quad
         o_{pre} = q W + hb - e \odot (A g)\\
     &do_{pre} = do + r_o (d\hat o - \overline{d\hat o} - \hat o\, \overline{d\hat o\, \hat o}),
         \quad d\hat o = do \odot w \quad (\text{post norm-residual})\\
@@ -15,7 +15,7 @@ checkpoint slot (``q`` pre-scaled, ``A = tril(q k^T) + tril(1)``, ``e`` per-row 
 
 It writes ``dq`` (final), ``deta`` (final except the last-row term, added by
 ``bwd_grads.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
-later kernels ``do_pre`` and ``dg_loc`` (fp32).
+later kernels ``xhat``, ``r``, ``do_pre`` and ``dg_loc`` (fp32).
 """
 
 import triton
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import (
     group_coords,
-    inner_grad_from_xhat,
+    inner_grad,
     last_row_eta,
     post_norm,
     post_norm_bwd,
@@ -36,7 +36,7 @@ from .common import (
 def ttt_linear_bwd_local_kernel(
     q, k, v, eta, w, b, do,
     ck, ckb,            # checkpoint slots of the forward chain
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r (forward chain)
+    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r
     dopbuf, dgbuf,      # [B * T, H, D] fp32: do_pre and dg_loc
     dq,                 # [B, T, H, D]
     deta,               # [B, T, H] fp32
@@ -86,9 +86,8 @@ def ttt_linear_bwd_local_kernel(
         b_k = r_k.to(tl.float32)                                           # [BT, BD]
 
         # the forward of the chunk
-        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BT, BD]
-        b_r = tl.load(rbuf + p_ebase + o_e, mask=m_t, other=0.)            # [BT]
-        b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
+        b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
+        b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
         b_A = qk_tril(r_q, r_k, m_tril, scale, HALF, PREC)                 # [BT, BT]
         b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
         b_o = b_o - b_e[:, None] * tl.dot(b_A, b_g, input_precision=PREC)
@@ -109,12 +108,13 @@ def ttt_linear_bwd_local_kernel(
 
         tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
         tl.store(deta + p_ebase + o_e, b_de, mask=m_t)
+        tl.store(xbuf + o_x, b_xh, mask=m_2d)
+        tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
         tl.store(dopbuf + o_x, b_dop, mask=m_2d)
         tl.store(dgbuf + o_x, b_dgl, mask=m_2d)
 
-        if j < nc - 1:  # the state after the group's last chunk is not needed here
-            b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-            b_hb = b_hb - b_el * tl.sum(b_g, 0)
+        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
+        b_hb = b_hb - b_el * tl.sum(b_g, 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     tl.store(dwp + o_p, b_dw, mask=m_d)

@@ -16,8 +16,6 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 *group* is the run of ``G`` chunks between two slots.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -79,85 +77,15 @@ def last_row_eta(eta, p_ebase, c, seq_len, BT: tl.constexpr, H: tl.constexpr):
     return tl.load(eta + p_ebase + r_last.to(tl.int64) * H).to(tl.float32)
 
 
-# Several row sums in one reduction (one round of shuffles / shared memory) on a GPU. The
-# interpreter runs tl.reduce's combine function element by element in Python, which is
-# ~10x slower than tl.sum: there the same sums are taken one by one.
-ONE_ROUND: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
-
-
-@triton.jit
-def row_sums2(x0, x1):
-    if ONE_ROUND:
-        s0, s1 = tl.reduce((x0, x1), 1, _add2)
-    else:
-        s0 = tl.sum(x0, 1)
-        s1 = tl.sum(x1, 1)
-    return s0, s1
-
-
-@triton.jit
-def row_sums4(x0, x1, x2, x3):
-    if ONE_ROUND:
-        s0, s1, s2, s3 = tl.reduce((x0, x1, x2, x3), 1, _add4)
-    else:
-        s0 = tl.sum(x0, 1)
-        s1 = tl.sum(x1, 1)
-        s2 = tl.sum(x2, 1)
-        s3 = tl.sum(x3, 1)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def row_sums5(x0, x1, x2, x3, x4):
-    if ONE_ROUND:
-        s0, s1, s2, s3, s4 = tl.reduce((x0, x1, x2, x3, x4), 1, _add5)
-    else:
-        s0 = tl.sum(x0, 1)
-        s1 = tl.sum(x1, 1)
-        s2 = tl.sum(x2, 1)
-        s3 = tl.sum(x3, 1)
-        s4 = tl.sum(x4, 1)
-    return s0, s1, s2, s3, s4
-
-
 @triton.jit
 def inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr, eps):
-    """g, xhat, r, y of kh (see the module docstring); zero outside ``m_2d``.
-
-    Two rounds of row reductions on the chain: the mean, then one ``tl.reduce`` for the
-    variance and the two means g needs, written with ``xc = kh - mean`` (still centred) and
-    ``c = (b - v + k) w`` (known before kh): ``y = xhat w^2 + c``,
-    ``mean(y) = r mean(xc w^2) + mean(c)``, ``mean(y xhat) = r^2 mean(xc^2 w^2) +
-    r mean(xc c)``."""
-    b_w2 = (b_w * b_w)[None, :]                                            # [1, BD]
-    b_c = tl.where(m_2d, (b_b[None, :] - b_v + b_k) * b_w[None, :], 0.)    # [BT, BD]
-    b_cm = tl.sum(b_c, 1) / D                                              # [BT]
+    """g, xhat, r, y of kh (see the module docstring); zero outside ``m_2d``."""
     b_mean = tl.sum(tl.where(m_2d, b_kh, 0.), 1) / D                       # [BT]
     b_xc = tl.where(m_2d, b_kh - b_mean[:, None], 0.)                      # [BT, BD]
-    b_xc2 = b_xc * b_xc
-    b_s2, b_sw, b_s2w, b_sc = row_sums4(b_xc2, b_xc * b_w2, b_xc2 * b_w2, b_xc * b_c)
-    b_rstd = 1. / tl.sqrt(b_s2 / D + eps)                                  # [BT]
+    b_rstd = 1. / tl.sqrt(tl.sum(b_xc * b_xc, 1) / D + eps)                # [BT]
     b_xh = b_xc * b_rstd[:, None]                                          # [BT, BD]
-    b_ym = b_rstd * b_sw / D + b_cm                                        # [BT]
-    b_yx = b_rstd * b_rstd * b_s2w / D + b_rstd * b_sc / D                 # [BT]
-    b_y = b_xh * b_w2 + b_c                                                # [BT, BD]
-    b_g = b_rstd[:, None] * (b_y - b_ym[:, None] - b_xh * b_yx[:, None])   # [BT, BD]
-    return tl.where(m_2d, b_g, 0.), b_xh, b_rstd, b_y
+    b_g, b_y = inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D)
+    return b_g, b_xh, b_rstd, b_y
 
 
 @triton.jit
@@ -165,8 +93,9 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
     """g and y from a stored xhat and r (rows with r = 0 give g = 0)."""
     b_y = (b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k) * b_w[None, :]  # [BT, BD]
     b_y = tl.where(m_2d, b_y, 0.)
-    b_sy, b_syx = row_sums2(b_y, b_y * b_xh)                               # [BT]
-    b_g = b_rstd[:, None] * (b_y - (b_sy / D)[:, None] - b_xh * (b_syx / D)[:, None])
+    b_ym = tl.sum(b_y, 1) / D                                              # [BT]
+    b_yx = tl.sum(b_y * b_xh, 1) / D                                       # [BT]
+    b_g = b_rstd[:, None] * (b_y - b_ym[:, None] - b_xh * b_yx[:, None])   # [BT, BD]
     return tl.where(m_2d, b_g, 0.), b_y
 
 
@@ -181,33 +110,21 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
         \quad dr = \textstyle\sum dg\, g / r\\
         dkh &= r (d\hat x - \overline{d\hat x} - \hat x\, \overline{d\hat x\, \hat x})
             - dr\, r^2 \hat x / D
-
-    The row means of dxhat are expanded into means of dg against fixed vectors, so all
-    five reductions that involve dg happen in one round (``row_sums5``):
-    ``mean(dxh) = r (mean(w^2 dg) - a3 a1 - ym a2 - mean(w^2) a1 - mean(w^2 xh) a2)`` and
-    ``mean(dxh xh) = r (mean(w^2 xh dg) - 2 a3 a2 - mean(w^2 xh) a1 - mean(w^2 xh^2) a2)``
-    with ``a1 = mean(dg)``, ``a2 = mean(dg xh)``, ``a3 = mean(xh y)``, ``ym = mean(y)``.
     """
-    b_w2 = (b_w * b_w)[None, :]                                            # [1, BD]
-    b_wxh = b_w2 * b_xh                                                    # [BT, BD]
-    # row constants: independent of dg
+    b_a1 = tl.sum(b_dg, 1) / D                                             # [BT]
+    b_a2 = tl.sum(b_dg * b_xh, 1) / D                                      # [BT]
     b_a3 = tl.sum(b_xh * b_y, 1) / D                                       # [BT]
-    b_ym = tl.sum(b_y, 1) / D
-    b_wx1 = tl.sum(b_wxh, 1) / D
-    b_wx2 = tl.sum(b_wxh * b_xh, 1) / D
-    b_W2 = tl.sum(b_w * b_w, 0) / D                                        # scalar
-    # the one round of reductions that involves dg
-    b_s1, b_s2, b_sg, b_sw, b_swx = row_sums5(b_dg, b_dg * b_xh, b_dg * b_g, b_dg * b_w2,
-                                              b_dg * b_wxh)
-    b_a1 = b_s1 / D                                                        # [BT]
-    b_a2 = b_s2 / D
-    b_r = b_rstd[:, None]                                                  # [BT, 1]
-    b_dy = tl.where(m_2d, b_r * (b_dg - b_a1[:, None] - b_xh * b_a2[:, None]), 0.)
-    b_dxh = -b_r * (b_dg * b_a3[:, None] + b_y * b_a2[:, None]) + b_dy * b_w2
-    b_c1 = b_rstd * (b_sw / D - b_a3 * b_a1 - b_ym * b_a2 - b_W2 * b_a1 - b_wx1 * b_a2)
-    b_c2 = b_rstd * (b_swx / D - 2. * b_a3 * b_a2 - b_wx1 * b_a1 - b_wx2 * b_a2)
-    b_dkh = b_r * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
-        - (b_sg * b_rstd / D)[:, None] * b_xh
+    b_dy = b_rstd[:, None] * (b_dg - b_a1[:, None] - b_xh * b_a2[:, None])
+    b_dy = tl.where(m_2d, b_dy, 0.)                                        # [BT, BD]
+    b_dxh = -b_rstd[:, None] * (b_dg * b_a3[:, None] + b_y * b_a2[:, None]) \
+        + b_dy * (b_w * b_w)[None, :]
+    b_dxh = tl.where(m_2d, b_dxh, 0.)                                      # [BT, BD]
+    # dr * r^2 / D with dr = sum(dg * g) / r
+    b_dr = tl.sum(b_dg * b_g, 1) * b_rstd / D                              # [BT]
+    b_c1 = tl.sum(b_dxh, 1) / D
+    b_c2 = tl.sum(b_dxh * b_xh, 1) / D
+    b_dkh = b_rstd[:, None] * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
+        - b_dr[:, None] * b_xh
     return tl.where(m_2d, b_dkh, 0.), b_dy
 
 

@@ -1,8 +1,7 @@
 r"""Forward, parallel part: the outputs, one program per (group of G chunks, head).
 
 Each program starts from its group's checkpoint slot and replays the state update with the
-``g`` rebuilt row by row from the ``xhat`` and ``r`` the chain kernel stored (no dot for
-``kh``), writing per chunk (``q``
+``g`` the chain kernel stored (no LayerNorm on this path), writing per chunk (``q``
 pre-scaled, ``e`` the per-row eta):
 
 .. math::
@@ -18,21 +17,14 @@ there are.
 import triton
 import triton.language as tl
 
-from .common import (
-    group_coords,
-    inner_grad_from_xhat,
-    last_row_eta,
-    post_norm,
-    qk_tril,
-    row_offsets,
-)
+from .common import group_coords, last_row_eta, post_norm, qk_tril, row_offsets
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_out_kernel(
-    q, k, v, eta, w, b,
+    q, k, eta, w, b,
     ck, ckb,            # checkpoint slots of the chain kernel
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32 xhat and r
+    gbuf,               # [B * T, H, D] fp32 g
     o,                  # [B, T, H, D] input dtype
     cu_seqlens, grp_offsets,
     grp_seq,            # [groups] int32 sequence of each group (when IS_VARLEN)
@@ -70,14 +62,10 @@ def ttt_linear_fwd_out_kernel(
         o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BT, BD]
         r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BT, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BT, BD]
-        b_r = tl.load(rbuf + p_ebase + o_e, mask=m_t, other=0.)            # [BT]
+        b_g = tl.load(gbuf + o_x, mask=m_2d, other=0.)                     # [BT, BD]
         b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
         b_el = last_row_eta(eta, p_ebase, i_c, seq_len, BT, H)
 
-        b_k = r_k.to(tl.float32)                                           # [BT, BD]
-        b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
         b_A = qk_tril(r_q, r_k, m_tril, scale, HALF, PREC)                 # [BT, BT]
         b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
         b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
@@ -85,6 +73,6 @@ def ttt_linear_fwd_out_kernel(
         b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 
-        if j < nc - 1:  # the state after the group's last chunk is not needed here
-            b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-            b_hb = b_hb - b_el * tl.sum(b_g, 0)
+        b_k = r_k.to(tl.float32)
+        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
+        b_hb = b_hb - b_el * tl.sum(b_g, 0)

@@ -96,13 +96,10 @@ class Groups:
 
 @dataclass
 class Saved:
-    """What the forward keeps for the backward: the fp32 state slots, the chain's per-row
-    LayerNorm results and the grouping."""
+    """What the forward keeps for the backward: the fp32 state slots and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
-    xbuf: torch.Tensor        # [B, T, H, D] fp32 xhat
-    rbuf: torch.Tensor        # [B, T, H] fp32 r
     groups: Groups
 
 
@@ -136,24 +133,23 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     h0, hb0 = _initial_states(p)
     ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
     ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
-    xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    gbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
     prec = _precision(q.dtype)
     varlen = cu_seqlens is not None
 
     ttt_linear_fwd_chain_kernel[(N * H,)](
-        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens, grp.offsets,
+        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, gbuf, cu_seqlens, grp.offsets,
         float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
         STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, PREC=prec,
         **_launch("chain", BD, q.dtype))
     o = torch.empty_like(q)
     ttt_linear_fwd_out_kernel[(grp.count, H)](
-        q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets, grp.seq,
+        q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
         PREC=prec, **_launch("group", BD, q.dtype))
-    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
+    saved = Saved(ck, ckb, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -173,9 +169,10 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
-    xbuf, rbuf = saved.xbuf, saved.rbuf
+    xbuf = torch.empty(q.shape, **f32)
     dopbuf = torch.empty(q.shape, **f32)
     dgbuf = torch.empty(q.shape, **f32)
+    rbuf = torch.empty(B, T, H, **f32)
     dq = torch.empty_like(q)
     deta = torch.empty(B, T, H, 1, **f32)
     dwp = torch.empty(2, grp.count, H, D, **f32)
