@@ -192,6 +192,9 @@ def correctness(provider: Provider, shape: Shape, args: argparse.Namespace,
 
 
 def _git_commit() -> tuple[str, bool | None]:
+    """TTT_COMMIT when set (a copied tree's .git may be stale), else git's HEAD."""
+    if os.environ.get("TTT_COMMIT"):
+        return os.environ["TTT_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
