@@ -38,7 +38,7 @@ def main() -> None:
         leaves = [x.requires_grad_() for x in (q, k, v, w, b, eta)]
         do = torch.randn_like(q)
 
-        def step():
+        def step(leaves=leaves, do=do):
             o = ttt.chunk_ttt_linear(*leaves, chunk_size=16, backend=args.backend)[0]
             torch.autograd.grad(o, leaves, do)
 

@@ -26,8 +26,10 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(Backend):
-    """One program per (sequence, head) carries the fp32 state through the chunks; the
-    backward recomputes states from fp32 checkpoints stored every G chunks."""
+    """Two sequential chain kernels (one program per (sequence, head)) carry the fp32 state
+    forward and its cotangent backward; three group-parallel kernels (one program per group
+    of G chunks and head) replay groups from fp32 state slots for the outputs and the
+    gradients."""
 
     name = "triton"
 
@@ -45,7 +47,8 @@ class TritonBackend(Backend):
             deterministic=True,
             notes=(
                 "fp32 state and accumulation; IEEE dots for float32 inputs",
-                "backward stores an fp32 checkpoint every G chunks and recomputes the rest",
+                "sequential chains carry only the state; outputs and gradients come from "
+                "group-parallel kernels replaying G = 16 chunks from fp32 state slots",
                 f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
                 "D = 256 does not fit the state in one program's registers",
                 "cpu only under the Triton interpreter (TRITON_INTERPRET=1)",
