@@ -14,11 +14,12 @@ import torch
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 
 MAX_HEAD_DIM = 128
-MAX_BACKWARD_HEAD_DIM_CHUNK_64 = 64
-"""The backward with chunk_size 64 and a padded head dim of 128 needs ~304 KiB of shared
-memory on an H200 (limit 227 KiB); chunk sizes 16 and 32 fit (measured with triton 3.6)."""
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
 need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
+MAX_BACKWARD_HEAD_DIM_CHUNK_64 = 64
+"""The backward with chunk_size 64 and a padded head dim of 128 needs 352 KiB of shared
+memory in ``bwd_grads`` (224 KiB in ``bwd_local``; ``benchmarks/resources.py``, sm_90) and
+an H200 allows 227 KiB per block; chunk sizes 16 and 32 fit (at most 160 KiB)."""
 
 
 def _interpreting() -> bool:
