@@ -33,8 +33,8 @@ INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i3
 # (name, kernel, launch kind, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
-    ("fwd_out", ttt_linear_fwd_out_kernel, "group", dict(HALF=None)),
-    ("bwd_local", ttt_linear_bwd_local_kernel, "group", dict(HALF=None)),
+    ("fwd_out", ttt_linear_fwd_out_kernel, "group", {}),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "group", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", {}),
 )
@@ -84,7 +84,7 @@ def main() -> None:
                         continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=launcher.CKPT_INTERVAL,
                                   IS_VARLEN=False, PREC=prec, **extra)
-                    if "HALF" in consts:
+                    if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v

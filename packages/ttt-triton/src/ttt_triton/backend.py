@@ -22,7 +22,8 @@ memory in ``bwd_grads`` (224 KiB in ``bwd_local``; ``benchmarks/resources.py``, 
 an H200 allows 227 KiB per block; chunk sizes 16 and 32 fit (at most 160 KiB)."""
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``: kernels on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -36,7 +37,7 @@ class TritonBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
-        devices = {"cuda", "cpu"} if _interpreting() else {"cuda"}
+        devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
         return Capabilities(
             devices=frozenset(devices),
             dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
@@ -68,7 +69,7 @@ class TritonBackend(Backend):
             import triton
         except ImportError:
             return {"triton": "not installed"}
-        return {"triton": triton.__version__, "interpreter": str(_interpreting())}
+        return {"triton": triton.__version__, "interpreter": str(interpreting())}
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         why = super().not_supported_reasons(problem)
@@ -81,7 +82,7 @@ class TritonBackend(Backend):
             why.append(f"backward with chunk_size 64 and head dim {problem.D} > "
                        f"{MAX_BACKWARD_HEAD_DIM_CHUNK_64}: the backward kernel needs more "
                        "shared memory than an H200 has (use chunk_size 16 or 32)")
-        if _interpreting() and problem.dtype == torch.bfloat16:
+        if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")
         return why

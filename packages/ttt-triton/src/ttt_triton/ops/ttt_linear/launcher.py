@@ -14,6 +14,7 @@ import triton
 
 from ttt import Problem
 
+from ...backend import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
 from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
@@ -45,16 +46,12 @@ def tunables() -> dict[str, int]:
     return tune
 
 
-def num_warps(kind: str, BD: int, ieee: bool) -> int:
-    warps = tunables()[kind]
+def num_warps(kind: str, BD: int, ieee: bool, tune: dict[str, int] | None = None) -> int:
+    warps = (tune or tunables())[kind]
     if BD >= 128 or (ieee and BD >= 64):
         warps = min(2 * warps, 8)
     return warps
 # ----------------------------------------------------------------------------------------
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
@@ -65,10 +62,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
 
 
-def _launch(kind: str, BD: int, dtype: torch.dtype) -> dict:
+def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
     if interpreting():
         return {}
-    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32), num_stages=1)
+    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune), num_stages=1)
 
 
 @dataclass
@@ -124,7 +121,8 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
-    grp = Groups.of(p, tunables()["G"])
+    tune = tunables()
+    grp = Groups.of(p, tune["G"])
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
@@ -142,13 +140,13 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
         STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, PREC=prec,
-        **_launch("chain", BD, q.dtype))
+        **_launch("chain", BD, q.dtype, tune))
     o = torch.empty_like(q)
     ttt_linear_fwd_out_kernel[(grp.count, H)](
         q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
-        PREC=prec, **_launch("group", BD, q.dtype))
+        PREC=prec, **_launch("group", BD, q.dtype, tune))
     saved = Saved(ck, ckb, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
@@ -164,6 +162,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     BT, BD = block_sizes(D, p.chunk_size)
     grp = saved.groups
     G = grp.G
+    tune = tunables()
     dev = q.device
     prec = _precision(q.dtype)
     varlen = cu_seqlens is not None
@@ -182,7 +181,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
-        PREC=prec, **_launch("group", BD, q.dtype))
+        PREC=prec, **_launch("group", BD, q.dtype, tune))
 
     dh0 = dhb0 = None
     if want_dh0:
@@ -198,7 +197,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, dht, dhbt, dck, dckb, dh0, dhb0,
         cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype))
+        IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype, tune))
 
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
@@ -207,5 +206,5 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, PREC=prec,
-        **_launch("group", BD, q.dtype))
+        **_launch("group", BD, q.dtype, tune))
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
