@@ -33,10 +33,10 @@ INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i3
 # (name, kernel, launch kind, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
-    ("fwd_out", ttt_linear_fwd_out_kernel, "group", {}),
+    ("fwd_out", ttt_linear_fwd_out_kernel, "block", {}),
     ("bwd_local", ttt_linear_bwd_local_kernel, "group", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
-    ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", {}),
+    ("bwd_grads", ttt_linear_bwd_grads_kernel, "block", {}),
 )
 
 
@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    print(f"triton {triton.__version__}, sm_{args.arch}")
+    tune = launcher.tunables()
+    print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
     for dtype in args.dtypes:
         prec = "ieee" if dtype == "fp32" else launcher.HALF_DOT_PRECISION
         for BD in args.bd:
@@ -82,15 +83,19 @@ def main() -> None:
                 for name, fn, kind, extra in KERNELS:
                     if only and name not in only:
                         continue
-                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=launcher.CKPT_INTERVAL,
+                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
                                   IS_VARLEN=False, PREC=prec, **extra)
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
+                    if "BS" in fn.arg_names:
+                        consts["BS"] = launcher.block_rows(BT, tune["G"], tune)
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})
-                    nw = launcher.num_warps(kind, BD, dtype == "fp32")
+                    nw = launcher.num_warps(kind, BD, dtype == "fp32", tune)
                     label = f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
+                    if "BS" in consts:
+                        label += f" BS={consts['BS']}"
                     try:
                         kernel = triton.compile(
                             src, target=GPUTarget("cuda", args.arch, 32),

@@ -12,9 +12,16 @@ stored ``xhat`` and ``r`` (row-local); ``dg_loc`` and ``do_pre`` were stored by
     dW &\leftarrow dW + q^\top do_{pre} + k^\top dkh, \qquad
         dhb \leftarrow dhb + \textstyle\sum_i do_{pre,i} + \textstyle\sum_i dkh_i
 
-The cotangent of checkpoint slot ``s`` (the state before chunk ``s * G``; the last slot is
-the final state) is written to ``dck``/``dckb`` for ``bwd_grads.py``, and slot 0's to
-``dh0``/``dhb0`` when asked. Inputs of the next chunk are loaded one step early.
+The full ``dg`` replaces ``dg_loc`` in its buffer and the last-row term of ``deta``,
+
+.. math::
+
+    d\eta_{last} \mathrel{+}= -\langle k\, dW + dhb, g\rangle,
+
+is added where ``bwd_local.py`` left the rest. The cotangent of checkpoint slot ``s`` (the
+state before chunk ``s * G``; the last slot is the final state) is written to ``dck`` for
+``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the next chunk
+are loaded one step early.
 """
 
 import triton
@@ -40,9 +47,11 @@ def _load_step(q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, r0, o_t, o_d
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_chain_kernel(
     q, k, v, eta, w, b,
-    xbuf, rbuf, dopbuf, dgbuf,  # from bwd_local
+    xbuf, rbuf, dopbuf,  # from bwd_local
+    dgbuf,              # dg_loc from bwd_local in, the full dg out
+    deta,               # [B, T, H] fp32 from bwd_local; the last-row terms are added
     dht, dhbt,          # [N, H, D, D], [N, H, 1, D] cotangents of the final states
-    dck, dckb,          # [slots, H, D, D], [slots, H, D] fp32 cotangents of the slots
+    dck,                # [slots, H, D, D] fp32 cotangents of the slots
     dh0, dhb0,          # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_DH0)
     cu_seqlens, grp_offsets,
     scale,
@@ -77,7 +86,6 @@ def ttt_linear_bwd_chain_kernel(
         b_dhb = tl.zeros([BD], dtype=tl.float32)                           # [BD]
     i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
     tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
-    tl.store(dckb + i_ck * D + o_d, b_dhb, mask=m_d)
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
@@ -103,13 +111,16 @@ def ttt_linear_bwd_chain_kernel(
         b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
+        tl.store(dgbuf + o_x, b_dg, mask=m_2d)
+        b_de_last = -tl.sum(tl.sum(b_kdW * b_g, 1), 0) - tl.sum(b_dhb * tl.sum(b_g, 0), 0)
+        p_el = deta + p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
+        tl.store(p_el, tl.load(p_el) + b_de_last)
         b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
             + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
         if i_c % G == 0:
             i_ck = (slot_base + i_c // G) * H + i_h
             tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
-            tl.store(dckb + i_ck * D + o_d, b_dhb, mask=m_d)
 
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * D * D + o_dd, b_dW, mask=m_dd)

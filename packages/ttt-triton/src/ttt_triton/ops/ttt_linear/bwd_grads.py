@@ -1,40 +1,48 @@
-r"""Backward, parallel part 2: the gradients that need both the state and its cotangent.
-One program per (group of G chunks, head) walks its chunks in reverse from the slot at
-the group's end, where the forward chain stored the state ``W`` and the backward chain its
-cotangent ``dW`` (``q`` pre-scaled, ``g`` from the stored ``xhat``/``r``):
+r"""Backward, parallel part 2: dk, dv and the inner-loss part of dw, db. One program per
+(group of G chunks, head) walks its group backwards in blocks of ``BS`` rows (``BS / BT``
+chunks). The backward chain stored every row's full ``dg`` (the cotangent of ``g``), so
+``dkh, dy`` are row-local (common.py) and everything here is linear in stored tiles:
 
 .. math::
 
-    W &\leftarrow W + \eta_{last}\, k^\top g, \quad hb \leftarrow hb + \eta_{last}
-        \textstyle\sum_i g_i \qquad (\text{the state before the chunk})\\
-    dg &= dg_{loc} - \eta_{last}\,(k\, dW + dhb) \;\to\; dkh, dy \text{ (common.py)}\\
-    d\eta_{last} &\mathrel{+}= -\langle k\, dW, g\rangle - dhb \cdot \textstyle\sum_i g_i\\
-    dk &= dP^\top q - \eta_{last}\, g\, dW^\top + dy\, w + dkh\, W^\top, \quad
-        dP = -\mathrm{tril}(e \odot do_{pre} g^\top)\\
+    dk &= dy\, w + C_q\, q + C_k\, k + dkh\, W^\top - \eta \odot (g\, dW^\top)\\
+    (C_q)_{ij} &= -\big([c_j = c_i,\ j \ge i]\, e_j + [c_j > c_i]\, \eta_i\big)\,
+        (g_i \cdot do_{pre,j})\\
+    (C_k)_{ij} &= -[c_j < c_i]\, \eta_j\, (dkh_i \cdot g_j) - [c_j > c_i]\, \eta_i\,
+        (g_i \cdot dkh_j)\\
     dv &= -dy\, w, \quad dw \mathrel{+}= \textstyle\sum_i dy (2 \hat x w + b - v + k),
-        \quad db \mathrel{+}= \textstyle\sum_i dy\, w\\
-    dW &\leftarrow dW + q^\top do_{pre} + k^\top dkh, \qquad
-        dhb \leftarrow dhb + \textstyle\sum_i do_{pre,i} + \textstyle\sum_i dkh_i
+        \quad db \mathrel{+}= \textstyle\sum_i dy\, w
 
-Stepping the state backwards re-adds the very updates the forward subtracted, starting
-from an exact fp32 slot at most G - 1 chunks away; the group's first chunk takes its state
-from its own slot.
+with ``c_i`` row ``i``'s chunk, ``e`` the per-row eta, ``\eta_i`` the eta of the last valid
+row of row ``i``'s chunk, ``q`` pre-scaled, ``W`` the state before the block and ``dW`` the
+cotangent of the state after it. ``C_q`` carries the intra-chunk term ``dP^\top q`` and the
+cotangents ``q^\top do_{pre}`` of the later chunks in the block, ``C_k`` the updates of the
+earlier chunks to ``W`` and the cotangents ``k^\top dkh`` of the later ones. Between
+blocks:
+
+.. math::
+
+    W \leftarrow W + (\eta \odot k)^\top g \quad (\text{undoing the block's updates}),
+    \qquad dW \leftarrow dW + q^\top do_{pre} + k^\top dkh
+
+starting from the slots at the group's end (state from the forward chain, cotangent from
+the backward chain); the group's first block takes its state from its own exact slot
+(stepping back all the way to a zero initial state is ill-conditioned in float32).
 """
 
 import triton
 import triton.language as tl
 
-from .common import group_coords, inner_grad_bwd, inner_grad_from_xhat, last_row_eta, row_offsets
+from .common import block_rows, group_coords, inner_grad_bwd, inner_grad_from_xhat
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_grads_kernel(
     q, k, v, eta, w, b,
-    ck, ckb,            # state slots (forward chain)
-    dck, dckb,          # cotangent slots (backward chain)
-    xbuf, rbuf, dopbuf, dgbuf,  # from bwd_local
+    ck,                 # state slots (forward chain)
+    dck,                # cotangent slots (backward chain)
+    xbuf, rbuf, dopbuf, dgbuf,  # xhat, r, do_pre (bwd_local) and the full dg (bwd_chain)
     dk, dv,             # [B, T, H, D]
-    deta,               # [B, T, H] fp32, last-row terms added here
     dwp, dbp,           # [groups, H, D] fp32 partials of dw, db
     cu_seqlens, grp_offsets, grp_seq,
     scale,
@@ -42,6 +50,7 @@ def ttt_linear_bwd_grads_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
+    BS: tl.constexpr,
     BD: tl.constexpr,
     G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -50,74 +59,67 @@ def ttt_linear_bwd_grads_kernel(
     gid, i_h = tl.program_id(0), tl.program_id(1)
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_dd = m_d[:, None] & m_d[None, :]
     o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
-    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT]
+    o_c = o_s // BT                                                        # [BS] chunk in block
+    m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] <= o_s[None, :])  # [BS, BS] j >= i
+    m_later = o_c[:, None] < o_c[None, :]                                  # [BS, BS] c_j > c_i
+    m_earlier = o_c[:, None] > o_c[None, :]                                # [BS, BS] c_j < c_i
 
     b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     i_ck0 = slot * H + i_h
     i_ck = i_ck0 + H
     b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)           # [BD, BD]
-    b_hb = tl.load(ckb + i_ck * D + o_d, mask=m_d, other=0.)               # [BD]
     b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)         # [BD, BD]
-    b_dhb = tl.load(dckb + i_ck * D + o_d, mask=m_d, other=0.)             # [BD]
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
-    for jr in range(0, nc):
-        i_c = c0 + nc - 1 - jr
-        o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
-        b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BT, BD]
-        b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BT, BD]
-        b_r = tl.load(rbuf + p_ebase + o_e, mask=m_t, other=0.)            # [BT]
-        b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BT, BD]
-        b_dgl = tl.load(dgbuf + o_x, mask=m_2d, other=0.)                  # [BT, BD]
-        b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
-        L = tl.minimum(seq_len - i_c * BT, BT)
-        m_last = o_t == L - 1                                              # [BT]
-        b_el = last_row_eta(eta, p_ebase, i_c, seq_len, BT, H)
-
+    r_beg = c0 * BT
+    n_blk = tl.cdiv(tl.minimum((c0 + nc) * BT, seq_len) - r_beg, BS)
+    for jr in range(0, n_blk):
+        r0 = r_beg + (n_blk - 1 - jr) * BS
+        o_x, m_2d, m_t, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d,
+                                               seq_len, H, D, BT)
+        o_e = p_ebase + (r0 + o_s).to(tl.int64) * H
+        # row-local: g, y, then dkh, dy from the full dg; dv, dw, db
+        b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
+        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
+        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BS, BD]
+        b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                      # [BS]
+        b_dg = tl.load(dgbuf + o_x, mask=m_2d, other=0.)                   # [BS, BD]
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
-        # the state before this chunk: the exact slot for the group's first chunk (where a
-        # zero initial state makes LayerNorm ill-conditioned), else one update undone
-        if jr == nc - 1:
-            b_W = tl.load(ck + i_ck0 * D * D + o_dd, mask=m_dd, other=0.)
-            b_hb = tl.load(ckb + i_ck0 * D + o_d, mask=m_d, other=0.)
-        else:
-            b_W = b_W + b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-            b_hb = b_hb + b_el * tl.sum(b_g, 0)
-
-        b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
-        b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
-        b_de_last = -tl.sum(tl.sum(b_kdW * b_g, 1), 0) - tl.sum(b_dhb * tl.sum(b_g, 0), 0)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
-        b_dyw = b_dy * b_w[None, :]                                        # [BT, BD]
-
-        b_dS = tl.dot(b_dop, tl.trans(b_g), input_precision=PREC)         # [BT, BT]
-        b_dP = tl.where(m_tril, -b_e[:, None] * b_dS, 0.)                  # [BT, BT]
-        b_dk = tl.dot(tl.trans(b_dP), b_q, input_precision=PREC) \
-            - b_el * tl.dot(b_g, tl.trans(b_dW), input_precision=PREC) \
-            + tl.dot(b_dkh, tl.trans(b_W), input_precision=PREC) + b_dyw
+        b_dyw = b_dy * b_w[None, :]                                        # [BS, BD]
         b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
         b_db += tl.sum(b_dyw, 0)
-
-        tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
-        p_el = deta + p_ebase + o_e
-        b_de = tl.load(p_el, mask=m_t & m_last, other=0.)
-        tl.store(p_el, b_de + b_de_last, mask=m_t & m_last)
 
+        # the state before the block
+        if jr == n_blk - 1:
+            b_W = tl.load(ck + i_ck0 * D * D + o_dd, mask=m_dd, other=0.)
+        else:
+            b_W = b_W + tl.dot(tl.trans(b_k * b_el[:, None]), b_g, input_precision=PREC)
+        b_dk = b_dyw + tl.dot(b_dkh, tl.trans(b_W), input_precision=PREC) \
+            - b_el[:, None] * tl.dot(b_g, tl.trans(b_dW), input_precision=PREC)  # [BS, BD]
+        b_S2 = tl.dot(b_g, tl.trans(b_dkh), input_precision=PREC)         # [BS, BS]
+        b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
+            - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
+        b_dk += tl.dot(b_Ck, b_k, input_precision=PREC)
+        b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BS, BD]
+        b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
+        b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)         # [BS, BS]
+        b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
+        b_dk += tl.dot(b_Cq, b_q, input_precision=PREC)
+        tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
+        # the cotangent of the state before the block
         b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
             + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
-        b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     tl.store(dwp + o_p, b_dw, mask=m_d)

@@ -14,7 +14,7 @@ checkpoint slot (``q`` pre-scaled, ``A = tril(q k^T) + tril(1)``, ``e`` per-row 
     &dg_{loc} = -A^\top (e \odot do_{pre})
 
 It writes ``dq`` (final), ``deta`` (final except the last-row term, added by
-``bwd_grads.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
+``bwd_chain.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
 later kernels ``xhat``, ``r``, ``do_pre`` and ``dg_loc`` (fp32).
 """
 

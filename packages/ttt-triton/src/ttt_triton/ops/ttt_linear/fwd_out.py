@@ -1,23 +1,30 @@
 r"""Forward, parallel part: the outputs, one program per (group of G chunks, head).
 
-Each program starts from its group's checkpoint slot and replays the state update with the
-``g`` the chain kernel stored (no LayerNorm on this path), writing per chunk (``q``
-pre-scaled, ``e`` the per-row eta):
+The chain kernel stored ``g`` of every row, so inside a group the outputs are linear in
+what is stored and need no chunk-by-chunk replay. The program walks its group in blocks
+of ``BS`` rows (``BS / BT`` chunks), starting from the group's checkpoint slot. With
+``W, hb`` the state before the block, ``q`` pre-scaled, ``e`` the per-row eta and
+``\eta_j`` the eta of the last valid row of row ``j``'s chunk:
 
 .. math::
 
-    o_{pre} &= q W + hb - e \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\, g\big)\\
+    o_{pre} &= q W + hb - (P \odot (q k^\top + 1))\, g, \qquad
+    P_{ij} = \begin{cases} \eta_j & \text{chunk}(j) < \text{chunk}(i)\\
+                           e_i & \text{chunk}(j) = \text{chunk}(i),\ j \le i\\
+                           0 & \text{otherwise}\end{cases}\\
     o &= o_{pre} + \mathrm{LN}(o_{pre})\, w + b\\
-    W &\leftarrow W - \eta_{last}\, k^\top g, \qquad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
+    W &\leftarrow W - (\eta \odot k)^\top g, \qquad hb \leftarrow hb - \textstyle\sum_j \eta_j g_j
 
-Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs
-there are.
+(the chunk-by-chunk state updates of the rows before row ``i`` in the block, folded into
+one masked ``[BS, BS]`` product). Groups are independent, so this kernel fills the GPU
+however few (sequence, head) pairs there are; blocks of ``BS = 64`` rows give the tensor
+cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 """
 
 import triton
 import triton.language as tl
 
-from .common import group_coords, last_row_eta, post_norm, qk_tril, row_offsets
+from .common import block_rows, group_coords, post_norm
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -33,6 +40,7 @@ def ttt_linear_fwd_out_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
+    BS: tl.constexpr,
     BD: tl.constexpr,
     G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -42,12 +50,14 @@ def ttt_linear_fwd_out_kernel(
     gid, i_h = tl.program_id(0), tl.program_id(1)
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_dd = m_d[:, None] & m_d[None, :]
     o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
-    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT]
+    o_c = o_s // BT                                                        # [BS] chunk in block
+    m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] >= o_s[None, :])  # [BS, BS]
+    m_prev = o_c[:, None] > o_c[None, :]                                   # [BS, BS]
 
     b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
@@ -57,22 +67,26 @@ def ttt_linear_fwd_out_kernel(
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
-    for j in range(0, nc):
-        i_c = c0 + j
-        o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
-        r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BT, BD]
-        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BT, BD]
-        b_g = tl.load(gbuf + o_x, mask=m_2d, other=0.)                     # [BT, BD]
-        b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
-        b_el = last_row_eta(eta, p_ebase, i_c, seq_len, BT, H)
+    r_end = tl.minimum((c0 + nc) * BT, seq_len)
+    for r0 in range(c0 * BT, r_end, BS):
+        o_x, m_2d, m_t, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d,
+                                               seq_len, H, D, BT)
+        r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
+        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
+        b_g = tl.load(gbuf + o_x, mask=m_2d, other=0.)                     # [BS, BD]
 
-        b_A = qk_tril(r_q, r_k, m_tril, scale, HALF, PREC)                 # [BT, BT]
-        b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
-        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
-        b_o = b_o - b_e[:, None] * tl.dot(b_A, b_g, input_precision=PREC)
+        if HALF:
+            b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]
+        else:
+            b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+        b_P = tl.where(m_prev, b_el[None, :], tl.where(m_same, b_e[:, None], 0.))
+        b_A = b_P * (b_A * scale + 1.)                                     # [BS, BS]
+        b_q = r_q.to(tl.float32) * scale                                  # [BS, BD]
+        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :] \
+            - tl.dot(b_A, b_g, input_precision=PREC)                       # [BS, BD]
         b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 
-        b_k = r_k.to(tl.float32)
-        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-        b_hb = b_hb - b_el * tl.sum(b_g, 0)
+        b_ke = r_k.to(tl.float32) * b_el[:, None]                          # [BS, BD]
+        b_W = b_W - tl.dot(tl.trans(b_ke), b_g, input_precision=PREC)
+        b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)

@@ -1,0 +1,74 @@
+"""Small checkpoint intervals and block sizes (``TTT_TRITON_TUNE``) against the float64
+reference: several groups per sequence and several chunks per block, which the shared
+suite's small cases only reach with the default G = 16, S = 64 on longer sequences.
+Runs on CUDA when there is a GPU, else in the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ttt  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+F64 = torch.float64
+
+
+def _inputs(T, H, D, seq_lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    N = len(seq_lens) if seq_lens else 1
+    k = torch.randn(1, T, H, D, generator=g, dtype=F64)
+    x = dict(
+        q=torch.randn(1, T, H, D, generator=g, dtype=F64),
+        k=k / k.norm(dim=-1, keepdim=True),
+        v=torch.randn(1, T, H, D, generator=g, dtype=F64),
+        w=1 + 0.1 * torch.randn(H, D, generator=g, dtype=F64),
+        b=0.1 * torch.randn(H, D, generator=g, dtype=F64),
+        eta=0.1 * torch.rand(1, T, H, 1, generator=g, dtype=F64),
+        initial_state=0.1 * torch.randn(N, H, D, D, generator=g, dtype=F64),
+        initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=g, dtype=F64),
+    )
+    cu = None
+    if seq_lens:
+        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    return x, cu
+
+
+def _run(x, cu, chunk, backend, dtype, device):
+    state_dtype = F64 if dtype == F64 else torch.float32
+    leaves = {n: t.detach().to(device=device, dtype=state_dtype if n.startswith("initial") else dtype)
+              .clone().requires_grad_() for n, t in x.items()}
+    o, ht, hbt = ttt.chunk_ttt_linear(
+        **leaves, chunk_size=chunk, output_final_state=True,
+        cu_seqlens=None if cu is None else cu.to(device), backend=backend)
+    g = torch.Generator().manual_seed(7)
+    cot = [torch.randn(t.shape, generator=g, dtype=F64).to(device, t.dtype) for t in (o, ht, hbt)]
+    loss = sum((t * c).sum() for t, c in zip((o, ht, hbt), cot))
+    loss.backward()
+    outs = {"o": o, "ht": ht, "hbt": hbt}
+    outs.update({f"d{n}": t.grad for n, t in leaves.items()})
+    return {n: t.detach().to("cpu", F64) for n, t in outs.items()}
+
+
+@pytest.mark.parametrize("tune,chunk,seq_lens", [
+    ("G=4,S=32", 16, None),          # 2 chunks per block, 2 blocks per group, 3 groups
+    ("G=2,S=64", 16, (37, 50, 1)),   # blocks clamped to the group (32 rows), varlen
+    ("G=4,S=64", 16, (70, 33)),      # 4 chunks per block
+    ("G=2,S=16", 32, None),          # S below the chunk: one chunk per block
+])
+def test_small_groups_and_blocks(monkeypatch, tune, chunk, seq_lens):
+    monkeypatch.setenv("TTT_TRITON_TUNE", tune)
+    T = sum(seq_lens) if seq_lens else 165
+    x, cu = _inputs(T, 2, 32, seq_lens, seed=11)
+    want = _run(x, cu, chunk, "reference", F64, "cpu")
+    got = _run(x, cu, chunk, "triton", torch.float32, DEVICE)
+    for name, ref in want.items():
+        err = (got[name] - ref).norm() / ref.norm()
+        assert err < 1e-4, f"{name}: relative error {err:.2e} with {tune}"
