@@ -34,7 +34,7 @@ INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i3
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
     ("fwd_out", ttt_linear_fwd_out_kernel, "block", {}),
-    ("bwd_local", ttt_linear_bwd_local_kernel, "group", {}),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "block", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "block", {}),
 )

@@ -43,7 +43,7 @@ def _inputs(T, H, D, seq_lens, seed):
 
 def _run(x, cu, chunk, backend, dtype, device):
     state_dtype = F64 if dtype == F64 else torch.float32
-    leaves = {n: t.detach().to(device=device, dtype=state_dtype if n.startswith("initial") else dtype)
+    leaves = {n: t.detach().to(device, state_dtype if n.startswith("initial") else dtype)
               .clone().requires_grad_() for n, t in x.items()}
     o, ht, hbt = ttt.chunk_ttt_linear(
         **leaves, chunk_size=chunk, output_final_state=True,

@@ -19,10 +19,11 @@ def test_defaults_and_doubling(monkeypatch):
 
 
 def test_environment_override(monkeypatch):
-    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, group=8")
+    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, block=8, S=32")
     assert launcher.num_warps("chain", 64, ieee=False) == 2
-    assert launcher.num_warps("group", 64, ieee=False) == 8
-    assert launcher.num_warps("group", 128, ieee=False) == 8
+    assert launcher.num_warps("block", 64, ieee=False) == 8
+    assert launcher.num_warps("block", 128, ieee=False) == 8
+    assert launcher.tunables()["S"] == 32
 
 
 def test_checkpoint_interval_override(monkeypatch):

@@ -32,15 +32,14 @@ inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. flo
 inputs always use "ieee"."""
 
 BLOCK_ROWS = 64
-"""S: rows per block of the kernels that walk a group in multi-chunk blocks (fwd_out,
-bwd_grads);
-at least one chunk, at most one group."""
+"""S: rows per block of the group-parallel kernels (fwd_out, bwd_local, bwd_grads), which
+walk a group in blocks of S / BT chunks with masked [S, S] products; at least one chunk,
+at most one group."""
 
-NUM_WARPS = {"chain": 4, "group": 4, "block": 4}
-"""num_warps of the sequential kernels (fwd_chain, bwd_chain), of the group-parallel
-kernels walking chunk by chunk (bwd_local) and of those walking blocks of S rows
-(fwd_out, bwd_grads), for padded head dims <= 64 with half inputs; doubled for BD >= 128 or
-IEEE (float32) dots at BD >= 64."""
+NUM_WARPS = {"chain": 4, "block": 4}
+"""num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
+ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
+doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
 
 def tunables() -> dict[str, int]:
@@ -65,7 +64,7 @@ def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
 
 
 def block_rows(BT: int, G: int, tune: dict[str, int]) -> int:
-    """Rows per block of the block-walking kernels: S, clamped to [BT, G * BT]."""
+    """Rows per block of the group-parallel kernels: S, clamped to [BT, G * BT]."""
     return max(BT, min(tune["S"], G * BT))
 
 
@@ -191,8 +190,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
-        PREC=prec, **_launch("group", BD, q.dtype, tune))
+        H=H, D=D, BT=BT, BS=block_rows(BT, G, tune), BD=BD, G=G, IS_VARLEN=varlen,
+        HALF=q.dtype != torch.float32, PREC=prec, **_launch("block", BD, q.dtype, tune))
 
     dh0 = dhb0 = None
     if want_dh0:
