@@ -83,41 +83,72 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads):
-    """Forward then backward through the emulated kernels; float32 everywhere."""
+def _empty(*shape):
+    """torch.empty stand-in: NaN-poisoned, so a value never written shows up."""
+    return np.full(shape, np.nan, np.float32)
+
+
+def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True):
+    """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
+    everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
-    lengths = [s[2] for s in seqs]
     offs = [0]
-    for length in lengths:
+    for _, _, length in seqs:
         offs.append(offs[-1] + _cdiv(_cdiv(length, BT), G))
-    cu_arr = None if cu is None else np.asarray(cu, dtype=np.int64)
-    ck_off = None if cu is None else np.asarray(offs, dtype=np.int64)
-    o = np.zeros_like(f["q"])
-    ht = np.zeros((N, H, D, D), np.float32)
-    hbt = np.zeros((N, H, D), np.float32)
-    ck = np.zeros((max(offs[-1], 1), H, D, D), np.float32)
-    ckb = np.zeros((max(offs[-1], 1), H, D), np.float32)
+    count, slots = offs[-1], offs[-1] + N
+    cu_arr = go = gs = None
+    if cu is not None:
+        cu_arr = np.asarray(cu, dtype=np.int64)
+        go = np.asarray(offs, dtype=np.int64)
+        gs = np.repeat(np.arange(N, dtype=np.int32), np.diff(offs)).astype(np.int32)
+    h0, hb0 = (f["h0"], f["hb0"]) if init else (None, None)
     fl, i64 = ctypes.c_float, ctypes.c_longlong
-    rc = emu.emu_fwd(DP, BT, N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-                     _p(f["w"]), _p(f["b"]), _p(f["h0"]), _p(f["hb0"]), _p(o), _p(ht), _p(hbt),
-                     _p(ck), _p(ckb), _p(cu_arr), _p(ck_off), fl(scale), fl(EPS), i64(T), H, D, G)
-    assert rc == 0, "no emulated instance for this D_PAD / BT"
-    SG = min(G, max(_cdiv(n, BT) for n in lengths))
-    scr = np.zeros((N * H, SG, D, D), np.float32)
-    scrb = np.zeros((N * H, SG, D), np.float32)
-    g = {n: np.zeros_like(f[n]) for n in ("q", "k", "v", "eta", "h0", "hb0")}
-    dwp = np.zeros((N, H, D), np.float32)
-    dbp = np.zeros((N, H, D), np.float32)
-    do, dht, dhbt = (np.ascontiguousarray(a, dtype=np.float32) for a in grads)
-    rc = emu.emu_bwd(DP, BT, N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-                     _p(f["w"]), _p(f["b"]), _p(do), _p(dht), _p(dhbt), _p(ck), _p(ckb),
-                     _p(scr), _p(scrb), _p(g["q"]), _p(g["k"]), _p(g["v"]), _p(g["eta"]),
-                     _p(g["h0"]), _p(g["hb0"]), _p(dwp), _p(dbp), _p(cu_arr), _p(ck_off),
-                     fl(scale), fl(EPS), i64(T), H, D, G, SG)
-    assert rc == 0
-    g["w"], g["b"] = dwp.sum(0), dbp.sum(0)
+    c = dict(H=ctypes.c_int(H), D=ctypes.c_int(D), G=ctypes.c_int(G), T=i64(T),
+             scale=fl(scale), eps=fl(EPS))
+
+    def call(name, grid, *args):
+        rc = getattr(emu, f"emu_{name}")(DP, BT, i64(grid), *args)
+        assert rc == 0, f"no emulated {name} instance for D_PAD={DP}, BT={BT}"
+
+    # ---- forward
+    ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
+    ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
+    gbuf = _empty(B, T, H, D)
+    call("fwd_chain", N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
+         _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(gbuf), _p(cu_arr), _p(go),
+         c["eps"], c["T"], c["H"], c["D"], c["G"])
+    o = _empty(B, T, H, D)
+    call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
+         _p(ck), _p(ckb), _p(gbuf), _p(o), _p(cu_arr), _p(go), _p(gs), c["scale"], c["eps"],
+         c["T"], c["H"], c["D"], c["G"])
+
+    # ---- backward
+    do, dht, dhbt = (None if a is None else np.ascontiguousarray(a, dtype=np.float32)
+                     for a in grads)
+    xbuf, dopbuf, dgbuf = _empty(B, T, H, D), _empty(B, T, H, D), _empty(B, T, H, D)
+    rbuf = _empty(B, T, H)
+    g = {n: _empty(*f[n].shape) for n in ("q", "k", "v", "eta")}
+    dwp, dbp = _empty(2, count, H, D), _empty(2, count, H, D)
+    call("bwd_local", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+         _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
+         _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
+         _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
+    dh0 = dhb0 = None
+    if init:
+        dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
+    dck = _empty(slots, H, D, D)
+    call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+         _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
+         _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
+         c["D"], c["G"])
+    call("bwd_grads", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+         _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
+         _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr), _p(go), _p(gs),
+         c["scale"], c["T"], c["H"], c["D"], c["G"])
+    g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
+    g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g
 
 
@@ -126,19 +157,28 @@ def _rel(a, b):
 
 
 CASES = [
-    # B, T, H, D, DP, BT, G, varlen lengths (None: dense)
-    (2, 37, 2, 20, 32, 16, 2, None),
-    (1, 50, 2, 16, 16, 16, 8, [21, 29]),
-    (1, 70, 1, 24, 32, 32, 1, [5, 65]),
-    (1, 40, 2, 40, 64, 16, 2, [33, 7]),
-    (1, 19, 1, 100, 128, 16, 8, None),
+    # B, T, H, D, DP, BT, G, varlen lengths (None: dense), initial states, dht given
+    (2, 37, 2, 20, 32, 16, 2, None, True, True),       # partial last chunk and group
+    (1, 50, 2, 16, 16, 16, 8, [21, 29], True, True),   # nc < G in every group
+    (1, 70, 1, 24, 32, 32, 1, [5, 65], True, False),   # G = 1: every chunk its own group
+    (1, 40, 2, 40, 64, 16, 2, [33, 7], True, True),
+    (1, 19, 1, 100, 128, 16, 8, None, True, True),
+    (2, 70, 1, 16, 16, 16, 2, None, False, True),      # zero initial state at group 0
+    (1, 150, 2, 12, 16, 64, 2, [70, 80], False, False),  # BT = 64, varlen, no states
+    (1, 120, 1, 30, 32, 32, 3, [45, 75], False, True),   # groups of 3, last one partial
+    (1, 70, 1, 96, 128, 32, 2, None, False, True),     # D = 96 backward at chunk 32
+    (1, 40, 1, 60, 64, 32, 4, [17, 23], True, True),   # D = 60, one group per sequence
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[1]}-D{c[3]}-BT{c[5]}-G{c[6]}"
-                         + ("-varlen" if c[7] else ""))
+def _id(c):
+    return (f"T{c[1]}-D{c[3]}-BT{c[5]}-G{c[6]}" + ("-varlen" if c[7] else "")
+            + ("" if c[8] else "-noinit") + ("" if c[9] else "-nodht"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kernels_match_oracle(emu, case):
-    B, T, H, D, DP, BT, G, lens = case
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
     rng = np.random.default_rng(0)
     if lens is None:
         seqs = [(bi, 0, T) for bi in range(B)]
@@ -154,10 +194,14 @@ def test_kernels_match_oracle(emu, case):
         v=rng.standard_normal((B, T, H, D)), eta=rng.uniform(0.02, 0.2, (B, T, H)),
         w=1 + 0.3 * rng.standard_normal((H, D)), b=0.3 * rng.standard_normal((H, D)),
         h0=0.3 * rng.standard_normal((N, H, D, D)), hb0=0.3 * rng.standard_normal((N, H, D)))
+    if not init:
+        x["h0"], x["hb0"] = np.zeros((N, H, D, D)), np.zeros((N, H, D))
     x = {n: a.astype(np.float32).astype(np.float64) for n, a in x.items()}
     scale = D ** -0.5
     cot = (rng.standard_normal((B, T, H, D)), rng.standard_normal((N, H, D, D)),
            rng.standard_normal((N, H, D)))
+    if not with_dht:
+        cot = (cot[0], 0 * cot[1], 0 * cot[2])
 
     def loss(xx):
         o, ht, hbt = oracle(xx["q"], xx["k"], xx["v"], xx["eta"], xx["w"], xx["b"], xx["h0"],
@@ -165,14 +209,25 @@ def test_kernels_match_oracle(emu, case):
         return (o * cot[0]).sum() + (ht * cot[1]).sum() + (hbt * cot[2]).sum(), (o, ht, hbt)
 
     _, ref = loss(x)
-    got, grads = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, cot)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    got, grads = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
     for name, a, r in zip(("o", "ht", "hbt"), got, ref):
         assert _rel(a, r) < 2e-5, f"{name}: relative error {_rel(a, r):.2e}"
+    for name, a in grads.items():
+        if a is not None:
+            assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
 
     h = 1e-6
-    for name in ("q", "k", "v", "eta", "w", "b", "h0", "hb0"):
+    names = ("q", "k", "v", "eta", "w", "b") + (("h0", "hb0") if init else ())
+    for name in names:
         flat = x[name].reshape(-1)
         idx = rng.choice(flat.size, size=min(8, flat.size), replace=False)
+        if name == "eta":  # half of them on chunks' last rows (deta's state-chain term)
+            last = [((bi * T + s0 + min(c0 + BT, n) - 1) * H + hh)
+                    for bi, s0, n in seqs for c0 in range(0, n, BT) for hh in range(H)]
+            n_last = min(4, len(last))
+            idx[:n_last] = rng.choice(last, size=n_last, replace=False)
+            idx = np.unique(idx)
         fd, an = [], []
         for i in idx:
             xp = {n: a.copy() for n, a in x.items()}

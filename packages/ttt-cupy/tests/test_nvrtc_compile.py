@@ -25,28 +25,48 @@ def _nvrtc_available() -> str | None:
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
 def test_every_instance_compiles_for_sm80_and_sm90():
     from ttt_cupy import nvrtc_check
-    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS
+    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS
 
     out = io.StringIO()
     try:
         counts = nvrtc_check.run(("80", "90"), out=out)
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    expected = 2 * len(CTYPES) * len(D_PADS) * len(BLOCK_TS)
+    expected = len(KERNELS) * len(CTYPES) * len(D_PADS) * len(BLOCK_TS)
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
 def test_name_expressions_and_smem_formula():
     """No NVRTC needed: names and the shared-memory budget the launcher relies on."""
-    from ttt_cupy.compile import d_pad, kernel_name, smem_bytes, threads
+    from ttt_cupy.compile import KERNELS, PASSES, d_pad, kernel_name, pass_smem, smem_bytes, threads
+    from ttt_cupy.nvrtc_check import traits_field
 
-    assert kernel_name("fwd", "__half", 64, 16) == "ttt_linear_fwd<__half, 64, 16>"
-    assert [d_pad(d) for d in (1, 16, 17, 64, 100, 128)] == [16, 16, 32, 64, 128, 128]
+    assert KERNELS == ("fwd_chain", "fwd_out", "bwd_local", "bwd_chain", "bwd_grads")
+    assert kernel_name("fwd_out", "__half", 64, 16) == "ttt_linear_fwd_out<__half, 64, 16>"
+    assert traits_field("bwd_grads") == "kBwdGradsBytes"
+    assert [d_pad(d) for d in (1, 16, 17, 60, 64, 96, 100, 128)] == [16, 16, 32, 64, 64, 128,
+                                                                     128, 128]
     assert threads(128) == 256 and threads(32) == 128
     h200 = 227 * 1024
-    assert smem_bytes("fwd", 128, 64) <= h200
-    assert smem_bytes("bwd", 128, 16) <= h200
-    assert smem_bytes("bwd", 128, 32) > h200
-    assert smem_bytes("bwd", 64, 64) <= h200
-    with pytest.raises(ValueError):
+    # the forward fits every (D_PAD, BT); the backward all but (128, 64)
+    for dp in (16, 32, 64, 128):
+        for bt in (16, 32, 64):
+            assert pass_smem("fwd", dp, bt)[1] <= h200
+            assert (pass_smem("bwd", dp, bt)[1] <= h200) == ((dp, bt) != (128, 64))
+    assert pass_smem("bwd", 128, 64)[0] == "bwd_grads"
+    assert max(smem_bytes(k, 128, 32) for k in PASSES["bwd"]) <= h200
+    with pytest.raises(ValueError, match="head dim"):
         d_pad(129)
+    with pytest.raises(ValueError, match="kernel"):
+        smem_bytes("fwd", 64, 16)
+
+
+def test_smem_reason_names_the_kernel():
+    from ttt_cupy.launcher import smem_reason
+
+    h200 = 227 * 1024
+    assert smem_reason(96, 32, True, h200) is None
+    assert smem_reason(128, 64, False, h200) is None
+    why = smem_reason(128, 64, True, h200)
+    assert why is not None and "bwd_grads" in why and "backward" in why
+    assert smem_reason(128, 64, True, None) is None

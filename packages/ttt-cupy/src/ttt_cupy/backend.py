@@ -1,12 +1,14 @@
 """The ``cupy`` backend of ttt: raw CUDA C++ kernels compiled at run time by CuPy (NVRTC).
 
 Importing this module is cheap: cupy is imported, and the kernels compiled, on first use.
-The kernels (csrc/ttt_linear.cu) port the Triton backend's design: one thread block per
-(sequence, head) carries the fp32 state through the chunks in shared memory; the backward
-recomputes states from fp32 checkpoints stored every G chunks.
+The kernels (csrc/*.cu) follow the Triton backend's chain/group split: a sequential kernel
+per (sequence, head) carries only the state (forward) or its cotangent (backward) through
+the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
+block per (group of G chunks, head), do the rest. Plain SIMT fp32 arithmetic.
 
 Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
-ttt_cupy.nvrtc_check``, in CI) and pass the conformance suite on an H200.
+ttt_cupy.nvrtc_check``, in CI) and match a float64 oracle in a CPU emulation; the split
+design has not yet been run on a GPU.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ DEFAULT_SMEM_LIMIT = 227 * 1024
 
 
 class CupyBackend(Backend):
-    """One CUDA thread block per (sequence, head), fp32 state in shared memory; SIMT fp32
-    arithmetic (no tensor cores); deterministic."""
+    """Chain kernels per (sequence, head) plus group-parallel kernels per (group of G chunks,
+    head), fp32 state in shared memory; SIMT fp32 arithmetic (no tensor cores);
+    deterministic."""
 
     name = "cupy"
     capabilities = Capabilities(
@@ -38,11 +41,13 @@ class CupyBackend(Backend):
         backward=True,
         deterministic=True,
         notes=(
-            "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and arithmetic",
-            "backward stores an fp32 checkpoint every G chunks and recomputes the rest",
-            "shared memory bounds (chunk_size, head dim); e.g. the backward with head dim "
-            "> 64 takes chunk_size 16 only on an H100/H200 (227 KiB per block)",
-            "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200",
+            "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and SIMT arithmetic",
+            "chain/group split: the state chain per (sequence, head), the rest per group of "
+            "G chunks; fp32 checkpoint slots every G chunks",
+            "shared memory bounds (chunk_size, head dim); on an H100/H200 (227 KiB per "
+            "block) the backward with head dim > 64 takes chunk_size 16 or 32",
+            "compile-checked for sm_80 / sm_90 in CI; the split kernels are checked in a CPU "
+            "emulation, not yet on a GPU",
         ),
     )
 

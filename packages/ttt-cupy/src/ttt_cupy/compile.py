@@ -1,8 +1,9 @@
 """Lazy compilation of the CUDA C++ kernels in ``csrc/`` (CuPy RawModule, NVRTC).
 
-Nothing happens at import. The first call for a (dtype, D_PAD, BT, device arch) builds one
-:class:`cupy.RawModule` holding that forward and backward template instance (through
-``name_expressions``), cached for the process. The same sources, names and options are
+Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch) builds
+one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
+fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
+for the process. The same sources, names and options are
 compile-checked without a GPU by :mod:`ttt_cupy.nvrtc_check`.
 """
 
@@ -15,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE = "ttt_linear.cu"
+HEADER = "ttt_common.cuh"
+
+PASSES = {
+    "fwd": ("fwd_chain", "fwd_out"),
+    "bwd": ("bwd_local", "bwd_chain", "bwd_grads"),
+}
+"""The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
+template ``ttt_linear_x<T, D_PAD, BT>``. One program (RawModule) per pass and instance."""
+
+KERNELS = tuple(k for ks in PASSES.values() for k in ks)
 
 D_PADS = (16, 32, 64, 128)
 BLOCK_TS = (16, 32, 64)
@@ -32,56 +42,75 @@ def d_pad(D: int) -> int:
     for p in D_PADS:
         if D <= p:
             return p
-    raise ValueError(f"head dim {D} above the largest supported {D_PADS[-1]}")
+    raise ValueError(f"head dim: expected at most {D_PADS[-1]}, got {D}")
 
 
-def kernel_name(kind: str, ctype: str, dp: int, bt: int) -> str:
-    """The name expression of one instance, e.g. ``ttt_linear_fwd<__half, 64, 16>``."""
-    if kind not in ("fwd", "bwd"):
-        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
-    return f"ttt_linear_{kind}<{ctype}, {dp}, {bt}>"
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+
+
+def _check_pass(pass_: str) -> None:
+    if pass_ not in PASSES:
+        raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
+
+
+def kernel_name(kernel: str, ctype: str, dp: int, bt: int) -> str:
+    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<__half, 64, 16>``."""
+    _check_kernel(kernel)
+    return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}>"
 
 
 def threads(dp: int) -> int:
-    """Threads per block (TttTraits::kThreads)."""
+    """Threads per block of every kernel (Traits::kThreads)."""
     return 256 if dp >= 64 else 128
 
 
-def smem_bytes(kind: str, dp: int, bt: int) -> int:
-    """Dynamic shared memory of one block (TttTraits::kFwdBytes / kBwdBytes, in bytes).
+def smem_bytes(kernel: str, dp: int, bt: int) -> int:
+    """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
-    Tiles are fp32 with rows padded by one float: [BT, D_PAD + 1] tiles, a
-    [D_PAD, D_PAD + 1] state, [BT, BT + 1] attention-like tiles. The forward holds the state,
-    4 tiles and A; the backward the state and its cotangent, 7 tiles, A and dP. The C++
-    traits give the same numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
-    tile = bt * (dp + 1)
-    state = dp * (dp + 1)
-    square = bt * (bt + 1)
-    if kind == "fwd":
-        floats = state + 3 * dp + 4 * tile + square + bt
-    elif kind == "bwd":
-        floats = 2 * state + 4 * dp + 7 * tile + 2 * square + 3 * bt + 4
-    else:
-        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
+    states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The C++ traits give the same
+    numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
+    _check_kernel(kernel)
+    tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
+    floats = {
+        "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
+        "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
+        "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
+        "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
+        "bwd_grads": 2 * state + 5 * tile + square + bt,          # W, dW, Q, K, DOP, G, DKH, S
+    }[kernel]
     return 4 * floats
 
 
-HEADER = "ttt_linear.cuh"
+def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
+    """(kernel, bytes) of the pass's kernel that needs the most shared memory."""
+    _check_pass(pass_)
+    return max(((k, smem_bytes(k, dp, bt)) for k in PASSES[pass_]), key=lambda kv: kv[1])
 
 
-def source() -> str:
-    """The .cu with the .cuh pasted in place of its #include: one self-contained string, so
-    CuPy's on-disk kernel cache (keyed by source and options) sees header changes too."""
-    texts = {}
-    for name in (SOURCE, HEADER):
-        path = CSRC / name
-        if not path.is_file():
-            raise RuntimeError(f"the CUDA source {path} is missing from the ttt-cupy installation")
-        texts[name] = path.read_text()
+def source(pass_: str) -> str:
+    """The pass's .cu files with the .cuh pasted once in place of their #include: one
+    self-contained string, so CuPy's on-disk kernel cache (keyed by source and options)
+    sees header changes too."""
+    _check_pass(pass_)
     include = f'#include "{HEADER}"'
-    if include not in texts[SOURCE]:
-        raise RuntimeError(f"{SOURCE} does not include {HEADER}")
-    return texts[SOURCE].replace(include, f"// ---- {HEADER} ----\n{texts[HEADER]}", 1)
+    parts = [f"// ---- {HEADER} ----\n{_read(HEADER)}"]
+    for kernel in PASSES[pass_]:
+        name = f"{kernel}.cu"
+        text = _read(name)
+        if include not in text:
+            raise RuntimeError(f"{name} does not include {HEADER}")
+        parts.append(f"// ---- {name} ----\n" + text.replace(include, "", 1))
+    return "\n".join(parts)
+
+
+def _read(name: str) -> str:
+    path = CSRC / name
+    if not path.is_file():
+        raise RuntimeError(f"the CUDA source {path} is missing from the ttt-cupy installation")
+    return path.read_text()
 
 
 def cuda_include_dir() -> str | None:
@@ -122,13 +151,14 @@ def include_options() -> tuple[str, ...]:
 
 
 @functools.cache
-def _module(ctype: str, dp: int, bt: int, arch: str) -> Any:
-    """One RawModule per (C++ type, D_PAD, BT, arch), compiled now. ``arch`` (the device's
-    compute capability, e.g. "90") is part of the key: CuPy compiles for the current device."""
+def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str) -> Any:
+    """One RawModule per (pass, C++ type, D_PAD, BT, arch), compiled now. ``arch`` (the
+    device's compute capability, e.g. "90") is part of the key: CuPy compiles for the current
+    device."""
     import cupy
 
-    names = [kernel_name("fwd", ctype, dp, bt), kernel_name("bwd", ctype, dp, bt)]
-    module = cupy.RawModule(code=source(), options=NVRTC_OPTIONS + include_options(),
+    names = [kernel_name(k, ctype, dp, bt) for k in PASSES[pass_]]
+    module = cupy.RawModule(code=source(pass_), options=NVRTC_OPTIONS + include_options(),
                             name_expressions=names)
     try:
         module.compile()
@@ -138,19 +168,20 @@ def _module(ctype: str, dp: int, bt: int, arch: str) -> Any:
     return module
 
 
-def get_kernels(dtype_name: str, dp: int, bt: int, device_index: int) -> tuple[Any, Any]:
-    """(forward, backward) :class:`cupy.RawKernel` for the inputs' dtype, D_PAD and BT, on
-    device ``device_index``; compiled on first use, cached after."""
+def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
+                device_index: int) -> dict[str, Any]:
+    """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
+    dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after."""
     import cupy
 
+    _check_pass(pass_)
     if dtype_name not in CTYPES:
-        raise TypeError(f"the cupy kernels take {sorted(CTYPES)}, got {dtype_name}")
-    if dp not in D_PADS or bt not in BLOCK_TS:
-        raise ValueError(f"no kernel instance for D_PAD={dp}, BT={bt} "
-                         f"(D_PAD in {D_PADS}, BT in {BLOCK_TS})")
+        raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
+    if dp not in D_PADS:
+        raise ValueError(f"D_PAD: expected one of {D_PADS}, got {dp}")
+    if bt not in BLOCK_TS:
+        raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
     ctype = CTYPES[dtype_name]
     with cupy.cuda.Device(device_index) as device:
-        module = _module(ctype, dp, bt, device.compute_capability)
-        fwd = module.get_function(kernel_name("fwd", ctype, dp, bt))
-        bwd = module.get_function(kernel_name("bwd", ctype, dp, bt))
-    return fwd, bwd
+        module = _module(pass_, ctype, dp, bt, device.compute_capability)
+        return {k: module.get_function(kernel_name(k, ctype, dp, bt)) for k in PASSES[pass_]}

@@ -1,7 +1,12 @@
-"""Launchers: allocate outputs with torch, launch the CUDA kernels through CuPy (zero copy).
+"""Launchers: allocate outputs and work buffers with torch, launch the CUDA kernels through
+CuPy (zero copy).
 
 Kernels get raw ``data_ptr()`` addresses and run on torch's current stream of the inputs'
-device; nothing is copied to the host. Tunables live in :data:`CKPT_INTERVAL`.
+device; nothing is copied to the host. The split follows the Triton backend: the forward is
+fwd_chain (one block per (sequence, head): the state chain, g and the checkpoint slots) then
+fwd_out (one block per (group of G chunks, head): the outputs); the backward is bwd_local
+(per group), bwd_chain (per sequence, reverse) and bwd_grads (per group, reverse). Tunables
+live in :data:`CKPT_INTERVAL`.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ import torch
 
 from ttt import Problem
 
-from .compile import d_pad, get_kernels, smem_bytes, threads
+from .compile import d_pad, get_kernels, pass_smem, smem_bytes, threads
 
-CKPT_INTERVAL = 8
-"""G: the forward stores the fp32 state before every G-th chunk; the backward recomputes the
-G states of a group into a per-block scratch of G states (as the Triton backend)."""
+CKPT_INTERVAL = 16
+"""G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
+group-parallel kernels replay one group each from its slot."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -43,25 +48,48 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
     if limit is None:
         return None
     dp = d_pad(D)
-    kinds = ("fwd", "bwd") if backward else ("fwd",)
-    for kind in kinds:
-        need = smem_bytes(kind, dp, chunk_size)
+    for pass_ in ("fwd", "bwd") if backward else ("fwd",):
+        kernel, need = pass_smem(pass_, dp, chunk_size)
         if need > limit:
-            what = "backward" if kind == "bwd" else "forward"
-            return (f"the cupy {what} kernel for head dim {D} (padded {dp}) and chunk_size "
-                    f"{chunk_size} needs {need // 1024} KiB of shared memory; this device "
-                    f"allows {limit // 1024} KiB per block (use a smaller chunk_size)")
+            what = "backward" if pass_ == "bwd" else "forward"
+            return (f"the cupy {what} kernel {kernel} for head dim {D} (padded {dp}) and "
+                    f"chunk_size {chunk_size} needs {need // 1024} KiB of shared memory; this "
+                    f"device allows {limit // 1024} KiB per block (use a smaller chunk_size)")
     return None
 
 
 @dataclass
-class Saved:
-    """What the forward keeps for the backward: the fp32 checkpoints and their offsets."""
+class Groups:
+    """How a batch splits into groups of G chunks, and where the checkpoint slots go: every
+    sequence owns NG + 1 slots (NG = its groups); slot s < NG holds the state before chunk
+    s * G, slot NG the final state."""
 
-    ck: torch.Tensor                  # [NCK, H, D, D] fp32
-    ckb: torch.Tensor                 # [NCK, H, D] fp32
-    ck_offsets: torch.Tensor | None   # [N + 1] int64 (varlen only)
     G: int
+    count: int                          # groups over the batch
+    slots: int                          # checkpoint slots: count + N
+    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
+    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
+
+    @classmethod
+    def of(cls, p: Problem, G: int) -> Groups:
+        offs = p.group_offsets(G)
+        offsets = seq = None
+        if p.is_varlen:
+            dev = p.q.device
+            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
+            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
+            seq = seq.to(dev, non_blocking=True)
+        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
+
+
+@dataclass
+class Saved:
+    """What the forward keeps for the backward: the fp32 state slots and the grouping."""
+
+    ck: torch.Tensor          # [slots, H, D, D] fp32
+    ckb: torch.Tensor         # [slots, H, D] fp32
+    groups: Groups
 
 
 @functools.cache
@@ -97,43 +125,53 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
             kernel((grid,), (block,), args, shared_mem=smem)
 
 
+def _check_dtype(q: torch.Tensor) -> str:
+    if q.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"q: expected float32, float16 or bfloat16 for the cupy kernels, "
+                        f"got {q.dtype}")
+    return _DTYPE_NAMES[q.dtype]
+
+
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
     p = problem
-    q, k, v, w, b, eta = p.q, p.k, p.v, p.w, p.b, p.eta
-    h0, hb0, cu_seqlens = p.initial_state, p.initial_state_bias, p.cu_seqlens
-    output_final_state = p.output_final_state
-    if q.dtype not in _DTYPE_NAMES:
-        raise TypeError(f"the cupy kernels take float32, float16 and bfloat16, got {q.dtype}")
+    q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
+    dtype_name = _check_dtype(q)
     B, T, H, D = q.shape
     N = p.N
     BT, dp = p.chunk_size, d_pad(D)
-    G = CKPT_INTERVAL
     dev = q.device
-    o = torch.empty_like(q)
+    grp = Groups.of(p, CKPT_INTERVAL)
+    G = grp.G
+    f32 = dict(dtype=torch.float32, device=dev)
     ht = hbt = None
-    if output_final_state:
-        ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
-        hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
-    ck = ckb = ck_offsets = None
-    if save_for_backward:
-        offs = p.group_offsets(G)
-        ck = torch.empty(offs[-1], H, D, D, dtype=torch.float32, device=dev)
-        ckb = torch.empty(offs[-1], H, D, dtype=torch.float32, device=dev)
-        if cu_seqlens is not None:
-            ck_offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+    if p.output_final_state:
+        ht = torch.empty(N, H, D, D, **f32)
+        hbt = torch.empty(N, H, 1, D, **f32)
+    ck = torch.empty(grp.slots, H, D, D, **f32)
+    ckb = torch.empty(grp.slots, H, D, **f32)
+    gbuf = torch.empty(q.shape, **f32)
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
-    h0, hb0 = _f32(h0), _f32(hb0)
+    h0, hb0 = _f32(p.initial_state), _f32(p.initial_state_bias)
+    kern = get_kernels("fwd", dtype_name, dp, BT, _index(dev))
+    nt = threads(dp)
 
-    fwd, _ = get_kernels(_DTYPE_NAMES[q.dtype], dp, BT, _index(dev))
-    smem = smem_bytes("fwd", dp, BT)
-    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0),
-            _ptr(o), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(cu_seqlens),
-            _ptr(ck_offsets), np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H),
-            np.int32(D), np.int32(G), np.uint64(smem))
-    _launch(fwd, dev, N * H, threads(dp), smem, args)
-    saved = Saved(ck, ckb, ck_offsets, G) if save_for_backward else None
+    smem = smem_bytes("fwd_chain", dp, BT)
+    _launch(kern["fwd_chain"], dev, N * H, nt, smem, (
+        _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0), _ptr(ht),
+        _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(gbuf), _ptr(cu_seqlens), _ptr(grp.offsets),
+        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+        np.uint64(smem)))
+    o = torch.empty_like(q)
+    smem = smem_bytes("fwd_out", dp, BT)
+    _launch(kern["fwd_out"], dev, grp.count * H, nt, smem, (
+        _ptr(q), _ptr(k), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb), _ptr(gbuf),
+        _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
+        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+        np.uint64(smem)))
+    del gbuf  # back to torch's caching allocator, stream-ordered after fwd_out
+    saved = Saved(ck, ckb, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -144,40 +182,57 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
     want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
     if saved is None:
-        raise RuntimeError("the cupy backward needs the checkpoints of a forward run with "
-                           "needs_backward=True")
+        raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
+                           "with needs_backward=True")
+    dtype_name = _check_dtype(q)
     B, T, H, D = q.shape
     N = p.N
     BT, dp = p.chunk_size, d_pad(D)
-    G = saved.G
+    grp = saved.groups
+    G = grp.G
     dev = q.device
-    # per-block scratch of SG = min(G, chunks of the longest sequence) states
-    SG = min(G, max(p.chunk_counts()))
-    scr = torch.empty(N * H, SG, D, D, dtype=torch.float32, device=dev)
-    scrb = torch.empty(N * H, SG, D, dtype=torch.float32, device=dev)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(q)
-    dv = torch.empty_like(q)
-    deta = torch.empty(B, T, H, 1, dtype=torch.float32, device=dev)
-    dh0 = dhb0 = None
-    if want_dh0:
-        dh0 = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
-        dhb0 = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
-    dwp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
-    dbp = torch.empty(N, H, D, dtype=torch.float32, device=dev)
-    dht, dhbt = _f32(dht), _f32(dhbt)
+    f32 = dict(dtype=torch.float32, device=dev)
     do = do.contiguous()
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
+    dht, dhbt = _f32(dht), _f32(dhbt)
+    kern = get_kernels("bwd", dtype_name, dp, BT, _index(dev))
+    nt = threads(dp)
 
-    _, bwd = get_kernels(_DTYPE_NAMES[q.dtype], dp, BT, _index(dev))
-    smem = smem_bytes("bwd", dp, BT)
-    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
-            _ptr(dht), _ptr(dhbt), _ptr(saved.ck), _ptr(saved.ckb), _ptr(scr), _ptr(scrb),
-            _ptr(dq), _ptr(dk), _ptr(dv), _ptr(deta), _ptr(dh0), _ptr(dhb0), _ptr(dwp),
-            _ptr(dbp), _ptr(cu_seqlens), _ptr(saved.ck_offsets), np.float32(p.scale),
-            np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int32(SG),
-            np.uint64(smem))
-    _launch(bwd, dev, N * H, threads(dp), smem, args)
-    dw = dwp.sum(0)
-    db = dbp.sum(0)
-    return dq, dk, dv, dw, db, deta, dh0, dhb0
+    xbuf = torch.empty(q.shape, **f32)       # xhat
+    rbuf = torch.empty(B, T, H, **f32)       # r
+    dopbuf = torch.empty(q.shape, **f32)     # do_pre
+    dgbuf = torch.empty(q.shape, **f32)      # dg_loc, then the full dg
+    dq = torch.empty_like(q)
+    deta = torch.empty(B, T, H, 1, **f32)
+    dwp = torch.empty(2, grp.count, H, D, **f32)
+    dbp = torch.empty(2, grp.count, H, D, **f32)
+    smem = smem_bytes("bwd_local", dp, BT)
+    _launch(kern["bwd_local"], dev, grp.count * H, nt, smem, (
+        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
+        _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
+        _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
+        _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
+        np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.uint64(smem)))
+
+    dh0 = dhb0 = None
+    if want_dh0:
+        dh0 = torch.empty(N, H, D, D, **f32)
+        dhb0 = torch.empty(N, H, 1, D, **f32)
+    dck = torch.empty_like(saved.ck)
+    smem = smem_bytes("bwd_chain", dp, BT)
+    _launch(kern["bwd_chain"], dev, N * H, nt, smem, (
+        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf), _ptr(rbuf),
+        _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck), _ptr(dh0),
+        _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale), np.int64(T),
+        np.int32(H), np.int32(D), np.int32(G), np.uint64(smem)))
+
+    dk = torch.empty_like(q)
+    dv = torch.empty_like(q)
+    smem = smem_bytes("bwd_grads", dp, BT)
+    _launch(kern["bwd_grads"], dev, grp.count * H, nt, smem, (
+        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
+        _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
+        _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
+        np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+        np.uint64(smem)))
+    return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0

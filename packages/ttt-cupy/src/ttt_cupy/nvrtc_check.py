@@ -1,9 +1,10 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
-``python -m ttt_cupy.nvrtc_check`` compiles ``ttt_linear_fwd`` and ``ttt_linear_bwd`` for
-every dtype x D_PAD x BT, one program per (dtype, D_PAD, BT) as the backend does at run
-time, to cubins for each ``--arch`` (default sm_80 and sm_90), and checks that the C++
-shared-memory sizes equal :func:`ttt_cupy.compile.smem_bytes`. It uses ``cuda.bindings.nvrtc``
+``python -m ttt_cupy.nvrtc_check`` compiles the five kernels (forward: fwd_chain, fwd_out;
+backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
+(pass, dtype, D_PAD, BT) as the backend does at run time, to cubins for each ``--arch``
+(default sm_80 and sm_90), and checks that the C++ shared-memory sizes equal
+:func:`ttt_cupy.compile.smem_bytes`. It uses ``cuda.bindings.nvrtc``
 (``pip install './packages/ttt-cupy[compile-check]'``: cuda-python plus the NVRTC and
 CUDA-runtime header wheels), which load ``libnvrtc`` from site-packages; CuPy's compile path
 needs a driver, this does not. Exits 1 with the NVRTC log on the first failure.
@@ -23,7 +24,9 @@ from .compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
+    KERNELS,
     NVRTC_OPTIONS,
+    PASSES,
     cuda_include_dir,
     include_options,
     kernel_name,
@@ -59,15 +62,20 @@ def _nvrtc():
     return nvrtc
 
 
+def traits_field(kernel: str) -> str:
+    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes."""
+    return "k" + "".join(part.capitalize() for part in kernel.split("_")) + "Bytes"
+
+
 def smem_asserts() -> str:
     """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes`."""
     lines = []
     for dp in D_PADS:
         for bt in BLOCK_TS:
-            for kind, field in (("fwd", "kFwdBytes"), ("bwd", "kBwdBytes")):
-                n = smem_bytes(kind, dp, bt)
-                lines.append(f"static_assert(ttt::TttTraits<{dp}, {bt}>::{field} == {n}ull, "
-                             f"\"smem_bytes('{kind}', {dp}, {bt}) != TttTraits::{field}\");")
+            for kernel in KERNELS:
+                n, field = smem_bytes(kernel, dp, bt), traits_field(kernel)
+                lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
+                             f"\"smem_bytes('{kernel}', {dp}, {bt}) != Traits::{field}\");")
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -115,18 +123,19 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-SOURCE_NAME = "ttt_linear.cu"
+SOURCE_NAME = "ttt_linear.cu"  # the program name NVRTC reports
 
 
-def _compile_task(task) -> tuple[tuple[str, int, int], Compiled]:
-    code, ct, dp, bt, arch, options, ptxas_verbose = task
-    names = [kernel_name("fwd", ct, dp, bt), kernel_name("bwd", ct, dp, bt)]
-    return (ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose)
+def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
+    code, pass_, ct, dp, bt, arch, options, ptxas_verbose = task
+    names = [kernel_name(k, ct, dp, bt) for k in PASSES[pass_]]
+    return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose)
 
 
-def instances() -> list[tuple[str, int, int]]:
-    """(C++ type, D_PAD, BT) of every program the backend may build."""
-    return [(ct, dp, bt) for ct in CTYPES.values() for dp in D_PADS for bt in BLOCK_TS]
+def instances() -> list[tuple[str, str, int, int]]:
+    """(pass, C++ type, D_PAD, BT) of every program the backend may build."""
+    return [(pass_, ct, dp, bt) for pass_ in PASSES for ct in CTYPES.values()
+            for dp in D_PADS for bt in BLOCK_TS]
 
 
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
@@ -136,15 +145,15 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
     options = [*NVRTC_OPTIONS, *include_options()]
-    code = source() + smem_asserts()
+    codes = {pass_: source(pass_) + smem_asserts() for pass_ in PASSES}
     print(f"NVRTC {major}.{minor}; CUDA headers: {inc or 'NVRTC built-ins'}; "
           f"options {options}", file=out)
     jobs = jobs or os.cpu_count() or 1
     counts = {}
     for arch in archs:
         start = time.perf_counter()
-        tasks = [(code, ct, dp, bt, arch, tuple(options), ptxas_verbose)
-                 for ct, dp, bt in instances()]
+        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose)
+                 for pass_, ct, dp, bt in instances()]
         if jobs > 1:
             # processes: the bindings hold the GIL while NVRTC compiles
             with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -157,10 +166,11 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         print(f"sm_{arch}: {n} kernel instances compiled ({len(results)} programs, "
               f"{cubin / 1e6:.1f} MB of cubin, {time.perf_counter() - start:.1f} s)", file=out)
         if ptxas_verbose:
-            for (ct, dp, bt), c in results:
+            for (pass_, ct, dp, bt), c in results:
                 for line in c.log.splitlines():
                     if re.search(r"Used \d+ registers|spill", line):
-                        print(f"  {ct:>13} D_PAD={dp:<3} BT={bt:<2} {line.strip()}", file=out)
+                        print(f"  {pass_} {ct:>13} D_PAD={dp:<3} BT={bt:<2} {line.strip()}",
+                              file=out)
     return counts
 
 

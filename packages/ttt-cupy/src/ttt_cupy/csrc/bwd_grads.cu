@@ -1,0 +1,174 @@
+// Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT>. dk, dv and the inner-loss
+// part of dw, db; one block per (group of G chunks, head), walking its group in reverse.
+//
+// bwd_chain.cu stored every row's full dg (the cotangent of g), so dkh and dy are row-local
+// (inner_grad_bwd_row) and the rest is linear in stored tiles. Per chunk, with W the state
+// before the chunk, dW the cotangent of the state after it, e the per-row eta and eta_l the
+// eta of the chunk's last valid row (notation in ttt_common.cuh):
+//
+//   S_ij = g_i . do_pre_j   (j >= i)
+//   dk_i = dy_i w - sum_{j >= i} e_j S_ij q_j + dkh_i W^T - eta_l g_i dW^T
+//   dv   = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
+//
+// (the first sum is dP^T q of the forward's intra-chunk term). Between chunks:
+//
+//   W  <- W + eta_l k^T g          (undoing the chunk's update: the state before it)
+//   dW <- dW + q^T do_pre + k^T dkh
+//
+// starting from the slots at the group's end (state from fwd_chain.cu, cotangent from
+// bwd_chain.cu). The group's FIRST chunk takes its state from its own exact slot: stepping the
+// state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
+// eps^-1/2 there). dy w stays in registers between the two row passes (each warp keeps its
+// rows). Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta (Traits::kBwdGradsBytes).
+#include "ttt_common.cuh"
+
+template <typename T, int D_PAD, int BT>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const float* __restrict__ eta,     // [B, T, H] fp32
+                     const float* __restrict__ lnw,     // [H, D] fp32
+                     const float* __restrict__ lnb,     // [H, D] fp32
+                     const float* __restrict__ ck,      // [slots, H, D, D] state slots
+                     const float* __restrict__ dck,     // [slots, H, D, D] slot cotangents
+                     const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
+                     const float* __restrict__ rbuf,    // [B, T, H] fp32 r
+                     const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
+                     const float* __restrict__ dgbuf,   // [B, T, H, D] fp32 full dg
+                     T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
+                     float* __restrict__ dwp,           // [groups, H, D] partials of dw
+                     float* __restrict__ dbp,           // [groups, H, D] partials of db
+                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+                     const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+                     float scale, long long T_len, int H, int D, int G,
+                     unsigned long long smem_bytes) {
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
+    constexpr int LD = Tr::kLd, LA = Tr::kLdA;
+    if (smem_bytes < Tr::kBwdGradsBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
+
+    extern __shared__ float smem[];
+    float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
+    float* s_dW = s_W + Tr::kState;    // [D_PAD, LD]  cotangent of the state after the chunk
+    float* s_q = s_dW + Tr::kState;    // [BT, LD]     q * scale
+    float* s_k = s_q + Tr::kTile;      // [BT, LD]     k
+    float* s_dop = s_k + Tr::kTile;    // [BT, LD]     do_pre
+    float* s_g = s_dop + Tr::kTile;    // [BT, LD]     g
+    float* s_dkh = s_g + Tr::kTile;    // [BT, LD]     dkh
+    float* s_S = s_dkh + Tr::kTile;    // [BT, LA]     S = g do_pre^T (upper triangle)
+    float* s_e = s_S + Tr::kSquare;    // [BT]         eta (zero past the end)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const long long gid = blockIdx.x / H;
+    const int i_h = (int)(blockIdx.x % H);
+    const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const long long DD = (long long)D * D;
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    float b_dw[P], b_db[P];                                          // this warp's partials
+#pragma unroll
+    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    const long long i_ck0 = gr.slot * H + i_h;   // the state before the group
+    const long long i_ck1 = i_ck0 + H;           // the slot after the group
+    ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck1 * DD, nullptr, D);
+    ttt::load_state<D_PAD, NT>(s_dW, nullptr, dck + i_ck1 * DD, nullptr, D);
+
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (gr.seq.bos * H + i_h) * D;
+    const long long p_ebase = gr.seq.bos * H + i_h;
+    for (int j = gr.nc - 1; j >= 0; --j) {
+        const long long row0 = (gr.c0 + j) * BT;
+        const int L = (int)min((long long)BT, gr.seq.len - row0);
+        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
+        ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        __syncthreads();
+        const float e_l = s_e[L - 1];
+
+        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials
+        float b_dyw[RW][P];                                          // [rows of this warp, D]
+#pragma unroll
+        for (int ii = 0; ii < RW; ++ii) {
+            const int i = warp + ii * NW;
+#pragma unroll
+            for (int e = 0; e < P; ++e) b_dyw[ii][e] = 0.f;
+            if (i >= L) {
+                ttt::zero_row<D_PAD>(s_g + i * LD);
+                ttt::zero_row<D_PAD>(s_dkh + i * LD);
+                continue;
+            }
+            const long long o_r = p_base + (row0 + i) * row_stride;
+            float b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
+            const float r = rbuf[p_ebase + (row0 + i) * H];
+            ttt::load_row<D_PAD>(b_xh, xbuf + o_r, D, 1.f);
+            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+            ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+            ttt::load_row<D_PAD>(b_dg, dgbuf + o_r, D, 1.f);
+            ttt::inner_grad_row(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
+            ttt::inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            ttt::put_row<D_PAD>(s_g + i * LD, b_g);
+            ttt::put_row<D_PAD>(s_dkh + i * LD, b_dkh);
+#pragma unroll
+            for (int e = 0; e < P; ++e) {
+                b_dyw[ii][e] = b_dy[e] * b_w[e];
+                b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
+                b_db[e] += b_dyw[ii][e];
+                b_dy[e] = -b_dyw[ii][e];
+            }
+            ttt::store_row<D_PAD>(dv + o_r, b_dy, D);
+        }
+        __syncthreads();
+
+        // the state before the chunk; S = g do_pre^T (j >= i)
+        if (j == 0) {
+            ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck0 * DD, nullptr, D);
+        } else {
+            ttt::state_axpy<D_PAD, BT, NT>(s_W, nullptr, e_l, s_k, s_g, D);
+        }
+        ttt::tri_dots<D_PAD, BT, NT, false>(s_S, s_g, s_dop, L, 0.f);
+        __syncthreads();
+
+        // row pass: dk = dy w - sum_{j >= i} e_j S_ij q_j + dkh W^T - eta_l g dW^T
+#pragma unroll
+        for (int ii = 0; ii < RW; ++ii) {
+            const int i = warp + ii * NW;
+            if (i >= L) continue;
+            float b_a[P], b_c[P];
+            ttt::row_times_state_t<D_PAD>(b_a, s_dkh + i * LD, s_W);
+            ttt::row_times_state_t<D_PAD>(b_c, s_g + i * LD, s_dW);
+#pragma unroll
+            for (int e = 0; e < P; ++e) {
+                const int d = lane + 32 * e;
+                float acc = 0.f;
+                if (d < D) {
+                    for (int jj = i; jj < L; ++jj) acc += s_e[jj] * s_S[i * LA + jj] * s_q[jj * LD + d];
+                }
+                b_a[e] += b_dyw[ii][e] - acc - e_l * b_c[e];
+            }
+            ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+        }
+        __syncthreads();
+
+        // dW <- dW + q^T do_pre + k^T dkh
+        ttt::state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
+        __syncthreads();
+    }
+
+    // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
+    ttt::put_row<D_PAD>(s_q + warp * LD, b_dw);
+    ttt::put_row<D_PAD>(s_k + warp * LD, b_db);
+    __syncthreads();
+    for (int d = tid; d < D; d += NT) {
+        float sw = 0.f, sb = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            sw += s_q[w * LD + d];
+            sb += s_k[w * LD + d];
+        }
+        const long long o_p = (gid * H + i_h) * D + d;
+        dwp[o_p] = sw;
+        dbp[o_p] = sb;
+    }
+}

@@ -1,0 +1,101 @@
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT>. Carries the state through the
+// chunks, nothing else.
+//
+// One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
+//
+//   kh = k W + hb  ->  g (inner-loss gradient)  ->  W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
+//
+// The block writes g (fp32) of every valid row for fwd_out.cu, the fp32 state into checkpoint
+// slot s before chunk s * G, and the final state into the sequence's last slot (and into
+// ht / hbt when given). The outputs (which need q) are left to the group-parallel fwd_out.cu.
+//
+// Per chunk: a row pass (one warp a row: kh = k_i W + hb, LayerNorm, g) then a tile pass for
+// the state step. Shared memory: W, hb, K, G (Traits::kFwdChainBytes).
+#include "ttt_common.cuh"
+
+template <typename T, int D_PAD, int BT>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
+                     const float* __restrict__ eta,   // [B, T, H] fp32
+                     const float* __restrict__ lnw,   // [H, D] fp32
+                     const float* __restrict__ lnb,   // [H, D] fp32
+                     const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
+                     const float* __restrict__ hb0,   // [N, H, D] fp32 or null
+                     float* __restrict__ ht,          // [N, H, D, D] or null
+                     float* __restrict__ hbt,         // [N, H, D] or null (with ht)
+                     float* __restrict__ ck,          // [slots, H, D, D] state slots
+                     float* __restrict__ ckb,         // [slots, H, D]
+                     float* __restrict__ gbuf,        // [B, T, H, D] fp32: g of every valid row
+                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+                     float eps, long long T_len, int H, int D, int G,
+                     unsigned long long smem_bytes) {
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
+    if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
+
+    extern __shared__ float smem[];
+    float* s_W = smem;                 // [D_PAD, LD]  state
+    float* s_hb = s_W + Tr::kState;    // [D_PAD]      bias state
+    float* s_k = s_hb + D_PAD;         // [BT, LD]     k
+    float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const long long i_nh = blockIdx.x;
+    const long long i_n = i_nh / H;
+    const int i_h = (int)(i_nh % H);
+    const ttt::Seq sq = ttt::seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const long long DD = (long long)D * D;
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    ttt::load_state<D_PAD, NT>(s_W, s_hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
+                               hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+    __syncthreads();
+
+    const long long row_stride = (long long)H * D;       // rows are H * D apart
+    const long long p_base = (sq.bos * H + i_h) * D;     // row 0 of this (sequence, head)
+    const long long p_ebase = sq.bos * H + i_h;          // eta rows are H apart
+    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
+        if (i_c % G == 0) {
+            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
+            ttt::store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
+        }
+        const long long row0 = i_c * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
+        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        __syncthreads();
+
+        // row pass: kh -> xh, r -> g (s_g, gbuf)
+        for (int i = warp; i < BT; i += NW) {
+            if (i >= L) {
+                ttt::zero_row<D_PAD>(s_g + i * LD);
+                continue;
+            }
+            float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+            ttt::row_times_state<D_PAD>(b_x, s_k + i * LD, s_W);
+            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+#pragma unroll
+            for (int e = 0; e < P; ++e) {
+                const int d = (tid & 31) + 32 * e;
+                if (d < D) b_x[e] += s_hb[d];
+            }
+            const float r = ttt::layer_norm_row(b_x, D, eps);
+            ttt::load_row<D_PAD>(b_v, v + p_base + (row0 + i) * row_stride, D, 1.f);
+            ttt::inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+            ttt::put_row<D_PAD>(s_g + i * LD, b_g);
+            ttt::store_row<D_PAD>(gbuf + p_base + (row0 + i) * row_stride, b_g, D);
+        }
+        __syncthreads();
+
+        // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
+        ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        __syncthreads();
+    }
+
+    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+    ttt::store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
+    if (ht != nullptr) ttt::store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
+}

@@ -1,0 +1,100 @@
+// Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT>. The outputs, one block per
+// (group of G chunks, head).
+//
+// fwd_chain.cu stored g of every row and the state before every group, so a group replays
+// its chunks from its slot without recomputing the inner loss (notation in ttt_common.cuh):
+//
+//   A     = tril(q k^T) + tril(1)                                  [BT, BT]
+//   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
+//   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
+//
+// Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs
+// there are. It walks chunk by chunk (blocks of BT rows): in SIMT arithmetic that is the
+// cheapest block (per row 2 D^2 + BT D multiply-adds); larger row blocks only pay with tensor
+// cores. Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
+#include "ttt_common.cuh"
+
+template <typename T, int D_PAD, int BT>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
+                   const float* __restrict__ eta,    // [B, T, H] fp32
+                   const float* __restrict__ lnw,    // [H, D] fp32
+                   const float* __restrict__ lnb,    // [H, D] fp32
+                   const float* __restrict__ ck,     // [slots, H, D, D] state slots
+                   const float* __restrict__ ckb,    // [slots, H, D]
+                   const float* __restrict__ gbuf,   // [B, T, H, D] fp32 g (fwd_chain)
+                   T* __restrict__ o,                // [B, T, H, D]
+                   const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+                   const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+                   const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+                   float scale, float eps, long long T_len, int H, int D, int G,
+                   unsigned long long smem_bytes) {
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    constexpr int LD = Tr::kLd, LA = Tr::kLdA;
+    if (smem_bytes < Tr::kFwdOutBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
+
+    extern __shared__ float smem[];
+    float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
+    float* s_hb = s_W + Tr::kState;    // [D_PAD]
+    float* s_q = s_hb + D_PAD;         // [BT, LD]     q * scale
+    float* s_k = s_q + Tr::kTile;      // [BT, LD]     k
+    float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
+    float* s_A = s_g + Tr::kTile;      // [BT, LA]     tril(q k^T) + tril(1)
+    float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const long long gid = blockIdx.x / H;
+    const int i_h = (int)(blockIdx.x % H);
+    const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const long long DD = (long long)D * D;
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    const long long i_ck = gr.slot * H + i_h;
+    ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (gr.seq.bos * H + i_h) * D;
+    const long long p_ebase = gr.seq.bos * H + i_h;
+    for (int j = 0; j < gr.nc; ++j) {
+        const long long row0 = (gr.c0 + j) * BT;
+        const int L = (int)min((long long)BT, gr.seq.len - row0);
+        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        ttt::load_tile<D_PAD, BT, NT>(s_g, gbuf, p_base, row0, L, row_stride, D, 1.f);
+        ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        __syncthreads();
+        const float e_l = s_e[L - 1];
+
+        ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        __syncthreads();
+
+        // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
+        for (int i = warp; i < L; i += NW) {
+            float b_o[P], b_n[P];
+            ttt::row_times_state<D_PAD>(b_o, s_q + i * LD, s_W);
+#pragma unroll
+            for (int e = 0; e < P; ++e) {
+                const int d = lane + 32 * e;
+                float acc = 0.f;
+                if (d < D) {
+                    for (int jj = 0; jj <= i; ++jj) acc += s_A[i * LA + jj] * s_g[jj * LD + d];
+                    b_o[e] += s_hb[d] - s_e[i] * acc;
+                } else {
+                    b_o[e] = 0.f;
+                }
+                b_n[e] = b_o[e];
+            }
+            ttt::layer_norm_row(b_n, D, eps);
+#pragma unroll
+            for (int e = 0; e < P; ++e) b_o[e] += b_n[e] * b_w[e] + b_b[e];
+            ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+        }
+        __syncthreads();
+
+        ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        __syncthreads();
+    }
+}

@@ -1,0 +1,410 @@
+// Chunked TTT-linear: what the five kernels share (plain SIMT fp32, no tensor cores).
+//
+// Notation (per chunk of L <= BT valid rows; rows past the sequence's end are exactly zero and
+// take no part in anything: the padding rule of docs/math.md; q is pre-multiplied by `scale`):
+//
+//   kh  = k W + hb,      xh = (kh - mean) r,   r = 1 / sqrt(var(kh) + eps)
+//   y   = (xh w + b - v + k) w                                   (dl / dxh)
+//   g   = r (y - mean(y) - xh mean(y xh))                        (dl / dkh of the inner loss)
+//   A   = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
+//   W  <- W - eta_l k^T g,         hb <- hb - eta_l sum_i g_i
+//
+// with e the per-row eta and eta_l the eta of the chunk's last *valid* row. The backward of g
+// for a cotangent dg (inner_grad_bwd_row):
+//
+//   dy  = r (dg - mean(dg) - xh mean(dg xh))
+//   dxh = -r (dg mean(xh y) + y mean(dg xh)) + dy w^2,    dr = sum(dg g) / r
+//   dkh = r (dxh - mean(dxh) - xh mean(dxh xh)) - dr r^2 xh / D
+//
+// Checkpoint *slots*: every sequence owns NG + 1 slots (NG = cdiv(chunks, G)); slot s < NG
+// holds the fp32 state before chunk s * G and slot NG the final state. A *group* is the run of
+// (at most) G chunks between two slots; groups are counted over the batch (grp_offsets [N + 1]
+// gives each sequence's first group, grp_seq [groups] each group's sequence, varlen only).
+//
+// Layout: q, k, v, o, do, dq, dk, dv are [B, T, H, D] in the input dtype T (float, __half or
+// __nv_bfloat16); the fp32 work buffers g, xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
+// [B, T, H]; w, b [H, D] fp32; states [N, H, D, D] / [N, H, D] and slots [slots, H, D, D] /
+// [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
+//
+// Thread mappings: "row passes" give one warp a row (lane l holds columns l, l + 32, ...,
+// kPerLane of them, in registers); "tile passes" give one thread an output element.
+// Shared-memory tiles are fp32 with rows padded by one float (no bank conflicts when lanes
+// walk down a column). Per-kernel shared memory: Traits<D_PAD, BT>::k*Bytes, mirrored by
+// ttt_cupy.compile.smem_bytes (checked against each other by ttt_cupy.nvrtc_check).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace ttt {
+
+// ---------------------------------------------------------------- tile sizes per head dim
+template <int D_PAD, int BT>
+struct Traits {
+    static_assert(D_PAD == 16 || D_PAD == 32 || D_PAD == 64 || D_PAD == 128,
+                  "D_PAD must be 16, 32, 64 or 128");
+    static_assert(BT == 16 || BT == 32 || BT == 64, "BT must be 16, 32 or 64");
+    static constexpr int kThreads = D_PAD >= 64 ? 256 : 128;
+    static constexpr int kWarps = kThreads / 32;
+    static constexpr int kPerLane = (D_PAD + 31) / 32;  // row elements per lane in row passes
+    static constexpr int kRowsPerWarp = BT / kWarps;     // rows of a chunk per warp
+    static constexpr int kLd = D_PAD + 1;                // row stride of [BT, D_PAD] tiles and
+                                                         // of [D_PAD, D_PAD] states
+    static constexpr int kLdA = BT + 1;                  // row stride of [BT, BT] tiles
+    static constexpr int kTile = BT * kLd;
+    static constexpr int kState = D_PAD * kLd;
+    static constexpr int kSquare = BT * kLdA;
+    // shared memory (floats) of each kernel
+    // fwd_chain: W, hb, K, G
+    static constexpr int kFwdChainFloats = kState + D_PAD + 2 * kTile;
+    // fwd_out:   W, hb, Q, K, G, A, eta
+    static constexpr int kFwdOutFloats = kState + D_PAD + 3 * kTile + kSquare + BT;
+    // bwd_local: W, hb, Q, K, DO, G, A, dS/dP, eta
+    static constexpr int kBwdLocalFloats = kState + D_PAD + 4 * kTile + 2 * kSquare + BT;
+    // bwd_chain: dW, dhb, Q, K, DOP, DKH, row sums
+    static constexpr int kBwdChainFloats = kState + D_PAD + 4 * kTile + BT;
+    // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta
+    static constexpr int kBwdGradsFloats = 2 * kState + 5 * kTile + kSquare + BT;
+    static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
+    static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
+    static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
+    static constexpr unsigned long long kBwdChainBytes = 4ull * kBwdChainFloats;
+    static constexpr unsigned long long kBwdGradsBytes = 4ull * kBwdGradsFloats;
+    static_assert(BT % kWarps == 0, "BT must be a multiple of the warp count");
+};
+
+// ---------------------------------------------------------------- conversions
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// ---------------------------------------------------------------- coordinates
+struct Seq {
+    long long bos;        // first row (over the batch's B * T rows)
+    long long len;        // rows
+    long long nc;         // chunks (a partial last chunk counts)
+    long long slot_base;  // index of the sequence's first checkpoint slot
+};
+
+__device__ __forceinline__ Seq seq_coords(long long i_n, long long T_len, int BT, int G,
+                                          const long long* __restrict__ cu_seqlens,
+                                          const long long* __restrict__ grp_offsets) {
+    Seq s;
+    if (cu_seqlens != nullptr) {
+        s.bos = cu_seqlens[i_n];
+        s.len = cu_seqlens[i_n + 1] - s.bos;
+        s.slot_base = grp_offsets[i_n] + i_n;
+    } else {
+        s.bos = i_n * T_len;
+        s.len = T_len;
+        s.slot_base = i_n * (((T_len + BT - 1) / BT + G - 1) / G + 1);
+    }
+    s.nc = (s.len + BT - 1) / BT;
+    return s;
+}
+
+struct Group {
+    Seq seq;
+    long long c0;    // first chunk of the group (in its sequence)
+    int nc;          // chunks in the group (1 .. G)
+    long long slot;  // slot of the state before chunk c0; slot + 1 is the state after the group
+};
+
+__device__ __forceinline__ Group group_coords(long long gid, long long T_len, int BT, int G,
+                                              const long long* __restrict__ cu_seqlens,
+                                              const long long* __restrict__ grp_offsets,
+                                              const int* __restrict__ grp_seq) {
+    long long i_n, j;
+    if (cu_seqlens != nullptr) {
+        i_n = grp_seq[gid];
+        j = gid - grp_offsets[i_n];
+    } else {
+        const long long ng = ((T_len + BT - 1) / BT + G - 1) / G;
+        i_n = gid / ng;
+        j = gid % ng;
+    }
+    Group g;
+    g.seq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    g.c0 = j * G;
+    g.nc = (int)min((long long)G, g.seq.nc - g.c0);
+    g.slot = g.seq.slot_base + j;
+    return g;
+}
+
+// ---------------------------------------------------------------- block-wide tile passes
+// s[i, d] = src[base + (row0 + i) * row_stride + d] * mult for i < L, d < D; zero elsewhere.
+template <int D_PAD, int BT, int NT, typename S>
+__device__ __forceinline__ void load_tile(float* s, const S* __restrict__ src, long long base,
+                                          long long row0, int L, long long row_stride, int D,
+                                          float mult) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < BT * D_PAD; idx += NT) {
+        const int i = idx / D_PAD, d = idx % D_PAD;
+        float val = 0.f;
+        if (i < L && d < D) val = to_f32(src[base + (row0 + i) * row_stride + d]) * mult;
+        s[i * LD + d] = val;
+    }
+}
+
+// s[i] = eta[ebase + (row0 + i) * H] for i < L, zero elsewhere.
+template <int BT, int NT>
+__device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta, long long ebase,
+                                         long long row0, int L, int H) {
+    for (int i = threadIdx.x; i < BT; i += NT) s[i] = i < L ? eta[ebase + (row0 + i) * H] : 0.f;
+}
+
+// sW[a, d] = src[a * D + d] (zero outside [D, D] or when src is null); sHb likewise when given.
+template <int D_PAD, int NT>
+__device__ __forceinline__ void load_state(float* sW, float* sHb, const float* src,
+                                           const float* srcb, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        sW[a * LD + d] = (src != nullptr && a < D && d < D) ? src[a * D + d] : 0.f;
+    }
+    if (sHb != nullptr) {
+        for (int d = threadIdx.x; d < D_PAD; d += NT)
+            sHb[d] = (srcb != nullptr && d < D) ? srcb[d] : 0.f;
+    }
+}
+
+// dst[a * D + d] = sW[a, d]; dstb[d] = sHb[d] when dstb is given.
+template <int D_PAD, int NT>
+__device__ __forceinline__ void store_state(float* dst, float* dstb, const float* sW,
+                                            const float* sHb, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        if (a < D && d < D) dst[a * D + d] = sW[a * LD + d];
+    }
+    if (dstb != nullptr) {
+        for (int d = threadIdx.x; d < D; d += NT) dstb[d] = sHb[d];
+    }
+}
+
+// W += c X^T Y (X, Y [BT, D_PAD] tiles, zero past the valid rows); hb += c sum_i Y_i when
+// sHb is given.
+template <int D_PAD, int BT, int NT>
+__device__ __forceinline__ void state_axpy(float* sW, float* sHb, float c, const float* sX,
+                                           const float* sY, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        if (a < D && d < D) {
+            float acc = 0.f;
+#pragma unroll 8
+            for (int i = 0; i < BT; ++i) acc += sX[i * LD + a] * sY[i * LD + d];
+            sW[a * LD + d] += c * acc;
+        }
+    }
+    if (sHb != nullptr) {
+        for (int d = threadIdx.x; d < D; d += NT) {
+            float acc = 0.f;
+            for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
+            sHb[d] += c * acc;
+        }
+    }
+}
+
+// W += X1^T Y1 + X2^T Y2 (the cotangent step; [BT, D_PAD] tiles, zero past the valid rows).
+template <int D_PAD, int BT, int NT>
+__device__ __forceinline__ void state_add2(float* sW, const float* sX1, const float* sY1,
+                                           const float* sX2, const float* sY2, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        if (a < D && d < D) {
+            float acc = 0.f;
+#pragma unroll 8
+            for (int i = 0; i < BT; ++i)
+                acc += sX1[i * LD + a] * sY1[i * LD + d] + sX2[i * LD + a] * sY2[i * LD + d];
+            sW[a * LD + d] += acc;
+        }
+    }
+}
+
+// sOut[i, j] = X_i . Y_j + add for the (i, j) with i, j < L and j <= i (LOWER) or j >= i
+// (upper); zero elsewhere. X, Y [BT, D_PAD] tiles; sOut [BT, BT + 1].
+template <int D_PAD, int BT, int NT, bool LOWER>
+__device__ __forceinline__ void tri_dots(float* sOut, const float* sX, const float* sY, int L,
+                                         float add) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    for (int idx = threadIdx.x; idx < BT * BT; idx += NT) {
+        const int i = idx / BT, j = idx % BT;
+        float acc = 0.f;
+        if (i < L && j < L && (LOWER ? j <= i : j >= i)) {
+#pragma unroll 8
+            for (int c = 0; c < D_PAD; ++c) acc += sX[i * LD + c] * sY[j * LD + c];
+            acc += add;
+        }
+        sOut[i * LA + j] = acc;
+    }
+}
+
+// ---------------------------------------------------------------- row passes (one warp a row)
+// Lane l holds columns d = l + 32 e, e < P = kPerLane; columns >= D hold zero.
+
+// x[e] = src[d] * mult for d < D, zero elsewhere (src: global or shared memory).
+template <int D_PAD, typename S>
+__device__ __forceinline__ void load_row(float (&x)[(D_PAD + 31) / 32], const S* src, int D,
+                                         float mult) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        x[e] = d < D ? to_f32(src[d]) * mult : 0.f;
+    }
+}
+
+// dst[d] = x[e] for d < D.
+template <int D_PAD, typename S>
+__device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + 31) / 32], int D) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D) dst[d] = from_f32<S>(x[e]);
+    }
+}
+
+// A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
+template <int D_PAD>
+__device__ __forceinline__ void put_row(float* srow, const float (&x)[(D_PAD + 31) / 32]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D_PAD) srow[d] = x[e];
+    }
+}
+
+template <int D_PAD>
+__device__ __forceinline__ void zero_row(float* srow) {
+    for (int d = threadIdx.x & 31; d < D_PAD; d += 32) srow[d] = 0.f;
+}
+
+template <int P>
+__device__ __forceinline__ float row_dot(const float (&x)[P], const float (&y)[P]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) s += x[e] * y[e];
+    return warp_sum(s);
+}
+
+template <int P>
+__device__ __forceinline__ float row_sum(const float (&x)[P]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) s += x[e];
+    return warp_sum(s);
+}
+
+// out[d] = sum_a arow[a] M[a, d]   (arow: a shared row; M: a [D_PAD, D_PAD + 1] state)
+template <int D_PAD>
+__device__ __forceinline__ void row_times_state(float (&out)[(D_PAD + 31) / 32],
+                                                const float* arow, const float* sM) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        float acc = 0.f;
+        if (d < D_PAD) {
+#pragma unroll 8
+            for (int a = 0; a < D_PAD; ++a) acc += arow[a] * sM[a * LD + d];
+        }
+        out[e] = acc;
+    }
+}
+
+// out[d] = sum_c arow[c] M[d, c]   (the row times M^T)
+template <int D_PAD>
+__device__ __forceinline__ void row_times_state_t(float (&out)[(D_PAD + 31) / 32],
+                                                  const float* arow, const float* sM) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        float acc = 0.f;
+        if (d < D_PAD) {
+#pragma unroll 8
+            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[d * LD + c];
+        }
+        out[e] = acc;
+    }
+}
+
+// In place: x <- LN(x) over the D valid columns (no affine); returns r = 1 / sqrt(var + eps).
+template <int P>
+__device__ __forceinline__ float layer_norm_row(float (&x)[P], int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const float mean = row_sum(x) / (float)D;
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        x[e] = lane + 32 * e < D ? x[e] - mean : 0.f;
+        s += x[e] * x[e];
+    }
+    const float r = 1.f / sqrtf(warp_sum(s) / (float)D + eps);
+#pragma unroll
+    for (int e = 0; e < P; ++e) x[e] *= r;
+    return r;
+}
+
+// g and y of a row from xh and r: y = (xh w + b - v + k) w, g = r (y - mean(y) - xh mean(y xh)).
+template <int P>
+__device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], const float (&xh)[P],
+                                               float r, const float (&k)[P], const float (&v)[P],
+                                               const float (&w)[P], const float (&b)[P], int D) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        y[e] = lane + 32 * e < D ? (xh[e] * w[e] + b[e] - v[e] + k[e]) * w[e] : 0.f;
+    const float ym = row_sum(y) / (float)D;
+    const float yx = row_dot(y, xh) / (float)D;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        g[e] = lane + 32 * e < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
+}
+
+// Backward of g(kh) for the cotangent dg: dkh and dy (see the top of this file).
+template <int P>
+__device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
+                                                   const float (&dg)[P], const float (&xh)[P],
+                                                   float r, const float (&y)[P],
+                                                   const float (&g)[P], const float (&w)[P],
+                                                   int D) {
+    const int lane = threadIdx.x & 31;
+    const float a1 = row_sum(dg) / (float)D;
+    const float a2 = row_dot(dg, xh) / (float)D;
+    const float a3 = row_dot(xh, y) / (float)D;
+    const float dr = row_dot(dg, g) * r / (float)D;  // dr r^2 / D with dr = sum(dg g) / r
+    float dxh[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const bool m = lane + 32 * e < D;
+        dy[e] = m ? r * (dg[e] - a1 - xh[e] * a2) : 0.f;
+        dxh[e] = m ? -r * (dg[e] * a3 + y[e] * a2) + dy[e] * (w[e] * w[e]) : 0.f;
+    }
+    const float c1 = row_sum(dxh) / (float)D;
+    const float c2 = row_dot(dxh, xh) / (float)D;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        dkh[e] = lane + 32 * e < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+}
+
+}  // namespace ttt
