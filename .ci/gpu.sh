@@ -34,7 +34,7 @@ for stage in $stages; do
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
     tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
-      for t in ${TUNE:-"S=64,block=4" "S=32,block=4" "S=32,block=8"}; do
+      for t in ${TUNE:-"S_out=64,S_grads=32" "S_out=32,S_grads=32" "S_out=64,S_grads=64"}; do
         echo "== TTT_TRITON_TUNE=$t"
         timeout ${BENCH_TIMEOUT:-240} env TTT_TRITON_TUNE=$t python3 benchmarks/run.py \
           --backends triton --no-check --no-plot --rep 50 --warmup 20 \

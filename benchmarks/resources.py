@@ -33,10 +33,10 @@ INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i3
 # (name, kernel, launch kind, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
-    ("fwd_out", ttt_linear_fwd_out_kernel, "block", {}),
-    ("bwd_local", ttt_linear_bwd_local_kernel, "block", {}),
+    ("fwd_out", ttt_linear_fwd_out_kernel, "group", dict(S="S_out")),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "group", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
-    ("bwd_grads", ttt_linear_bwd_grads_kernel, "block", {}),
+    ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", dict(S="S_grads")),
 )
 
 
@@ -84,11 +84,12 @@ def main() -> None:
                     if only and name not in only:
                         continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
-                                  IS_VARLEN=False, PREC=prec, **extra)
+                                  IS_VARLEN=False, PREC=prec,
+                                  **{k: v for k, v in extra.items() if k != "S"})
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     if "BS" in fn.arg_names:
-                        consts["BS"] = launcher.block_rows(BT, tune["G"], tune)
+                        consts["BS"] = launcher.block_rows(extra["S"], BT, tune["G"], tune)
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})

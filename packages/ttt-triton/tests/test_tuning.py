@@ -19,11 +19,14 @@ def test_defaults_and_doubling(monkeypatch):
 
 
 def test_environment_override(monkeypatch):
-    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, block=8, S=32")
+    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, group=8, S_out=32")
     assert launcher.num_warps("chain", 64, ieee=False) == 2
-    assert launcher.num_warps("block", 64, ieee=False) == 8
-    assert launcher.num_warps("block", 128, ieee=False) == 8
-    assert launcher.tunables()["S"] == 32
+    assert launcher.num_warps("group", 64, ieee=False) == 8
+    assert launcher.num_warps("group", 128, ieee=False) == 8
+    assert launcher.tunables()["S_out"] == 32
+    assert launcher.block_rows("S_out", 16, 16, launcher.tunables()) == 32
+    assert launcher.block_rows("S_out", 64, 16, launcher.tunables()) == 64   # >= a chunk
+    assert launcher.block_rows("S_out", 16, 1, launcher.tunables()) == 16    # <= a group
 
 
 def test_checkpoint_interval_override(monkeypatch):

@@ -10,7 +10,8 @@ chunks). The backward chain stored every row's full ``dg`` (the cotangent of ``g
         (g_i \cdot do_{pre,j})\\
     (C_k)_{ij} &= -[c_j < c_i]\, \eta_j\, (dkh_i \cdot g_j) - [c_j > c_i]\, \eta_i\,
         (g_i \cdot dkh_j)\\
-    dv &= -dy\, w, \quad dw \mathrel{+}= \textstyle\sum_i dy (2 \hat x w + b - v + k),
+    d\eta_{last} &\mathrel{+}= \text{the per-chunk term of bwd\_chain.py}, \quad
+    dv = -dy\, w, \quad dw \mathrel{+}= \textstyle\sum_i dy (2 \hat x w + b - v + k),
         \quad db \mathrel{+}= \textstyle\sum_i dy\, w
 
 with ``c_i`` row ``i``'s chunk, ``e`` the per-row eta, ``\eta_i`` the eta of the last valid
@@ -42,7 +43,9 @@ def ttt_linear_bwd_grads_kernel(
     ck,                 # state slots (forward chain)
     dck,                # cotangent slots (backward chain)
     xbuf, rbuf, dopbuf, dgbuf,  # xhat, r, do_pre (bwd_local) and the full dg (bwd_chain)
+    delast,             # [groups * G, H] fp32 last-row term of deta per chunk (bwd_chain)
     dk, dv,             # [B, T, H, D]
+    deta,               # [B, T, H] fp32 from bwd_local; the last-row terms are added
     dwp, dbp,           # [groups, H, D] fp32 partials of dw, db
     cu_seqlens, grp_offsets, grp_seq,
     scale,
@@ -87,6 +90,12 @@ def ttt_linear_bwd_grads_kernel(
         o_x, m_2d, m_t, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d,
                                                seq_len, H, D, BT)
         o_e = p_ebase + (r0 + o_s).to(tl.int64) * H
+        # the last-row terms of deta, from the backward chain
+        o_ch = (r0 + o_s) // BT                                            # [BS]
+        m_last = m_t & (r0 + o_s == tl.minimum((o_ch + 1) * BT, seq_len) - 1)
+        b_dl = tl.load(delast + (gid.to(tl.int64) * G + o_ch - c0) * H + i_h, mask=m_last,
+                       other=0.)
+        tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl, mask=m_last)
         # row-local: g, y, then dkh, dy from the full dg; dv, dw, db
         b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
         b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]

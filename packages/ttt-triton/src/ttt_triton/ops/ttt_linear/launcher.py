@@ -31,20 +31,21 @@ HALF_DOT_PRECISION = "tf32"
 inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
 inputs always use "ieee"."""
 
-BLOCK_ROWS = 64
-"""S: rows per block of the group-parallel kernels (fwd_out, bwd_local, bwd_grads), which
-walk a group in blocks of S / BT chunks with masked [S, S] products; at least one chunk,
-at most one group."""
+BLOCK_ROWS = {"S_out": 64, "S_grads": 32}
+"""Rows per block of fwd_out and of bwd_grads, which walk a group in blocks of S / BT
+chunks with masked [S, S] products (clamped to at least one chunk, at most one group).
+bwd_local walks chunk by chunk: it recomputes g, which is sequential."""
 
-NUM_WARPS = {"chain": 4, "block": 4}
+NUM_WARPS = {"chain": 4, "group": 4}
 """num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
 ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
 doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
 
 def tunables() -> dict[str, int]:
-    """G, S and NUM_WARPS, overridden for tuning runs by ``TTT_TRITON_TUNE="chain=2,G=8"``."""
-    tune = dict(NUM_WARPS, G=CKPT_INTERVAL, S=BLOCK_ROWS)
+    """G, BLOCK_ROWS and NUM_WARPS, overridden for tuning runs by
+    ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
+    tune = dict(NUM_WARPS, G=CKPT_INTERVAL, **BLOCK_ROWS)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -63,9 +64,10 @@ def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
     return chunk_size, max(16, triton.next_power_of_2(D))
 
 
-def block_rows(BT: int, G: int, tune: dict[str, int]) -> int:
-    """Rows per block of the group-parallel kernels: S, clamped to [BT, G * BT]."""
-    return max(BT, min(tune["S"], G * BT))
+def block_rows(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
+    """Rows per block of fwd_out (``kind="S_out"``) or bwd_grads (``"S_grads"``), clamped
+    to [BT, G * BT]."""
+    return max(BT, min(tune[kind], G * BT))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -155,8 +157,9 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     ttt_linear_fwd_out_kernel[(grp.count, H)](
         q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BS=block_rows(BT, G, tune), BD=BD, G=G, IS_VARLEN=varlen,
-        HALF=q.dtype != torch.float32, PREC=prec, **_launch("block", BD, q.dtype, tune))
+        H=H, D=D, BT=BT, BS=block_rows("S_out", BT, G, tune), BD=BD, G=G,
+        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
+        **_launch("group", BD, q.dtype, tune))
     saved = Saved(ck, ckb, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
@@ -190,8 +193,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BS=block_rows(BT, G, tune), BD=BD, G=G, IS_VARLEN=varlen,
-        HALF=q.dtype != torch.float32, PREC=prec, **_launch("block", BD, q.dtype, tune))
+        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
+        PREC=prec, **_launch("group", BD, q.dtype, tune))
 
     dh0 = dhb0 = None
     if want_dh0:
@@ -202,8 +205,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
         dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
     dck = torch.empty_like(saved.ck)
+    delast = torch.empty(grp.count * G, H, **f32)
     ttt_linear_bwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dh0, dhb0,
+        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, delast, dht, dhbt, dck, dh0, dhb0,
         cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
         IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype, tune))
@@ -211,9 +215,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
     ttt_linear_bwd_grads_kernel[(grp.count, H)](
-        q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf,
-        dk, dv, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
+        q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, delast,
+        dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
-        H=H, D=D, BT=BT, BS=block_rows(BT, G, tune), BD=BD, G=G, IS_VARLEN=varlen,
-        PREC=prec, **_launch("block", BD, q.dtype, tune))
+        H=H, D=D, BT=BT, BS=block_rows("S_grads", BT, G, tune), BD=BD, G=G,
+        IS_VARLEN=varlen, PREC=prec, **_launch("group", BD, q.dtype, tune))
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
