@@ -12,14 +12,14 @@ stored ``xhat`` and ``r`` (row-local); ``dg_loc`` and ``do_pre`` were stored by
     dW &\leftarrow dW + q^\top do_{pre} + k^\top dkh, \qquad
         dhb \leftarrow dhb + \textstyle\sum_i do_{pre,i} + \textstyle\sum_i dkh_i
 
-The full ``dg`` replaces ``dg_loc`` in its buffer and the last-row term of ``deta``,
+The full ``dg`` replaces ``dg_loc`` in its buffer. The last-row term of ``deta``,
 
 .. math::
 
-    d\eta_{last} = -\langle k\, dW + dhb, g\rangle,
+    d\eta_{last} = -\textstyle\sum_i g_i \cdot (k_i\, dW + dhb),
 
-goes to a per-chunk buffer (``bwd_grads.py`` adds it to ``deta``: a read-modify-write of
-``deta`` here would put a dependent load on the chain). The cotangent of checkpoint slot
+leaves the chain as per-row sums (one row reduction per step; ``bwd_grads.py`` sums them
+per chunk and adds them to ``deta``). The cotangent of checkpoint slot
 ``s`` (the state before chunk ``s * G``; the last slot is the final state) is written to
 ``dck`` for ``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the
 next chunk are loaded one step early.
@@ -50,7 +50,7 @@ def ttt_linear_bwd_chain_kernel(
     q, k, v, eta, w, b,
     xbuf, rbuf, dopbuf,  # from bwd_local
     dgbuf,              # dg_loc from bwd_local in, the full dg out
-    delast,             # [groups * G, H] fp32: the last-row term of deta per chunk
+    desum,              # [B * T, H] fp32: g_i . (k_i dW + dhb) per row
     dht, dhbt,          # [N, H, D, D], [N, H, 1, D] cotangents of the final states
     dck,                # [slots, H, D, D] fp32 cotangents of the slots
     dh0, dhb0,          # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_DH0)
@@ -90,7 +90,6 @@ def ttt_linear_bwd_chain_kernel(
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
-    i_gc0 = (slot_base - i_n) * G      # this sequence's first chunk in [groups * G]
     r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
         q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, (NC - 1) * BT, o_t, o_d,
         seq_len, m_d, H, D)
@@ -114,8 +113,7 @@ def ttt_linear_bwd_chain_kernel(
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
         tl.store(dgbuf + o_x, b_dg, mask=m_2d)
-        b_de_last = -tl.sum(tl.sum(b_kdW * b_g, 1), 0) - tl.sum(b_dhb * tl.sum(b_g, 0), 0)
-        tl.store(delast + (i_gc0 + i_c) * H + i_h, b_de_last)
+        tl.store(desum + p_ebase + o_e, tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1), mask=m_t)
         b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
             + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)

@@ -10,7 +10,8 @@ chunks). The backward chain stored every row's full ``dg`` (the cotangent of ``g
         (g_i \cdot do_{pre,j})\\
     (C_k)_{ij} &= -[c_j < c_i]\, \eta_j\, (dkh_i \cdot g_j) - [c_j > c_i]\, \eta_i\,
         (g_i \cdot dkh_j)\\
-    d\eta_{last} &\mathrel{+}= \text{the per-chunk term of bwd\_chain.py}, \quad
+    d\eta_{last} &\mathrel{+}= -\textstyle\sum_{i \in \text{chunk}} s_i
+        \ (s \text{ the per-row sums of bwd\_chain.py}), \quad
     dv = -dy\, w, \quad dw \mathrel{+}= \textstyle\sum_i dy (2 \hat x w + b - v + k),
         \quad db \mathrel{+}= \textstyle\sum_i dy\, w
 
@@ -43,7 +44,7 @@ def ttt_linear_bwd_grads_kernel(
     ck,                 # state slots (forward chain)
     dck,                # cotangent slots (backward chain)
     xbuf, rbuf, dopbuf, dgbuf,  # xhat, r, do_pre (bwd_local) and the full dg (bwd_chain)
-    delast,             # [groups * G, H] fp32 last-row term of deta per chunk (bwd_chain)
+    desum,              # [B * T, H] fp32 per-row parts of the last-row deta (bwd_chain)
     dk, dv,             # [B, T, H, D]
     deta,               # [B, T, H] fp32 from bwd_local; the last-row terms are added
     dwp, dbp,           # [groups, H, D] fp32 partials of dw, db
@@ -93,8 +94,8 @@ def ttt_linear_bwd_grads_kernel(
         # the last-row terms of deta, from the backward chain
         o_ch = (r0 + o_s) // BT                                            # [BS]
         m_last = m_t & (r0 + o_s == tl.minimum((o_ch + 1) * BT, seq_len) - 1)
-        b_dl = tl.load(delast + (gid.to(tl.int64) * G + o_ch - c0) * H + i_h, mask=m_last,
-                       other=0.)
+        b_rs = tl.load(desum + o_e, mask=m_t, other=0.)                    # [BS]
+        b_dl = -tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_rs[None, :], 0.), 1)
         tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl, mask=m_last)
         # row-local: g, y, then dkh, dy from the full dg; dv, dw, db
         b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]

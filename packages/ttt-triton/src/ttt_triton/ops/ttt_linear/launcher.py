@@ -205,9 +205,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
         dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
     dck = torch.empty_like(saved.ck)
-    delast = torch.empty(grp.count * G, H, **f32)
+    desum = torch.empty(B, T, H, **f32)
     ttt_linear_bwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, delast, dht, dhbt, dck, dh0, dhb0,
+        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
         cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
         IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype, tune))
@@ -215,7 +215,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
     ttt_linear_bwd_grads_kernel[(grp.count, H)](
-        q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, delast,
+        q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
         H=H, D=D, BT=BT, BS=block_rows("S_grads", BT, G, tune), BD=BD, G=G,
