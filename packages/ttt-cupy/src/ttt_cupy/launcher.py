@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ttt import Problem
+from ttt.problem import ChunkGroups
 
 from .compile import d_pad, get_kernels, pass_smem, smem_bytes, threads
 
@@ -59,37 +60,12 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
 
 
 @dataclass
-class Groups:
-    """How a batch splits into groups of G chunks, and where the checkpoint slots go: every
-    sequence owns NG + 1 slots (NG = its groups); slot s < NG holds the state before chunk
-    s * G, slot NG the final state."""
-
-    G: int
-    count: int                          # groups over the batch
-    slots: int                          # checkpoint slots: count + N
-    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
-    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
-
-    @classmethod
-    def of(cls, p: Problem, G: int) -> Groups:
-        offs = p.group_offsets(G)
-        offsets = seq = None
-        if p.is_varlen:
-            dev = p.q.device
-            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
-            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
-            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
-            seq = seq.to(dev, non_blocking=True)
-        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
-
-
-@dataclass
 class Saved:
     """What the forward keeps for the backward: the fp32 state slots and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
-    groups: Groups
+    groups: ChunkGroups
 
 
 @functools.cache
@@ -142,7 +118,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     N = p.N
     BT, dp = p.chunk_size, d_pad(D)
     dev = q.device
-    grp = Groups.of(p, CKPT_INTERVAL)
+    grp = ChunkGroups.of(p, CKPT_INTERVAL)
     G = grp.G
     f32 = dict(dtype=torch.float32, device=dev)
     ht = hbt = None

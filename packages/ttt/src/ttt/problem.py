@@ -102,6 +102,33 @@ class Problem:
 
 
 @dataclass
+class ChunkGroups:
+    """How a batch splits into groups of ``G`` chunks, for kernels that keep one checkpoint
+    per group: every sequence owns NG + 1 slots (NG = its groups); slot s < NG holds the
+    state before chunk s * G, slot NG the final state."""
+
+    G: int
+    count: int                          # groups over the batch
+    slots: int                          # checkpoint slots: count + N
+    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
+    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
+
+    @classmethod
+    def of(cls, p: Problem, G: int) -> ChunkGroups:
+        """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
+        ``p``'s device (non-blocking copies)."""
+        offs = p.group_offsets(G)
+        offsets = seq = None
+        if p.is_varlen:
+            dev = p.q.device
+            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
+            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
+            seq = seq.to(dev, non_blocking=True)
+        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
+
+
+@dataclass
 class Gradients:
     """Gradients a backend returns; None where not requested or not applicable."""
 

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from ttt import Problem
+from ttt.problem import ChunkGroups
 
 from ...backend import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
@@ -81,35 +82,12 @@ def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dic
 
 
 @dataclass
-class Groups:
-    """How a batch splits into groups of G chunks, and where the checkpoint slots go."""
-
-    G: int
-    count: int                          # groups over the batch
-    slots: int                          # checkpoint slots: count + N
-    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
-    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
-
-    @classmethod
-    def of(cls, p: Problem, G: int) -> Groups:
-        offs = p.group_offsets(G)
-        offsets = seq = None
-        if p.is_varlen:
-            dev = p.q.device
-            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
-            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
-            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
-            seq = seq.to(dev, non_blocking=True)
-        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
-
-
-@dataclass
 class Saved:
     """What the forward keeps for the backward: the fp32 state slots and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
-    groups: Groups
+    groups: ChunkGroups
 
 
 def _initial_states(p: Problem):
@@ -134,7 +112,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
     tune = tunables()
-    grp = Groups.of(p, tune["G"])
+    grp = ChunkGroups.of(p, tune["G"])
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
