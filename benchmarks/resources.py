@@ -89,7 +89,7 @@ def main() -> None:
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     if "BS" in fn.arg_names:
-                        consts["BS"] = launcher.block_rows(extra["S"], BT, tune["G"], tune)
+                        consts["BS"] = launcher.rows_per_block(extra["S"], BT, tune["G"], tune)
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})

@@ -24,9 +24,9 @@ def test_environment_override(monkeypatch):
     assert launcher.num_warps("group", 64, ieee=False) == 8
     assert launcher.num_warps("group", 128, ieee=False) == 8
     assert launcher.tunables()["S_out"] == 32
-    assert launcher.block_rows("S_out", 16, 16, launcher.tunables()) == 32
-    assert launcher.block_rows("S_out", 64, 16, launcher.tunables()) == 64   # >= a chunk
-    assert launcher.block_rows("S_out", 16, 1, launcher.tunables()) == 16    # <= a group
+    assert launcher.rows_per_block("S_out", 16, 16, launcher.tunables()) == 32
+    assert launcher.rows_per_block("S_out", 64, 16, launcher.tunables()) == 64   # >= a chunk
+    assert launcher.rows_per_block("S_out", 16, 1, launcher.tunables()) == 16    # <= a group
 
 
 def test_checkpoint_interval_override(monkeypatch):

@@ -65,7 +65,7 @@ def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
     return chunk_size, max(16, triton.next_power_of_2(D))
 
 
-def block_rows(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
+def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
     """Rows per block of fwd_out (``kind="S_out"``) or bwd_grads (``"S_grads"``), clamped
     to [BT, G * BT]."""
     return max(BT, min(tune[kind], G * BT))
@@ -135,7 +135,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     ttt_linear_fwd_out_kernel[(grp.count, H)](
         q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BS=block_rows("S_out", BT, G, tune), BD=BD, G=G,
+        H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
         **_launch("group", BD, q.dtype, tune))
     saved = Saved(ck, ckb, grp) if save_for_backward else None
@@ -196,6 +196,6 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
-        H=H, D=D, BT=BT, BS=block_rows("S_grads", BT, G, tune), BD=BD, G=G,
+        H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, PREC=prec, **_launch("group", BD, q.dtype, tune))
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
