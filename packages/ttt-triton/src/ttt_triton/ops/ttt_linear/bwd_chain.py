@@ -19,10 +19,10 @@ The full ``dg`` replaces ``dg_loc`` in its buffer. The last-row term of ``deta``
     d\eta_{last} = -\textstyle\sum_i g_i \cdot (k_i\, dW + dhb),
 
 leaves the chain as per-row sums (one row reduction per step; ``bwd_grads.py`` sums them
-per chunk and adds them to ``deta``). The cotangent of checkpoint slot
-``s`` (the state before chunk ``s * G``; the last slot is the final state) is written to
-``dck`` for ``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the
-next chunk are loaded one step early.
+per chunk and adds them to ``deta``). The cotangent of checkpoint slot ``s`` (the state
+before chunk ``s * G``; the last slot is the final state) is written to ``dck`` for
+``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the next chunk
+are loaded one step early.
 """
 
 import triton
