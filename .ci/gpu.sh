@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
-# as wheels in .whl/): install our packages, run the conformance suite for the reference
+# as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
+# or nox is missing there): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
 #   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy tune bench
 #                                   (default: info ref triton bench)

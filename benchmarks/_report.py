@@ -107,6 +107,9 @@ def header_text(meta: dict) -> str:
              f"fla-core {meta['fla'] or 'absent'}, ttt {meta['ttt']}, "
              f"commit {meta['commit']}, {meta['date']}",
              f"dtype {meta['dtype']}, chunk size {meta['chunk_size']}, timing: {meta['timing']}"]
+    if meta.get("partial"):
+        lines.append(f"- PARTIAL: {meta['partial']} shapes measured so far (written after "
+                     "each shape; a finished run overwrites this)")
     for name, why in meta.get("skipped", {}).items():
         lines.append(f"- not benchmarked: {name}: {why}")
     if meta.get("fla_absent"):

@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(correctness(provider, check_shape, args, device))
 
     rows: list[_report.Row] = []
+    fla_names = {p.name for p in discovery.providers if p.is_fla}
     for shape in shapes:
         for provider in discovery.providers:
             _log(f"bench {provider.name} on B,T,H,D={shape} ...")
@@ -364,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"peak {_report.fmt(row.peak_mib)} MiB"
                  + ("" if row.status == "ok" else f" [{row.status}]"))
             rows.append(row)
-    _report.add_speedups(rows, {p.name for p in discovery.providers if p.is_fla})
+        # after every shape: what is measured so far, so a run cut short keeps its rows
+        _report.add_speedups(rows, fla_names)
+        done = len(dict.fromkeys(r.shape for r in rows))
+        if done < len(shapes):
+            _report.write_all(args.out, rows, dict(meta, partial=f"{done} of {len(shapes)}"),
+                              checks, plot=False)
 
     written = _report.write_all(args.out, rows, meta, checks, plot=not args.no_plot)
     for path in written:
