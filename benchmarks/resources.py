@@ -30,13 +30,15 @@ from ttt_triton.ops.ttt_linear.fwd_out import ttt_linear_fwd_out_kernel
 INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
 INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i32",
         "scale": "fp32", "eps": "fp32"}
-# (name, kernel, launch kind, extra constexprs)
+# (name, kernel, launch kind, tunable of its rows per block or None, extra constexprs)
 KERNELS = (
-    ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", dict(USE_INITIAL=True, STORE_FINAL=True)),
-    ("fwd_out", ttt_linear_fwd_out_kernel, "group", dict(S="S_out")),
-    ("bwd_local", ttt_linear_bwd_local_kernel, "group", {}),
-    ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", dict(USE_DHT=True, STORE_DH0=True)),
-    ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", dict(S="S_grads")),
+    ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", None,
+     dict(USE_INITIAL=True, STORE_FINAL=True)),
+    ("fwd_out", ttt_linear_fwd_out_kernel, "group", "S_out", {}),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "group", None, {}),
+    ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", None,
+     dict(USE_DHT=True, STORE_DH0=True)),
+    ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
 
 
@@ -80,16 +82,15 @@ def main() -> None:
         prec = "ieee" if dtype == "fp32" else launcher.HALF_DOT_PRECISION
         for BD in args.bd:
             for BT in args.bt:
-                for name, fn, kind, extra in KERNELS:
+                for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:
                         continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
-                                  IS_VARLEN=False, PREC=prec,
-                                  **{k: v for k, v in extra.items() if k != "S"})
+                                  IS_VARLEN=False, PREC=prec, **extra)
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
-                    if "BS" in fn.arg_names:
-                        consts["BS"] = launcher.rows_per_block(extra["S"], BT, tune["G"], tune)
+                    if rows is not None:
+                        consts["BS"] = launcher.rows_per_block(rows, BT, tune["G"], tune)
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})

@@ -123,7 +123,7 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-SOURCE_NAME = "ttt_linear.cu"  # the program name NVRTC reports
+SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csrc/ files)
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:

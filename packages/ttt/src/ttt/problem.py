@@ -120,7 +120,7 @@ class ChunkGroups:
         offs = p.group_offsets(G)
         offsets = seq = None
         if p.is_varlen:
-            dev = p.q.device
+            dev = p.device
             offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
             counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
             seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
