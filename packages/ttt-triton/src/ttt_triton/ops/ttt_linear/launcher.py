@@ -42,11 +42,15 @@ NUM_WARPS = {"chain": 4, "group": 4}
 ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
 doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
+NUM_STAGES = {"chain_stages": 1, "group_stages": 1}
+"""num_stages (software pipelining of the loop's loads) of the sequential kernels, which
+prefetch the next chunk by hand, and of the group-parallel ones."""
+
 
 def tunables() -> dict[str, int]:
-    """G, BLOCK_ROWS and NUM_WARPS, overridden for tuning runs by
+    """G, BLOCK_ROWS, NUM_WARPS and NUM_STAGES, overridden for tuning runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=CKPT_INTERVAL, **BLOCK_ROWS)
+    tune = dict(NUM_WARPS, G=CKPT_INTERVAL, **BLOCK_ROWS, **NUM_STAGES)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -78,7 +82,8 @@ def _precision(dtype: torch.dtype) -> str:
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
     if interpreting():
         return {}
-    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune), num_stages=1)
+    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune),
+                num_stages=tune[f"{kind}_stages"])
 
 
 @dataclass
