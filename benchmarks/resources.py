@@ -77,6 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     tune = launcher.tunables()
+    tune["G"] = tune["G"] or launcher.CKPT_INTERVAL["narrow"]
     print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
     for dtype in args.dtypes:
         prec = "ieee" if dtype == "fp32" else launcher.HALF_DOT_PRECISION

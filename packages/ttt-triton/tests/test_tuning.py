@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
 from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
+
+from ttt import Problem  # noqa: E402
 
 
 def test_defaults_and_doubling(monkeypatch):
@@ -29,8 +32,29 @@ def test_environment_override(monkeypatch):
     assert launcher.rows_per_block("S_out", 16, 1, launcher.tunables()) == 16    # <= a group
 
 
-def test_checkpoint_interval_override(monkeypatch):
+def _problem(B, T, H, D, chunk_size=16, dtype=torch.bfloat16):
+    x = torch.empty(B, T, H, D, dtype=dtype)    # only shapes matter here
+    return Problem(x, x, x, torch.ones(H, D), torch.zeros(H, D), torch.empty(B, T, H, 1),
+                   scale=D ** -0.5, eps=1e-6, chunk_size=chunk_size, initial_state=None,
+                   initial_state_bias=None, output_final_state=False, cu_seqlens=None,
+                   seq_lens=(T,) * B, eta_is_tensor=True)
+
+
+@pytest.mark.parametrize("shape, G", [
+    ((8, 2048, 12, 64), 16),     # 384 groups of 32 x 4 warps < 2048 warps: narrow
+    ((4, 4096, 16, 64), 32),     # 512 x 4 = 2048: wide
+    ((4, 4096, 8, 128), 32),     # 256 groups x 8 warps (BD 128): wide
+    ((1, 64, 2, 32), 16),        # tiny: narrow
+])
+def test_checkpoint_interval_rule(monkeypatch, shape, G):
     monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
-    assert launcher.tunables()["G"] == launcher.CKPT_INTERVAL
+    tune = launcher.tunables()
+    p = _problem(*shape)
+    BD = launcher.block_sizes(p.D, p.chunk_size)[1]
+    assert launcher.checkpoint_interval(p, BD, tune) == G
+
+
+def test_checkpoint_interval_override(monkeypatch):
     monkeypatch.setenv("TTT_TRITON_TUNE", "G=4")
-    assert launcher.tunables()["G"] == 4
+    p = _problem(4, 4096, 16, 64)
+    assert launcher.checkpoint_interval(p, 64, launcher.tunables()) == 4

@@ -23,9 +23,14 @@ from .fwd_chain import ttt_linear_fwd_chain_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
 
 # ---------------------------------------------------------------- tunables, in one place
-CKPT_INTERVAL = 16
+CKPT_INTERVAL = {"narrow": 16, "wide": 32, "wide_min_warps": 2048}
 """G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
-the parallel kernels replay one group each from its slot."""
+the parallel kernels replay one group each from its slot. Longer groups mean fewer slots
+and less per-group work; shorter ones more programs for the parallel kernels. So G is
+"wide" (32) when the group kernels still launch at least ``wide_min_warps`` warps with it
+(about 16 per SM of an H200), else "narrow" (16). On the H200 (docs/benchmarks.md) G = 32
+was 1-4% faster on the four larger anchor shapes and 14% slower on 8,2048,12,64, the one
+it leaves at 16. ``TTT_TRITON_TUNE="G=8"`` fixes G."""
 
 HALF_DOT_PRECISION = "tf32"
 """input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
@@ -44,13 +49,15 @@ doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
 NUM_STAGES = {"chain_stages": 1, "group_stages": 1}
 """num_stages (software pipelining of the loop's loads) of the sequential kernels, which
-prefetch the next chunk by hand, and of the group-parallel ones."""
+prefetch the next chunk by hand, and of the group-parallel ones. 2 or 3 for the group
+kernels were no faster on the H200 (docs/benchmarks.md)."""
 
 
 def tunables() -> dict[str, int]:
-    """G, BLOCK_ROWS, NUM_WARPS and NUM_STAGES, overridden for tuning runs by
+    """G (0: chosen per problem, see :func:`checkpoint_interval`), BLOCK_ROWS, NUM_WARPS
+    and NUM_STAGES, overridden for tuning runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=CKPT_INTERVAL, **BLOCK_ROWS, **NUM_STAGES)
+    tune = dict(NUM_WARPS, G=0, **BLOCK_ROWS, **NUM_STAGES)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -63,6 +70,17 @@ def num_warps(kind: str, BD: int, ieee: bool, tune: dict[str, int] | None = None
         warps = min(2 * warps, 8)
     return warps
 # ----------------------------------------------------------------------------------------
+
+
+def checkpoint_interval(p: Problem, BD: int, tune: dict[str, int]) -> int:
+    """G for ``p``: the tuned value if set, else the rule of :data:`CKPT_INTERVAL`."""
+    if tune["G"]:
+        return tune["G"]
+    wide = CKPT_INTERVAL["wide"]
+    warps = num_warps("group", BD, p.dtype == torch.float32, tune)
+    if p.group_offsets(wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
+        return wide
+    return CKPT_INTERVAL["narrow"]
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
@@ -117,7 +135,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
     tune = tunables()
-    grp = ChunkGroups.of(p, tune["G"])
+    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune))
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
