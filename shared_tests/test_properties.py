@@ -147,6 +147,36 @@ def test_non_contiguous_inputs(dtype, backend, backend_name, device):
         assert torch.equal(grads2[name], grads[name]), f"d{name} differs for non-contiguous inputs"
 
 
+def test_runs_on_the_current_stream(backend, backend_name, device):
+    """Forward and backward run on PyTorch's current stream: the inputs are filled on a
+    side stream behind a long sleep, and the op, called under that stream, must wait."""
+    if device.type != "cuda":
+        pytest.skip("streams: needs a CUDA device")
+    case = Case(2, 70, 2, 32, 16, BF16)
+    inputs = differentiable(make_inputs(case, device, seed=61))
+    skip_unless_supported(backend, inputs)
+    want_out, want_grads = _outputs_and_grads(backend_name, inputs)
+    late = dict(inputs)
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            late[name] = torch.full_like(t.detach(), float("nan")).requires_grad_(t.requires_grad)
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)          # about 0.1 s of GPU clock cycles
+        with torch.no_grad():
+            for name, t in late.items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    t.copy_(inputs[name])
+        out, grads = _outputs_and_grads(backend_name, late)
+    side.synchronize()
+    for i, (a, b) in enumerate(zip(out, want_out)):
+        assert torch.equal(a, b), f"output {i}: not run on the current stream (read NaN inputs)"
+    for name in want_grads:
+        assert torch.equal(grads[name], want_grads[name]), \
+            f"d{name}: not run on the current stream (read NaN inputs)"
+
+
 def test_final_states_none_unless_requested(backend, backend_name, device):
     inputs = make_inputs(Case(1, 20, 1, 16, 16, F32, final_state=False), device)
     skip_unless_supported(backend, inputs, requires_grad=False)

@@ -7,9 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
-
 from ttt import Problem  # noqa: E402
+from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
 
 
 def test_defaults_and_doubling(monkeypatch):

@@ -81,6 +81,25 @@ def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._ptr)
+
+
+def _cupy_stream(cupy, ptr: int, index: int):
+    """CuPy's view of torch's stream ``ptr``: ``Stream.from_external`` where CuPy has it
+    (CuPy 14 deprecates ``ExternalStream``), else ``ExternalStream``."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, index)
+
+
 def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple) -> None:
     """Launch ``kernel`` on torch's current stream of ``device`` with ``smem`` bytes of dynamic
     shared memory (opting in above 48 KiB)."""
@@ -96,8 +115,7 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
                                f"device allows {limit} per block")
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with stream:
+        with _cupy_stream(cupy, torch.cuda.current_stream(device).cuda_stream, index):
             kernel((grid,), (block,), args, shared_mem=smem)
 
 
