@@ -88,12 +88,9 @@ def ttt_linear_bwd_grads_kernel(
     n_blk = tl.cdiv(tl.minimum((c0 + nc) * BT, seq_len) - r_beg, BS)
     for jr in range(0, n_blk):
         r0 = r_beg + (n_blk - 1 - jr) * BS
-        o_x, m_2d, m_t, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d,
-                                               seq_len, H, D, BT)
-        o_e = p_ebase + (r0 + o_s).to(tl.int64) * H
+        o_x, o_e, m_2d, m_t, m_last, b_e, b_el = block_rows(
+            eta, p_base, p_ebase, r0, o_s, o_d, m_d, seq_len, H, D, BT)
         # the last-row terms of deta, from the backward chain
-        o_ch = (r0 + o_s) // BT                                            # [BS]
-        m_last = m_t & (r0 + o_s == tl.minimum((o_ch + 1) * BT, seq_len) - 1)
         b_rs = tl.load(desum + o_e, mask=m_t, other=0.)                    # [BS]
         b_dl = -tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_rs[None, :], 0.), 1)
         tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl, mask=m_last)

@@ -74,17 +74,20 @@ def row_offsets(p_base, r0, o_t, o_d, seq_len, m_d, H: tl.constexpr, D: tl.const
 def block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d, seq_len, H: tl.constexpr,
                D: tl.constexpr, BT: tl.constexpr):
     """A block of rows r0 .. r0 + BS - 1 (``r0`` a multiple of BT, relative to the
-    sequence's first row): offsets [BS, BD] into a [rows, H, D] tensor, the masks of valid
-    entries and rows, each row's eta ``e`` and the eta ``el`` of the last valid row of
-    each row's chunk (fp32, [BS]; rows past the end read the sequence's last row)."""
+    sequence's first row): offsets [BS, BD] into a [rows, H, D] tensor and [BS] into a
+    [rows, H] one, the masks of valid entries, of valid rows and of each chunk's last valid
+    row, each row's eta ``e`` and the eta ``el`` of the last valid row of each row's chunk
+    (fp32, [BS]; rows past the end read the sequence's last row)."""
     o_r = r0 + o_s                                                         # [BS]
     m_t = o_r < seq_len
     m_2d = m_t[:, None] & m_d[None, :]                                     # [BS, BD]
     o_x = p_base + o_r.to(tl.int64)[:, None] * (H * D) + o_d[None, :]      # [BS, BD]
-    b_e = tl.load(eta + p_ebase + o_r.to(tl.int64) * H, mask=m_t, other=0.).to(tl.float32)
+    o_e = p_ebase + o_r.to(tl.int64) * H                                   # [BS]
+    b_e = tl.load(eta + o_e, mask=m_t, other=0.).to(tl.float32)
     r_last = tl.minimum((o_r // BT + 1) * BT, seq_len) - 1                 # [BS]
+    m_last = m_t & (o_r == r_last)
     b_el = tl.load(eta + p_ebase + r_last.to(tl.int64) * H).to(tl.float32)
-    return o_x, m_2d, m_t, b_e, b_el
+    return o_x, o_e, m_2d, m_t, m_last, b_e, b_el
 
 
 @triton.jit

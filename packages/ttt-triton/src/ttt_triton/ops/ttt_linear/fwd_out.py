@@ -69,8 +69,8 @@ def ttt_linear_fwd_out_kernel(
     p_ebase = bos * H + i_h
     r_end = tl.minimum((c0 + nc) * BT, seq_len)
     for r0 in range(c0 * BT, r_end, BS):
-        o_x, m_2d, m_t, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d, m_d,
-                                               seq_len, H, D, BT)
+        o_x, _, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
+                                                     m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         b_g = tl.load(gbuf + o_x, mask=m_2d, other=0.)                     # [BS, BD]
