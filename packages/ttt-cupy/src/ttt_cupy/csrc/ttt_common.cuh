@@ -1,4 +1,5 @@
-// Chunked TTT-linear: what the five kernels share (plain SIMT fp32, no tensor cores).
+// Chunked TTT-linear: what the five kernels share (SIMT fp32 passes, and the tf32 tensor-core
+// tile passes of the chain kernels' MMA instances for half inputs, at the end of this file).
 //
 // Notation (per chunk of L <= BT valid rows; rows past the sequence's end are exactly zero and
 // take no part in anything: the padding rule of docs/math.md; q is pre-multiplied by `scale`):
