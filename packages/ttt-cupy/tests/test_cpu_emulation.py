@@ -88,9 +88,11 @@ def _empty(*shape):
     return np.full(shape, np.nan, np.float32)
 
 
-def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True):
+def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=False):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
-    everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads."""
+    everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the chain
+    kernels' tensor-core instances (emulated mma.sync) instead of their SIMT ones."""
+    chain = "_mma" if mma else ""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -116,7 +118,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True):
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
     ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
     gbuf = _empty(B, T, H, D)
-    call("fwd_chain", N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
+    call("fwd_chain" + chain, N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
          _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(gbuf), _p(cu_arr), _p(go),
          c["eps"], c["T"], c["H"], c["D"], c["G"])
     o = _empty(B, T, H, D)
@@ -139,7 +141,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True):
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck = _empty(slots, H, D, D)
-    call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+    call("bwd_chain" + chain, N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
          _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
          _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
          c["D"], c["G"])
@@ -176,8 +178,8 @@ def _id(c):
             + ("" if c[8] else "-noinit") + ("" if c[9] else "-nodht"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_kernels_match_oracle(emu, case):
+def _inputs(case):
+    """(x, seqs, cu, scale, cot) of a case: inputs in float64 holding float32 values."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
     rng = np.random.default_rng(0)
     if lens is None:
@@ -202,6 +204,13 @@ def test_kernels_match_oracle(emu, case):
            rng.standard_normal((N, H, D)))
     if not with_dht:
         cot = (cot[0], 0 * cot[1], 0 * cot[2])
+    return x, seqs, cu, scale, cot, rng
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kernels_match_oracle(emu, case):
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, rng = _inputs(case)
 
     def loss(xx):
         o, ht, hbt = oracle(xx["q"], xx["k"], xx["v"], xx["eta"], xx["w"], xx["b"], xx["h0"],
@@ -239,3 +248,31 @@ def test_kernels_match_oracle(emu, case):
         fd, an = np.array(fd), np.array(an)
         err = np.abs(fd - an).max() / max(np.abs(fd).max(), 1e-12)
         assert err < 2e-3, f"d{name}: max error {err:.2e} (fd {fd}, kernel {an})"
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_chain_mma_instances_match_simt(emu, case, tf32):
+    """The chain kernels' tensor-core instances (MMA = true, an emulated mma.sync with the PTX
+    ISA's fragment layout) against their SIMT instances, every output and gradient. With fp32
+    operands only the summation order differs (checks the fragment index math and the pads);
+    with tf32 rounding (cvt.rna) the error is the GPU's tf32 error."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
+    emu.emu_set_tf32_round(int(tf32))
+    try:
+        got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=True)
+    finally:
+        emu.emu_set_tf32_round(0)
+    tol = 2e-2 if tf32 else 2e-5
+    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
+    for name, a in got_g.items():
+        if a is None:
+            assert ref_g[name] is None
+            continue
+        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
+        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"

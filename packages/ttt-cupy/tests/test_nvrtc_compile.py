@@ -25,14 +25,15 @@ def _nvrtc_available() -> str | None:
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
 def test_every_instance_compiles_for_sm80_and_sm90():
     from ttt_cupy import nvrtc_check
-    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS
+    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS
 
     out = io.StringIO()
     try:
         counts = nvrtc_check.run(("80", "90"), out=out)
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    expected = len(KERNELS) * len(CTYPES) * len(D_PADS) * len(BLOCK_TS)
+    # + the SIMT instances of the chain kernels for the two half types (TTT_CUPY_MMA=0)
+    expected = (len(KERNELS) * len(CTYPES) + len(MMA_KERNELS) * 2) * len(D_PADS) * len(BLOCK_TS)
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
@@ -59,6 +60,38 @@ def test_name_expressions_and_smem_formula():
         d_pad(129)
     with pytest.raises(ValueError, match="kernel"):
         smem_bytes("fwd", 64, 16)
+
+
+def test_mma_instances_and_switch(monkeypatch):
+    """No NVRTC needed: which chain instance runs for which dtype, and TTT_CUPY_MMA."""
+    from ttt_cupy.compile import MMA_ENV, kernel_name, pass_names, program_names, use_mma
+    from ttt_cupy.nvrtc_check import is_mma_instance
+
+    assert (kernel_name("fwd_chain", "__half", 64, 16)
+            == "ttt_linear_fwd_chain<__half, 64, 16, true>")
+    assert (kernel_name("bwd_chain", "float", 64, 16)
+            == "ttt_linear_bwd_chain<float, 64, 16, false>")
+    assert (kernel_name("bwd_chain", "__nv_bfloat16", 32, 32, False)
+            == "ttt_linear_bwd_chain<__nv_bfloat16, 32, 32, false>")
+    with pytest.raises(ValueError, match="float"):
+        kernel_name("fwd_chain", "float", 64, 16, True)
+    monkeypatch.delenv(MMA_ENV, raising=False)
+    assert use_mma("__half") and use_mma("__nv_bfloat16", "90") and use_mma("__half", 80)
+    assert not use_mma("float") and not use_mma("__half", "75")
+    for value in ("0", " 0 "):
+        monkeypatch.setenv(MMA_ENV, value)
+        assert not use_mma("__half", "90") and not use_mma("__nv_bfloat16")
+    monkeypatch.setenv(MMA_ENV, "1")
+    assert use_mma("__half", "90")
+    assert pass_names("fwd", "float", 64, 16, True) == {
+        "fwd_chain": "ttt_linear_fwd_chain<float, 64, 16, false>",
+        "fwd_out": "ttt_linear_fwd_out<float, 64, 16>"}
+    assert pass_names("bwd", "__half", 64, 16, False)["bwd_chain"].endswith(", false>")
+    assert pass_names("bwd", "__half", 64, 16, True)["bwd_chain"].endswith(", true>")
+    assert [is_mma_instance(n) for n in program_names("fwd", "__half", 16, 16)] == [True, False,
+                                                                                   False]
+    assert not any(is_mma_instance(n) for n in program_names("bwd", "float", 16, 16))
+    assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 4
 
 
 def test_smem_reason_names_the_kernel():

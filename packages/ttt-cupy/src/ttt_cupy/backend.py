@@ -4,7 +4,9 @@ Importing this module is cheap: cupy is imported, and the kernels compiled, on f
 The kernels (csrc/*.cu) follow the Triton backend's chain/group split: a sequential kernel
 per (sequence, head) carries only the state (forward) or its cotangent (backward) through
 the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
-block per (group of G chunks, head), do the rest. Plain SIMT fp32 arithmetic.
+block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
+inputs the chain kernels' products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
+turns that off; not yet verified on a GPU).
 
 Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
 ttt_cupy.nvrtc_check``, in CI), match a float64 oracle in a CPU emulation, and pass the
@@ -27,7 +29,8 @@ DEFAULT_SMEM_LIMIT = 227 * 1024
 
 class CupyBackend(Backend):
     """Chain kernels per (sequence, head) plus group-parallel kernels per (group of G chunks,
-    head), fp32 state in shared memory; SIMT fp32 arithmetic (no tensor cores);
+    head), fp32 state in shared memory; SIMT fp32 arithmetic (tf32 tensor cores in the chain
+    kernels for half inputs);
     deterministic."""
 
     name = "cupy"
@@ -41,7 +44,8 @@ class CupyBackend(Backend):
         backward=True,
         deterministic=True,
         notes=(
-            "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and SIMT arithmetic",
+            "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and SIMT arithmetic; "
+            "half inputs: tf32 tensor-core dots in the chain kernels (TTT_CUPY_MMA=0: SIMT)",
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
             "shared memory bounds (chunk_size, head dim); on an H100/H200 (227 KiB per "

@@ -3,8 +3,10 @@
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch) builds
 one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
 fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
-for the process. The same sources, names and options are
-compile-checked without a GPU by :mod:`ttt_cupy.nvrtc_check`.
+for the process. For half inputs the chain kernels are their tensor-core (tf32 mma.sync)
+instances unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32.
+The same sources, names and options are compile-checked without a GPU by
+:mod:`ttt_cupy.nvrtc_check`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,19 @@ PASSES = {
 template ``ttt_linear_x<T, D_PAD, BT>``. One program (RawModule) per pass and instance."""
 
 KERNELS = tuple(k for ks in PASSES.values() for k in ks)
+
+MMA_KERNELS = ("fwd_chain", "bwd_chain")
+"""The kernels with a fourth template parameter ``bool MMA``: their [BT, D] x [D, D] and
+[D, BT] x [BT, D] products on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
+accumulation) when true. Only half types (``__half``, ``__nv_bfloat16``) have MMA instances;
+float inputs always run the SIMT fp32 instance (float32-exact arithmetic)."""
+
+MMA_ENV = "TTT_CUPY_MMA"
+"""``TTT_CUPY_MMA=0`` makes half inputs run the SIMT fp32 instances of :data:`MMA_KERNELS`
+too (default: tensor cores for half inputs on sm_80+). Read at every launch."""
+
+MMA_MIN_ARCH = 80
+"""mma.sync with tf32 operands needs sm_80 or newer."""
 
 D_PADS = (16, 32, 64, 128)
 BLOCK_TS = (16, 32, 64)
@@ -55,10 +70,46 @@ def _check_pass(pass_: str) -> None:
         raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
 
 
-def kernel_name(kernel: str, ctype: str, dp: int, bt: int) -> str:
-    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<__half, 64, 16>``."""
+def mma_requested() -> bool:
+    """False when the environment sets ``TTT_CUPY_MMA=0`` (see :data:`MMA_ENV`)."""
+    return os.environ.get(MMA_ENV, "1").strip() != "0"
+
+
+def use_mma(ctype: str, arch: str | int | None = None) -> bool:
+    """Whether the chain kernels run their tensor-core instance for C++ type ``ctype``: a half
+    type, :func:`mma_requested`, and (when given) a compute capability of at least 8.0."""
+    if ctype == "float" or not mma_requested():
+        return False
+    return arch is None or int(arch) >= MMA_MIN_ARCH
+
+
+def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None) -> str:
+    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<__half, 64, 16>`` or
+    ``ttt_linear_fwd_chain<__half, 64, 16, true>``. ``mma`` matters for :data:`MMA_KERNELS`
+    only (None: the type's default, true for half types); float has no MMA instance."""
     _check_kernel(kernel)
-    return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}>"
+    if kernel not in MMA_KERNELS:
+        return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}>"
+    if mma is None:
+        mma = ctype != "float"
+    if mma and ctype == "float":
+        raise ValueError("float inputs have no MMA instance (float32-exact arithmetic)")
+    return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}, {'true' if mma else 'false'}>"
+
+
+def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool) -> dict[str, str]:
+    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`)."""
+    _check_pass(pass_)
+    return {k: kernel_name(k, ctype, dp, bt, mma and ctype != "float") for k in PASSES[pass_]}
+
+
+def program_names(pass_: str, ctype: str, dp: int, bt: int) -> list[str]:
+    """Every name expression the backend may launch from one (pass, type, D_PAD, BT) program:
+    the pass's kernels, plus the SIMT instances of :data:`MMA_KERNELS` for half types."""
+    names = list(pass_names(pass_, ctype, dp, bt, ctype != "float").values())
+    if ctype != "float":
+        names += [kernel_name(k, ctype, dp, bt, False) for k in PASSES[pass_] if k in MMA_KERNELS]
+    return names
 
 
 def threads(dp: int) -> int:
@@ -151,13 +202,13 @@ def include_options() -> tuple[str, ...]:
 
 
 @functools.cache
-def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str) -> Any:
-    """One RawModule per (pass, C++ type, D_PAD, BT, arch), compiled now. ``arch`` (the
+def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> Any:
+    """One RawModule per (pass, C++ type, D_PAD, BT, arch, mma), compiled now. ``arch`` (the
     device's compute capability, e.g. "90") is part of the key: CuPy compiles for the current
     device."""
     import cupy
 
-    names = [kernel_name(k, ctype, dp, bt) for k in PASSES[pass_]]
+    names = list(pass_names(pass_, ctype, dp, bt, mma).values())
     module = cupy.RawModule(code=source(pass_), options=NVRTC_OPTIONS + include_options(),
                             name_expressions=names)
     try:
@@ -171,7 +222,9 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str) -> Any:
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
                 device_index: int) -> dict[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
-    dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after."""
+    dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after.
+    The chain kernels are the tensor-core instances when :func:`use_mma` says so (half
+    inputs, ``TTT_CUPY_MMA`` not ``0``, sm_80+), else the SIMT fp32 ones."""
     import cupy
 
     _check_pass(pass_)
@@ -183,5 +236,8 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
         raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
     ctype = CTYPES[dtype_name]
     with cupy.cuda.Device(device_index) as device:
-        module = _module(pass_, ctype, dp, bt, device.compute_capability)
-        return {k: module.get_function(kernel_name(k, ctype, dp, bt)) for k in PASSES[pass_]}
+        arch = device.compute_capability
+        mma = use_mma(ctype, arch)
+        module = _module(pass_, ctype, dp, bt, arch, mma)
+        return {k: module.get_function(name)
+                for k, name in pass_names(pass_, ctype, dp, bt, mma).items()}

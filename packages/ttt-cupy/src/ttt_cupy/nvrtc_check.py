@@ -4,10 +4,13 @@
 backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
 (pass, dtype, D_PAD, BT) as the backend does at run time, to cubins for each ``--arch``
 (default sm_80 and sm_90), and checks that the C++ shared-memory sizes equal
-:func:`ttt_cupy.compile.smem_bytes`. It uses ``cuda.bindings.nvrtc``
-(``pip install './packages/ttt-cupy[compile-check]'``: cuda-python plus the NVRTC and
-CUDA-runtime header wheels), which load ``libnvrtc`` from site-packages; CuPy's compile path
-needs a driver, this does not. Exits 1 with the NVRTC log on the first failure.
+:func:`ttt_cupy.compile.smem_bytes`. For half types the chain kernels are compiled twice (the
+tensor-core instance, MMA = true, and the SIMT one); the PTX of every kernel is checked to
+hold tf32 ``mma.sync`` instructions exactly when it is an MMA instance (so float never does).
+It uses ``cuda.bindings.nvrtc`` (``pip install './packages/ttt-cupy[compile-check]'``:
+cuda-python plus the NVRTC and CUDA-runtime header wheels), which load ``libnvrtc`` from
+site-packages; CuPy's compile path needs a driver, this does not. Exits 1 with the NVRTC log
+on the first failure.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .compile import (
     PASSES,
     cuda_include_dir,
     include_options,
-    kernel_name,
+    program_names,
     smem_bytes,
     source,
 )
@@ -47,6 +50,31 @@ class Compiled:
     names: dict[str, str]          # name expression -> lowered (mangled) name
     cubin_bytes: int
     log: str
+    mma: dict[str, int]            # name expression -> tf32 mma.sync instructions in its PTX
+
+
+MMA_PTX = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+
+
+def is_mma_instance(name: str) -> bool:
+    """Whether a name expression is a tensor-core instance (``..., true>``)."""
+    return name.replace(" ", "").endswith(",true>")
+
+
+def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
+    """{name expression: tf32 mma.sync instructions in the PTX of its kernel (its .entry up to
+    the next one)}."""
+    starts = sorted((m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx))
+    bodies = {}
+    for j, (pos, sym) in enumerate(starts):
+        end = starts[j + 1][0] if j + 1 < len(starts) else len(ptx)
+        bodies[sym] = ptx[pos:end]
+    out = {}
+    for name, low in lowered.items():
+        if low not in bodies:
+            raise CheckError(f"no .entry {low} ({name}) in the PTX")
+        out[name] = bodies[low].count(MMA_PTX)
+    return out
 
 
 def _nvrtc():
@@ -118,7 +146,11 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
         if size <= 0:
             raise CheckError(f"empty cubin for {names} on sm_{arch}")
-        return Compiled(arch, lowered, int(size), _log(nvrtc, prog))
+        (ptx_size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
+        ptx = b" " * ptx_size
+        _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
+        mma = mma_counts(ptx.decode(errors="replace"), lowered)
+        return Compiled(arch, lowered, int(size), _log(nvrtc, prog), mma)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -128,7 +160,7 @@ SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csr
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
     code, pass_, ct, dp, bt, arch, options, ptxas_verbose = task
-    names = [kernel_name(k, ct, dp, bt) for k in PASSES[pass_]]
+    names = program_names(pass_, ct, dp, bt)
     return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose)
 
 
@@ -160,11 +192,18 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
                 results = list(pool.map(_compile_task, tasks))
         else:
             results = [_compile_task(t) for t in tasks]
+        for _, c in results:
+            for name, count in c.mma.items():
+                if (count > 0) != is_mma_instance(name):
+                    raise CheckError(f"{name} on sm_{arch}: {count} tf32 mma.sync in its PTX "
+                                     f"(expected {'some' if is_mma_instance(name) else 'none'})")
         n = sum(len(c.names) for _, c in results)
+        n_mma = sum(is_mma_instance(name) for _, c in results for name in c.names)
         counts[arch] = n
         cubin = sum(c.cubin_bytes for _, c in results)
-        print(f"sm_{arch}: {n} kernel instances compiled ({len(results)} programs, "
-              f"{cubin / 1e6:.1f} MB of cubin, {time.perf_counter() - start:.1f} s)", file=out)
+        print(f"sm_{arch}: {n} kernel instances compiled ({n_mma} with tf32 mma.sync; "
+              f"{len(results)} programs, {cubin / 1e6:.1f} MB of cubin, "
+              f"{time.perf_counter() - start:.1f} s)", file=out)
         if ptxas_verbose:
             for (pass_, ct, dp, bt), c in results:
                 for line in c.log.splitlines():

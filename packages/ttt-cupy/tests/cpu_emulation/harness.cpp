@@ -5,12 +5,15 @@
 // run one after the other and share one static "shared memory" buffer, NaN-poisoned before
 // each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
 // launcher's order by test_cpu_emulation.py). Only T = float is exposed (the fake
-// cuda_fp16.h / cuda_bf16.h store floats).
+// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of the two chain
+// kernels (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with
+// an emulated mma.sync (below).
 #include <algorithm>
 #include <barrier>
 #include <iterator>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -41,6 +44,56 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
 }
 using std::min;
 using std::max;
+
+// The tensor-core path of the chain kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
+// mma_m16n8k8_tf32 to us when __CUDA_ARCH__ is not defined. mma_m16n8k8_tf32 is warp-wide like
+// the PTX instruction: every lane posts its fragments, each lane rebuilds A (16 x 8) and B
+// (8 x 8) with the PTX ISA's m16n8k8 .tf32 layout (g = lane / 4, t = lane % 4: a0 A[g][t],
+// a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]) and adds its own
+// accumulator elements (c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]).
+// to_tf32 keeps fp32 exactly (g_tf32_round = 0: checks the index math) or rounds to tf32 like
+// cvt.rna (to nearest, ties away from zero; g_tf32_round = 1).
+static int g_tf32_round = 0;
+static unsigned g_mma_a[1024 * 4], g_mma_b[1024 * 2];
+namespace ttt {
+inline unsigned to_tf32(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, 4);
+    if (g_tf32_round && std::isfinite(x)) u = (u + 0x1000u) & 0xffffe000u;
+    return u;
+}
+inline float tf32_value(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    const unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
+    for (int r = 0; r < 4; ++r) g_mma_a[t * 4 + r] = a[r];
+    for (int r = 0; r < 2; ++r) g_mma_b[t * 2 + r] = b[r];
+    g_warp_barriers[w]->arrive_and_wait();
+    float A[16][8], B[8][8];
+    for (int l = 0; l < 32; ++l) {
+        const int gl = l / 4, tl = l % 4;
+        const unsigned* al = g_mma_a + (w * 32 + l) * 4;
+        const unsigned* bl = g_mma_b + (w * 32 + l) * 2;
+        A[gl][tl] = tf32_value(al[0]);
+        A[gl + 8][tl] = tf32_value(al[1]);
+        A[gl][tl + 4] = tf32_value(al[2]);
+        A[gl + 8][tl + 4] = tf32_value(al[3]);
+        B[tl][gl] = tf32_value(bl[0]);
+        B[tl + 4][gl] = tf32_value(bl[1]);
+    }
+    g_warp_barriers[w]->arrive_and_wait();
+    const int g = lane / 4, tq = lane % 4;
+    for (int r = 0; r < 4; ++r) {
+        const int row = g + 8 * (r / 2), col = 2 * tq + r % 2;
+        float acc = d[r];
+        for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
+        d[r] = acc;
+    }
+}
+}  // namespace ttt
 
 #include "fwd_chain.cu"
 #include "fwd_out.cu"
@@ -132,3 +185,45 @@ ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS))
 #define DISPATCH_ONE_bwd_grads(DP, BT) \
     if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS))
+
+// The chain kernels' tensor-core instances (T = the fake __half: a float in a struct, so the
+// float inputs are read as they are; MMA = true). emu_set_tf32_round(1) rounds the mma
+// operands to tf32 (the GPU's arithmetic), 0 keeps them fp32 (the index math alone).
+extern "C" void emu_set_tf32_round(int on) { g_tf32_round = on; }
+
+template <int DP, int BT>
+static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_fwd_chain<__half, DP, BT, true>(kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
+                                                   gbuf, cu, go, eps, T, H, D, G,
+                                                   Tr::kFwdChainBytes);
+    });
+}
+#define DISPATCH_MMA_fwd_chain(DP, BT) \
+    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
+extern "C" int emu_fwd_chain_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
+    INSTANCES(DISPATCH_MMA_fwd_chain)
+    return 1;
+}
+
+template <int DP, int BT>
+static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_bwd_chain<__half, DP, BT, true>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
+                                                   dgbuf, deta, dht, dhbt, dck, dh0, dhb0, cu,
+                                                   go, scale, T, H, D, G, Tr::kBwdChainBytes);
+    });
+}
+#define DISPATCH_MMA_bwd_chain(DP, BT) \
+    if (dp == DP && bt == BT) return bwd_chain_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
+extern "C" int emu_bwd_chain_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS) {
+    INSTANCES(DISPATCH_MMA_bwd_chain)
+    return 1;
+}

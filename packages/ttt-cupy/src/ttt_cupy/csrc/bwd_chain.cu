@@ -1,4 +1,4 @@
-// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT>. Carries the state's
+// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA>. Carries the state's
 // cotangent back through the chunks.
 //
 // One block per (sequence, head), chunks in reverse, with dW = dL/dW' and dhb = dL/dhb' the
@@ -16,9 +16,17 @@
 // before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
 // slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
 // (the dW step). Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
+//
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
+// k dW ([BT, D] x [D, D]) and q^T do_pre + k^T dkh ([D, BT] x [BT, D], one accumulator) run
+// on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh), as
+// the Triton backend does for half inputs; k dW goes through the DKH tile (u - dhb is staged
+// there, then each row's dkh overwrites it). With MMA = false (float inputs, or
+// TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path is compile-checked and
+// CPU-emulated only, not yet verified on a GPU.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,     // [B, T, H] fp32
@@ -38,6 +46,7 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
                      unsigned long long smem_bytes) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
@@ -81,6 +90,11 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
         __syncthreads();
 
+        if constexpr (MMA) {  // u - dhb = k dW into s_dkh (tensor cores)
+            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_dkh, s_k, s_dW);
+            __syncthreads();
+        }
+
         // row pass: u = k dW + dhb; g from xhat; dg = dg_loc - eta_l u -> dgbuf; dkh -> s_dkh
         for (int i = warp; i < BT; i += NW) {
             if (i >= L) {
@@ -89,7 +103,10 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
             }
             const long long o_r = p_base + (row0 + i) * row_stride;
             float b_u[P], b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
-            ttt::row_times_state<D_PAD>(b_u, s_k + i * LD, s_dW);
+            if constexpr (MMA)
+                ttt::load_row<D_PAD>(b_u, s_dkh + i * LD, D_PAD, 1.f);  // this warp's row only
+            else
+                ttt::row_times_state<D_PAD>(b_u, s_k + i * LD, s_dW);
 #pragma unroll
             for (int e = 0; e < P; ++e) {
                 const int d = lane + 32 * e;
@@ -112,7 +129,10 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
         __syncthreads();
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i do_pre_i + sum_i dkh_i; deta's last row
-        ttt::state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
+        if constexpr (MMA)
+            ttt::state_update_mma<D_PAD, BT, NW>(s_dW, 1.f, s_q, s_dop, s_k, s_dkh, D);
+        else
+            ttt::state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
         for (int d = tid; d < D; d += NT) {
             float acc = 0.f;
             for (int i = 0; i < L; ++i) acc += s_dop[i * LD + d] + s_dkh[i * LD + d];

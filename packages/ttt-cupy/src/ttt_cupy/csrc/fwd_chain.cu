@@ -1,5 +1,5 @@
-// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT>. Carries the state through the
-// chunks, nothing else.
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA>. Carries the state through
+// the chunks, nothing else.
 //
 // One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
 //
@@ -11,9 +11,16 @@
 //
 // Per chunk: a row pass (one warp a row: kh = k_i W + hb, LayerNorm, g) then a tile pass for
 // the state step. Shared memory: W, hb, K, G (Traits::kFwdChainBytes).
+//
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): the two products
+// k W ([BT, D] x [D, D]) and k^T g ([D, BT] x [BT, D]) run on tensor cores (mma.sync m16n8k8,
+// tf32 operands, fp32 accumulation; ttt_common.cuh), as the Triton backend does for half
+// inputs; k W goes through the G tile (kh is staged there, then each row's g overwrites it).
+// With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path
+// is compile-checked and CPU-emulated only, not yet verified on a GPU.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,   // [B, T, H] fp32
@@ -30,6 +37,7 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float eps, long long T_len, int H, int D, int G,
                      unsigned long long smem_bytes) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
@@ -68,6 +76,11 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
         __syncthreads();
 
+        if constexpr (MMA) {  // kh - hb = k W into s_g (tensor cores)
+            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_g, s_k, s_W);
+            __syncthreads();
+        }
+
         // row pass: kh -> xh, r -> g (s_g, gbuf)
         for (int i = warp; i < BT; i += NW) {
             if (i >= L) {
@@ -75,7 +88,10 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                 continue;
             }
             float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-            ttt::row_times_state<D_PAD>(b_x, s_k + i * LD, s_W);
+            if constexpr (MMA)
+                ttt::load_row<D_PAD>(b_x, s_g + i * LD, D_PAD, 1.f);  // this warp's row only
+            else
+                ttt::row_times_state<D_PAD>(b_x, s_k + i * LD, s_W);
             ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
 #pragma unroll
             for (int e = 0; e < P; ++e) {
@@ -91,7 +107,12 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
         __syncthreads();
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
-        ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        if constexpr (MMA) {
+            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
+            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
+        } else {
+            ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        }
         __syncthreads();
     }
 

@@ -1,4 +1,5 @@
-// Chunked TTT-linear: what the five kernels share (plain SIMT fp32, no tensor cores).
+// Chunked TTT-linear: what the five kernels share (SIMT fp32 passes, and the tf32 tensor-core
+// tile passes of the chain kernels' MMA instances for half inputs, at the end of this file).
 //
 // Notation (per chunk of L <= BT valid rows; rows past the sequence's end are exactly zero and
 // take no part in anything: the padding rule of docs/math.md; q is pre-multiplied by `scale`):
@@ -405,6 +406,118 @@ __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[
 #pragma unroll
     for (int e = 0; e < P; ++e)
         dkh[e] = lane + 32 * e < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+}
+
+
+// ---------------------------------------------------------------- tensor-core (tf32) tile passes
+// Used by the chain kernels (fwd_chain, bwd_chain) for half inputs (MMA = true); float inputs
+// keep the SIMT passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
+// tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
+// read from the fp32 shared tiles and rounded to tf32 (cvt.rna), fp32 accumulation. Fragment
+// layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
+//   A (16 x 8, row):  a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]
+//   B (8 x 8, col):   b0 = B[t][g], b1 = B[t + 4][g]
+//   C/D (16 x 8):     c0 = C[g][2t], c1 = C[g][2t + 1], c2 = C[g + 8][2t], c3 = C[g + 8][2t + 1]
+// Padded columns (>= D) and rows past the chunk's end are zero in the tiles, so they add
+// nothing; results outside [D, D] are not written back to the state.
+
+template <typename T> struct is_half_type { static constexpr bool value = true; };
+template <> struct is_half_type<float> { static constexpr bool value = false; };
+
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// d += A B for one m16n8k8 tf32 tile (a warp-wide instruction: every lane must call it).
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the host launches the MMA instances on sm_80+ only
+#endif
+}
+#endif  // without __CUDA_ARCH__ (the CPU emulation) the harness defines both functions
+
+// sOut[i, n] = sum_a sX[i, a] sS[a, n] for i < BT, n < D_PAD (X [BT, D_PAD] tile, S a
+// [D_PAD, D_PAD] state; both with row stride D_PAD + 1). Tiles: (BT / 16) x (D_PAD / 8).
+template <int D_PAD, int BT, int NW>
+__device__ __forceinline__ void tile_times_state_mma(float* sOut, const float* sX,
+                                                     const float* sS) {
+    constexpr int LD = D_PAD + 1, NTN = D_PAD / 8, TILES = (BT / 16) * NTN;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int tile = threadIdx.x >> 5; tile < TILES; tile += NW) {
+        const int m0 = (tile / NTN) * 16, n0 = (tile % NTN) * 8;
+        const float* x0 = sX + (m0 + g) * LD + t;  // A[g][t] = X[m0 + g, k0 + t]
+        const float* s0 = sS + t * LD + n0 + g;    // B[t][g] = S[k0 + t, n0 + g]
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int k0 = 0; k0 < D_PAD; k0 += 8) {
+            const unsigned a[4] = {to_tf32(x0[k0]), to_tf32(x0[8 * LD + k0]),
+                                   to_tf32(x0[k0 + 4]), to_tf32(x0[8 * LD + k0 + 4])};
+            const unsigned b[2] = {to_tf32(s0[k0 * LD]), to_tf32(s0[(k0 + 4) * LD])};
+            mma_m16n8k8_tf32(acc, a, b);
+        }
+        float* o = sOut + (m0 + g) * LD + n0 + 2 * t;
+        o[0] = acc[0];
+        o[1] = acc[1];
+        o[8 * LD] = acc[2];
+        o[8 * LD + 1] = acc[3];
+    }
+}
+
+// W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
+// the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
+template <int D_PAD, int BT, int NW>
+__device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
+                                                 const float* sY1, const float* sX2,
+                                                 const float* sY2, int D) {
+    constexpr int LD = D_PAD + 1, NTN = D_PAD / 8, TILES = (D_PAD / 16) * NTN;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int tile = threadIdx.x >> 5; tile < TILES; tile += NW) {
+        const int m0 = (tile / NTN) * 16, n0 = (tile % NTN) * 8;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const float* sX = p == 0 ? sX1 : sX2;
+            const float* sY = p == 0 ? sY1 : sY2;
+            if (sX == nullptr) continue;            // uniform over the block
+            const float* x0 = sX + t * LD + m0 + g;  // A[g][t] = X[k0 + t, m0 + g] (X^T)
+            const float* y0 = sY + t * LD + n0 + g;  // B[t][g] = Y[k0 + t, n0 + g]
+#pragma unroll 4
+            for (int k0 = 0; k0 < BT; k0 += 8) {
+                const unsigned a[4] = {to_tf32(x0[k0 * LD]), to_tf32(x0[k0 * LD + 8]),
+                                       to_tf32(x0[(k0 + 4) * LD]),
+                                       to_tf32(x0[(k0 + 4) * LD + 8])};
+                const unsigned b[2] = {to_tf32(y0[k0 * LD]), to_tf32(y0[(k0 + 4) * LD])};
+                mma_m16n8k8_tf32(acc, a, b);
+            }
+        }
+        const int a0 = m0 + g, d0 = n0 + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int a = a0 + 8 * (r >> 1), d = d0 + (r & 1);
+            if (a < D && d < D) sW[a * LD + d] += c * acc[r];
+        }
+    }
+}
+
+// hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
+template <int D_PAD, int BT, int NT>
+__device__ __forceinline__ void bias_axpy(float* sHb, float c, const float* sY, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float acc = 0.f;
+        for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
+        sHb[d] += c * acc;
+    }
 }
 
 }  // namespace ttt
