@@ -35,7 +35,7 @@ KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", None,
      dict(USE_INITIAL=True, STORE_FINAL=True)),
     ("fwd_out", ttt_linear_fwd_out_kernel, "group", "S_out", {}),
-    ("bwd_local", ttt_linear_bwd_local_kernel, "group", None, {}),
+    ("bwd_local", ttt_linear_bwd_local_kernel, "group", "S_local", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", None,
      dict(USE_DHT=True, STORE_DH0=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),

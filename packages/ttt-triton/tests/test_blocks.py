@@ -59,13 +59,13 @@ def _run(x, cu, chunk, backend, dtype, device):
 
 @pytest.mark.parametrize("tune,chunk,seq_lens", [
     # 2 chunks per block, 2 blocks per group, 3 groups
-    ("G=4,S_out=32,S_grads=32", 16, None),
+    ("G=4,S_out=32,S_local=32,S_grads=32", 16, None),
     # blocks clamped to the group (32 rows), varlen
-    ("G=2,S_out=64,S_grads=64", 16, (37, 50, 1)),
+    ("G=2,S_out=64,S_local=64,S_grads=64", 16, (37, 50, 1)),
     # 4 chunks per block
-    ("G=4,S_out=64,S_grads=64", 16, (70, 33)),
+    ("G=4,S_out=64,S_local=64,S_grads=64", 16, (70, 33)),
     # S below the chunk: one chunk per block
-    ("G=2,S_out=16,S_grads=16", 32, None),
+    ("G=2,S_out=16,S_local=16,S_grads=16", 32, None),
 ])
 def test_small_groups_and_blocks(monkeypatch, tune, chunk, seq_lens):
     monkeypatch.setenv("TTT_TRITON_TUNE", tune)

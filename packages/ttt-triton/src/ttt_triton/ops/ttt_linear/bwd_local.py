@@ -1,42 +1,41 @@
 r"""Backward, parallel part 1: everything that needs the forward state but not the state's
-cotangent. One program per (group of G chunks, head), replaying the group from its
-checkpoint slot (``q`` pre-scaled, ``A = tril(q k^T) + tril(1)``, ``e`` per-row eta):
+cotangent. One program per (group of G chunks, head) walks its group forwards in blocks of
+``BS`` rows (``BS / BT`` chunks) from the group's checkpoint slot. The forward chain stored
+``xhat`` and ``r`` of every row, so ``g`` is row-local (common.py) and, as in
+``fwd_out.py``, the outputs are linear in stored tiles. With ``W, hb`` the state before the
+block, ``q`` pre-scaled, ``A = q k^\top + 1``, ``P`` the eta mask of ``fwd_out.py``
+(``\eta_j`` for an earlier chunk, ``e_i`` on and below the diagonal of the same chunk) and
+``P^=`` its same-chunk part:
 
 .. math::
 
-    &kh, \hat x, r, y, g \text{ as in the forward;}\quad
-        o_{pre} = q W + hb - e \odot (A g)\\
+    &o_{pre} = q W + hb - (P \odot A)\, g\\
     &do_{pre} = do + r_o (d\hat o - \overline{d\hat o} - \hat o\, \overline{d\hat o\, \hat o}),
         \quad d\hat o = do \odot w \quad (\text{post norm-residual})\\
-    &dS = do_{pre}\, g^\top, \quad dP = -\mathrm{tril}(e \odot dS), \quad
-        dq = \mathrm{scale}\,(do_{pre} W^\top + dP\, k), \quad
-        d\eta_i = -\textstyle\sum_j A_{ij} dS_{ij}\\
-    &dg_{loc} = -A^\top (e \odot do_{pre})
+    &dS = do_{pre}\, g^\top, \quad dq = \mathrm{scale}\,(do_{pre} W^\top
+        - (P \odot dS)\, k), \quad d\eta_i = -\textstyle\sum_{j \le i,\ \text{same chunk}}
+        A_{ij} dS_{ij}\\
+    &dg_{loc} = -(P^= \odot A)^\top do_{pre}\\
+    &W \leftarrow W - (\eta \odot k)^\top g, \qquad hb \leftarrow hb - \textstyle\sum_j \eta_j g_j
 
-It writes ``dq`` (final), ``deta`` (final except the last-row term, added by
-``bwd_chain.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
-later kernels ``xhat``, ``r``, ``do_pre`` and ``dg_loc`` (fp32).
+(``dq`` takes the earlier chunks' updates of ``W`` through ``P``; their cotangents of ``g``
+and of the last-row eta travel through the state's cotangent, in ``bwd_chain.py``). It
+writes ``dq`` (final), ``deta`` (final except the last-row term, added by
+``bwd_grads.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
+later kernels ``do_pre`` and ``dg_loc`` (fp32).
 """
 
 import triton
 import triton.language as tl
 
-from .common import (
-    group_coords,
-    inner_grad,
-    last_row_eta,
-    post_norm,
-    post_norm_bwd,
-    qk_tril,
-    row_offsets,
-)
+from .common import block_rows, group_coords, inner_grad_from_xhat, post_norm, post_norm_bwd
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_local_kernel(
     q, k, v, eta, w, b, do,
     ck, ckb,            # checkpoint slots of the forward chain
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r
+    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r (forward chain)
     dopbuf, dgbuf,      # [B * T, H, D] fp32: do_pre and dg_loc
     dq,                 # [B, T, H, D]
     deta,               # [B, T, H] fp32
@@ -47,6 +46,7 @@ def ttt_linear_bwd_local_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
+    BS: tl.constexpr,
     BD: tl.constexpr,
     G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -56,12 +56,14 @@ def ttt_linear_bwd_local_kernel(
     gid, i_h = tl.program_id(0), tl.program_id(1)
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_dd = m_d[:, None] & m_d[None, :]
     o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
-    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT]
+    o_c = o_s // BT                                                        # [BS] chunk in block
+    m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] >= o_s[None, :])  # [BS, BS]
+    m_prev = o_c[:, None] > o_c[None, :]                                   # [BS, BS]
 
     b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
@@ -73,48 +75,52 @@ def ttt_linear_bwd_local_kernel(
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
-    for j in range(0, nc):
-        i_c = c0 + j
-        o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
-        r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BT, BD]
-        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BT, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BT, BD]
-        b_do = tl.load(do + o_x, mask=m_2d, other=0.).to(tl.float32)       # [BT, BD]
-        b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
-        b_el = last_row_eta(eta, p_ebase, i_c, seq_len, BT, H)
-        b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
-        b_k = r_k.to(tl.float32)                                           # [BT, BD]
+    r_end = tl.minimum((c0 + nc) * BT, seq_len)
+    for r0 in range(c0 * BT, r_end, BS):
+        o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
+                                                       m_d, seq_len, H, D, BT)
+        r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
+        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
+        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
+        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BS, BD]
+        b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                      # [BS]
+        b_k = r_k.to(tl.float32)                                           # [BS, BD]
+        b_g, _ = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)  # [BS, BD]
 
-        # the forward of the chunk
-        b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
-        b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
-        b_A = qk_tril(r_q, r_k, m_tril, scale, HALF, PREC)                 # [BT, BT]
-        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BT, BD]
-        b_o = b_o - b_e[:, None] * tl.dot(b_A, b_g, input_precision=PREC)
+        # the forward of the block
+        if HALF:
+            b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]
+        else:
+            b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+        b_A = b_A * scale + 1.
+        b_Ps = tl.where(m_same, b_e[:, None], 0.)                          # [BS, BS]
+        b_P = tl.where(m_prev, b_el[None, :], b_Ps)                        # [BS, BS]
+        b_q = r_q.to(tl.float32) * scale                                   # [BS, BD]
+        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :] \
+            - tl.dot(b_P * b_A, b_g, input_precision=PREC)                 # [BS, BD]
 
         # post norm-residual backward
+        b_do = tl.load(do + o_x, mask=m_2d, other=0.).to(tl.float32)       # [BS, BD]
         b_on, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         b_dw += tl.sum(b_do * b_oh, 0)
         b_db += tl.sum(b_do, 0)
-        b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BT, BD]
+        b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BS, BD]
 
         # h-cotangent-free gradients
-        b_dS = tl.dot(b_dop, tl.trans(b_g), input_precision=PREC)         # [BT, BT]
-        b_de = -tl.sum(b_A * b_dS, 1)                                      # [BT]
-        b_dP = tl.where(m_tril, -b_e[:, None] * b_dS, 0.)                  # [BT, BT]
+        b_dS = tl.dot(b_dop, tl.trans(b_g), input_precision=PREC)         # [BS, BS]
+        b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)                # [BS]
         b_dq = tl.dot(b_dop, tl.trans(b_W), input_precision=PREC) \
-            + tl.dot(b_dP, b_k, input_precision=PREC)                     # [BT, BD]
-        b_dgl = -tl.dot(tl.trans(b_A), b_e[:, None] * b_dop, input_precision=PREC)
+            - tl.dot(b_P * b_dS, b_k, input_precision=PREC)                # [BS, BD]
+        b_dgl = -tl.dot(tl.trans(b_Ps * b_A), b_dop, input_precision=PREC)  # [BS, BD]
 
         tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
-        tl.store(deta + p_ebase + o_e, b_de, mask=m_t)
-        tl.store(xbuf + o_x, b_xh, mask=m_2d)
-        tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
+        tl.store(deta + o_e, b_de, mask=m_t)
         tl.store(dopbuf + o_x, b_dop, mask=m_2d)
         tl.store(dgbuf + o_x, b_dgl, mask=m_2d)
 
-        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-        b_hb = b_hb - b_el * tl.sum(b_g, 0)
+        b_ke = b_k * b_el[:, None]                                         # [BS, BD]
+        b_W = b_W - tl.dot(tl.trans(b_ke), b_g, input_precision=PREC)
+        b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     tl.store(dwp + o_p, b_dw, mask=m_d)

@@ -7,8 +7,8 @@ One program per (sequence, head). The only work on the chain from one chunk to t
     kh = k W + hb \;\to\; g \text{ (inner-loss gradient, see common.py)} \;\to\;
     W \leftarrow W - \eta_{last}\, k^\top g, \quad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
-with ``eta_last`` the eta of the chunk's last valid row. The program writes ``g`` (fp32)
-for the output kernel, the fp32 state into checkpoint slot ``s`` before chunk ``s * G``
+with ``eta_last`` the eta of the chunk's last valid row. The program writes ``xhat`` and
+``r`` (fp32; ``g`` is row-local in them) for the output kernel and the backward, the fp32 state into checkpoint slot ``s`` before chunk ``s * G``
 and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
 (which need ``q``) are left to the parallel kernel in ``fwd_out.py``. The next chunk's
 ``k``, ``v`` and ``eta_last`` are loaded one step early so their latency leaves the chain.
@@ -26,7 +26,7 @@ def ttt_linear_fwd_chain_kernel(
     h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
     ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
     ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots
-    gbuf,               # [B * T, H, D] fp32: g of every valid row
+    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r of every valid row
     cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
     grp_offsets,        # [N + 1] int64 first group of each sequence (when IS_VARLEN)
     eps,
@@ -86,7 +86,8 @@ def ttt_linear_fwd_chain_kernel(
 
         b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
         b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
-        tl.store(gbuf + o_x, b_g, mask=m_2d)
+        tl.store(xbuf + o_x, b_xh, mask=m_2d)
+        tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
         b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
         b_hb = b_hb - b_el * tl.sum(b_g, 0)
 

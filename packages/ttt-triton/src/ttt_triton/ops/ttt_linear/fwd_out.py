@@ -1,6 +1,7 @@
 r"""Forward, parallel part: the outputs, one program per (group of G chunks, head).
 
-The chain kernel stored ``g`` of every row, so inside a group the outputs are linear in
+The chain kernel stored ``xhat`` and ``r`` of every row, so ``g`` is row-local (common.py)
+and inside a group the outputs are linear in
 what is stored and need no chunk-by-chunk replay. The program walks its group in blocks
 of ``BS`` rows (``BS / BT`` chunks), starting from the group's checkpoint slot. With
 ``W, hb`` the state before the block, ``q`` pre-scaled, ``e`` the per-row eta and
@@ -24,14 +25,14 @@ cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 import triton
 import triton.language as tl
 
-from .common import block_rows, group_coords, post_norm
+from .common import block_rows, group_coords, inner_grad_from_xhat, post_norm
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_out_kernel(
-    q, k, eta, w, b,
+    q, k, v, eta, w, b,
     ck, ckb,            # checkpoint slots of the chain kernel
-    gbuf,               # [B * T, H, D] fp32 g
+    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r
     o,                  # [B, T, H, D] input dtype
     cu_seqlens, grp_offsets,
     grp_seq,            # [groups] int32 sequence of each group (when IS_VARLEN)
@@ -69,11 +70,15 @@ def ttt_linear_fwd_out_kernel(
     p_ebase = bos * H + i_h
     r_end = tl.minimum((c0 + nc) * BT, seq_len)
     for r0 in range(c0 * BT, r_end, BS):
-        o_x, _, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
-                                                     m_d, seq_len, H, D, BT)
+        o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
+                                                       m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        b_g = tl.load(gbuf + o_x, mask=m_2d, other=0.)                     # [BS, BD]
+        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
+        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BS, BD]
+        b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                      # [BS]
+        b_g, _ = inner_grad_from_xhat(b_xh, b_r, r_k.to(tl.float32), b_v, b_w, b_b, m_2d,
+                                      D)                                   # [BS, BD]
 
         if HALF:
             b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]

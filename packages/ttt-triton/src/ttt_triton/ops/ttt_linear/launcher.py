@@ -37,10 +37,10 @@ HALF_DOT_PRECISION = "tf32"
 inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
 inputs always use "ieee"."""
 
-BLOCK_ROWS = {"S_out": 64, "S_grads": 32}
-"""Rows per block of fwd_out and of bwd_grads, which walk a group in blocks of S / BT
-chunks with masked [S, S] products (clamped to at least one chunk, at most one group).
-bwd_local walks chunk by chunk: it recomputes g, which is sequential."""
+BLOCK_ROWS = {"S_out": 64, "S_local": 32, "S_grads": 32}
+"""Rows per block of fwd_out, bwd_local and bwd_grads, which walk a group in blocks of
+S / BT chunks with masked [S, S] products (clamped to at least one chunk, at most one
+group)."""
 
 NUM_WARPS = {"chain": 4, "group": 4}
 """num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
@@ -88,8 +88,8 @@ def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
 
 
 def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
-    """Rows per block of fwd_out (``kind="S_out"``) or bwd_grads (``"S_grads"``), clamped
-    to [BT, G * BT]."""
+    """Rows per block of fwd_out (``kind="S_out"``), bwd_local (``"S_local"``) or bwd_grads
+    (``"S_grads"``), clamped to [BT, G * BT]."""
     return max(BT, min(tune[kind], G * BT))
 
 
@@ -106,10 +106,13 @@ def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dic
 
 @dataclass
 class Saved:
-    """What the forward keeps for the backward: the fp32 state slots and the grouping."""
+    """What the forward keeps for the backward: the fp32 state slots, every row's xhat and
+    r (from which g is row-local) and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
+    xbuf: torch.Tensor        # [B, T, H, D] fp32
+    rbuf: torch.Tensor        # [B, T, H] fp32
     groups: ChunkGroups
 
 
@@ -144,24 +147,25 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     h0, hb0 = _initial_states(p)
     ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
     ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
-    gbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     prec = _precision(q.dtype)
     varlen = cu_seqlens is not None
 
     ttt_linear_fwd_chain_kernel[(N * H,)](
-        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, gbuf, cu_seqlens, grp.offsets,
+        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens, grp.offsets,
         float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
         STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, PREC=prec,
         **_launch("chain", BD, q.dtype, tune))
     o = torch.empty_like(q)
     ttt_linear_fwd_out_kernel[(grp.count, H)](
-        q, k, eta, w, b, ck, ckb, gbuf, o, cu_seqlens, grp.offsets, grp.seq,
+        q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
         **_launch("group", BD, q.dtype, tune))
-    saved = Saved(ck, ckb, grp) if save_for_backward else None
+    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -182,10 +186,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
-    xbuf = torch.empty(q.shape, **f32)
+    xbuf, rbuf = saved.xbuf, saved.rbuf
     dopbuf = torch.empty(q.shape, **f32)
     dgbuf = torch.empty(q.shape, **f32)
-    rbuf = torch.empty(B, T, H, **f32)
     dq = torch.empty_like(q)
     deta = torch.empty(B, T, H, 1, **f32)
     dwp = torch.empty(2, grp.count, H, D, **f32)
@@ -194,8 +197,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BD=BD, G=G, IS_VARLEN=varlen, HALF=q.dtype != torch.float32,
-        PREC=prec, **_launch("group", BD, q.dtype, tune))
+        H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
+        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
+        **_launch("group", BD, q.dtype, tune))
 
     dh0 = dhb0 = None
     if want_dh0:
