@@ -1,5 +1,5 @@
 // Chunked TTT-linear: what the five kernels share (SIMT fp32 passes, and the tf32 tensor-core
-// tile passes of the chain kernels' MMA instances for half inputs, at the end of this file).
+// tile passes of the kernels' MMA instances for half inputs, at the end of this file).
 //
 // Notation (per chunk of L <= BT valid rows; rows past the sequence's end are exactly zero and
 // take no part in anything: the padding rule of docs/math.md; q is pre-multiplied by `scale`):
@@ -410,8 +410,8 @@ __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[
 
 
 // ---------------------------------------------------------------- tensor-core (tf32) tile passes
-// Used by the chain kernels (fwd_chain, bwd_chain) for half inputs (MMA = true); float inputs
-// keep the SIMT passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
+// Used by every kernel's MMA instance for half inputs (MMA = true); float inputs keep the SIMT
+// passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
 // tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
 // read from the fp32 shared tiles and rounded to tf32 (cvt.rna), fp32 accumulation. Fragment
 // layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
@@ -507,6 +507,87 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
             if (a < D && d < D) sW[a * LD + d] += c * acc[r];
         }
     }
+}
+
+// The generic warp tile of the group kernels' mma passes: acc += sum_k X(m, k) Y(k, n) over
+// k in [kbeg, kend) (multiples of 8) for the 16 x 8 output tile at (m0, n0), with
+// X(m, k) = x[m * xm + k * xk] and Y(k, n) = y[k * yk + n * yn] (strides pick a tile or its
+// transpose). Same fragment layout as above; every lane of the warp must call it.
+__device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, int xm, int xk,
+                                             const float* y, int yk, int yn, int m0, int n0,
+                                             int kbeg, int kend) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* x0 = x + (m0 + g) * xm + t * xk;  // A[g][t] = X(m0 + g, k0 + t)
+    const float* y0 = y + t * yk + (n0 + g) * yn;  // B[t][g] = Y(k0 + t, n0 + g)
+#pragma unroll 4
+    for (int k0 = kbeg; k0 < kend; k0 += 8) {
+        const unsigned a[4] = {to_tf32(x0[k0 * xk]), to_tf32(x0[8 * xm + k0 * xk]),
+                               to_tf32(x0[(k0 + 4) * xk]), to_tf32(x0[8 * xm + (k0 + 4) * xk])};
+        const unsigned b[2] = {to_tf32(y0[k0 * yk]), to_tf32(y0[(k0 + 4) * yk])};
+        mma_m16n8k8_tf32(acc, a, b);
+    }
+}
+
+// The [M, N] output of a group-kernel mma pass in 16 x 8 tiles, tile u to warp u % NW: for
+// each of its tiles a warp zeroes acc, runs body(acc, m0, n0) (mma_tile_acc calls) and then
+// epi(acc, m0, n0), where lane (g, t) holds acc[r] = out[m0 + g + 8 (r >> 1), n0 + 2 t + (r & 1)].
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN;
+    for (int u = threadIdx.x >> 5; u < TILES; u += NW) {
+        const int m0 = (u / NTN) * 16, n0 = (u % NTN) * 8;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        body(acc, m0, n0);
+        epi(acc, m0, n0);
+    }
+}
+
+// mma_tiles whose epilogues run after a __syncthreads (every thread must call it): the output
+// may overwrite an operand of the products. A warp holds its (at most ceil(TILES / NW))
+// tiles' accumulators in registers meanwhile.
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN, TPW = (TILES + NW - 1) / NW;
+    const int warp = threadIdx.x >> 5;
+    float acc[TPW][4];
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
+        if (u < TILES) body(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        if (u < TILES) epi(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+}
+
+// sOut[i, j] = X_i . Y_j + add for i, j < L and j <= i (LOWER) or j >= i (upper), times
+// scale[j] when given; zero elsewhere (tri_dots on tensor cores; X, Y [BT, D_PAD] tiles,
+// sOut [BT, BT + 1]). The mma twin of tri_dots.
+template <int D_PAD, int BT, int NW, bool LOWER>
+__device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
+                                             int L, float add, const float* scale = nullptr,
+                                             float sign = 1.f) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<BT, BT, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            const bool skip = LOWER ? n0 > m0 + 15 : n0 + 7 < m0;  // tile outside the triangle
+            if (!skip) mma_tile_acc(acc, sX, LD, 1, sY, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                float val = 0.f;
+                if (i < L && j < L && (LOWER ? j <= i : j >= i))
+                    val = sign * (acc[r] + add) * (scale != nullptr ? scale[j] : 1.f);
+                sOut[i * LA + j] = val;
+            }
+        });
 }
 
 // hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
