@@ -227,3 +227,66 @@ extern "C" int emu_bwd_chain_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_MMA_bwd_chain)
     return 1;
 }
+
+// The group kernels' tensor-core instances (T = the fake __half as above, MMA = true); the
+// outputs of type T (o, dq, dk, dv) are fake halves too, i.e. floats.
+template <int DP, int BT>
+static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto oh = reinterpret_cast<__half*>(o);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, eta, w, b, ck, ckb, gbuf, oh, cu, go, gs,
+                                                 scale, eps, T, H, D, G, Tr::kFwdOutBytes);
+    });
+}
+#define DISPATCH_MMA_fwd_out(DP, BT) \
+    if (dp == DP && bt == BT) return fwd_out_mma_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
+extern "C" int emu_fwd_out_mma(int dp, int bt, i64 grid, FWD_OUT_PARAMS) {
+    INSTANCES(DISPATCH_MMA_fwd_out)
+    return 1;
+}
+
+template <int DP, int BT>
+static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    auto doh = reinterpret_cast<const __half*>(dout);
+    auto dqh = reinterpret_cast<__half*>(dq);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_bwd_local<__half, DP, BT, true>(qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf,
+                                                   rbuf, dopbuf, dgbuf, dqh, deta, dwp, dbp, cu,
+                                                   go, gs, scale, eps, T, H, D, G,
+                                                   Tr::kBwdLocalBytes);
+    });
+}
+#define DISPATCH_MMA_bwd_local(DP, BT) \
+    if (dp == DP && bt == BT) return bwd_local_mma_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
+extern "C" int emu_bwd_local_mma(int dp, int bt, i64 grid, BWD_LOCAL_PARAMS) {
+    INSTANCES(DISPATCH_MMA_bwd_local)
+    return 1;
+}
+
+template <int DP, int BT>
+static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    auto dkh = reinterpret_cast<__half*>(dk);
+    auto dvh = reinterpret_cast<__half*>(dv);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_bwd_grads<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf,
+                                                   dopbuf, dgbuf, dkh, dvh, dwp, dbp, cu, go, gs,
+                                                   scale, T, H, D, G, Tr::kBwdGradsBytes);
+    });
+}
+#define DISPATCH_MMA_bwd_grads(DP, BT) \
+    if (dp == DP && bt == BT) return bwd_grads_mma_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
+extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
+    INSTANCES(DISPATCH_MMA_bwd_grads)
+    return 1;
+}
