@@ -5,9 +5,9 @@
 // run one after the other and share one static "shared memory" buffer, NaN-poisoned before
 // each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
 // launcher's order by test_cpu_emulation.py). Only T = float is exposed (the fake
-// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of the two chain
-// kernels (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with
-// an emulated mma.sync (below).
+// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
+// (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
+// emulated mma.sync (below).
 #include <algorithm>
 #include <barrier>
 #include <iterator>
@@ -45,7 +45,7 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
 using std::min;
 using std::max;
 
-// The tensor-core path of the chain kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
+// The tensor-core path of the kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
 // mma_m16n8k8_tf32 to us when __CUDA_ARCH__ is not defined. mma_m16n8k8_tf32 is warp-wide like
 // the PTX instruction: every lane posts its fragments, each lane rebuilds A (16 x 8) and B
 // (8 x 8) with the PTX ISA's m16n8k8 .tf32 layout (g = lane / 4, t = lane % 4: a0 A[g][t],
