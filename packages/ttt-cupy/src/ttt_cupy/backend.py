@@ -6,7 +6,8 @@ per (sequence, head) carries only the state (forward) or its cotangent (backward
 the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
 block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
 inputs every kernel's tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
-turns that off; verified on an H200 for the chain kernels, NOT yet for the group kernels).
+turns that off; verified on an H200 for the chain kernels before their k-loop was shared
+with the group kernels; the current tensor-core code is NOT yet verified on a GPU).
 
 Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
 ttt_cupy.nvrtc_check``, in CI), match a float64 oracle in a CPU emulation, and passed the
