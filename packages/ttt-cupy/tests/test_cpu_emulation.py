@@ -88,11 +88,14 @@ def _empty(*shape):
     return np.full(shape, np.nan, np.float32)
 
 
-def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=False):
+CHAIN_KERNELS = ("fwd_chain", "bwd_chain")
+GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
+
+
+def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
-    everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the chain
-    kernels' tensor-core instances (emulated mma.sync) instead of their SIMT ones."""
-    chain = "_mma" if mma else ""
+    everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
+    that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -111,14 +114,15 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=False)
              scale=fl(scale), eps=fl(EPS))
 
     def call(name, grid, *args):
-        rc = getattr(emu, f"emu_{name}")(DP, BT, i64(grid), *args)
+        entry = f"emu_{name}_mma" if name in mma else f"emu_{name}"
+        rc = getattr(emu, entry)(DP, BT, i64(grid), *args)
         assert rc == 0, f"no emulated {name} instance for D_PAD={DP}, BT={BT}"
 
     # ---- forward
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
     ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
     gbuf = _empty(B, T, H, D)
-    call("fwd_chain" + chain, N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
+    call("fwd_chain", N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
          _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(gbuf), _p(cu_arr), _p(go),
          c["eps"], c["T"], c["H"], c["D"], c["G"])
     o = _empty(B, T, H, D)
@@ -141,7 +145,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=False)
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck = _empty(slots, H, D, D)
-    call("bwd_chain" + chain, N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+    call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
          _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
          _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
          c["D"], c["G"])
@@ -250,20 +254,23 @@ def test_kernels_match_oracle(emu, case):
         assert err < 2e-3, f"d{name}: max error {err:.2e} (fd {fd}, kernel {an})"
 
 
+@pytest.mark.parametrize("kernels", [CHAIN_KERNELS, GROUP_KERNELS], ids=["chain", "group"])
 @pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_chain_mma_instances_match_simt(emu, case, tf32):
-    """The chain kernels' tensor-core instances (MMA = true, an emulated mma.sync with the PTX
-    ISA's fragment layout) against their SIMT instances, every output and gradient. With fp32
-    operands only the summation order differs (checks the fragment index math and the pads);
-    with tf32 rounding (cvt.rna) the error is the GPU's tf32 error."""
+def test_mma_instances_match_simt(emu, case, tf32, kernels):
+    """The tensor-core instances (MMA = true, an emulated mma.sync with the PTX ISA's fragment
+    layout) of the chain kernels, or of the three group kernels, against the SIMT instances,
+    every output and gradient. With fp32 operands only the summation order differs (checks
+    the fragment index math, the triangles and the pads); with tf32 rounding (cvt.rna) the
+    error is the GPU's tf32 error."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
     x, seqs, cu, scale, cot, _ = _inputs(case)
     grads_in = cot if with_dht else (cot[0], None, None)
     ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
     emu.emu_set_tf32_round(int(tf32))
     try:
-        got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=True)
+        got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init,
+                                 mma=kernels)
     finally:
         emu.emu_set_tf32_round(0)
     tol = 2e-2 if tf32 else 2e-5

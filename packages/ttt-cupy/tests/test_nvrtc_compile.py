@@ -32,8 +32,10 @@ def test_every_instance_compiles_for_sm80_and_sm90():
         counts = nvrtc_check.run(("80", "90"), out=out)
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    # + the SIMT instances of the chain kernels for the two half types (TTT_CUPY_MMA=0)
+    # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0)
+    assert MMA_KERNELS == KERNELS
     expected = (len(KERNELS) * len(CTYPES) + len(MMA_KERNELS) * 2) * len(D_PADS) * len(BLOCK_TS)
+    assert expected == 300
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
@@ -43,7 +45,7 @@ def test_name_expressions_and_smem_formula():
     from ttt_cupy.nvrtc_check import traits_field
 
     assert KERNELS == ("fwd_chain", "fwd_out", "bwd_local", "bwd_chain", "bwd_grads")
-    assert kernel_name("fwd_out", "__half", 64, 16) == "ttt_linear_fwd_out<__half, 64, 16>"
+    assert kernel_name("fwd_out", "__half", 64, 16) == "ttt_linear_fwd_out<__half, 64, 16, true>"
     assert traits_field("bwd_grads") == "kBwdGradsBytes"
     assert [d_pad(d) for d in (1, 16, 17, 60, 64, 96, 100, 128)] == [16, 16, 32, 64, 64, 128,
                                                                      128, 128]
@@ -63,7 +65,7 @@ def test_name_expressions_and_smem_formula():
 
 
 def test_mma_instances_and_switch(monkeypatch):
-    """No NVRTC needed: which chain instance runs for which dtype, and TTT_CUPY_MMA."""
+    """No NVRTC needed: which instance of each kernel runs for which dtype, and TTT_CUPY_MMA."""
     from ttt_cupy.compile import MMA_ENV, kernel_name, pass_names, program_names, use_mma
     from ttt_cupy.nvrtc_check import is_mma_instance
 
@@ -85,13 +87,17 @@ def test_mma_instances_and_switch(monkeypatch):
     assert use_mma("__half", "90")
     assert pass_names("fwd", "float", 64, 16, True) == {
         "fwd_chain": "ttt_linear_fwd_chain<float, 64, 16, false>",
-        "fwd_out": "ttt_linear_fwd_out<float, 64, 16>"}
-    assert pass_names("bwd", "__half", 64, 16, False)["bwd_chain"].endswith(", false>")
-    assert pass_names("bwd", "__half", 64, 16, True)["bwd_chain"].endswith(", true>")
-    assert [is_mma_instance(n) for n in program_names("fwd", "__half", 16, 16)] == [True, False,
-                                                                                   False]
+        "fwd_out": "ttt_linear_fwd_out<float, 64, 16, false>"}
+    assert all(n.endswith(", false>") for n in pass_names("bwd", "__half", 64, 16, False).values())
+    assert all(n.endswith(", true>") for n in pass_names("bwd", "__half", 64, 16, True).values())
+    assert (kernel_name("bwd_grads", "__nv_bfloat16", 128, 32)
+            == "ttt_linear_bwd_grads<__nv_bfloat16, 128, 32, true>")
+    with pytest.raises(ValueError, match="float"):
+        kernel_name("bwd_local", "float", 64, 16, True)
+    assert [is_mma_instance(n) for n in program_names("fwd", "__half", 16, 16)] == [
+        True, True, False, False]
     assert not any(is_mma_instance(n) for n in program_names("bwd", "float", 16, 16))
-    assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 4
+    assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 6
 
 
 def test_smem_reason_names_the_kernel():

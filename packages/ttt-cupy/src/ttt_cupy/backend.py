@@ -5,12 +5,14 @@ The kernels (csrc/*.cu) follow the Triton backend's chain/group split: a sequent
 per (sequence, head) carries only the state (forward) or its cotangent (backward) through
 the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
 block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
-inputs the chain kernels' products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
-turns that off; verified on an H200).
+inputs every kernel's tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
+turns that off; verified on an H200 for the chain kernels before their k-loop was shared
+with the group kernels; the current tensor-core code is NOT yet verified on a GPU).
 
 Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
-ttt_cupy.nvrtc_check``, in CI), match a float64 oracle in a CPU emulation, and pass the
-conformance suite on an H200.
+ttt_cupy.nvrtc_check``, in CI), match a float64 oracle in a CPU emulation, and passed the
+conformance suite on an H200 before the group kernels got their tensor-core instances (those
+are checked against the SIMT ones in the CPU emulation only).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ DEFAULT_SMEM_LIMIT = 227 * 1024
 
 class CupyBackend(Backend):
     """Chain kernels per (sequence, head) plus group-parallel kernels per (group of G chunks,
-    head), fp32 state in shared memory; SIMT fp32 arithmetic (tf32 tensor cores in the chain
-    kernels for half inputs);
+    head), fp32 state in shared memory; SIMT fp32 arithmetic (tf32 tensor cores in every
+    kernel for half inputs);
     deterministic."""
 
     name = "cupy"
@@ -45,12 +47,14 @@ class CupyBackend(Backend):
         deterministic=True,
         notes=(
             "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and SIMT arithmetic; "
-            "half inputs: tf32 tensor-core dots in the chain kernels (TTT_CUPY_MMA=0: SIMT)",
+            "half inputs: tf32 tensor-core dots in every kernel (TTT_CUPY_MMA=0: SIMT); the "
+            "group kernels' tensor-core path is not yet verified on a GPU",
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
             "shared memory bounds (chunk_size, head dim); on an H100/H200 (227 KiB per "
             "block) the backward with head dim > 64 takes chunk_size 16 or 32",
-            "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200",
+            "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200 "
+            "with SIMT group kernels (their tensor-core instances: not yet)",
         ),
     )
 

@@ -3,8 +3,11 @@
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch) builds
 one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
 fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
-for the process. For half inputs the chain kernels are their tensor-core (tf32 mma.sync)
-instances unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32.
+for the process. For half inputs every kernel is its tensor-core (tf32 mma.sync) instance
+unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32. (The chain
+kernels' tensor-core path was verified on an H200; the group kernels' (fwd_out, bwd_local,
+bwd_grads), and the k-loop every tensor-core pass now shares, are compile-checked and
+CPU-emulated only, NOT yet verified on a GPU.)
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
 """
@@ -29,11 +32,12 @@ template ``ttt_linear_x<T, D_PAD, BT>``. One program (RawModule) per pass and in
 
 KERNELS = tuple(k for ks in PASSES.values() for k in ks)
 
-MMA_KERNELS = ("fwd_chain", "bwd_chain")
-"""The kernels with a fourth template parameter ``bool MMA``: their [BT, D] x [D, D] and
-[D, BT] x [BT, D] products on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
-accumulation) when true. Only half types (``__half``, ``__nv_bfloat16``) have MMA instances;
-float inputs always run the SIMT fp32 instance (float32-exact arithmetic)."""
+MMA_KERNELS = KERNELS
+"""The kernels with a fourth template parameter ``bool MMA`` (all five): their [BT, D] x
+[D, D], [D, BT] x [BT, D] and [BT, BT] x [BT, D] products on tensor cores (mma.sync m16n8k8,
+tf32 operands, fp32 accumulation) when true. Only half types (``__half``,
+``__nv_bfloat16``) have MMA instances; float inputs always run the SIMT fp32 instance
+(float32-exact arithmetic)."""
 
 MMA_ENV = "TTT_CUPY_MMA"
 """``TTT_CUPY_MMA=0`` makes half inputs run the SIMT fp32 instances of :data:`MMA_KERNELS`
@@ -76,7 +80,7 @@ def mma_requested() -> bool:
 
 
 def use_mma(ctype: str, arch: str | int | None = None) -> bool:
-    """Whether the chain kernels run their tensor-core instance for C++ type ``ctype``: a half
+    """Whether the kernels run their tensor-core instances for C++ type ``ctype``: a half
     type, :func:`mma_requested`, and (when given) a compute capability of at least 8.0."""
     if ctype == "float" or not mma_requested():
         return False
@@ -84,8 +88,8 @@ def use_mma(ctype: str, arch: str | int | None = None) -> bool:
 
 
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None) -> str:
-    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<__half, 64, 16>`` or
-    ``ttt_linear_fwd_chain<__half, 64, 16, true>``. ``mma`` matters for :data:`MMA_KERNELS`
+    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``
+    or ``ttt_linear_fwd_chain<__half, 64, 16, true>``. ``mma`` matters for :data:`MMA_KERNELS`
     only (None: the type's default, true for half types); float has no MMA instance."""
     _check_kernel(kernel)
     if kernel not in MMA_KERNELS:
@@ -223,7 +227,7 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
                 device_index: int) -> dict[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
     dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after.
-    The chain kernels are the tensor-core instances when :func:`use_mma` says so (half
+    The kernels are the tensor-core instances when :func:`use_mma` says so (half
     inputs, ``TTT_CUPY_MMA`` not ``0``, sm_80+), else the SIMT fp32 ones."""
     import cupy
 

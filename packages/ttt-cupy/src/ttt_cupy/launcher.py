@@ -6,7 +6,7 @@ device; nothing is copied to the host. The split follows the Triton backend: the
 fwd_chain (one block per (sequence, head): the state chain, g and the checkpoint slots) then
 fwd_out (one block per (group of G chunks, head): the outputs); the backward is bwd_local
 (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group, reverse). Tunables
-live in :data:`CKPT_INTERVAL`. For half inputs the two chain kernels are their tensor-core
+live in :data:`CKPT_INTERVAL`. For half inputs all five kernels are their tensor-core
 (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
 :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """

@@ -4,7 +4,7 @@
 backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
 (pass, dtype, D_PAD, BT) as the backend does at run time, to cubins for each ``--arch``
 (default sm_80 and sm_90), and checks that the C++ shared-memory sizes equal
-:func:`ttt_cupy.compile.smem_bytes`. For half types the chain kernels are compiled twice (the
+:func:`ttt_cupy.compile.smem_bytes`. For half types every kernel is compiled twice (the
 tensor-core instance, MMA = true, and the SIMT one); the PTX of every kernel is checked to
 hold tf32 ``mma.sync`` instructions exactly when it is an MMA instance (so float never does).
 It uses ``cuda.bindings.nvrtc`` (``pip install './packages/ttt-cupy[compile-check]'``:

@@ -5,9 +5,9 @@
 // run one after the other and share one static "shared memory" buffer, NaN-poisoned before
 // each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
 // launcher's order by test_cpu_emulation.py). Only T = float is exposed (the fake
-// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of the two chain
-// kernels (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with
-// an emulated mma.sync (below).
+// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
+// (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
+// emulated mma.sync (below).
 #include <algorithm>
 #include <barrier>
 #include <iterator>
@@ -45,7 +45,7 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
 using std::min;
 using std::max;
 
-// The tensor-core path of the chain kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
+// The tensor-core path of the kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
 // mma_m16n8k8_tf32 to us when __CUDA_ARCH__ is not defined. mma_m16n8k8_tf32 is warp-wide like
 // the PTX instruction: every lane posts its fragments, each lane rebuilds A (16 x 8) and B
 // (8 x 8) with the PTX ISA's m16n8k8 .tf32 layout (g = lane / 4, t = lane % 4: a0 A[g][t],
@@ -225,5 +225,68 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     if (dp == DP && bt == BT) return bwd_chain_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
 extern "C" int emu_bwd_chain_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_MMA_bwd_chain)
+    return 1;
+}
+
+// The group kernels' tensor-core instances (T = the fake __half as above, MMA = true); the
+// outputs of type T (o, dq, dk, dv) are fake halves too, i.e. floats.
+template <int DP, int BT>
+static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto oh = reinterpret_cast<__half*>(o);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, eta, w, b, ck, ckb, gbuf, oh, cu, go, gs,
+                                                 scale, eps, T, H, D, G, Tr::kFwdOutBytes);
+    });
+}
+#define DISPATCH_MMA_fwd_out(DP, BT) \
+    if (dp == DP && bt == BT) return fwd_out_mma_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
+extern "C" int emu_fwd_out_mma(int dp, int bt, i64 grid, FWD_OUT_PARAMS) {
+    INSTANCES(DISPATCH_MMA_fwd_out)
+    return 1;
+}
+
+template <int DP, int BT>
+static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    auto doh = reinterpret_cast<const __half*>(dout);
+    auto dqh = reinterpret_cast<__half*>(dq);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_bwd_local<__half, DP, BT, true>(qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf,
+                                                   rbuf, dopbuf, dgbuf, dqh, deta, dwp, dbp, cu,
+                                                   go, gs, scale, eps, T, H, D, G,
+                                                   Tr::kBwdLocalBytes);
+    });
+}
+#define DISPATCH_MMA_bwd_local(DP, BT) \
+    if (dp == DP && bt == BT) return bwd_local_mma_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
+extern "C" int emu_bwd_local_mma(int dp, int bt, i64 grid, BWD_LOCAL_PARAMS) {
+    INSTANCES(DISPATCH_MMA_bwd_local)
+    return 1;
+}
+
+template <int DP, int BT>
+static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
+    auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
+    auto dkh = reinterpret_cast<__half*>(dk);
+    auto dvh = reinterpret_cast<__half*>(dv);
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_bwd_grads<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf,
+                                                   dopbuf, dgbuf, dkh, dvh, dwp, dbp, cu, go, gs,
+                                                   scale, T, H, D, G, Tr::kBwdGradsBytes);
+    });
+}
+#define DISPATCH_MMA_bwd_grads(DP, BT) \
+    if (dp == DP && bt == BT) return bwd_grads_mma_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
+extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
+    INSTANCES(DISPATCH_MMA_bwd_grads)
     return 1;
 }

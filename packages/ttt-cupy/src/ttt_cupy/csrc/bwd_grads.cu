@@ -20,9 +20,17 @@
 // state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
 // eps^-1/2 there). dy w stays in registers between the two row passes (each warp keeps its
 // rows). Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta (Traits::kBwdGradsBytes).
+//
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): the state steps
+// (k^T g, q^T do_pre + k^T dkh), S = g do_pre^T (stored as -e_j S_ij) and the dk products
+// -(e S) q + dkh W^T - eta_l g dW^T (one tile pass whose result replaces g in its tile; the
+// row pass then adds dy w) run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
+// accumulation; ttt_common.cuh). With MMA = false (float inputs, or TTT_CUPY_MMA=0) every
+// product is SIMT fp32. The MMA path is compile-checked and CPU-emulated only, NOT yet
+// verified on a GPU.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,     // [B, T, H] fp32
@@ -42,6 +50,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
                      unsigned long long smem_bytes) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
@@ -121,6 +130,53 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
             ttt::store_row<D_PAD>(dv + o_r, b_dy, D);
         }
         __syncthreads();
+
+        if constexpr (MMA) {
+            const int g4 = lane >> 2, t4 = lane & 3;
+            // the state before the chunk; -e_j S_ij = -e_j g_i . do_pre_j (j >= i) -> s_S
+            if (j == 0) {
+                ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck0 * DD, nullptr, D);
+            } else {
+                ttt::state_update_mma<D_PAD, BT, NW>(s_W, e_l, s_k, s_g, nullptr, nullptr, D);
+            }
+            ttt::tri_dots_mma<D_PAD, BT, NW, false>(s_S, s_g, s_dop, L, 0.f, s_e, -1.f);
+            __syncthreads();
+
+            // dk - dy w = -(e S) q + dkh W^T - eta_l g dW^T -> s_g (after every warp's
+            // products: they read g)
+            ttt::mma_tiles_synced<BT, D_PAD, NW>(
+                [&](float (&acc)[4], int m0, int n0) {
+                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                    ttt::mma_tile_acc(acc, s_S, LA, 1, s_q, LD, 1, m0, n0, m0, BT);
+                    ttt::mma_tile_acc(acc, s_dkh, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
+                    ttt::mma_tile_acc(acc2, s_g, LD, 1, s_dW, 1, LD, m0, n0, 0, D_PAD);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[r] -= e_l * acc2[r];
+                },
+                [&](float (&acc)[4], int m0, int n0) {
+                    float* out = s_g + (m0 + g4) * LD + n0 + 2 * t4;
+                    out[0] = acc[0];
+                    out[1] = acc[1];
+                    out[8 * LD] = acc[2];
+                    out[8 * LD + 1] = acc[3];
+                });
+            __syncthreads();
+
+            // row pass: dk = dy w + the products; dW <- dW + q^T do_pre + k^T dkh meanwhile
+#pragma unroll
+            for (int ii = 0; ii < RW; ++ii) {
+                const int i = warp + ii * NW;
+                if (i >= L) continue;
+                float b_a[P];
+                ttt::load_row<D_PAD>(b_a, s_g + i * LD, D_PAD, 1.f);
+#pragma unroll
+                for (int e = 0; e < P; ++e) b_a[e] += b_dyw[ii][e];
+                ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+            }
+            ttt::state_update_mma<D_PAD, BT, NW>(s_dW, 1.f, s_q, s_dop, s_k, s_dkh, D);
+            __syncthreads();
+            continue;
+        }
 
         // the state before the chunk; S = g do_pre^T (j >= i)
         if (j == 0) {

@@ -13,9 +13,17 @@
 // block ([groups, H, D]: deterministic, summed in torch), and for the later kernels xhat, r,
 // do_pre and dg_loc (fp32). Shared memory: W, hb, Q, K, DO, G, A, dS/dP, eta
 // (Traits::kBwdLocalBytes).
+//
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
+// q k^T, k W, q W + A g (which then replaces q in its tile), dS = do_pre g^T,
+// do_pre W^T + dP k, A^T (e do_pre) and the state step k^T g run on tensor cores (mma.sync
+// m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh); the row passes keep the
+// row-local math (LayerNorm, g, the post norm's backward), the deta pass scales A's rows by
+// e in place for dg_loc. With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is
+// SIMT fp32. The MMA path is compile-checked and CPU-emulated only, NOT yet verified on a GPU.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,    // [B, T, H] fp32
@@ -37,6 +45,7 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                      float scale, float eps, long long T_len, int H, int D, int G,
                      unsigned long long smem_bytes) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
@@ -80,6 +89,128 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
+
+        if constexpr (MMA) {
+            const int g4 = lane >> 2, t4 = lane & 3;
+            // A -> s_A, kh - hb = k W -> s_g (tensor cores)
+            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
+            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_g, s_k, s_W);
+            __syncthreads();
+
+            // row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
+            for (int i = warp; i < BT; i += NW) {
+                if (i >= L) {
+                    ttt::zero_row<D_PAD>(s_g + i * LD);
+                    continue;
+                }
+                const long long o_r = p_base + (row0 + i) * row_stride;
+                float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+                ttt::load_row<D_PAD>(b_x, s_g + i * LD, D_PAD, 1.f);  // this warp's row only
+#pragma unroll
+                for (int e = 0; e < P; ++e) {
+                    const int d = lane + 32 * e;
+                    if (d < D) b_x[e] += s_hb[d];
+                }
+                const float r = ttt::layer_norm_row(b_x, D, eps);
+                ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+                ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+                ttt::inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+                ttt::put_row<D_PAD>(s_g + i * LD, b_g);
+                ttt::store_row<D_PAD>(xbuf + o_r, b_x, D);
+                if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+            }
+            __syncthreads();
+
+            // o_pre - hb = q W - e (A g) -> s_q (after every warp's products: they read q)
+            ttt::mma_tiles_synced<BT, D_PAD, NW>(
+                [&](float (&acc)[4], int m0, int n0) {
+                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                    ttt::mma_tile_acc(acc, s_q, LD, 1, s_W, LD, 1, m0, n0, 0, D_PAD);
+                    ttt::mma_tile_acc(acc2, s_A, LA, 1, s_g, LD, 1, m0, n0, 0, m0 + 16);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
+                },
+                [&](float (&acc)[4], int m0, int n0) {
+                    float* out = s_q + (m0 + g4) * LD + n0 + 2 * t4;
+                    out[0] = acc[0];
+                    out[1] = acc[1];
+                    out[8 * LD] = acc[2];
+                    out[8 * LD + 1] = acc[3];
+                });
+            __syncthreads();
+
+            // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
+            for (int i = warp; i < L; i += NW) {
+                float b_o[P], b_do[P];
+                ttt::load_row<D_PAD>(b_o, s_q + i * LD, D_PAD, 1.f);
+                ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
+#pragma unroll
+                for (int e = 0; e < P; ++e) {
+                    const int d = lane + 32 * e;
+                    b_o[e] = d < D ? b_o[e] + s_hb[d] : 0.f;
+                }
+                const float ro = ttt::layer_norm_row(b_o, D, eps);      // b_o <- oh
+                float b_doh[P];
+#pragma unroll
+                for (int e = 0; e < P; ++e) {
+                    b_doh[e] = b_do[e] * b_w[e];
+                    b_dw[e] += b_do[e] * b_o[e];
+                    b_db[e] += b_do[e];
+                }
+                const float m1 = ttt::row_sum(b_doh) / (float)D;
+                const float m2 = ttt::row_dot(b_doh, b_o) / (float)D;
+#pragma unroll
+                for (int e = 0; e < P; ++e)
+                    b_do[e] = lane + 32 * e < D ? b_do[e] + ro * (b_doh[e] - m1 - b_o[e] * m2)
+                                                : 0.f;
+                ttt::put_row<D_PAD>(s_do + i * LD, b_do);
+                ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
+            }
+            __syncthreads();
+
+            // dS = do_pre g^T (lower triangle) -> s_P
+            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_P, s_do, s_g, L, 0.f);
+            __syncthreads();
+
+            // deta_i = -sum_j A_ij dS_ij; dP = -tril(e dS) and A <- e A in place (a row each)
+            for (int i = tid; i < L; i += NT) {
+                float de = 0.f;
+                for (int jj = 0; jj <= i; ++jj) {
+                    const float ds = s_P[i * LA + jj], a = s_A[i * LA + jj];
+                    de -= a * ds;
+                    s_P[i * LA + jj] = -s_e[i] * ds;
+                    s_A[i * LA + jj] = s_e[i] * a;
+                }
+                deta[p_ebase + (row0 + i) * H] = de;
+            }
+            __syncthreads();
+
+            // dq = scale (do_pre W^T + dP k);  dg_loc = -(e A)^T do_pre   (tensor cores)
+            ttt::mma_tiles<BT, D_PAD, NW>(
+                [&](float (&acc)[4], int m0, int n0) {
+                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                    ttt::mma_tile_acc(acc, s_do, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
+                    ttt::mma_tile_acc(acc, s_P, LA, 1, s_k, LD, 1, m0, n0, 0, m0 + 16);
+                    ttt::mma_tile_acc(acc2, s_A, 1, LA, s_do, LD, 1, m0, n0, m0, BT);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 2 * t4 + (r & 1);
+                        if (i < L && d < D) {
+                            const long long o_x = p_base + (row0 + i) * row_stride + d;
+                            dq[o_x] = ttt::from_f32<T>(scale * acc[r]);
+                            dgbuf[o_x] = -acc2[r];
+                        }
+                    }
+                },
+                [](float (&)[4], int, int) {});
+            __syncthreads();
+
+            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
+            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
+            __syncthreads();
+            continue;
+        }
 
         // A -> s_A (tile pass); row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);

@@ -12,9 +12,16 @@
 // there are. It walks chunk by chunk (blocks of BT rows): in SIMT arithmetic that is the
 // cheapest block (per row 2 D^2 + BT D multiply-adds); larger row blocks only pay with tensor
 // cores. Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
+//
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): q k^T, q W + A g
+// ([BT, D] x [D, D] and [BT, BT] x [BT, D], one tile pass whose result replaces q in its
+// tile) and the state step k^T g run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
+// accumulation; ttt_common.cuh); the row pass then only adds hb and does the post norm. With
+// MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path is
+// compile-checked and CPU-emulated only, NOT yet verified on a GPU.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
                    const float* __restrict__ eta,    // [B, T, H] fp32
@@ -29,6 +36,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
                    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                    float scale, float eps, long long T_len, int H, int D, int G,
                    unsigned long long smem_bytes) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
@@ -67,6 +75,52 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
+
+        if constexpr (MMA) {
+            const int g4 = lane >> 2, t4 = lane & 3;
+            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
+            __syncthreads();
+            // q W - e (A g) -> s_q (after every warp's products: they read q)
+            ttt::mma_tiles_synced<BT, D_PAD, NW>(
+                [&](float (&acc)[4], int m0, int n0) {
+                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                    ttt::mma_tile_acc(acc, s_q, LD, 1, s_W, LD, 1, m0, n0, 0, D_PAD);
+                    ttt::mma_tile_acc(acc2, s_A, LA, 1, s_g, LD, 1, m0, n0, 0, m0 + 16);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
+                },
+                [&](float (&acc)[4], int m0, int n0) {
+                    float* out = s_q + (m0 + g4) * LD + n0 + 2 * t4;
+                    out[0] = acc[0];
+                    out[1] = acc[1];
+                    out[8 * LD] = acc[2];
+                    out[8 * LD + 1] = acc[3];
+                });
+            __syncthreads();
+
+            // row pass: o_pre = (q W - e (A g)) + hb, then the post norm-residual -> o
+            for (int i = warp; i < L; i += NW) {
+                float b_o[P], b_n[P];
+                ttt::load_row<D_PAD>(b_o, s_q + i * LD, D_PAD, 1.f);
+#pragma unroll
+                for (int e = 0; e < P; ++e) {
+                    const int d = lane + 32 * e;
+                    b_o[e] = d < D ? b_o[e] + s_hb[d] : 0.f;
+                    b_n[e] = b_o[e];
+                }
+                ttt::layer_norm_row(b_n, D, eps);
+#pragma unroll
+                for (int e = 0; e < P; ++e) b_o[e] += b_n[e] * b_w[e] + b_b[e];
+                ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+            }
+            __syncthreads();
+
+            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
+            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
+            __syncthreads();
+            continue;
+        }
 
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
         __syncthreads();

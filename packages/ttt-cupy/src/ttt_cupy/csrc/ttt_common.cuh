@@ -1,5 +1,5 @@
 // Chunked TTT-linear: what the five kernels share (SIMT fp32 passes, and the tf32 tensor-core
-// tile passes of the chain kernels' MMA instances for half inputs, at the end of this file).
+// tile passes of the kernels' MMA instances for half inputs, at the end of this file).
 //
 // Notation (per chunk of L <= BT valid rows; rows past the sequence's end are exactly zero and
 // take no part in anything: the padding rule of docs/math.md; q is pre-multiplied by `scale`):
@@ -28,7 +28,8 @@
 // [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
 //
 // Thread mappings: "row passes" give one warp a row (lane l holds columns l, l + 32, ...,
-// kPerLane of them, in registers); "tile passes" give one thread an output element.
+// kPerLane of them, in registers); "tile passes" give one thread an output element, or, in
+// the MMA instances, one warp a 16 x 8 output tile (mma_tiles, at the end of this file).
 // Shared-memory tiles are fp32 with rows padded by one float (no bank conflicts when lanes
 // walk down a column). Per-kernel shared memory: Traits<D_PAD, BT>::k*Bytes, mirrored by
 // ttt_cupy.compile.smem_bytes (checked against each other by ttt_cupy.nvrtc_check).
@@ -410,8 +411,8 @@ __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[
 
 
 // ---------------------------------------------------------------- tensor-core (tf32) tile passes
-// Used by the chain kernels (fwd_chain, bwd_chain) for half inputs (MMA = true); float inputs
-// keep the SIMT passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
+// Used by every kernel's MMA instance for half inputs (MMA = true); float inputs keep the SIMT
+// passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
 // tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
 // read from the fp32 shared tiles and rounded to tf32 (cvt.rna), fp32 accumulation. Fragment
 // layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
@@ -446,31 +447,122 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
 }
 #endif  // without __CUDA_ARCH__ (the CPU emulation) the harness defines both functions
 
+// The warp tile of every mma pass: acc += sum_k X(m, k) Y(k, n) over k in [kbeg, kend) (a
+// multiple of 16 long) for the 16 x 8 output tile at (m0, n0), with X(m, k) = x[m * xm + k * xk]
+// and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its transpose). Every lane of
+// the warp must call it. The k order is permuted, the same way in A and B (the sum does not
+// change): per block of KB = 32 (or 16) columns, mma step j gives slot t column (KB/4) t + j
+// and slot t + 4 column (KB/4) t + KB/8 + j. With row strides = 1 mod 32 (D_PAD + 1, BT + 1
+// for D_PAD, BT >= 32) lane (g, t) then reads bank g + 8 t + j: no bank conflicts in a 32
+// block (2-way in a 16 block), where the plain order (slot t = column t) has 4-way conflicts.
+template <int KB>
+__device__ __forceinline__ void mma_kblock(float (&acc)[4], const float* x0, int xm, int xk,
+                                           const float* y0, int yk) {
+#pragma unroll
+    for (int j = 0; j < KB / 8; ++j) {
+        const int ka = j, kb = KB / 8 + j;  // columns of slots t and t + 4, less (KB/4) t
+        const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
+                               to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
+        const unsigned b[2] = {to_tf32(y0[ka * yk]), to_tf32(y0[kb * yk])};
+        mma_m16n8k8_tf32(acc, a, b);
+    }
+}
+
+__device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, int xm, int xk,
+                                             const float* y, int yk, int yn, int m0, int n0,
+                                             int kbeg, int kend) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* xr = x + (m0 + g) * xm;  // A[g][slot t] = X(m0 + g, column of slot t)
+    const float* yc = y + (n0 + g) * yn;  // B[slot t][g] = Y(column of slot t, n0 + g)
+    int k = kbeg;
+#pragma unroll 2
+    for (; k + 32 <= kend; k += 32)
+        mma_kblock<32>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk);
+    if (k < kend)  // kend - k == 16
+        mma_kblock<16>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk);
+}
+
+// The [M, N] output of an mma pass in 16 x 8 tiles, tile u to warp u % NW: for
+// each of its tiles a warp zeroes acc, runs body(acc, m0, n0) (mma_tile_acc calls) and then
+// epi(acc, m0, n0), where lane (g, t) holds acc[r] = out[m0 + g + 8 (r >> 1), n0 + 2 t + (r & 1)].
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN;
+    for (int u = threadIdx.x >> 5; u < TILES; u += NW) {
+        const int m0 = (u / NTN) * 16, n0 = (u % NTN) * 8;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        body(acc, m0, n0);
+        epi(acc, m0, n0);
+    }
+}
+
+// mma_tiles whose epilogues run after a __syncthreads (every thread must call it): the output
+// may overwrite an operand of the products. A warp holds its (at most ceil(TILES / NW))
+// tiles' accumulators in registers meanwhile.
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN, TPW = (TILES + NW - 1) / NW;
+    const int warp = threadIdx.x >> 5;
+    float acc[TPW][4];
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
+        if (u < TILES) body(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        if (u < TILES) epi(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+}
+
+// sOut[i, j] = X_i . Y_j + add for i, j < L and j <= i (LOWER) or j >= i (upper), times
+// scale[j] when given; zero elsewhere (tri_dots on tensor cores; X, Y [BT, D_PAD] tiles,
+// sOut [BT, BT + 1]). The mma twin of tri_dots.
+template <int D_PAD, int BT, int NW, bool LOWER>
+__device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
+                                             int L, float add, const float* scale = nullptr,
+                                             float sign = 1.f) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<BT, BT, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            const bool skip = LOWER ? n0 > m0 + 15 : n0 + 7 < m0;  // tile outside the triangle
+            if (!skip) mma_tile_acc(acc, sX, LD, 1, sY, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                float val = 0.f;
+                if (i < L && j < L && (LOWER ? j <= i : j >= i))
+                    val = sign * (acc[r] + add) * (scale != nullptr ? scale[j] : 1.f);
+                sOut[i * LA + j] = val;
+            }
+        });
+}
+
+
 // sOut[i, n] = sum_a sX[i, a] sS[a, n] for i < BT, n < D_PAD (X [BT, D_PAD] tile, S a
 // [D_PAD, D_PAD] state; both with row stride D_PAD + 1). Tiles: (BT / 16) x (D_PAD / 8).
 template <int D_PAD, int BT, int NW>
 __device__ __forceinline__ void tile_times_state_mma(float* sOut, const float* sX,
                                                      const float* sS) {
-    constexpr int LD = D_PAD + 1, NTN = D_PAD / 8, TILES = (BT / 16) * NTN;
+    constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int tile = threadIdx.x >> 5; tile < TILES; tile += NW) {
-        const int m0 = (tile / NTN) * 16, n0 = (tile % NTN) * 8;
-        const float* x0 = sX + (m0 + g) * LD + t;  // A[g][t] = X[m0 + g, k0 + t]
-        const float* s0 = sS + t * LD + n0 + g;    // B[t][g] = S[k0 + t, n0 + g]
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-        for (int k0 = 0; k0 < D_PAD; k0 += 8) {
-            const unsigned a[4] = {to_tf32(x0[k0]), to_tf32(x0[8 * LD + k0]),
-                                   to_tf32(x0[k0 + 4]), to_tf32(x0[8 * LD + k0 + 4])};
-            const unsigned b[2] = {to_tf32(s0[k0 * LD]), to_tf32(s0[(k0 + 4) * LD])};
-            mma_m16n8k8_tf32(acc, a, b);
-        }
-        float* o = sOut + (m0 + g) * LD + n0 + 2 * t;
-        o[0] = acc[0];
-        o[1] = acc[1];
-        o[8 * LD] = acc[2];
-        o[8 * LD + 1] = acc[3];
-    }
+    mma_tiles<BT, D_PAD, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            mma_tile_acc(acc, sX, LD, 1, sS, LD, 1, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+            float* o = sOut + (m0 + g) * LD + n0 + 2 * t;
+            o[0] = acc[0];
+            o[1] = acc[1];
+            o[8 * LD] = acc[2];
+            o[8 * LD + 1] = acc[3];
+        });
 }
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
@@ -479,34 +571,21 @@ template <int D_PAD, int BT, int NW>
 __device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
                                                  const float* sY1, const float* sX2,
                                                  const float* sY2, int D) {
-    constexpr int LD = D_PAD + 1, NTN = D_PAD / 8, TILES = (D_PAD / 16) * NTN;
+    constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int tile = threadIdx.x >> 5; tile < TILES; tile += NW) {
-        const int m0 = (tile / NTN) * 16, n0 = (tile % NTN) * 8;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_tiles<D_PAD, D_PAD, NW>(
+        [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LD + a]
+            mma_tile_acc(acc, sX1, 1, LD, sY1, LD, 1, m0, n0, 0, BT);
+            if (sX2 != nullptr)  // uniform over the block
+                mma_tile_acc(acc, sX2, 1, LD, sY2, LD, 1, m0, n0, 0, BT);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            const float* sX = p == 0 ? sX1 : sX2;
-            const float* sY = p == 0 ? sY1 : sY2;
-            if (sX == nullptr) continue;            // uniform over the block
-            const float* x0 = sX + t * LD + m0 + g;  // A[g][t] = X[k0 + t, m0 + g] (X^T)
-            const float* y0 = sY + t * LD + n0 + g;  // B[t][g] = Y[k0 + t, n0 + g]
-#pragma unroll 4
-            for (int k0 = 0; k0 < BT; k0 += 8) {
-                const unsigned a[4] = {to_tf32(x0[k0 * LD]), to_tf32(x0[k0 * LD + 8]),
-                                       to_tf32(x0[(k0 + 4) * LD]),
-                                       to_tf32(x0[(k0 + 4) * LD + 8])};
-                const unsigned b[2] = {to_tf32(y0[k0 * LD]), to_tf32(y0[(k0 + 4) * LD])};
-                mma_m16n8k8_tf32(acc, a, b);
+            for (int r = 0; r < 4; ++r) {
+                const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
+                if (a < D && d < D) sW[a * LD + d] += c * acc[r];
             }
-        }
-        const int a0 = m0 + g, d0 = n0 + 2 * t;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int a = a0 + 8 * (r >> 1), d = d0 + (r & 1);
-            if (a < D && d < D) sW[a * LD + d] += c * acc[r];
-        }
-    }
+        });
 }
 
 // hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
