@@ -4,10 +4,9 @@ Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device 
 one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
 fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
 for the process. For half inputs every kernel is its tensor-core (tf32 mma.sync) instance
-unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32. (The chain
-kernels' tensor-core path was verified on an H200; the group kernels' (fwd_out, bwd_local,
-bwd_grads), and the k-loop every tensor-core pass now shares, are compile-checked and
-CPU-emulated only, NOT yet verified on a GPU.)
+unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32. (The
+tensor-core path of all five kernels, with the shared k-loop, was verified on an H200 at
+580de07.)
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
 """

@@ -51,7 +51,8 @@ class TritonBackend(Backend):
             notes=(
                 "fp32 state and accumulation; IEEE dots for float32 inputs",
                 "sequential chains carry only the state; outputs and gradients come from "
-                "group-parallel kernels replaying G = 16 chunks from fp32 state slots",
+                "group-parallel kernels walking G = 16 or 32 chunks from fp32 state slots "
+                "and the stored LayerNorm xhat, r (kept for the backward)",
                 f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
                 "D = 256 does not fit the state in one program's registers",
                 "cpu only under the Triton interpreter (TRITON_INTERPRET=1)",
