@@ -28,7 +28,7 @@ later kernels ``do_pre`` and ``dg_loc`` (fp32).
 import triton
 import triton.language as tl
 
-from .common import block_rows, group_coords, inner_grad_from_xhat, post_norm, post_norm_bwd
+from .common import block_g, block_rows, group_coords, post_norm, post_norm_bwd
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -80,12 +80,8 @@ def ttt_linear_bwd_local_kernel(
         o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
                                                        m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
-        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BS, BD]
-        b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                      # [BS]
+        r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
         b_k = r_k.to(tl.float32)                                           # [BS, BD]
-        b_g, _ = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)  # [BS, BD]
 
         # the forward of the block
         if HALF:

@@ -120,6 +120,18 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
 
 
 @triton.jit
+def block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D: tl.constexpr):
+    """The raw k tile of a block and g of its rows from the stored xhat and r (row-local:
+    :func:`inner_grad_from_xhat`); zero outside ``m_2d``."""
+    r_k = tl.load(k + o_x, mask=m_2d, other=0.)                            # [BS, BD]
+    b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)             # [BS, BD]
+    b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                        # [BS, BD]
+    b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                          # [BS]
+    b_g, _ = inner_grad_from_xhat(b_xh, b_r, r_k.to(tl.float32), b_v, b_w, b_b, m_2d, D)
+    return r_k, b_g
+
+
+@triton.jit
 def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
     r"""Backward of g(kh, v, k) for a cotangent dg [BT, BD]: returns (dkh, dy) with dy the
     cotangent of y (so dv = -dy w, and dk, dw, db get dy-terms from the caller).

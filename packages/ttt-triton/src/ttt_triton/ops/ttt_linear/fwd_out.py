@@ -25,7 +25,7 @@ cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 import triton
 import triton.language as tl
 
-from .common import block_rows, group_coords, inner_grad_from_xhat, post_norm
+from .common import block_g, block_rows, group_coords, post_norm
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -73,12 +73,7 @@ def ttt_linear_fwd_out_kernel(
         o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
                                                        m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        r_k = tl.load(k + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
-        b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                    # [BS, BD]
-        b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                      # [BS]
-        b_g, _ = inner_grad_from_xhat(b_xh, b_r, r_k.to(tl.float32), b_v, b_w, b_b, m_2d,
-                                      D)                                   # [BS, BD]
+        r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
 
         if HALF:
             b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]
