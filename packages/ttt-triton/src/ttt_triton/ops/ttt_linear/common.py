@@ -179,14 +179,3 @@ def post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D: tl.constexpr):
     b_m2 = tl.sum(b_doh * b_oh, 1) / D
     b_dop = b_do + b_ro[:, None] * (b_doh - b_m1[:, None] - b_oh * b_m2[:, None])
     return tl.where(m_2d, b_dop, 0.)
-
-
-@triton.jit
-def qk_tril(r_q, r_k, m_tril, scale, HALF: tl.constexpr, PREC: tl.constexpr):
-    """A = tril(scale q k^T) + tril(1) [BT, BT] from the raw input tiles (half inputs: a
-    half-precision dot with fp32 accumulation, exact products)."""
-    if HALF:
-        b_A = tl.dot(r_q, tl.trans(r_k))
-    else:
-        b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
-    return tl.where(m_tril, b_A * scale + 1., 0.)
