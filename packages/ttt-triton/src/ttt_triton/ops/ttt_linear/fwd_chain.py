@@ -1,4 +1,5 @@
-r"""Forward, sequential part: carry the state through the chunks, nothing else.
+r"""Forward, sequential part: carry the state through the chunks (and, when ``FUSE_OUT``,
+write the outputs on the way).
 
 One program per (sequence, head). The only work on the chain from one chunk to the next:
 
@@ -12,24 +13,37 @@ with ``eta_last`` the eta of the chunk's last valid row. The program writes ``xh
 and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
 (which need ``q``) are left to the parallel kernel in ``fwd_out.py``. The next chunk's
 ``k``, ``v`` and ``eta_last`` are loaded one step early so their latency leaves the chain.
+
+With ``FUSE_OUT`` the program also writes each chunk's outputs from the state before the
+chunk (``q`` pre-scaled, ``e`` the per-row eta):
+
+.. math::
+
+    o_{pre} = q W + hb - (P \odot (q k^\top + 1))\, g, \quad P_{ij} = [j \le i]\, e_i,
+    \qquad o = o_{pre} + \mathrm{LN}(o_{pre})\, w + b
+
+This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
+forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
+picks it when there are enough chains to hide the latency (``launcher.FUSED_FORWARD``).
 """
 
 import triton
 import triton.language as tl
 
-from .common import inner_grad, last_row_eta, row_offsets, seq_coords
+from .common import inner_grad, last_row_eta, post_norm, row_offsets, seq_coords
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_chain_kernel(
-    k, v, eta, w, b,
+    q, k, v, eta, w, b,
+    o,                  # [B, T, H, D] input dtype (when FUSE_OUT)
     h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
     ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
     ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots
     xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r of every valid row
     cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
     grp_offsets,        # [N + 1] int64 first group of each sequence (when IS_VARLEN)
-    eps,
+    scale, eps,
     T,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -39,6 +53,9 @@ def ttt_linear_fwd_chain_kernel(
     USE_INITIAL: tl.constexpr,
     STORE_FINAL: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    FUSE_OUT: tl.constexpr,
+    SAVE: tl.constexpr,
+    HALF: tl.constexpr,
     PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
@@ -51,6 +68,7 @@ def ttt_linear_fwd_chain_kernel(
     m_d = o_d < D
     m_dd = m_d[:, None] & m_d[None, :]
     o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
 
     b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
@@ -68,8 +86,11 @@ def ttt_linear_fwd_chain_kernel(
     r_k = tl.load(k + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
     r_v = tl.load(v + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
     r_el = last_row_eta(eta, p_ebase, 0, seq_len, BT, H)
+    if FUSE_OUT:
+        r_q = tl.load(q + o_x0, mask=m_2d0, other=0.)                      # [BT, BD]
+        r_e = tl.load(eta + p_ebase + o_e0, mask=m_t0, other=0.)          # [BT]
     for i_c in range(0, NC):
-        if i_c % G == 0:
+        if SAVE and i_c % G == 0:
             i_ck = (slot_base + i_c // G) * H + i_h
             tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
             tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
@@ -86,14 +107,29 @@ def ttt_linear_fwd_chain_kernel(
 
         b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
         b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
-        tl.store(xbuf + o_x, b_xh, mask=m_2d)
-        tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
+        if SAVE:
+            tl.store(xbuf + o_x, b_xh, mask=m_2d)
+            tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
+        if FUSE_OUT:
+            c_q, b_e = r_q, r_e                                            # this chunk's
+            r_q = tl.load(q + o_xn, mask=m_2dn, other=0.)
+            r_e = tl.load(eta + p_ebase + o_en, mask=m_tn, other=0.)
+            if HALF:
+                b_A = tl.dot(c_q, tl.trans(b_k.to(c_q.dtype)))  # exact: k was half  [BT, BT]
+            else:
+                b_A = tl.dot(c_q, tl.trans(b_k), input_precision=PREC)
+            b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * (b_A * scale + 1.)
+            b_o = tl.dot(c_q.to(tl.float32) * scale, b_W, input_precision=PREC) \
+                + b_hb[None, :] - tl.dot(b_A, b_g, input_precision=PREC)  # [BT, BD]
+            b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)
+            tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
         b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
         b_hb = b_hb - b_el * tl.sum(b_g, 0)
 
-    i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
-    tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
-    tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
+    if SAVE:
+        i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
+        tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
+        tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
     if STORE_FINAL:
         tl.store(ht + i_nh.to(tl.int64) * D * D + o_dd, b_W, mask=m_dd)
         tl.store(hbt + i_nh.to(tl.int64) * D + o_d, b_hb, mask=m_d)

@@ -1,7 +1,7 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
-Tunables live in :data:`CKPT_INTERVAL`, :data:`HALF_DOT_PRECISION`, :data:`NUM_WARPS`
-(:func:`tunables` applies ``TTT_TRITON_TUNE`` overrides).
+Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED_FORWARD`, :data:`HALF_DOT_PRECISION`,
+:data:`NUM_WARPS` (:func:`tunables` applies ``TTT_TRITON_TUNE`` overrides).
 """
 
 from __future__ import annotations
@@ -53,11 +53,19 @@ prefetch the next chunk by hand, and of the group-parallel ones. 2 or 3 for the 
 kernels were no faster on the H200 (docs/benchmarks.md)."""
 
 
+FUSED_FORWARD = {"inference_min_chains": 256, "training_min_chains": 1 << 30}
+"""When the chain kernel writes the outputs itself (``FUSE_OUT``, no ``fwd_out``): with at
+least this many (sequence, head) chains, for a forward without backward and for one whose
+backward follows. Fusing puts the output work on the chain's critical path, which only
+pays when enough chains run at once to hide it. ``TTT_TRITON_TUNE="fuse=1"`` (or 0) forces
+it on (off)."""
+
+
 def tunables() -> dict[str, int]:
     """G (0: chosen per problem, see :func:`checkpoint_interval`), BLOCK_ROWS, NUM_WARPS
     and NUM_STAGES, overridden for tuning runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=0, **BLOCK_ROWS, **NUM_STAGES)
+    tune = dict(NUM_WARPS, G=0, fuse=-1, **BLOCK_ROWS, **NUM_STAGES)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -81,6 +89,14 @@ def checkpoint_interval(p: Problem, BD: int, tune: dict[str, int]) -> int:
     if p.group_offsets(wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
         return wide
     return CKPT_INTERVAL["narrow"]
+
+
+def fused_forward(p: Problem, save_for_backward: bool, tune: dict[str, int]) -> bool:
+    """Whether the chain kernel writes the outputs (see :data:`FUSED_FORWARD`)."""
+    if tune["fuse"] >= 0:
+        return bool(tune["fuse"])
+    key = "training_min_chains" if save_for_backward else "inference_min_chains"
+    return p.N * p.H >= FUSED_FORWARD[key]
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
@@ -145,26 +161,31 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     h0, hb0 = _initial_states(p)
-    ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
-    ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
-    xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    fuse = fused_forward(p, save_for_backward, tune)
+    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
+    ck = ckb = xbuf = rbuf = None
+    if save:
+        ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
+        ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
+        xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
+        rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     prec = _precision(q.dtype)
     varlen = cu_seqlens is not None
+    half = q.dtype != torch.float32
+    o = torch.empty_like(q)
 
     ttt_linear_fwd_chain_kernel[(N * H,)](
-        k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens, grp.offsets,
-        float(p.eps), T,
+        q, k, v, eta, w, b, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
+        grp.offsets, float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
-        STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, PREC=prec,
-        **_launch("chain", BD, q.dtype, tune))
-    o = torch.empty_like(q)
-    ttt_linear_fwd_out_kernel[(grp.count, H)](
-        q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets, grp.seq,
-        float(p.scale), float(p.eps), T,
-        H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
-        **_launch("group", BD, q.dtype, tune))
+        STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
+        HALF=half, PREC=prec, **_launch("chain", BD, q.dtype, tune))
+    if not fuse:
+        ttt_linear_fwd_out_kernel[(grp.count, H)](
+            q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets, grp.seq,
+            float(p.scale), float(p.eps), T,
+            H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
+            IS_VARLEN=varlen, HALF=half, PREC=prec, **_launch("group", BD, q.dtype, tune))
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
