@@ -39,7 +39,9 @@ KERNELS = (
     ("fwd_out", ttt_linear_fwd_out_kernel, "group", "S_out", {}),
     ("bwd_local", ttt_linear_bwd_local_kernel, "group", "S_local", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", None,
-     dict(USE_DHT=True, STORE_DH0=True)),
+     dict(USE_DHT=True, STORE_DH0=True, FUSE_GRADS=False)),
+    ("bwd_fused", ttt_linear_bwd_chain_kernel, "chain", None,   # does bwd_grads' work too
+     dict(USE_DHT=True, STORE_DH0=True, FUSE_GRADS=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
 

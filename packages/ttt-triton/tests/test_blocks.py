@@ -89,23 +89,25 @@ def _forward_only(x, cu, chunk, backend, dtype, device):
     return {n: t.to("cpu", F64) for n, t in zip(("o", "ht", "hbt"), outs)}
 
 
-@pytest.mark.parametrize("fuse", [0, 1])
+@pytest.mark.parametrize("fuse,with_grad", [
+    ("fuse=0", False), ("fuse=1", False),                 # forward only
+    ("fuse=0,fuse_bwd=0", True), ("fuse=1,fuse_bwd=1", True), ("fuse=0,fuse_bwd=1", True),
+])
 @pytest.mark.parametrize("chunk,seq_lens", [(16, None), (32, (37, 50, 1))])
-@pytest.mark.parametrize("with_grad", [False, True])
-def test_fused_forward(monkeypatch, fuse, chunk, seq_lens, with_grad):
-    """The chain kernel writing the outputs (``fuse=1``) and fwd_out (``fuse=0``), with and
-    without a backward, against the float64 reference: partial last chunks, varlen, initial
-    states, several groups."""
-    monkeypatch.setenv("TTT_TRITON_TUNE", f"fuse={fuse},G=2")
+def test_fused_chains(monkeypatch, fuse, with_grad, chunk, seq_lens):
+    """The chains doing the parallel kernels' work (forward: the outputs, backward: dk, dv
+    and the last-row deta) and the split kernels, with and without a backward, against the
+    float64 reference: partial last chunks, varlen, initial states, several groups."""
+    monkeypatch.setenv("TTT_TRITON_TUNE", f"{fuse},G=2")
     T = sum(seq_lens) if seq_lens else 85
-    x, cu = _inputs(T, 2, 32, seq_lens, seed=13 + fuse)
+    x, cu = _inputs(T, 2, 32, seq_lens, seed=13)
     run = _run if with_grad else _forward_only
     want = run(x, cu, chunk, "reference", F64, "cpu")
     got = run(x, cu, chunk, "triton", torch.float32, DEVICE)
     assert set(got) == set(want)
     for name, ref in want.items():
         err = (got[name] - ref).norm() / ref.norm()
-        assert err < 1e-4, f"{name}: relative error {err:.2e} with fuse={fuse}"
+        assert err < 1e-4, f"{name}: relative error {err:.2e} with {fuse}"
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="bf16/fp16 dots need the GPU (the interpreter's "

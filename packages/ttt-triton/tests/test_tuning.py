@@ -57,3 +57,26 @@ def test_checkpoint_interval_override(monkeypatch):
     monkeypatch.setenv("TTT_TRITON_TUNE", "G=4")
     p = _problem(4, 4096, 16, 64)
     assert launcher.checkpoint_interval(p, 64, launcher.tunables()) == 4
+
+
+@pytest.mark.parametrize("shape, chunk, fwd_inference, fwd_training, bwd", [
+    ((32, 2048, 16, 64), 16, True, True, True),      # 512 chains
+    ((8, 2048, 12, 64), 16, True, False, False),     # 96 chains
+    ((1, 32768, 16, 64), 16, False, False, False),   # 16 chains: latency bound
+    ((32, 2048, 16, 64), 32, True, True, False),     # backward fused for chunk 16 only
+    ((32, 2048, 16, 128), 16, True, True, False),    # ... and head dims <= 64
+])
+def test_fused_chain_rule(monkeypatch, shape, chunk, fwd_inference, fwd_training, bwd):
+    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
+    tune = launcher.tunables()
+    p = _problem(*shape, chunk_size=chunk)
+    assert launcher.fused_forward(p, False, tune) == fwd_inference
+    assert launcher.fused_forward(p, True, tune) == fwd_training
+    assert launcher.fused_backward(p, tune) == bwd
+
+
+def test_fused_chain_override(monkeypatch):
+    monkeypatch.setenv("TTT_TRITON_TUNE", "fuse=0,fuse_bwd=1")
+    p = _problem(32, 2048, 16, 64)
+    assert not launcher.fused_forward(p, False, launcher.tunables())
+    assert launcher.fused_backward(_problem(1, 64, 1, 128, chunk_size=64), launcher.tunables())

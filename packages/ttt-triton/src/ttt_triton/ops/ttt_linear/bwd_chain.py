@@ -23,6 +23,20 @@ per chunk and adds them to ``deta``). The cotangent of checkpoint slot ``s`` (th
 before chunk ``s * G``; the last slot is the final state) is written to ``dck`` for
 ``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the next chunk
 are loaded one step early.
+
+With ``FUSE_GRADS`` the program does ``bwd_grads.py``'s work itself, one chunk at a time
+(its formulas with blocks of one chunk, where ``C_k`` vanishes), instead of storing ``dg``,
+the per-row sums and the slot cotangents: with ``W`` the state before the chunk (stepped
+back from the state after it, ``W \leftarrow W + \eta_{last} k^\top g``, or read from
+the chunk's own slot at a group start) and ``dW`` the cotangent of the state after it,
+
+.. math::
+
+    dk = dy\, w + dkh\, W^\top - \eta_{last}\, g\, dW^\top + C_q\, q, \quad
+    (C_q)_{ij} = -[j \ge i]\, e_j\, (g_i \cdot do_{pre,j}), \quad dv = -dy\, w
+
+and the chunk's last-row ``deta`` term is added in place. This puts more work on the
+chain, which pays when there are enough chains to hide it (``launcher.FUSED``).
 """
 
 import triton
@@ -54,6 +68,10 @@ def ttt_linear_bwd_chain_kernel(
     dht, dhbt,          # [N, H, D, D], [N, H, 1, D] cotangents of the final states
     dck,                # [slots, H, D, D] fp32 cotangents of the slots
     dh0, dhb0,          # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_DH0)
+    ck,                 # [slots, H, D, D] fp32 state slots (when FUSE_GRADS)
+    dk, dv,             # [B, T, H, D] (when FUSE_GRADS)
+    deta,               # [B, T, H] fp32 from bwd_local; last-row terms added (FUSE_GRADS)
+    dwc, dbc,           # [N, H, D] fp32 per-chain partials of dw, db (when FUSE_GRADS)
     cu_seqlens, grp_offsets,
     scale,
     T,
@@ -65,6 +83,7 @@ def ttt_linear_bwd_chain_kernel(
     USE_DHT: tl.constexpr,
     STORE_DH0: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    FUSE_GRADS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
@@ -86,7 +105,13 @@ def ttt_linear_bwd_chain_kernel(
         b_dW = tl.zeros([BD, BD], dtype=tl.float32)                        # [BD, BD]
         b_dhb = tl.zeros([BD], dtype=tl.float32)                           # [BD]
     i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
-    tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
+    if FUSE_GRADS:
+        m_jgei = o_t[:, None] <= o_t[None, :]                              # [BT, BT] j >= i
+        b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)       # [BD, BD] after
+        b_dw = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+        b_db = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+    else:
+        tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
@@ -112,15 +137,41 @@ def ttt_linear_bwd_chain_kernel(
         b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
-        tl.store(dgbuf + o_x, b_dg, mask=m_2d)
-        tl.store(desum + p_ebase + o_e, tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1), mask=m_t)
+        b_rs = tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1)                    # [BT]
+        if FUSE_GRADS:
+            # the state before the chunk: its own slot at a group start, else stepped back
+            if i_c % G == 0:
+                i_cs = (slot_base + i_c // G) * H + i_h
+                b_W = tl.load(ck + i_cs * D * D + o_dd, mask=m_dd, other=0.)
+            else:
+                b_W = b_W + b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
+            b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
+            b_dyw = b_dy * b_w[None, :]                                    # [BT, BD]
+            b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
+            b_db += tl.sum(b_dyw, 0)
+            tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
+            b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)     # [BT, BT]
+            b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1              # [BT, BT]
+            b_dk = b_dyw + tl.dot(b_dkh, tl.trans(b_W), input_precision=PREC) \
+                - b_el * tl.dot(b_g, tl.trans(b_dW), input_precision=PREC) \
+                + tl.dot(b_Cq, b_q, input_precision=PREC)                  # [BT, BD]
+            tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
+            o_last = p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
+            tl.store(deta + o_last, tl.load(deta + o_last) - tl.sum(b_rs, 0))
+        else:
+            tl.store(dgbuf + o_x, b_dg, mask=m_2d)
+            tl.store(desum + p_ebase + o_e, b_rs, mask=m_t)
         b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
             + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
-        if i_c % G == 0:
+        if not FUSE_GRADS and i_c % G == 0:
             i_ck = (slot_base + i_c // G) * H + i_h
             tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
+    if FUSE_GRADS:
+        o_p = i_nh.to(tl.int64) * D + o_d
+        tl.store(dwc + o_p, b_dw, mask=m_d)
+        tl.store(dbc + o_p, b_db, mask=m_d)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * D * D + o_dd, b_dW, mask=m_dd)
         tl.store(dhb0 + i_nh.to(tl.int64) * D + o_d, b_dhb, mask=m_d)

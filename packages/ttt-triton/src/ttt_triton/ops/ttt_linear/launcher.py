@@ -1,6 +1,6 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
-Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED_FORWARD`, :data:`HALF_DOT_PRECISION`,
+Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED`, :data:`HALF_DOT_PRECISION`,
 :data:`NUM_WARPS` (:func:`tunables` applies ``TTT_TRITON_TUNE`` overrides).
 """
 
@@ -53,19 +53,20 @@ prefetch the next chunk by hand, and of the group-parallel ones. 2 or 3 for the 
 kernels were no faster on the H200 (docs/benchmarks.md)."""
 
 
-FUSED_FORWARD = {"inference_min_chains": 256, "training_min_chains": 1 << 30}
-"""When the chain kernel writes the outputs itself (``FUSE_OUT``, no ``fwd_out``): with at
-least this many (sequence, head) chains, for a forward without backward and for one whose
-backward follows. Fusing puts the output work on the chain's critical path, which only
-pays when enough chains run at once to hide it. ``TTT_TRITON_TUNE="fuse=1"`` (or 0) forces
-it on (off)."""
+FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
+"""Fused chains: with at least this many (sequence, head) chains, the forward chain writes
+the outputs itself (no ``fwd_out``; for a forward without backward also no ``xhat``/``r``/
+slot stores), and the backward chain computes ``dk``, ``dv`` and the last-row ``deta``
+itself (no ``bwd_grads``). Fusing puts the parallel kernels' work on the chains' critical
+path, which only pays when enough chains run at once to hide it (docs/benchmarks.md).
+``TTT_TRITON_TUNE="fuse=1,fuse_bwd=0"`` forces either on (1) or off (0)."""
 
 
 def tunables() -> dict[str, int]:
     """G (0: chosen per problem, see :func:`checkpoint_interval`), BLOCK_ROWS, NUM_WARPS
     and NUM_STAGES, overridden for tuning runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=0, fuse=-1, **BLOCK_ROWS, **NUM_STAGES)
+    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, **BLOCK_ROWS, **NUM_STAGES)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -92,11 +93,19 @@ def checkpoint_interval(p: Problem, BD: int, tune: dict[str, int]) -> int:
 
 
 def fused_forward(p: Problem, save_for_backward: bool, tune: dict[str, int]) -> bool:
-    """Whether the chain kernel writes the outputs (see :data:`FUSED_FORWARD`)."""
+    """Whether the forward chain writes the outputs (see :data:`FUSED`)."""
     if tune["fuse"] >= 0:
         return bool(tune["fuse"])
-    key = "training_min_chains" if save_for_backward else "inference_min_chains"
-    return p.N * p.H >= FUSED_FORWARD[key]
+    return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
+
+
+def fused_backward(p: Problem, tune: dict[str, int]) -> bool:
+    """Whether the backward chain computes dk, dv and the last-row deta (see :data:`FUSED`).
+    Only chosen for chunk 16 and head dims <= 64, where it was measured: larger tiles
+    spill more (``benchmarks/resources.py``)."""
+    if tune["fuse_bwd"] >= 0:
+        return bool(tune["fuse_bwd"])
+    return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
@@ -212,8 +221,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dgbuf = torch.empty(q.shape, **f32)
     dq = torch.empty_like(q)
     deta = torch.empty(B, T, H, 1, **f32)
-    dwp = torch.empty(2, grp.count, H, D, **f32)
-    dbp = torch.empty(2, grp.count, H, D, **f32)
+    fuse = fused_backward(p, tune)          # bwd_grads' work done by the backward chain
+    dwp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
+    dbp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
     ttt_linear_bwd_local_kernel[(grp.count, H)](
         q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
@@ -230,16 +240,24 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     if use_dht:
         dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
         dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
-    dck = torch.empty_like(saved.ck)
-    desum = torch.empty(B, T, H, **f32)
-    ttt_linear_bwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
-        cu_seqlens, grp.offsets, float(p.scale), T,
-        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, PREC=prec, **_launch("chain", BD, q.dtype, tune))
-
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
+    dck = desum = dwc = dbc = None
+    if fuse:
+        dwc = torch.empty(N, H, D, **f32)
+        dbc = torch.empty(N, H, D, **f32)
+    else:
+        dck = torch.empty_like(saved.ck)
+        desum = torch.empty(B, T, H, **f32)
+    ttt_linear_bwd_chain_kernel[(N * H,)](
+        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
+        saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets, float(p.scale), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
+        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec, **_launch("chain", BD, q.dtype, tune))
+    if fuse:
+        return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
+            dh0, dhb0
+
     ttt_linear_bwd_grads_kernel[(grp.count, H)](
         q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
