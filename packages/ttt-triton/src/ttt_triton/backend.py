@@ -32,7 +32,7 @@ class TritonBackend(Backend):
     """Two sequential chain kernels (one program per (sequence, head)) carry the fp32 state
     forward and its cotangent backward; three group-parallel kernels (one program per group
     of G chunks and head) replay groups from fp32 state slots for the outputs and the
-    gradients."""
+    gradients. With many chains, the chains do the outputs (and dk, dv) themselves."""
 
     name = "triton"
 
@@ -53,6 +53,8 @@ class TritonBackend(Backend):
                 "sequential chains carry only the state; outputs and gradients come from "
                 "group-parallel kernels walking G = 16 or 32 chunks from fp32 state slots "
                 "and the stored LayerNorm xhat, r (kept for the backward)",
+                "with many (sequence, head) chains the chain kernels also write the outputs "
+                "and dk, dv (launcher.FUSED)",
                 f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
                 "D = 256 does not fit the state in one program's registers",
                 "cpu only under the Triton interpreter (TRITON_INTERPRET=1)",

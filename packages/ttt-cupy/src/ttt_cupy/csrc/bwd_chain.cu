@@ -15,7 +15,8 @@
 // is added where bwd_local.cu left the rest. The cotangent of checkpoint slot s (the state
 // before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
 // slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
-// (the dW step). Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
+// (the dW step); each step asks for the previous chunk's rows into L1 (prefetch_rows) and
+// reads deta's last row early, so that no load from device memory waits on the chain. Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
 // k dW ([BT, D] x [D, D]) and q^T do_pre + k^T dkh ([D, BT] x [BT, D], one accumulator) run
@@ -87,6 +88,19 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
         ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        const float deta_l = tid == 0 ? deta[p_ebase + (row0 + L - 1) * H] : 0.f;  // used last
+        if (i_c > 0) {  // the previous chunk's rows into L1 while this one computes
+            const long long row0p = row0 - BT;  // a full chunk
+            ttt::prefetch_rows<NT>(q + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(k + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(dopbuf + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(dgbuf + p_base, row0p, BT, row_stride, D);
+            ttt::prefetch_rows<NT>(rbuf + p_ebase, row0p, BT, H, 1);
+            ttt::prefetch_rows<NT>(eta + p_ebase, row0p + BT - 1, 1, H, 1);
+            ttt::prefetch_rows<NT>(deta + p_ebase, row0p + BT - 1, 1, H, 1);
+        }
         __syncthreads();
 
         if constexpr (MMA) {  // u - dhb = k dW into s_dkh (tensor cores)
@@ -140,7 +154,7 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (tid == 0) {
             float s = 0.f;
             for (int i = 0; i < L; ++i) s += s_s[i];
-            deta[p_ebase + (row0 + L - 1) * H] -= s;
+            deta[p_ebase + (row0 + L - 1) * H] = deta_l - s;
         }
         __syncthreads();
         if (i_c % G == 0) {

@@ -8,6 +8,7 @@
 // The block writes g (fp32) of every valid row for fwd_out.cu, the fp32 state into checkpoint
 // slot s before chunk s * G, and the final state into the sequence's last slot (and into
 // ht / hbt when given). The outputs (which need q) are left to the group-parallel fwd_out.cu.
+// Each step asks for the next chunk's rows of k, v and eta into L1 (prefetch_rows).
 //
 // Per chunk: a row pass (one warp a row: kh = k_i W + hb, LayerNorm, g) then a tile pass for
 // the state step. Shared memory: W, hb, K, G (Traits::kFwdChainBytes).
@@ -73,6 +74,13 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
         const int L = (int)min((long long)BT, sq.len - row0);
         ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        if (i_c + 1 < sq.nc) {  // the next chunk's rows into L1 while this one computes
+            const long long row0n = row0 + BT;
+            const int Ln = (int)min((long long)BT, sq.len - row0n);
+            ttt::prefetch_rows<NT>(k + p_base, row0n, Ln, row_stride, D);
+            ttt::prefetch_rows<NT>(v + p_base, row0n, Ln, row_stride, D);
+            ttt::prefetch_rows<NT>(eta + p_ebase, row0n + Ln - 1, 1, H, 1);
+        }
         __syncthreads();
 
         if constexpr (MMA) {  // kh - hb = k W into s_g (tensor cores)

@@ -161,6 +161,31 @@ __device__ __forceinline__ void load_tile(float* s, const S* __restrict__ src, l
     }
 }
 
+// Prefetch into L1 the cache lines of rows row0 .. row0 + L - 1 (rows row_stride elements apart)
+// of `src`, n elements each: the sequential kernels ask for the next chunk's rows one step
+// early, so that its loads hit L1 instead of waiting for device memory on the chain. A hint
+// only (no effect on results; nothing in the CPU emulation).
+template <int NT, typename S>
+__device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int L,
+                                              long long row_stride, int n) {
+#if defined(__CUDA_ARCH__)
+    constexpr int kMaxLines = 4;  // a row of <= 128 fp32 spans at most 5 lines; 4 + the tail
+    for (int idx = threadIdx.x; idx < L * (kMaxLines + 1); idx += NT) {
+        const int i = idx / (kMaxLines + 1), c = idx % (kMaxLines + 1);
+        const char* row = reinterpret_cast<const char*>(src + (row0 + i) * row_stride);
+        const unsigned long long first = reinterpret_cast<unsigned long long>(row) & ~127ull;
+        const unsigned long long last =
+            (reinterpret_cast<unsigned long long>(row) + n * sizeof(S) - 1) & ~127ull;
+        const unsigned long long line = first + 128ull * c;
+        if (line <= last)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
+                reinterpret_cast<const void*>(line))));
+    }
+#else
+    (void)src, (void)row0, (void)L, (void)row_stride, (void)n;
+#endif
+}
+
 // s[i] = eta[ebase + (row0 + i) * H] for i < L, zero elsewhere.
 template <int BT, int NT>
 __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta, long long ebase,
