@@ -23,7 +23,7 @@
 // on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh), as
 // the Triton backend does for half inputs; k dW goes through the DKH tile (u - dhb is staged
 // there, then each row's dkh overwrites it). With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07).
+// TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>

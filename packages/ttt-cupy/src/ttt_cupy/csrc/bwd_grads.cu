@@ -26,7 +26,7 @@
 // -(e S) q + dkh W^T - eta_l g dW^T (one tile pass whose result replaces g in its tile; the
 // row pass then adds dy w) run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
 // accumulation; ttt_common.cuh). With MMA = false (float inputs, or TTT_CUPY_MMA=0) every
-// product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07).
+// product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>

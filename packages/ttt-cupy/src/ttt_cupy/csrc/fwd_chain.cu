@@ -17,7 +17,7 @@
 // k W ([BT, D] x [D, D]) and k^T g ([D, BT] x [BT, D]) run on tensor cores (mma.sync m16n8k8,
 // tf32 operands, fp32 accumulation; ttt_common.cuh), as the Triton backend does for half
 // inputs; k W goes through the G tile (kh is staged there, then each row's g overwrites it).
-// With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07).
+// With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
