@@ -3,7 +3,7 @@
 # as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
 # or nox is missing there): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy tune bench
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy tune bench
 #                                   (default: info ref triton bench)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -31,6 +31,10 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
+    triton_fused)   # the same suite with the fused chains forced on (launcher.FUSED)
+      timeout ${TRITON_TIMEOUT:-300} env TTT_TRITON_TUNE=fuse=1,fuse_bwd=1 python3 -m nox \
+        --no-venv -s "tests(backend='triton')" -- -q $XDIST 2>&1 \
+        | tee "$OUT/tests-triton-fused.log" | tail -40 ;;
     cupy)   # the CUDA C++ backend's suite on the GPU
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
