@@ -16,7 +16,8 @@
 // before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
 // slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
 // (the dW step); each step asks for the previous chunk's rows into L1 (prefetch_rows) and
-// reads deta's last row early, so that no load from device memory waits on the chain. Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
+// reads deta's last row early, so that no load from device memory waits on the chain.
+// Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
 // k dW ([BT, D] x [D, D]) and q^T do_pre + k^T dkh ([D, BT] x [BT, D], one accumulator) run

@@ -24,7 +24,7 @@ chunk (``q`` pre-scaled, ``e`` the per-row eta):
 
 This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
 forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
-picks it when there are enough chains to hide the latency (``launcher.FUSED_FORWARD``).
+picks it when there are enough chains to hide the latency (``launcher.FUSED``).
 """
 
 import triton
@@ -39,8 +39,8 @@ def ttt_linear_fwd_chain_kernel(
     o,                  # [B, T, H, D] input dtype (when FUSE_OUT)
     h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
     ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
-    ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r of every valid row
+    ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots (SAVE)
+    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat, r of every valid row (SAVE)
     cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
     grp_offsets,        # [N + 1] int64 first group of each sequence (when IS_VARLEN)
     scale, eps,
