@@ -28,7 +28,7 @@ later kernels ``do_pre`` and ``dg_loc`` (fp32).
 import triton
 import triton.language as tl
 
-from .common import block_g, block_rows, group_coords, post_norm, post_norm_bwd
+from .common import block_g, block_rows, group_coords, post_norm, post_norm_bwd, qk_plus_one
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -84,11 +84,7 @@ def ttt_linear_bwd_local_kernel(
         b_k = r_k.to(tl.float32)                                           # [BS, BD]
 
         # the forward of the block
-        if HALF:
-            b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]
-        else:
-            b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
-        b_A = b_A * scale + 1.
+        b_A = qk_plus_one(r_q, r_k, scale, HALF, PREC)                    # [BS, BS]
         b_Ps = tl.where(m_same, b_e[:, None], 0.)                          # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], b_Ps)                        # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                   # [BS, BD]

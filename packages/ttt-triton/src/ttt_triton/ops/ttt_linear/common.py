@@ -132,6 +132,17 @@ def block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D: tl.constexpr):
 
 
 @triton.jit
+def qk_plus_one(r_q, r_k, scale, HALF: tl.constexpr, PREC: tl.constexpr):
+    """``scale q k^T + 1`` [rows, rows] from the raw input tiles: for half inputs a
+    half-precision dot with fp32 accumulation (exact products), else at ``PREC``."""
+    if HALF:
+        b_A = tl.dot(r_q, tl.trans(r_k))
+    else:
+        b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+    return b_A * scale + 1.
+
+
+@triton.jit
 def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
     r"""Backward of g(kh, v, k) for a cotangent dg [BT, BD]: returns (dkh, dy) with dy the
     cotangent of y (so dv = -dy w, and dk, dw, db get dy-terms from the caller).

@@ -30,7 +30,7 @@ picks it when there are enough chains to hide the latency (``launcher.FUSED``).
 import triton
 import triton.language as tl
 
-from .common import inner_grad, last_row_eta, post_norm, row_offsets, seq_coords
+from .common import inner_grad, last_row_eta, post_norm, qk_plus_one, row_offsets, seq_coords
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -114,11 +114,8 @@ def ttt_linear_fwd_chain_kernel(
             c_q, b_e = r_q, r_e                                            # this chunk's
             r_q = tl.load(q + o_xn, mask=m_2dn, other=0.)
             r_e = tl.load(eta + p_ebase + o_en, mask=m_tn, other=0.)
-            if HALF:
-                b_A = tl.dot(c_q, tl.trans(b_k.to(c_q.dtype)))  # exact: k was half  [BT, BT]
-            else:
-                b_A = tl.dot(c_q, tl.trans(b_k), input_precision=PREC)
-            b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * (b_A * scale + 1.)
+            b_A = qk_plus_one(c_q, b_k.to(c_q.dtype), scale, HALF, PREC)   # [BT, BT]
+            b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * b_A
             b_o = tl.dot(c_q.to(tl.float32) * scale, b_W, input_precision=PREC) \
                 + b_hb[None, :] - tl.dot(b_A, b_g, input_precision=PREC)  # [BT, BD]
             b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)

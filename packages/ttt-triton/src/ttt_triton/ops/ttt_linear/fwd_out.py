@@ -25,7 +25,7 @@ cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 import triton
 import triton.language as tl
 
-from .common import block_g, block_rows, group_coords, post_norm
+from .common import block_g, block_rows, group_coords, post_norm, qk_plus_one
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -75,12 +75,9 @@ def ttt_linear_fwd_out_kernel(
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
 
-        if HALF:
-            b_A = tl.dot(r_q, tl.trans(r_k))                               # [BS, BS]
-        else:
-            b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+        b_A = qk_plus_one(r_q, r_k, scale, HALF, PREC)                    # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], tl.where(m_same, b_e[:, None], 0.))
-        b_A = b_P * (b_A * scale + 1.)                                     # [BS, BS]
+        b_A = b_P * b_A                                                    # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                  # [BS, BD]
         b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :] \
             - tl.dot(b_A, b_g, input_precision=PREC)                       # [BS, BD]
