@@ -131,7 +131,6 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
         __syncthreads();
 
         if constexpr (MMA) {
-            const int g4 = lane >> 2, t4 = lane & 3;
             // the state before the chunk; -e_j S_ij = -e_j g_i . do_pre_j (j >= i) -> s_S
             if (j == 0) {
                 ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck0 * DD, nullptr, D);
@@ -153,11 +152,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                     for (int r = 0; r < 4; ++r) acc[r] -= e_l * acc2[r];
                 },
                 [&](float (&acc)[4], int m0, int n0) {
-                    float* out = s_g + (m0 + g4) * LD + n0 + 2 * t4;
-                    out[0] = acc[0];
-                    out[1] = acc[1];
-                    out[8 * LD] = acc[2];
-                    out[8 * LD + 1] = acc[3];
+                    ttt::store_acc_tile<LD>(s_g, acc, m0, n0);
                 });
             __syncthreads();
 

@@ -132,11 +132,7 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
                         acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
                 },
                 [&](float (&acc)[4], int m0, int n0) {
-                    float* out = s_q + (m0 + g4) * LD + n0 + 2 * t4;
-                    out[0] = acc[0];
-                    out[1] = acc[1];
-                    out[8 * LD] = acc[2];
-                    out[8 * LD + 1] = acc[3];
+                    ttt::store_acc_tile<LD>(s_q, acc, m0, n0);
                 });
             __syncthreads();
 

@@ -76,7 +76,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
         const float e_l = s_e[L - 1];
 
         if constexpr (MMA) {
-            const int g4 = lane >> 2, t4 = lane & 3;
+            const int g4 = lane >> 2;
             ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
             __syncthreads();
             // q W - e (A g) -> s_q (after every warp's products: they read q)
@@ -90,11 +90,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
                         acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
                 },
                 [&](float (&acc)[4], int m0, int n0) {
-                    float* out = s_q + (m0 + g4) * LD + n0 + 2 * t4;
-                    out[0] = acc[0];
-                    out[1] = acc[1];
-                    out[8 * LD] = acc[2];
-                    out[8 * LD + 1] = acc[3];
+                    ttt::store_acc_tile<LD>(s_q, acc, m0, n0);
                 });
             __syncthreads();
 

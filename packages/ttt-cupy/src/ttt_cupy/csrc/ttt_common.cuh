@@ -507,6 +507,18 @@ __device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, in
         mma_kblock<16>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk);
 }
 
+// Writes one m16n8 accumulator into the fp32 tile s (row stride LD) at (m0, n0), in the C/D
+// fragment layout above: lane (g, t) holds C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
+template <int LD>
+__device__ __forceinline__ void store_acc_tile(float* s, const float (&acc)[4], int m0, int n0) {
+    const int lane = threadIdx.x & 31;
+    float* out = s + (m0 + (lane >> 2)) * LD + n0 + 2 * (lane & 3);
+    out[0] = acc[0];
+    out[1] = acc[1];
+    out[8 * LD] = acc[2];
+    out[8 * LD + 1] = acc[3];
+}
+
 // The [M, N] output of an mma pass in 16 x 8 tiles, tile u to warp u % NW: for
 // each of its tiles a warp zeroes acc, runs body(acc, m0, n0) (mma_tile_acc calls) and then
 // epi(acc, m0, n0), where lane (g, t) holds acc[r] = out[m0 + g + 8 (r >> 1), n0 + 2 t + (r & 1)].
@@ -576,18 +588,11 @@ template <int D_PAD, int BT, int NW>
 __device__ __forceinline__ void tile_times_state_mma(float* sOut, const float* sX,
                                                      const float* sS) {
     constexpr int LD = D_PAD + 1;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     mma_tiles<BT, D_PAD, NW>(
         [&](float (&acc)[4], int m0, int n0) {
             mma_tile_acc(acc, sX, LD, 1, sS, LD, 1, m0, n0, 0, D_PAD);
         },
-        [&](float (&acc)[4], int m0, int n0) {
-            float* o = sOut + (m0 + g) * LD + n0 + 2 * t;
-            o[0] = acc[0];
-            o[1] = acc[1];
-            o[8 * LD] = acc[2];
-            o[8 * LD + 1] = acc[3];
-        });
+        [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sOut, acc, m0, n0); });
 }
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
