@@ -110,37 +110,42 @@ def test_fused_chains(monkeypatch, fuse, with_grad, chunk, seq_lens):
         assert err < 1e-4, f"{name}: relative error {err:.2e} with {fuse}"
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="bf16/fp16 dots need the GPU (the interpreter's "
-                    "bf16 tl.dot is wrong)")
+HALF_DOTS_NEED_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="bf16/fp16 dots need the GPU (the interpreter's bf16 tl.dot is wrong)")
+
+
+def _split_and_fused_errors(monkeypatch, run, x, cu, dtype, tune):
+    """Relative errors {0: split, 1: fused} -> {name: err} of ``run`` (:func:`_run` or
+    :func:`_forward_only`) against the float64 reference; ``tune`` formats ``fuse``."""
+    want = run(x, cu, 16, "reference", F64, "cpu")
+    errs = {}
+    for fuse in (0, 1):
+        monkeypatch.setenv("TTT_TRITON_TUNE", tune.format(fuse=fuse))
+        got = run(x, cu, 16, "triton", dtype, DEVICE)
+        errs[fuse] = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
+    return errs
+
+
+@HALF_DOTS_NEED_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_forward_half(monkeypatch, dtype):
     """Half inputs: the fused and the split forward agree with the float64 reference about
     as well as each other (the fused one takes q k^T as a half-precision dot too)."""
     x, _ = _inputs(200, 4, 64, None, seed=5)
-    want = _forward_only(x, None, 16, "reference", F64, "cpu")
-    errs = {}
-    for fuse in (0, 1):
-        monkeypatch.setenv("TTT_TRITON_TUNE", f"fuse={fuse}")
-        got = _forward_only(x, None, 16, "triton", dtype, DEVICE)
-        errs[fuse] = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
-    for name in want:
+    errs = _split_and_fused_errors(monkeypatch, _forward_only, x, None, dtype, "fuse={fuse}")
+    for name in errs[1]:
         assert errs[1][name] < 2e-2, f"{name}: fused relative error {errs[1][name]:.2e}"
         assert errs[1][name] < 2 * errs[0][name] + 1e-3, (name, errs)
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="bf16/fp16 dots need the GPU (the interpreter's "
-                    "bf16 tl.dot is wrong)")
+@HALF_DOTS_NEED_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_chains_half_with_backward(monkeypatch, dtype):
     """Half inputs with a backward: outputs, final states and every gradient of the fused
     chains agree with the float64 reference about as well as the split kernels'."""
     x, cu = _inputs(150, 3, 64, (60, 90), seed=9)
-    want = _run(x, cu, 16, "reference", F64, "cpu")
-    errs = {}
-    for fuse in (0, 1):
-        monkeypatch.setenv("TTT_TRITON_TUNE", f"fuse={fuse},fuse_bwd={fuse},G=2")
-        got = _run(x, cu, 16, "triton", dtype, DEVICE)
-        errs[fuse] = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
-    for name in want:
+    errs = _split_and_fused_errors(monkeypatch, _run, x, cu, dtype,
+                                   "fuse={fuse},fuse_bwd={fuse},G=2")
+    for name in errs[1]:
         assert errs[1][name] < 1e-1, f"{name}: fused relative error {errs[1][name]:.2e}"
         assert errs[1][name] < 2 * errs[0][name] + 1e-3, (name, errs)
