@@ -21,7 +21,7 @@ block, ``q`` pre-scaled, ``A = q k^\top + 1``, ``P`` the eta mask of ``fwd_out.p
 (``dq`` takes the earlier chunks' updates of ``W`` through ``P``; their cotangents of ``g``
 and of the last-row eta travel through the state's cotangent, in ``bwd_chain.py``). It
 writes ``dq`` (final), ``deta`` (final except the last-row term, added by
-``bwd_grads.py``), the post-norm part of ``dw``/``db`` (per-program partials), and for the
+``bwd_grads.py``, or by ``bwd_chain.py`` when it is fused), the post-norm part of ``dw``/``db`` (per-program partials), and for the
 later kernels ``do_pre`` and ``dg_loc`` (fp32).
 """
 
