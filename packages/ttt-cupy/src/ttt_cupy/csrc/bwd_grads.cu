@@ -208,17 +208,5 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    ttt::put_row<D_PAD>(s_q + warp * LD, b_dw);
-    ttt::put_row<D_PAD>(s_k + warp * LD, b_db);
-    __syncthreads();
-    for (int d = tid; d < D; d += NT) {
-        float sw = 0.f, sb = 0.f;
-        for (int w = 0; w < NW; ++w) {
-            sw += s_q[w * LD + d];
-            sb += s_k[w * LD + d];
-        }
-        const long long o_p = (gid * H + i_h) * D + d;
-        dwp[o_p] = sw;
-        dbp[o_p] = sb;
-    }
+    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, D);
 }

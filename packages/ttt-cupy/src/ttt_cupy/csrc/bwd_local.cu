@@ -98,68 +98,21 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
             __syncthreads();
 
             // row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
-            for (int i = warp; i < BT; i += NW) {
-                if (i >= L) {
-                    ttt::zero_row<D_PAD>(s_g + i * LD);
-                    continue;
-                }
-                const long long o_r = p_base + (row0 + i) * row_stride;
-                float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-                ttt::load_row<D_PAD>(b_x, s_g + i * LD, D_PAD, 1.f);  // this warp's row only
-#pragma unroll
-                for (int e = 0; e < P; ++e) {
-                    const int d = lane + 32 * e;
-                    if (d < D) b_x[e] += s_hb[d];
-                }
-                const float r = ttt::layer_norm_row(b_x, D, eps);
-                ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
-                ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
-                ttt::inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
-                ttt::put_row<D_PAD>(s_g + i * LD, b_g);
-                ttt::store_row<D_PAD>(xbuf + o_r, b_x, D);
-                if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
-            }
+            ttt::inner_grad_rows<D_PAD, BT, NW, true>(s_g, s_k, s_W, s_hb, v, b_w, b_b,
+                                                      p_base, p_ebase, row0, row_stride, L,
+                                                      H, D, eps, nullptr, xbuf, rbuf);
             __syncthreads();
 
             // o_pre - hb = q W - e (A g) -> s_q (after every warp's products: they read q)
-            ttt::mma_tiles_synced<BT, D_PAD, NW>(
-                [&](float (&acc)[4], int m0, int n0) {
-                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                    ttt::mma_tile_acc(acc, s_q, LD, 1, s_W, LD, 1, m0, n0, 0, D_PAD);
-                    ttt::mma_tile_acc(acc2, s_A, LA, 1, s_g, LD, 1, m0, n0, 0, m0 + 16);
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
-                },
-                [&](float (&acc)[4], int m0, int n0) {
-                    ttt::store_acc_tile<LD>(s_q, acc, m0, n0);
-                });
+            ttt::out_pre_mma<D_PAD, BT, NW>(s_q, s_W, s_A, s_g, s_e);
             __syncthreads();
 
             // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
             for (int i = warp; i < L; i += NW) {
                 float b_o[P], b_do[P];
-                ttt::load_row<D_PAD>(b_o, s_q + i * LD, D_PAD, 1.f);
+                ttt::out_pre_row<D_PAD, BT, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
                 ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-#pragma unroll
-                for (int e = 0; e < P; ++e) {
-                    const int d = lane + 32 * e;
-                    b_o[e] = d < D ? b_o[e] + s_hb[d] : 0.f;
-                }
-                const float ro = ttt::layer_norm_row(b_o, D, eps);      // b_o <- oh
-                float b_doh[P];
-#pragma unroll
-                for (int e = 0; e < P; ++e) {
-                    b_doh[e] = b_do[e] * b_w[e];
-                    b_dw[e] += b_do[e] * b_o[e];
-                    b_db[e] += b_do[e];
-                }
-                const float m1 = ttt::row_sum(b_doh) / (float)D;
-                const float m2 = ttt::row_dot(b_doh, b_o) / (float)D;
-#pragma unroll
-                for (int e = 0; e < P; ++e)
-                    b_do[e] = lane + 32 * e < D ? b_do[e] + ro * (b_doh[e] - m1 - b_o[e] * m2)
-                                                : 0.f;
+                ttt::post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
                 ttt::put_row<D_PAD>(s_do + i * LD, b_do);
                 ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
             }
@@ -210,58 +163,17 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
         // A -> s_A (tile pass); row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        for (int i = warp; i < BT; i += NW) {
-            if (i >= L) {
-                ttt::zero_row<D_PAD>(s_g + i * LD);
-                continue;
-            }
-            const long long o_r = p_base + (row0 + i) * row_stride;
-            float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-            ttt::row_times_state<D_PAD>(b_x, s_k + i * LD, s_W);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e;
-                if (d < D) b_x[e] += s_hb[d];
-            }
-            const float r = ttt::layer_norm_row(b_x, D, eps);
-            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
-            ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
-            ttt::inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
-            ttt::put_row<D_PAD>(s_g + i * LD, b_g);
-            ttt::store_row<D_PAD>(xbuf + o_r, b_x, D);
-            if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
-        }
+        ttt::inner_grad_rows<D_PAD, BT, NW, false>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                   p_ebase, row0, row_stride, L, H, D, eps,
+                                                   nullptr, xbuf, rbuf);
         __syncthreads();
 
         // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
         for (int i = warp; i < L; i += NW) {
             float b_o[P], b_do[P];
-            ttt::row_times_state<D_PAD>(b_o, s_q + i * LD, s_W);
+            ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
             ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e;
-                float acc = 0.f;
-                if (d < D) {
-                    for (int jj = 0; jj <= i; ++jj) acc += s_A[i * LA + jj] * s_g[jj * LD + d];
-                    b_o[e] += s_hb[d] - s_e[i] * acc;
-                } else {
-                    b_o[e] = 0.f;
-                }
-            }
-            const float ro = ttt::layer_norm_row(b_o, D, eps);      // b_o <- oh
-            float b_doh[P];
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                b_doh[e] = b_do[e] * b_w[e];
-                b_dw[e] += b_do[e] * b_o[e];
-                b_db[e] += b_do[e];
-            }
-            const float m1 = ttt::row_sum(b_doh) / (float)D;
-            const float m2 = ttt::row_dot(b_doh, b_o) / (float)D;
-#pragma unroll
-            for (int e = 0; e < P; ++e)
-                b_do[e] = lane + 32 * e < D ? b_do[e] + ro * (b_doh[e] - m1 - b_o[e] * m2) : 0.f;
+            ttt::post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
             ttt::put_row<D_PAD>(s_do + i * LD, b_do);
             ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
         }
@@ -305,17 +217,5 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    ttt::put_row<D_PAD>(s_q + warp * LD, b_dw);
-    ttt::put_row<D_PAD>(s_k + warp * LD, b_db);
-    __syncthreads();
-    for (int d = tid; d < D; d += NT) {
-        float sw = 0.f, sb = 0.f;
-        for (int w = 0; w < NW; ++w) {
-            sw += s_q[w * LD + d];
-            sb += s_k[w * LD + d];
-        }
-        const long long o_p = (gid * H + i_h) * D + d;
-        dwp[o_p] = sw;
-        dbp[o_p] = sb;
-    }
+    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, D);
 }

@@ -48,7 +48,6 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
     float* s_k = s_hb + D_PAD;         // [BT, LD]     k
     float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
 
-    const int tid = threadIdx.x, warp = tid >> 5;
     const long long i_nh = blockIdx.x;
     const long long i_n = i_nh / H;
     const int i_h = (int)(i_nh % H);
@@ -89,28 +88,9 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
         }
 
         // row pass: kh -> xh, r -> g (s_g, gbuf)
-        for (int i = warp; i < BT; i += NW) {
-            if (i >= L) {
-                ttt::zero_row<D_PAD>(s_g + i * LD);
-                continue;
-            }
-            float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-            if constexpr (MMA)
-                ttt::load_row<D_PAD>(b_x, s_g + i * LD, D_PAD, 1.f);  // this warp's row only
-            else
-                ttt::row_times_state<D_PAD>(b_x, s_k + i * LD, s_W);
-            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = (tid & 31) + 32 * e;
-                if (d < D) b_x[e] += s_hb[d];
-            }
-            const float r = ttt::layer_norm_row(b_x, D, eps);
-            ttt::load_row<D_PAD>(b_v, v + p_base + (row0 + i) * row_stride, D, 1.f);
-            ttt::inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
-            ttt::put_row<D_PAD>(s_g + i * LD, b_g);
-            ttt::store_row<D_PAD>(gbuf + p_base + (row0 + i) * row_stride, b_g, D);
-        }
+        ttt::inner_grad_rows<D_PAD, BT, NW, MMA>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                 p_ebase, row0, row_stride, L, H, D, eps,
+                                                 gbuf, nullptr, nullptr);
         __syncthreads();
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i

@@ -38,7 +38,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
-    constexpr int LD = Tr::kLd, LA = Tr::kLdA;
+    constexpr int LD = Tr::kLd;
     if (smem_bytes < Tr::kFwdOutBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
 
     extern __shared__ float smem[];
@@ -50,7 +50,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
     float* s_A = s_g + Tr::kTile;      // [BT, LA]     tril(q k^T) + tril(1)
     float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int warp = threadIdx.x >> 5;
     const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
     const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
@@ -76,37 +76,17 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
         const float e_l = s_e[L - 1];
 
         if constexpr (MMA) {
-            const int g4 = lane >> 2;
             ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
             __syncthreads();
             // q W - e (A g) -> s_q (after every warp's products: they read q)
-            ttt::mma_tiles_synced<BT, D_PAD, NW>(
-                [&](float (&acc)[4], int m0, int n0) {
-                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                    ttt::mma_tile_acc(acc, s_q, LD, 1, s_W, LD, 1, m0, n0, 0, D_PAD);
-                    ttt::mma_tile_acc(acc2, s_A, LA, 1, s_g, LD, 1, m0, n0, 0, m0 + 16);
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        acc[r] -= s_e[m0 + g4 + 8 * (r >> 1)] * acc2[r];
-                },
-                [&](float (&acc)[4], int m0, int n0) {
-                    ttt::store_acc_tile<LD>(s_q, acc, m0, n0);
-                });
+            ttt::out_pre_mma<D_PAD, BT, NW>(s_q, s_W, s_A, s_g, s_e);
             __syncthreads();
 
             // row pass: o_pre = (q W - e (A g)) + hb, then the post norm-residual -> o
             for (int i = warp; i < L; i += NW) {
-                float b_o[P], b_n[P];
-                ttt::load_row<D_PAD>(b_o, s_q + i * LD, D_PAD, 1.f);
-#pragma unroll
-                for (int e = 0; e < P; ++e) {
-                    const int d = lane + 32 * e;
-                    b_o[e] = d < D ? b_o[e] + s_hb[d] : 0.f;
-                    b_n[e] = b_o[e];
-                }
-                ttt::layer_norm_row(b_n, D, eps);
-#pragma unroll
-                for (int e = 0; e < P; ++e) b_o[e] += b_n[e] * b_w[e] + b_b[e];
+                float b_o[P];
+                ttt::out_pre_row<D_PAD, BT, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+                ttt::post_norm_row(b_o, b_w, b_b, D, eps);
                 ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
             }
             __syncthreads();
@@ -122,23 +102,9 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
 
         // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
         for (int i = warp; i < L; i += NW) {
-            float b_o[P], b_n[P];
-            ttt::row_times_state<D_PAD>(b_o, s_q + i * LD, s_W);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e;
-                float acc = 0.f;
-                if (d < D) {
-                    for (int jj = 0; jj <= i; ++jj) acc += s_A[i * LA + jj] * s_g[jj * LD + d];
-                    b_o[e] += s_hb[d] - s_e[i] * acc;
-                } else {
-                    b_o[e] = 0.f;
-                }
-                b_n[e] = b_o[e];
-            }
-            ttt::layer_norm_row(b_n, D, eps);
-#pragma unroll
-            for (int e = 0; e < P; ++e) b_o[e] += b_n[e] * b_w[e] + b_b[e];
+            float b_o[P];
+            ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+            ttt::post_norm_row(b_o, b_w, b_b, D, eps);
             ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
         }
         __syncthreads();

@@ -408,6 +408,113 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
         g[e] = lane + 32 * e < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
 }
 
+// The row pass of the inner loss over one chunk (fwd_chain, bwd_local): warp w takes rows
+// w, w + NW, ... < BT. kh = k_i W + hb (MMA: k W was staged in sG's row by the tensor cores;
+// else a SIMT row product), then xh, r (LayerNorm) and g (inner_grad_row) into sG's row; rows
+// >= L are zeroed. Also writes g of row i to gbuf, xh to xbuf and r to rbuf, each when not
+// null (row i is at p_base + (row0 + i) * row_stride, its r at p_ebase + (row0 + i) * H).
+// b_w, b_b: the LayerNorm weight and bias per lane.
+template <int D_PAD, int BT, int NW, bool MMA, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
+                                                const float* sHb, const T* __restrict__ v,
+                                                const float (&b_w)[P], const float (&b_b)[P],
+                                                long long p_base, long long p_ebase,
+                                                long long row0, long long row_stride, int L,
+                                                int H, int D, float eps, float* gbuf,
+                                                float* xbuf, float* rbuf) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+    for (int i = threadIdx.x >> 5; i < BT; i += NW) {
+        if (i >= L) {
+            zero_row<D_PAD>(sG + i * LD);
+            continue;
+        }
+        const long long o_r = p_base + (row0 + i) * row_stride;
+        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+        if constexpr (MMA)
+            load_row<D_PAD>(b_x, sG + i * LD, D_PAD, 1.f);  // this warp's row only
+        else
+            row_times_state<D_PAD>(b_x, sK + i * LD, sW);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const int d = lane + 32 * e;
+            if (d < D) b_x[e] += sHb[d];
+        }
+        const float r = layer_norm_row(b_x, D, eps);
+        load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
+        load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+        inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD>(sG + i * LD, b_g);
+        if (gbuf != nullptr) store_row<D_PAD>(gbuf + o_r, b_g, D);
+        if (xbuf != nullptr) store_row<D_PAD>(xbuf + o_r, b_x, D);
+        if (rbuf != nullptr && lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+    }
+}
+
+// o_pre of row i of a chunk (fwd_out, bwd_local), per lane: q_i W + hb - e_i sum_{j <= i}
+// A_ij g_j, zero past D. MMA: q W - e (A g) was left in sQ's row by out_pre_mma, so only hb
+// is added; else SIMT products (sA [BT, BT + 1] is the masked A, sE the per-row eta).
+template <int D_PAD, int BT, bool MMA, int P>
+__device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* sQ,
+                                            const float* sW, const float* sA, const float* sG,
+                                            const float* sHb, const float* sE, int D) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int lane = threadIdx.x & 31;
+    if constexpr (MMA)
+        load_row<D_PAD>(o, sQ + i * LD, D_PAD, 1.f);
+    else
+        row_times_state<D_PAD>(o, sQ + i * LD, sW);
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const int d = lane + 32 * e;
+        if (d >= D) {
+            o[e] = 0.f;
+            continue;
+        }
+        o[e] += sHb[d];
+        if constexpr (!MMA) {
+            float acc = 0.f;
+            for (int jj = 0; jj <= i; ++jj) acc += sA[i * LA + jj] * sG[jj * LD + d];
+            o[e] -= sE[i] * acc;
+        }
+    }
+}
+
+// The fused post norm-residual for one row (fwd_out): o <- o + LN(o) w + b.
+template <int P>
+__device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P],
+                                              const float (&b)[P], int D, float eps) {
+    float n[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) n[e] = o[e];
+    layer_norm_row(n, D, eps);
+#pragma unroll
+    for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
+}
+
+// The post norm-residual's backward for one row (bwd_local): o (o_pre in) becomes oh =
+// LN(o_pre), dout (do in) becomes do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)),
+// and the row's parts of dw (do oh) and db (do) are added to dw, db. Zero past D.
+template <int P>
+__device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P],
+                                                  const float (&w)[P], float (&dw)[P],
+                                                  float (&db)[P], int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const float ro = layer_norm_row(o, D, eps);      // o <- oh
+    float doh[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        doh[e] = dout[e] * w[e];
+        dw[e] += dout[e] * o[e];
+        db[e] += dout[e];
+    }
+    const float m1 = row_sum(doh) / (float)D;
+    const float m2 = row_dot(doh, o) / (float)D;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        dout[e] = lane + 32 * e < D ? dout[e] + ro * (doh[e] - m1 - o[e] * m2) : 0.f;
+}
+
 // Backward of g(kh) for the cotangent dg: dkh and dy (see the top of this file).
 template <int P>
 __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
@@ -616,6 +723,49 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
                 if (a < D && d < D) sW[a * LD + d] += c * acc[r];
             }
         });
+}
+
+// sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
+// [BT, D_PAD] q tile (pre-scaled), sW the state, sA [BT, BT + 1] the masked A = tril(q k^T +
+// 1), sG the g tile, sE [BT] the per-row eta. The products finish in every warp before the
+// result overwrites q (mma_tiles_synced; every thread must call it).
+template <int D_PAD, int BT, int NW>
+__device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const float* sA,
+                                            const float* sG, const float* sE) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int g = (threadIdx.x & 31) >> 2;
+    mma_tiles_synced<BT, D_PAD, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tile_acc(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
+            mma_tile_acc(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[r] -= sE[m0 + g + 8 * (r >> 1)] * acc2[r];
+        },
+        [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
+}
+
+// The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db) summed over the
+// warps in a fixed order (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of
+// shared memory), written to dwp[o_p + d], dbp[o_p + d]. Every thread must call it.
+template <int D_PAD, int NW, int NT, int P>
+__device__ __forceinline__ void store_partials(float* sA, float* sB, const float (&b_dw)[P],
+                                               const float (&b_db)[P], float* dwp, float* dbp,
+                                               long long o_p, int D) {
+    constexpr int LD = D_PAD + 1;
+    const int warp = threadIdx.x >> 5;
+    put_row<D_PAD>(sA + warp * LD, b_dw);
+    put_row<D_PAD>(sB + warp * LD, b_db);
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float sw = 0.f, sb = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            sw += sA[w * LD + d];
+            sb += sB[w * LD + d];
+        }
+        dwp[o_p + d] = sw;
+        dbp[o_p + d] = sb;
+    }
 }
 
 // hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
