@@ -103,10 +103,12 @@ def main() -> None:
                     label = f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
                     if "BS" in consts:
                         label += f" BS={consts['BS']}"
+                    options = dict(num_warps=nw, num_stages=1)
+                    if tune[f"{kind}_regs"]:
+                        options["maxnreg"] = tune[f"{kind}_regs"]
                     try:
                         kernel = triton.compile(
-                            src, target=GPUTarget("cuda", args.arch, 32),
-                            options=dict(num_warps=nw, num_stages=1))
+                            src, target=GPUTarget("cuda", args.arch, 32), options=options)
                         print(f"{label}: {_usage(kernel)}", flush=True)
                     except Exception as exc:  # noqa: BLE001 - a report line
                         print(f"{label}: FAILED {type(exc).__name__}: "

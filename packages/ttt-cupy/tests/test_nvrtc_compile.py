@@ -50,6 +50,10 @@ def test_name_expressions_and_smem_formula():
     assert [d_pad(d) for d in (1, 16, 17, 60, 64, 96, 100, 128)] == [16, 16, 32, 64, 64, 128,
                                                                      128, 128]
     assert threads(128) == 256 and threads(32) == 128
+    # the register-resident MMA chain: a warp per 16 state columns; other kernels unchanged
+    assert [threads(dp, "fwd_chain", True) for dp in (16, 32, 64, 128)] == [32, 64, 128, 256]
+    assert threads(64, "fwd_chain", False) == threads(64, "fwd_out", True) == 256
+    assert traits_field("fwd_chain", True) == "kFwdChainTcBytes"
     h200 = 227 * 1024
     # the forward fits every (D_PAD, BT); the backward all but (128, 64)
     for dp in (16, 32, 64, 128):

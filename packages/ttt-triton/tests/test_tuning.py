@@ -80,3 +80,11 @@ def test_fused_chain_override(monkeypatch):
     p = _problem(32, 2048, 16, 64)
     assert not launcher.fused_forward(p, False, launcher.tunables())
     assert launcher.fused_backward(_problem(1, 64, 1, 128, chunk_size=64), launcher.tunables())
+
+
+def test_register_cap(monkeypatch):
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setenv("TTT_TRITON_TUNE", "group_regs=128")
+    tune = launcher.tunables()
+    assert launcher._launch("group", 64, torch.bfloat16, tune)["maxnreg"] == 128
+    assert "maxnreg" not in launcher._launch("chain", 64, torch.bfloat16, tune)

@@ -38,6 +38,11 @@ tf32 operands, fp32 accumulation) when true. Only half types (``__half``,
 ``__nv_bfloat16``) have MMA instances; float inputs always run the SIMT fp32 instance
 (float32-exact arithmetic)."""
 
+REGISTER_STATE_KERNELS = ("fwd_chain",)
+"""The kernels whose MMA instance keeps the state in registers (one warp per 16 state
+columns): it runs with :func:`threads` ``(dp, kernel, mma=True)`` threads and its own shared
+memory (:func:`smem_bytes` with ``mma=True``)."""
+
 MMA_ENV = "TTT_CUPY_MMA"
 """``TTT_CUPY_MMA=0`` makes half inputs run the SIMT fp32 instances of :data:`MMA_KERNELS`
 too (default: tensor cores for half inputs on sm_80+). Read at every launch."""
@@ -115,19 +120,26 @@ def program_names(pass_: str, ctype: str, dp: int, bt: int) -> list[str]:
     return names
 
 
-def threads(dp: int) -> int:
-    """Threads per block of every kernel (Traits::kThreads)."""
+def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
+    """Threads per block: Traits::kThreads for every kernel, except the MMA instances of
+    :data:`REGISTER_STATE_KERNELS` (Traits::kTcThreads, a warp per 16 state columns)."""
+    if mma and kernel in REGISTER_STATE_KERNELS:
+        return 32 * (dp // 16)
     return 256 if dp >= 64 else 128
 
 
-def smem_bytes(kernel: str, dp: int, bt: int) -> int:
+def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
     fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
-    states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The C++ traits give the same
-    numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
+    states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The MMA instances of
+    :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes). The C++
+    traits give the same numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
     _check_kernel(kernel)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
+    if mma and kernel in REGISTER_STATE_KERNELS:
+        # K, V double-buffered; per-warp row statistics [2][warps][BT][2]
+        return 4 * {"fwd_chain": 4 * tile + 4 * (dp // 16) * bt}[kernel]
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
@@ -139,9 +151,11 @@ def smem_bytes(kernel: str, dp: int, bt: int) -> int:
 
 
 def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
-    """(kernel, bytes) of the pass's kernel that needs the most shared memory."""
+    """(kernel, bytes) of the pass's kernel that needs the most shared memory (either
+    instance)."""
     _check_pass(pass_)
-    return max(((k, smem_bytes(k, dp, bt)) for k in PASSES[pass_]), key=lambda kv: kv[1])
+    return max(((k, max(smem_bytes(k, dp, bt, mma) for mma in (False, True)))
+                for k in PASSES[pass_]), key=lambda kv: kv[1])
 
 
 def source(pass_: str) -> str:
@@ -220,6 +234,15 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> A
         raise RuntimeError(
             f"NVRTC could not compile {names} for sm_{arch}:\n{err.get_message()}") from err
     return module
+
+
+def kernels_use_mma(dtype_name: str, device_index: int) -> bool:
+    """Whether :func:`get_kernels` gives the tensor-core instances for this dtype on this
+    device (:func:`use_mma` with the device's compute capability)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index) as device:
+        return use_mma(CTYPES[dtype_name], device.compute_capability)
 
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,

@@ -22,7 +22,7 @@ import torch
 from ttt import Problem
 from ttt.problem import ChunkGroups
 
-from .compile import d_pad, get_kernels, pass_smem, smem_bytes, threads
+from .compile import d_pad, get_kernels, kernels_use_mma, pass_smem, smem_bytes, threads
 
 CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
@@ -153,8 +153,9 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     kern = get_kernels("fwd", dtype_name, dp, BT, _index(dev))
     nt = threads(dp)
 
-    smem = smem_bytes("fwd_chain", dp, BT)
-    _launch(kern["fwd_chain"], dev, N * H, nt, smem, (
+    mma = kernels_use_mma(dtype_name, _index(dev))
+    smem = smem_bytes("fwd_chain", dp, BT, mma)
+    _launch(kern["fwd_chain"], dev, N * H, threads(dp, "fwd_chain", mma), smem, (
         _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0), _ptr(ht),
         _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(gbuf), _ptr(cu_seqlens), _ptr(grp.offsets),
         np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),

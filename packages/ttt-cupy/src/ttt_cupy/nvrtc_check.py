@@ -30,11 +30,13 @@ from .compile import (
     KERNELS,
     NVRTC_OPTIONS,
     PASSES,
+    REGISTER_STATE_KERNELS,
     cuda_include_dir,
     include_options,
     program_names,
     smem_bytes,
     source,
+    threads,
 )
 
 DEFAULT_ARCHS = ("80", "90")
@@ -90,9 +92,11 @@ def _nvrtc():
     return nvrtc
 
 
-def traits_field(kernel: str) -> str:
-    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes."""
-    return "k" + "".join(part.capitalize() for part in kernel.split("_")) + "Bytes"
+def traits_field(kernel: str, register_state: bool = False) -> str:
+    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (or
+    kFwdChainTcBytes: the register-resident MMA instance)."""
+    name = "".join(part.capitalize() for part in kernel.split("_"))
+    return f"k{name}{'Tc' if register_state else ''}Bytes"
 
 
 def smem_asserts() -> str:
@@ -104,6 +108,14 @@ def smem_asserts() -> str:
                 n, field = smem_bytes(kernel, dp, bt), traits_field(kernel)
                 lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
                              f"\"smem_bytes('{kernel}', {dp}, {bt}) != Traits::{field}\");")
+                if kernel in REGISTER_STATE_KERNELS:
+                    n, field = smem_bytes(kernel, dp, bt, True), traits_field(kernel, True)
+                    lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
+                                 f"\"smem_bytes('{kernel}', {dp}, {bt}, True) != "
+                                 f"Traits::{field}\");")
+                    lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::kTcThreads == "
+                                 f"{threads(dp, kernel, True)}, \"threads({dp}, '{kernel}', "
+                                 f"True) != Traits::kTcThreads\");")
     return "\n" + "\n".join(lines) + "\n"
 
 

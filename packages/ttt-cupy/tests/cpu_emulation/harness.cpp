@@ -196,10 +196,10 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
-    launch(grid, Tr::kThreads, [&] {
+    launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
         ttt_linear_fwd_chain<__half, DP, BT, true>(kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
                                                    gbuf, cu, go, eps, T, H, D, G,
-                                                   Tr::kFwdChainBytes);
+                                                   Tr::kFwdChainTcBytes);
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \

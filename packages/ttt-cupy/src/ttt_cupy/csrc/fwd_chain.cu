@@ -8,20 +8,285 @@
 // The block writes g (fp32) of every valid row for fwd_out.cu, the fp32 state into checkpoint
 // slot s before chunk s * G, and the final state into the sequence's last slot (and into
 // ht / hbt when given). The outputs (which need q) are left to the group-parallel fwd_out.cu.
-// Each step asks for the next chunk's rows of k, v and eta into L1 (prefetch_rows).
 //
-// Per chunk: a row pass (one warp a row: kh = k_i W + hb, LayerNorm, g) then a tile pass for
-// the state step. Shared memory: W, hb, K, G (Traits::kFwdChainBytes).
+// MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kFwdChainBytes): the
+// state lives in shared memory; per chunk a row pass (one warp a row: kh = k_i W + hb,
+// LayerNorm, g) then a SIMT tile pass for the state step. Each step asks for the next chunk's
+// rows of k, v and eta into L1 (prefetch_rows).
 //
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): the two products
-// k W ([BT, D] x [D, D]) and k^T g ([D, BT] x [BT, D]) run on tensor cores (mma.sync m16n8k8,
-// tf32 operands, fp32 accumulation; ttt_common.cuh), as the Triton backend does for half
-// inputs; k W goes through the G tile (kh is staged there, then each row's g overwrites it).
-// With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
+// MMA = true (default for __half / __nv_bfloat16; Traits::kTcThreads threads, one warp per 16
+// state columns, kFwdChainTcBytes): fwd_chain_tc below. The state stays in registers as mma
+// accumulators ("register-resident chain state" in ttt_common.cuh); both products, k W and
+// k^T g, run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation), as the
+// Triton backend does for half inputs. kh comes out of k W in the accumulator layout (each
+// lane: 2 columns x BT / 4 rows), so the LayerNorm's and g's row sums are warp shuffles plus
+// one exchange of per-warp partials through shared memory (Chan's formula for the variance):
+// three barriers per chunk. The next chunk's k and v are loaded into registers at the start of
+// a step and stored into the other half of the double-buffered tiles at its end.
 #include "ttt_common.cuh"
 
+namespace ttt {
+
+// The MMA instance of the forward chain (see the top of this file); arguments as the kernel's.
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void fwd_chain_tc(
+    float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
+    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
+    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
+    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ gbuf,
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
+    float eps, long long T_len, int H, int D, int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
+    constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
+    float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
+    float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
+    float* s_red = s_v + 2 * Tr::kTile;   // [2][NW][BT][2] per-warp row statistics
+
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int n0 = 16 * wid + g;                         // this lane's columns n0, n0 + 8
+    const long long i_nh = blockIdx.x;
+    const long long i_n = i_nh / H;
+    const int i_h = (int)(i_nh % H);
+    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const long long DD = (long long)D * D;
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (sq.bos * H + i_h) * D;
+    const long long p_ebase = sq.bos * H + i_h;
+
+    float W[D_PAD / 8][4], hb[2], lw[2], lb[2];
+    bool col_ok[2];
+    load_state_frag<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
+                           hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        col_ok[h] = n0 + 8 * h < D;
+        lw[h] = col_ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
+        lb[h] = col_ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
+    }
+    const int cols_w = max(0, min(16, D - 16 * wid));   // valid columns of this warp
+
+    if (sq.nc > 0) {
+        const int L0 = (int)min((long long)BT, sq.len);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, 0, L0, row_stride, D, 1.f);
+        load_tile<D_PAD, BT, NT>(s_v, v, p_base, 0, L0, row_stride, D, 1.f);
+    }
+    __syncthreads();
+    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
+        if (i_c % G == 0) {
+            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
+            store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
+        }
+        const int buf = (int)(i_c & 1);
+        const float* sk = s_k + buf * Tr::kTile;
+        const float* sv = s_v + buf * Tr::kTile;
+        const long long row0 = i_c * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
+        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+
+        // the next chunk's k, v (zero past the end) into registers, stored at the step's end
+        const long long row0n = row0 + BT;
+        const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0n) : 0;
+        T nk[PER], nv[PER];
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
+            if (i < Ln && d < D) {
+                const long long o = p_base + (row0n + i) * row_stride + d;
+                nk[u] = k[o];
+                nv[u] = v[o];
+            } else {
+                nk[u] = from_f32<T>(0.f);
+                nv[u] = from_f32<T>(0.f);
+            }
+        }
+
+        // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1)
+        float x[NR][4];
+        tile_times_state_frag<D_PAD, BT>(x, W, sk);
+        float* red = s_red;                              // LayerNorm statistics
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x0 = x[i][e];
+                float& x1 = x[i][e + 2];
+                x0 = col_ok[0] ? x0 + hb[0] : 0.f;
+                x1 = col_ok[1] ? x1 + hb[1] : 0.f;
+                const float s = frag_col_sum(x0, x1);
+                const float m = cols_w > 0 ? s / (float)cols_w : 0.f;
+                const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
+                const float m2 = frag_col_sum(d0 * d0, d1 * d1);
+                if (g == 0) {
+                    const int t = 8 * i + 2 * tq + e;
+                    red[(wid * BT + t) * 2] = s;
+                    red[(wid * BT + t) * 2 + 1] = m2;
+                }
+            }
+        __syncthreads();
+        float r[NR][2];
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                float s = 0.f;
+                for (int w2 = 0; w2 < NW; ++w2) s += red[(w2 * BT + t) * 2];
+                const float mean = s / (float)D;
+                float m2 = 0.f;  // Chan: sum_w M2_w + n_w (mean_w - mean)^2
+                for (int w2 = 0; w2 < NW; ++w2) {
+                    const int nw = max(0, min(16, D - 16 * w2));
+                    if (nw == 0) continue;
+                    const float dm = red[(w2 * BT + t) * 2] / (float)nw - mean;
+                    m2 += red[(w2 * BT + t) * 2 + 1] + (float)nw * dm * dm;
+                }
+                r[i][e] = 1.f / sqrtf(m2 / (float)D + eps);
+                x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
+                x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
+            }
+
+        // y = (xh w + b - v + k) w; g = r (y - mean(y) - xh mean(y xh))
+        float y[NR][4];
+        red = s_red + 2 * NW * BT;                       // the y statistics
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h, n = n0 + 8 * h;
+                    y[i][c] = col_ok[h] ? (x[i][c] * lw[h] + lb[h] - sv[t * LD + n] +
+                                           sk[t * LD + n]) * lw[h]
+                                        : 0.f;
+                }
+                const float sy = frag_col_sum(y[i][e], y[i][e + 2]);
+                const float syx = frag_col_sum(y[i][e] * x[i][e], y[i][e + 2] * x[i][e + 2]);
+                if (g == 0) {
+                    red[(wid * BT + t) * 2] = sy;
+                    red[(wid * BT + t) * 2 + 1] = syx;
+                }
+            }
+        __syncthreads();
+        float hs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                float sy = 0.f, syx = 0.f;
+                for (int w2 = 0; w2 < NW; ++w2) {
+                    sy += red[(w2 * BT + t) * 2];
+                    syx += red[(w2 * BT + t) * 2 + 1];
+                }
+                const float ym = sy / (float)D, yx = syx / (float)D;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h;
+                    const bool ok = col_ok[h] && t < L;
+                    const float gv = ok ? r[i][e] * (y[i][c] - ym - x[i][c] * yx) : 0.f;
+                    y[i][c] = gv;                        // y now holds g
+                    hs[h] += gv;
+                    if (ok) gbuf[p_base + (row0 + t) * row_stride + n0 + 8 * h] = gv;
+                }
+            }
+
+        // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
+        state_update_frag<D_PAD, BT>(W, y, -e_l, sk);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            hs[h] += __shfl_xor_sync(0xffffffffu, hs[h], 1);
+            hs[h] += __shfl_xor_sync(0xffffffffu, hs[h], 2);
+            hb[h] -= e_l * hs[h];
+        }
+
+        float* skn = s_k + (buf ^ 1) * Tr::kTile;
+        float* svn = s_v + (buf ^ 1) * Tr::kTile;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
+            skn[i * LD + d] = to_f32(nk[u]);
+            svn[i * LD + d] = to_f32(nv[u]);
+        }
+        __syncthreads();
+    }
+
+    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+    store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
+    if (ht != nullptr) store_state_frag<D_PAD>(ht + i_nh * DD, hbt + i_nh * D, W, hb, D);
+}
+
+// The SIMT instance of the forward chain (MMA = false; see the top of this file).
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void fwd_chain_simt(
+    float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
+    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
+    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
+    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ gbuf,
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
+    float eps, long long T_len, int H, int D, int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    float* s_W = smem;                 // [D_PAD, LD]  state
+    float* s_hb = s_W + Tr::kState;    // [D_PAD]      bias state
+    float* s_k = s_hb + D_PAD;         // [BT, LD]     k
+    float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
+
+    const long long i_nh = blockIdx.x;
+    const long long i_n = i_nh / H;
+    const int i_h = (int)(i_nh % H);
+    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const long long DD = (long long)D * D;
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_state<D_PAD, NT>(s_W, s_hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
+                          hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+    __syncthreads();
+
+    const long long row_stride = (long long)H * D;       // rows are H * D apart
+    const long long p_base = (sq.bos * H + i_h) * D;     // row 0 of this (sequence, head)
+    const long long p_ebase = sq.bos * H + i_h;          // eta rows are H apart
+    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
+        if (i_c % G == 0) {
+            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
+            store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
+        }
+        const long long row0 = i_c * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        if (i_c + 1 < sq.nc) {  // the next chunk's rows into L1 while this one computes
+            const long long row0n = row0 + BT;
+            const int Ln = (int)min((long long)BT, sq.len - row0n);
+            prefetch_rows<NT>(k + p_base, row0n, Ln, row_stride, D);
+            prefetch_rows<NT>(v + p_base, row0n, Ln, row_stride, D);
+            prefetch_rows<NT>(eta + p_ebase, row0n + Ln - 1, 1, H, 1);
+        }
+        __syncthreads();
+
+        // row pass: kh -> xh, r -> g (s_g, gbuf)
+        inner_grad_rows<D_PAD, BT, NW, false>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                              p_ebase, row0, row_stride, L, H, D, eps, gbuf,
+                                              nullptr, nullptr);
+        __syncthreads();
+
+        // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
+        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        __syncthreads();
+    }
+
+    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+    store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
+    if (ht != nullptr) store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
+}
+
+}  // namespace ttt
+
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+__global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
+                                      : ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,   // [B, T, H] fp32
                      const float* __restrict__ lnw,   // [H, D] fp32
@@ -39,71 +304,17 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
-    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
-    if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
-
     extern __shared__ float smem[];
-    float* s_W = smem;                 // [D_PAD, LD]  state
-    float* s_hb = s_W + Tr::kState;    // [D_PAD]      bias state
-    float* s_k = s_hb + D_PAD;         // [BT, LD]     k
-    float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
-
-    const long long i_nh = blockIdx.x;
-    const long long i_n = i_nh / H;
-    const int i_h = (int)(i_nh % H);
-    const ttt::Seq sq = ttt::seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
-    const long long DD = (long long)D * D;
-
-    float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    ttt::load_state<D_PAD, NT>(s_W, s_hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
-                               hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
-    __syncthreads();
-
-    const long long row_stride = (long long)H * D;       // rows are H * D apart
-    const long long p_base = (sq.bos * H + i_h) * D;     // row 0 of this (sequence, head)
-    const long long p_ebase = sq.bos * H + i_h;          // eta rows are H apart
-    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
-        if (i_c % G == 0) {
-            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
-            ttt::store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
-        }
-        const long long row0 = i_c * BT;
-        const int L = (int)min((long long)BT, sq.len - row0);
-        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
-        if (i_c + 1 < sq.nc) {  // the next chunk's rows into L1 while this one computes
-            const long long row0n = row0 + BT;
-            const int Ln = (int)min((long long)BT, sq.len - row0n);
-            ttt::prefetch_rows<NT>(k + p_base, row0n, Ln, row_stride, D);
-            ttt::prefetch_rows<NT>(v + p_base, row0n, Ln, row_stride, D);
-            ttt::prefetch_rows<NT>(eta + p_ebase, row0n + Ln - 1, 1, H, 1);
-        }
-        __syncthreads();
-
-        if constexpr (MMA) {  // kh - hb = k W into s_g (tensor cores)
-            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_g, s_k, s_W);
-            __syncthreads();
-        }
-
-        // row pass: kh -> xh, r -> g (s_g, gbuf)
-        ttt::inner_grad_rows<D_PAD, BT, NW, MMA>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                 p_ebase, row0, row_stride, L, H, D, eps,
-                                                 gbuf, nullptr, nullptr);
-        __syncthreads();
-
-        // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
-        if constexpr (MMA) {
-            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
-            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
-        } else {
-            ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
-        }
-        __syncthreads();
+    if constexpr (MMA) {
+        if (smem_bytes < Tr::kFwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
+            G < 1)
+            __trap();
+        ttt::fwd_chain_tc<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
+                                        gbuf, cu_seqlens, grp_offsets, eps, T_len, H, D, G);
+    } else {
+        if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
+            __trap();
+        ttt::fwd_chain_simt<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
+                                          gbuf, cu_seqlens, grp_offsets, eps, T_len, H, D, G);
     }
-
-    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-    ttt::store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
-    if (ht != nullptr) ttt::store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
 }

@@ -67,6 +67,12 @@ struct Traits {
     static constexpr int kBwdChainFloats = kState + D_PAD + 4 * kTile + BT;
     // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta
     static constexpr int kBwdGradsFloats = 2 * kState + 5 * kTile + kSquare + BT;
+    // the chains' register-resident tensor-core instances (fwd_chain_tc below): one warp per
+    // 16 columns of the state; fwd_chain's MMA instance: K, V double-buffered, row statistics
+    static constexpr int kTcWarps = D_PAD / 16;
+    static constexpr int kTcThreads = 32 * kTcWarps;
+    static constexpr int kFwdChainTcFloats = 4 * kTile + 4 * kTcWarps * BT;
+    static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
@@ -777,6 +783,132 @@ __device__ __forceinline__ void bias_axpy(float* sHb, float c, const float* sY, 
         for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
         sHb[d] += c * acc;
     }
+}
+
+// ---------------------------------------------------------------- register-resident chain state
+// The chain kernels' MMA instances keep the [D_PAD, D_PAD] state in registers, as mma
+// accumulators of its transpose (M = n, N = a): warp w owns the columns n = 16 w .. 16 w + 15
+// of W, and lane (g, t) holds, per block J < D_PAD / 8 of 8 accumulator columns, 4 entries
+//   frag[J][c] = W[a][n],   n = 16 w + g + 8 (c >> 1),   a = state_col(8 J + 2 t + (c & 1)).
+// The same registers are the A operand of W^T X^T (K = a) when the k slots t / t + 4 of block J
+// stand for the columns state_col(8 J + 2 t) / + 1: a = {c0, c2, c1, c3} (acc_as_a); so the
+// state never goes through shared memory. state_col permutes a inside blocks of
+// KB = min(D_PAD, 32) so that both products' B reads from a [BT, D_PAD + 1] tile are free of
+// bank conflicts (lane (g, t) reads column KB/4 t + 2 J of row g, or column KB/4 (g >> 1) +
+// 2 J + (g & 1) of row 2 t).
+template <int D_PAD>
+__device__ __forceinline__ int state_col(int j) {
+    constexpr int KB = D_PAD < 32 ? D_PAD : 32;
+    const int r = j % KB;  // r = 8 J + 2 t + e inside the block
+    return j - r + (KB / 4) * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
+}
+
+// frag <- the state src [D, D] (zero when null), in the layout above; hb (per lane: columns
+// n, n + 8) <- srcb.
+template <int D_PAD>
+__device__ __forceinline__ void load_state_frag(float (&frag)[D_PAD / 8][4], float (&hb)[2],
+                                                const float* src, const float* srcb, int D) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int n = n0 + 8 * (c >> 1), a = state_col<D_PAD>(8 * J + 2 * t + (c & 1));
+            frag[J][c] = (src != nullptr && a < D && n < D) ? src[a * D + n] : 0.f;
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        hb[h] = (srcb != nullptr && n0 + 8 * h < D) ? srcb[n0 + 8 * h] : 0.f;
+}
+
+// dst[a * D + n] = W[a][n] from frag; dstb[n] = hb (lanes t = 0) when dstb is given.
+template <int D_PAD>
+__device__ __forceinline__ void store_state_frag(float* dst, float* dstb,
+                                                 const float (&frag)[D_PAD / 8][4],
+                                                 const float (&hb)[2], int D) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int n = n0 + 8 * (c >> 1), a = state_col<D_PAD>(8 * J + 2 * t + (c & 1));
+            if (a < D && n < D) dst[a * D + n] = frag[J][c];
+        }
+    if (dstb != nullptr && t == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (n0 + 8 * h < D) dstb[n0 + 8 * h] = hb[h];
+    }
+}
+
+// An m16n8 accumulator (M = n, N = 8 columns) as the A operand of a product over those
+// columns (k slots t, t + 4 = columns 2 t, 2 t + 1), times `mult`, rounded to tf32.
+__device__ __forceinline__ void acc_as_a(unsigned (&a)[4], const float (&acc)[4], float mult) {
+    a[0] = to_tf32(mult * acc[0]);
+    a[1] = to_tf32(mult * acc[2]);
+    a[2] = to_tf32(mult * acc[1]);
+    a[3] = to_tf32(mult * acc[3]);
+}
+
+// out[i] (M = n: this warp's 16 state columns, N = t: rows 8 i .. 8 i + 7 of the tile) =
+// W^T X^T, i.e. out[i][c] = (X W)[t][n] with t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)
+// (lane (g, t')). sX: a [BT, D_PAD + 1] fp32 tile. Tensor cores, tf32 operands.
+template <int D_PAD, int BT>
+__device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
+                                                      const float (&frag)[D_PAD / 8][4],
+                                                      const float* sX) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[i][c] = 0.f;
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J) {
+        unsigned a[4];
+        acc_as_a(a, frag[J], 1.f);
+        const int col = state_col<D_PAD>(8 * J + 2 * t);
+#pragma unroll
+        for (int i = 0; i < BT / 8; ++i) {
+            const float* x = sX + (8 * i + g) * LD + col;
+            const unsigned b[2] = {to_tf32(x[0]), to_tf32(x[1])};
+            mma_m16n8k8_tf32(out[i], a, b);
+        }
+    }
+}
+
+// frag (W) += mult Y^T X over the tile's rows: Y^T given as accumulators y[i] in the layout of
+// tile_times_state_frag's output (M = n, N = t), X a [BT, D_PAD + 1] fp32 tile (rows past the
+// chunk's end zero). Tensor cores, tf32 operands.
+template <int D_PAD, int BT>
+__device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
+                                                  const float (&y)[BT / 8][4], float mult,
+                                                  const float* sX) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i) {
+        unsigned a[4];
+        acc_as_a(a, y[i], mult);
+        const float* x0 = sX + (8 * i + 2 * t) * LD;
+#pragma unroll
+        for (int J = 0; J < D_PAD / 8; ++J) {
+            const int col = state_col<D_PAD>(8 * J + g);
+            const unsigned b[2] = {to_tf32(x0[col]), to_tf32(x0[LD + col])};
+            mma_m16n8k8_tf32(frag[J], a, b);
+        }
+    }
+}
+
+// Sum over this warp's 16 state columns (the lanes sharing t) of x0 + x1.
+__device__ __forceinline__ float frag_col_sum(float x0, float x1) {
+    float s = x0 + x1;
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 16);
+    return s;
 }
 
 }  // namespace ttt

@@ -1,7 +1,8 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
 Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED`, :data:`HALF_DOT_PRECISION`,
-:data:`NUM_WARPS` (:func:`tunables` applies ``TTT_TRITON_TUNE`` overrides).
+:data:`NUM_WARPS`, :data:`NUM_STAGES`, :data:`MAX_REGISTERS` (:func:`tunables` applies
+``TTT_TRITON_TUNE`` overrides).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ NUM_STAGES = {"chain_stages": 1, "group_stages": 1}
 prefetch the next chunk by hand, and of the group-parallel ones. 2 or 3 for the group
 kernels were no faster on the H200 (docs/benchmarks.md)."""
 
+MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
+"""Register cap per thread (ptx ``.maxnreg``; 0: none, the compiler's choice) of the
+sequential and the group-parallel kernels. A cap lets more programs share an SM at the
+price of spills."""
+
 
 FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
 """Fused chains: with at least this many (sequence, head) chains, the forward chain writes
@@ -66,7 +72,8 @@ def tunables() -> dict[str, int]:
     """G (0: chosen per problem, see :func:`checkpoint_interval`), BLOCK_ROWS, NUM_WARPS
     and NUM_STAGES, overridden for tuning runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, **BLOCK_ROWS, **NUM_STAGES)
+    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, **BLOCK_ROWS, **NUM_STAGES,
+                **MAX_REGISTERS)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -125,8 +132,11 @@ def _precision(dtype: torch.dtype) -> str:
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
     if interpreting():
         return {}
-    return dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune),
-                num_stages=tune[f"{kind}_stages"])
+    options = dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune),
+                   num_stages=tune[f"{kind}_stages"])
+    if tune[f"{kind}_regs"]:
+        options["maxnreg"] = tune[f"{kind}_regs"]
+    return options
 
 
 @dataclass
