@@ -53,6 +53,7 @@ def test_name_expressions_and_smem_formula():
     # the register-resident MMA chain: a warp per 16 state columns; other kernels unchanged
     assert [threads(dp, "fwd_chain", True) for dp in (16, 32, 64, 128)] == [32, 64, 128, 256]
     assert threads(64, "fwd_chain", False) == threads(64, "fwd_out", True) == 256
+    assert [threads(dp, "bwd_chain", True) for dp in (16, 32, 64, 128)] == [32, 64, 128, 256]
     assert traits_field("fwd_chain", True) == "kFwdChainTcBytes"
     h200 = 227 * 1024
     # the forward fits every (D_PAD, BT); the backward all but (128, 64)

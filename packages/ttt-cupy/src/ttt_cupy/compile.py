@@ -38,7 +38,7 @@ tf32 operands, fp32 accumulation) when true. Only half types (``__half``,
 ``__nv_bfloat16``) have MMA instances; float inputs always run the SIMT fp32 instance
 (float32-exact arithmetic)."""
 
-REGISTER_STATE_KERNELS = ("fwd_chain",)
+REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """The kernels whose MMA instance keeps the state in registers (one warp per 16 state
 columns): it runs with :func:`threads` ``(dp, kernel, mma=True)`` threads and its own shared
 memory (:func:`smem_bytes` with ``mma=True``)."""
@@ -138,8 +138,9 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
     _check_kernel(kernel)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
     if mma and kernel in REGISTER_STATE_KERNELS:
-        # K, V double-buffered; per-warp row statistics [2][warps][BT][2]
-        return 4 * {"fwd_chain": 4 * tile + 4 * (dp // 16) * bt}[kernel]
+        # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
+        # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each
+        return 4 * (4 * tile + {"fwd_chain": 4, "bwd_chain": 12}[kernel] * (dp // 16) * bt)
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta

@@ -216,8 +216,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dh0 = torch.empty(N, H, D, D, **f32)
         dhb0 = torch.empty(N, H, 1, D, **f32)
     dck = torch.empty_like(saved.ck)
-    smem = smem_bytes("bwd_chain", dp, BT)
-    _launch(kern["bwd_chain"], dev, N * H, nt, smem, (
+    mma = kernels_use_mma(dtype_name, _index(dev))
+    smem = smem_bytes("bwd_chain", dp, BT, mma)
+    _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf), _ptr(rbuf),
         _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck), _ptr(dh0),
         _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale), np.int64(T),

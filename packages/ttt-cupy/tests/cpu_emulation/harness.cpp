@@ -215,10 +215,10 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
-    launch(grid, Tr::kThreads, [&] {
+    launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
         ttt_linear_bwd_chain<__half, DP, BT, true>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
                                                    dgbuf, deta, dht, dhbt, dck, dh0, dhb0, cu,
-                                                   go, scale, T, H, D, G, Tr::kBwdChainBytes);
+                                                   go, scale, T, H, D, G, Tr::kBwdChainTcBytes);
     });
 }
 #define DISPATCH_MMA_bwd_chain(DP, BT) \

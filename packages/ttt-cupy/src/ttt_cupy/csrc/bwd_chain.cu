@@ -19,16 +19,371 @@
 // reads deta's last row early, so that no load from device memory waits on the chain.
 // Shared memory: dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
 //
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
-// k dW ([BT, D] x [D, D]) and q^T do_pre + k^T dkh ([D, BT] x [BT, D], one accumulator) run
-// on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh), as
-// the Triton backend does for half inputs; k dW goes through the DKH tile (u - dhb is staged
-// there, then each row's dkh overwrites it). With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
+// MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kBwdChainBytes):
+// bwd_chain_simt below, every product SIMT fp32, the cotangent in shared memory.
+//
+// MMA = true (default for __half / __nv_bfloat16; Traits::kTcThreads threads, a warp per 16
+// state columns, kBwdChainTcBytes): bwd_chain_tc below. dW stays in registers as mma
+// accumulators ("register-resident chain state" in ttt_common.cuh); k dW and q^T do_pre +
+// k^T dkh run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation), as the
+// Triton backend does for half inputs. u comes out of k dW in the accumulator layout, so the
+// row pass works on each lane's entries (xhat, v, do_pre, dg_loc are read in that layout)
+// and its row sums take three rounds of warp shuffles plus per-warp partials through shared
+// memory (frag_row_sums): {y, y xh}, {dg, dg xh, dg g, u g}, {dxh, dxh xh}. q and k of the
+// previous chunk are loaded into registers one step early, into double-buffered tiles.
 #include "ttt_common.cuh"
 
+namespace ttt {
+
+// The MMA instance of the backward chain (see the top of this file).
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void bwd_chain_tc(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
+    const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
+    float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
+    int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
+    constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
+    float* s_q = smem;                    // [2][BT, LD]  q * scale, double-buffered
+    float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
+    float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
+
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, tq = lane & 3;
+    const int n0 = 16 * wid + (lane >> 2);              // this lane's columns n0, n0 + 8
+    const long long i_nh = blockIdx.x;
+    const long long i_n = i_nh / H;
+    const int i_h = (int)(i_nh % H);
+    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const long long DD = (long long)D * D;
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (sq.bos * H + i_h) * D;
+    const long long p_ebase = sq.bos * H + i_h;
+    const float inv_d = 1.f / (float)D;
+
+    float dW[D_PAD / 8][4], dhb[2], lw[2], lb[2];
+    bool col_ok[2];
+    load_state_frag<D_PAD>(dW, dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
+                           dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        col_ok[h] = n0 + 8 * h < D;
+        lw[h] = col_ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
+        lb[h] = col_ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
+    }
+    {
+        const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+        store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);
+    }
+    if (sq.nc > 0) {
+        const long long row0 = (sq.nc - 1) * BT;
+        const int L = (int)(sq.len - row0);
+        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+    }
+    __syncthreads();
+
+    for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
+        const int buf = (int)((sq.nc - 1 - i_c) & 1);
+        const float* sqt = s_q + buf * Tr::kTile;
+        const float* skt = s_k + buf * Tr::kTile;
+        const long long row0 = i_c * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
+        const long long o_last = p_ebase + (row0 + L - 1) * H;
+        const float e_l = eta[o_last];
+        const float deta_l = threadIdx.x == 0 ? deta[o_last] : 0.f;  // used last
+
+        // the previous chunk's q, k (a full chunk) into registers, stored at the step's end
+        const long long row0p = row0 - BT;
+        T pq[PER], pk[PER];
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
+            if (i_c > 0 && d < D) {
+                const long long o = p_base + (row0p + i) * row_stride + d;
+                pq[u] = q[o];
+                pk[u] = k[o];
+            } else {
+                pq[u] = from_f32<T>(0.f);
+                pk[u] = from_f32<T>(0.f);
+            }
+        }
+        if (i_c > 0) {  // and its other rows into L1
+            prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(dopbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(dgbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(rbuf + p_ebase, row0p, BT, H, 1);
+            prefetch_rows<NT>(eta + p_ebase, row0p + BT - 1, 1, H, 1);
+            prefetch_rows<NT>(deta + p_ebase, row0p + BT - 1, 1, H, 1);
+        }
+
+        // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),
+        // column n0 + 8 (c >> 1)
+        float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2];
+        load_frag_rows<BT>(xh, xbuf, p_base, row0, row_stride, L, D);
+        load_frag_rows<BT>(vv, v, p_base, row0, row_stride, L, D);
+        load_frag_rows<BT>(dop, dopbuf, p_base, row0, row_stride, L, D);
+        load_frag_rows<BT>(dg, dgbuf, p_base, row0, row_stride, L, D);
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                r[i][e] = t < L ? rbuf[p_ebase + (row0 + t) * H] : 0.f;
+            }
+
+        // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
+        float u[NR][4], y[NR][4], s1[NR][2][2];
+        tile_times_state_frag<D_PAD, BT>(u, dW, skt);
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                s1[i][e][0] = s1[i][e][1] = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h;
+                    u[i][c] = col_ok[h] ? u[i][c] + dhb[h] : 0.f;
+                    y[i][c] = col_ok[h] ? (xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                           skt[t * LD + n0 + 8 * h]) * lw[h]
+                                        : 0.f;
+                    s1[i][e][0] += y[i][c];
+                    s1[i][e][1] += y[i][c] * xh[i][c];
+                }
+            }
+        frag_row_sums<NW, BT, 2>(s1, s_red);
+
+        // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g
+        float gg[NR][4], s2[NR][2][4];
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
+                s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h;
+                    const bool ok = col_ok[h] && t < L;
+                    gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
+                    dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
+                    s2[i][e][0] += dg[i][c];
+                    s2[i][e][1] += dg[i][c] * xh[i][c];
+                    s2[i][e][2] += dg[i][c] * gg[i][c];
+                    s2[i][e][3] += u[i][c] * gg[i][c];
+                }
+            }
+        frag_row_sums<NW, BT, 4>(s2, s_red + 4 * NW * BT);
+
+        // dy, dxh (inner_grad_bwd_row); round 3: sums of dxh, dxh xh
+        float dxh[NR][4], s3[NR][2][2];
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                const float a1 = s2[i][e][0] * inv_d, a2 = s2[i][e][1] * inv_d;
+                const float a3 = s1[i][e][1] * inv_d;
+                s3[i][e][0] = s3[i][e][1] = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h;
+                    const bool ok = col_ok[h] && t < L;
+                    const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
+                    dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
+                                         dy * (lw[h] * lw[h])
+                                   : 0.f;
+                    s3[i][e][0] += dxh[i][c];
+                    s3[i][e][1] += dxh[i][c] * xh[i][c];
+                }
+            }
+        frag_row_sums<NW, BT, 2>(s3, s_red + 8 * NW * BT);
+
+        // dkh (into u); the full dg out; deta's last-row term
+        float us = 0.f;
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                const float c1 = s3[i][e][0] * inv_d, c2 = s3[i][e][1] * inv_d;
+                const float dr = s2[i][e][2] * r[i][e] * inv_d;  // dr r^2 / D
+                if (t < L) us += s2[i][e][3];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = e + 2 * h;
+                    const bool ok = col_ok[h] && t < L;
+                    u[i][c] = ok ? r[i][e] * (dxh[i][c] - c1 - xh[i][c] * c2) - dr * xh[i][c]
+                                 : 0.f;
+                    if (ok) dgbuf[p_base + (row0 + t) * row_stride + n0 + 8 * h] = dg[i][c];
+                }
+            }
+
+        // dW += q^T do_pre + k^T dkh; dhb += sum_i (do_pre_i + dkh_i)
+        state_update_frag<D_PAD, BT>(dW, dop, 1.f, sqt);
+        state_update_frag<D_PAD, BT>(dW, u, 1.f, skt);
+        us += __shfl_xor_sync(0xffffffffu, us, 1);
+        us += __shfl_xor_sync(0xffffffffu, us, 2);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float hs = 0.f;
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+                hs += dop[i][2 * h] + dop[i][2 * h + 1] + u[i][2 * h] + u[i][2 * h + 1];
+            hs += __shfl_xor_sync(0xffffffffu, hs, 1);
+            hs += __shfl_xor_sync(0xffffffffu, hs, 2);
+            dhb[h] += hs;
+        }
+        if (threadIdx.x == 0) deta[o_last] = deta_l - us;
+
+        float* sqn = s_q + (buf ^ 1) * Tr::kTile;
+        float* skn = s_k + (buf ^ 1) * Tr::kTile;
+#pragma unroll
+        for (int u2 = 0; u2 < PER; ++u2) {
+            const int idx = threadIdx.x + NT * u2, i = idx / D_PAD, d = idx % D_PAD;
+            sqn[i * LD + d] = to_f32(pq[u2]) * scale;
+            skn[i * LD + d] = to_f32(pk[u2]);
+        }
+        __syncthreads();
+        if (i_c % G == 0) {
+            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
+            store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);
+        }
+    }
+
+    if (dh0 != nullptr)
+        store_state_frag<D_PAD>(dh0 + i_nh * DD, dhb0 + i_nh * D, dW, dhb, D);
+}
+
+// The SIMT instance of the backward chain (MMA = false; see the top of this file).
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void bwd_chain_simt(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
+    const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
+    float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
+    int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
+    float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
+    float* s_dhb = s_dW + Tr::kState;  // [D_PAD]
+    float* s_q = s_dhb + D_PAD;        // [BT, LD]     q * scale
+    float* s_k = s_q + Tr::kTile;      // [BT, LD]     k
+    float* s_dop = s_k + Tr::kTile;    // [BT, LD]     do_pre
+    float* s_dkh = s_dop + Tr::kTile;  // [BT, LD]     dkh
+    float* s_s = s_dkh + Tr::kTile;    // [BT]         <u_i, g_i>
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const long long i_nh = blockIdx.x;
+    const long long i_n = i_nh / H;
+    const int i_h = (int)(i_nh % H);
+    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const long long DD = (long long)D * D;
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_state<D_PAD, NT>(s_dW, s_dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
+                               dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
+    __syncthreads();
+    {
+        const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+        store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
+    }
+
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (sq.bos * H + i_h) * D;
+    const long long p_ebase = sq.bos * H + i_h;
+    for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
+        const long long row0 = i_c * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
+        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
+        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        const float deta_l = tid == 0 ? deta[p_ebase + (row0 + L - 1) * H] : 0.f;  // used last
+        if (i_c > 0) {  // the previous chunk's rows into L1 while this one computes
+            const long long row0p = row0 - BT;  // a full chunk
+            prefetch_rows<NT>(q + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(k + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(dopbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(dgbuf + p_base, row0p, BT, row_stride, D);
+            prefetch_rows<NT>(rbuf + p_ebase, row0p, BT, H, 1);
+            prefetch_rows<NT>(eta + p_ebase, row0p + BT - 1, 1, H, 1);
+            prefetch_rows<NT>(deta + p_ebase, row0p + BT - 1, 1, H, 1);
+        }
+        __syncthreads();
+
+        // row pass: u = k dW + dhb; g from xhat; dg = dg_loc - eta_l u -> dgbuf; dkh -> s_dkh
+        for (int i = warp; i < BT; i += NW) {
+            if (i >= L) {
+                zero_row<D_PAD>(s_dkh + i * LD);
+                continue;
+            }
+            const long long o_r = p_base + (row0 + i) * row_stride;
+            float b_u[P], b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
+            row_times_state<D_PAD>(b_u, s_k + i * LD, s_dW);
+#pragma unroll
+            for (int e = 0; e < P; ++e) {
+                const int d = lane + 32 * e;
+                b_u[e] = d < D ? b_u[e] + s_dhb[d] : 0.f;
+            }
+            const float r = rbuf[p_ebase + (row0 + i) * H];
+            load_row<D_PAD>(b_xh, xbuf + o_r, D, 1.f);
+            load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+            load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+            inner_grad_row(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
+            load_row<D_PAD>(b_dg, dgbuf + o_r, D, 1.f);
+#pragma unroll
+            for (int e = 0; e < P; ++e) b_dg[e] -= e_l * b_u[e];
+            const float s = row_dot(b_u, b_g);
+            inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            store_row<D_PAD>(dgbuf + o_r, b_dg, D);
+            put_row<D_PAD>(s_dkh + i * LD, b_dkh);
+            if (lane == 0) s_s[i] = s;
+        }
+        __syncthreads();
+
+        // dW += q^T do_pre + k^T dkh; dhb += sum_i do_pre_i + sum_i dkh_i; deta's last row
+        state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
+        for (int d = tid; d < D; d += NT) {
+            float acc = 0.f;
+            for (int i = 0; i < L; ++i) acc += s_dop[i * LD + d] + s_dkh[i * LD + d];
+            s_dhb[d] += acc;
+        }
+        if (tid == 0) {
+            float s = 0.f;
+            for (int i = 0; i < L; ++i) s += s_s[i];
+            deta[p_ebase + (row0 + L - 1) * H] = deta_l - s;
+        }
+        __syncthreads();
+        if (i_c % G == 0) {
+            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
+            store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
+        }
+    }
+
+    if (dh0 != nullptr)
+        store_state<D_PAD, NT>(dh0 + i_nh * DD, dhb0 + i_nh * D, s_dW, s_dhb, D);
+}
+
+}  // namespace ttt
+
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+__global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
+                                      : ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,     // [B, T, H] fp32
                      const float* __restrict__ lnw,     // [H, D] fp32
@@ -49,120 +404,19 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
-    constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
-    if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
-
     extern __shared__ float smem[];
-    float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
-    float* s_dhb = s_dW + Tr::kState;  // [D_PAD]
-    float* s_q = s_dhb + D_PAD;        // [BT, LD]     q * scale
-    float* s_k = s_q + Tr::kTile;      // [BT, LD]     k
-    float* s_dop = s_k + Tr::kTile;    // [BT, LD]     do_pre
-    float* s_dkh = s_dop + Tr::kTile;  // [BT, LD]     dkh
-    float* s_s = s_dkh + Tr::kTile;    // [BT]         <u_i, g_i>
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const long long i_nh = blockIdx.x;
-    const long long i_n = i_nh / H;
-    const int i_h = (int)(i_nh % H);
-    const ttt::Seq sq = ttt::seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
-    const long long DD = (long long)D * D;
-
-    float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    ttt::load_state<D_PAD, NT>(s_dW, s_dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
-                               dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
-    __syncthreads();
-    {
-        const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-        ttt::store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
+    if constexpr (MMA) {
+        if (smem_bytes < Tr::kBwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
+            G < 1)
+            __trap();
+        ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
+                                        deta, dht, dhbt, dck, dh0, dhb0, cu_seqlens, grp_offsets,
+                                        scale, T_len, H, D, G);
+    } else {
+        if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
+            __trap();
+        ttt::bwd_chain_simt<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
+                                          dgbuf, deta, dht, dhbt, dck, dh0, dhb0, cu_seqlens,
+                                          grp_offsets, scale, T_len, H, D, G);
     }
-
-    const long long row_stride = (long long)H * D;
-    const long long p_base = (sq.bos * H + i_h) * D;
-    const long long p_ebase = sq.bos * H + i_h;
-    for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
-        const long long row0 = i_c * BT;
-        const int L = (int)min((long long)BT, sq.len - row0);
-        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
-        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
-        const float deta_l = tid == 0 ? deta[p_ebase + (row0 + L - 1) * H] : 0.f;  // used last
-        if (i_c > 0) {  // the previous chunk's rows into L1 while this one computes
-            const long long row0p = row0 - BT;  // a full chunk
-            ttt::prefetch_rows<NT>(q + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(k + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(dopbuf + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(dgbuf + p_base, row0p, BT, row_stride, D);
-            ttt::prefetch_rows<NT>(rbuf + p_ebase, row0p, BT, H, 1);
-            ttt::prefetch_rows<NT>(eta + p_ebase, row0p + BT - 1, 1, H, 1);
-            ttt::prefetch_rows<NT>(deta + p_ebase, row0p + BT - 1, 1, H, 1);
-        }
-        __syncthreads();
-
-        if constexpr (MMA) {  // u - dhb = k dW into s_dkh (tensor cores)
-            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_dkh, s_k, s_dW);
-            __syncthreads();
-        }
-
-        // row pass: u = k dW + dhb; g from xhat; dg = dg_loc - eta_l u -> dgbuf; dkh -> s_dkh
-        for (int i = warp; i < BT; i += NW) {
-            if (i >= L) {
-                ttt::zero_row<D_PAD>(s_dkh + i * LD);
-                continue;
-            }
-            const long long o_r = p_base + (row0 + i) * row_stride;
-            float b_u[P], b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
-            if constexpr (MMA)
-                ttt::load_row<D_PAD>(b_u, s_dkh + i * LD, D_PAD, 1.f);  // this warp's row only
-            else
-                ttt::row_times_state<D_PAD>(b_u, s_k + i * LD, s_dW);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e;
-                b_u[e] = d < D ? b_u[e] + s_dhb[d] : 0.f;
-            }
-            const float r = rbuf[p_ebase + (row0 + i) * H];
-            ttt::load_row<D_PAD>(b_xh, xbuf + o_r, D, 1.f);
-            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
-            ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
-            ttt::inner_grad_row(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
-            ttt::load_row<D_PAD>(b_dg, dgbuf + o_r, D, 1.f);
-#pragma unroll
-            for (int e = 0; e < P; ++e) b_dg[e] -= e_l * b_u[e];
-            const float s = ttt::row_dot(b_u, b_g);
-            ttt::inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
-            ttt::store_row<D_PAD>(dgbuf + o_r, b_dg, D);
-            ttt::put_row<D_PAD>(s_dkh + i * LD, b_dkh);
-            if (lane == 0) s_s[i] = s;
-        }
-        __syncthreads();
-
-        // dW += q^T do_pre + k^T dkh; dhb += sum_i do_pre_i + sum_i dkh_i; deta's last row
-        if constexpr (MMA)
-            ttt::state_update_mma<D_PAD, BT, NW>(s_dW, 1.f, s_q, s_dop, s_k, s_dkh, D);
-        else
-            ttt::state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
-        for (int d = tid; d < D; d += NT) {
-            float acc = 0.f;
-            for (int i = 0; i < L; ++i) acc += s_dop[i * LD + d] + s_dkh[i * LD + d];
-            s_dhb[d] += acc;
-        }
-        if (tid == 0) {
-            float s = 0.f;
-            for (int i = 0; i < L; ++i) s += s_s[i];
-            deta[p_ebase + (row0 + L - 1) * H] = deta_l - s;
-        }
-        __syncthreads();
-        if (i_c % G == 0) {
-            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
-            ttt::store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
-        }
-    }
-
-    if (dh0 != nullptr) ttt::store_state<D_PAD, NT>(dh0 + i_nh * DD, dhb0 + i_nh * D, s_dW, s_dhb, D);
 }

@@ -73,6 +73,9 @@ struct Traits {
     static constexpr int kTcThreads = 32 * kTcWarps;
     static constexpr int kFwdChainTcFloats = 4 * kTile + 4 * kTcWarps * BT;
     static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
+    // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
+    static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
+    static constexpr unsigned long long kBwdChainTcBytes = 4ull * kBwdChainTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
@@ -900,6 +903,57 @@ __device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
             mma_m16n8k8_tf32(frag[J], a, b);
         }
     }
+}
+
+// Row sums over all D_PAD columns of K quantities for the rows of an accumulator layout
+// (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two columns) and
+// gets the row's total. Warp shuffles, then per-warp partials through red ([NW][BT][K] floats)
+// and one barrier (every thread must call it; red must not be read by a pending round).
+template <int NW, int BT, int K>
+__device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                float s = p[i][e][j];
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                s += __shfl_xor_sync(0xffffffffu, s, 8);
+                s += __shfl_xor_sync(0xffffffffu, s, 16);
+                if ((lane >> 2) == 0) red[(wid * BT + 8 * i + 2 * (lane & 3) + e) * K + j] = s;
+            }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                float s = 0.f;
+                for (int w = 0; w < NW; ++w)
+                    s += red[(w * BT + 8 * i + 2 * (lane & 3) + e) * K + j];
+                p[i][e][j] = s;
+            }
+}
+
+// x[i][c] = src[base + (row0 + t) * row_stride + n] at this lane's entries of a [BT, D_PAD]
+// tile in the accumulator layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero
+// for t >= L or n >= D.
+template <int BT, typename S>
+__device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ src,
+                                               long long base, long long row0,
+                                               long long row_stride, int L, int D) {
+    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int t = 8 * i + t0 + (c & 1), n = n0 + 8 * (c >> 1);
+            x[i][c] = (t < L && n < D) ? to_f32(src[base + (row0 + t) * row_stride + n]) : 0.f;
+        }
 }
 
 // Sum over this warp's 16 state columns (the lanes sharing t) of x0 + x1.
