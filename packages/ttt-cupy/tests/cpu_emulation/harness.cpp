@@ -44,6 +44,7 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
 }
 using std::min;
 using std::max;
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 // The tensor-core path of the kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
 // mma_m16n8k8_tf32 to us when __CUDA_ARCH__ is not defined. mma_m16n8k8_tf32 is warp-wide like

@@ -64,6 +64,9 @@ __device__ __forceinline__ void bwd_chain_tc(
     const long long p_base = (sq.bos * H + i_h) * D;
     const long long p_ebase = sq.bos * H + i_h;
     const float inv_d = 1.f / (float)D;
+    const int rs = H * D;                                // row stride (32-bit in a chunk)
+    // this thread's elements of the tile loads: rows i_ld + (NT / D_PAD) u, column d_ld
+    const int i_ld = threadIdx.x / D_PAD, d_ld = threadIdx.x % D_PAD;
 
     float dW[D_PAD / 8][4], dhb[2], lw[2], lb[2];
     bool col_ok[2];
@@ -87,6 +90,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     }
     __syncthreads();
 
+    int in_group = sq.nc > 0 ? (int)((sq.nc - 1) % G) : 0;  // i_c % G, counted down
     for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
         const int buf = (int)((sq.nc - 1 - i_c) & 1);
         const float* sqt = s_q + buf * Tr::kTile;
@@ -99,18 +103,14 @@ __device__ __forceinline__ void bwd_chain_tc(
 
         // the previous chunk's q, k (a full chunk) into registers, stored at the step's end
         const long long row0p = row0 - BT;
+        const long long o_prev = p_base + row0p * row_stride;
         T pq[PER], pk[PER];
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
-            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
-            if (i_c > 0 && d < D) {
-                const long long o = p_base + (row0p + i) * row_stride + d;
-                pq[u] = q[o];
-                pk[u] = k[o];
-            } else {
-                pq[u] = from_f32<T>(0.f);
-                pk[u] = from_f32<T>(0.f);
-            }
+            const int o = (i_ld + (NT / D_PAD) * u) * rs + d_ld;
+            const bool ok = i_c > 0 && d_ld < D;
+            pq[u] = ok ? q[o_prev + o] : from_f32<T>(0.f);
+            pk[u] = ok ? k[o_prev + o] : from_f32<T>(0.f);
         }
         if (i_c > 0) {  // and its other rows into L1
             prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
@@ -125,16 +125,18 @@ __device__ __forceinline__ void bwd_chain_tc(
         // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),
         // column n0 + 8 (c >> 1)
         float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2];
-        load_frag_rows<BT>(xh, xbuf, p_base, row0, row_stride, L, D);
-        load_frag_rows<BT>(vv, v, p_base, row0, row_stride, L, D);
-        load_frag_rows<BT>(dop, dopbuf, p_base, row0, row_stride, L, D);
-        load_frag_rows<BT>(dg, dgbuf, p_base, row0, row_stride, L, D);
+        const long long o_rows = p_base + row0 * row_stride;
+        load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
+        load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
+        load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
+        load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
+        const float* r_rows = rbuf + p_ebase + row0 * H;
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int t = 8 * i + 2 * tq + e;
-                r[i][e] = t < L ? rbuf[p_ebase + (row0 + t) * H] : 0.f;
+                r[i][e] = t < L ? r_rows[t * H] : 0.f;
             }
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
@@ -222,7 +224,7 @@ __device__ __forceinline__ void bwd_chain_tc(
                     const bool ok = col_ok[h] && t < L;
                     u[i][c] = ok ? r[i][e] * (dxh[i][c] - c1 - xh[i][c] * c2) - dr * xh[i][c]
                                  : 0.f;
-                    if (ok) dgbuf[p_base + (row0 + t) * row_stride + n0 + 8 * h] = dg[i][c];
+                    if (ok) dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
                 }
             }
 
@@ -247,15 +249,17 @@ __device__ __forceinline__ void bwd_chain_tc(
         float* skn = s_k + (buf ^ 1) * Tr::kTile;
 #pragma unroll
         for (int u2 = 0; u2 < PER; ++u2) {
-            const int idx = threadIdx.x + NT * u2, i = idx / D_PAD, d = idx % D_PAD;
-            sqn[i * LD + d] = to_f32(pq[u2]) * scale;
-            skn[i * LD + d] = to_f32(pk[u2]);
+            const int o = (i_ld + (NT / D_PAD) * u2) * LD + d_ld;
+            sqn[o] = to_f32(pq[u2]) * scale;
+            skn[o] = to_f32(pk[u2]);
         }
         __syncthreads();
-        if (i_c % G == 0) {
+        if (in_group == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);
+            in_group = G;
         }
+        --in_group;
     }
 
     if (dh0 != nullptr)

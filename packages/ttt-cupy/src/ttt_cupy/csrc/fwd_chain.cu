@@ -41,7 +41,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
     float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
     float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
-    float* s_red = s_v + 2 * Tr::kTile;   // [2][NW][BT][2] per-warp row statistics
+    float* s_red = s_v + 2 * Tr::kTile;   // [2][NW][BT][2] per-warp row statistics (two rounds)
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int n0 = 16 * wid + g;                         // this lane's columns n0, n0 + 8
@@ -64,47 +64,56 @@ __device__ __forceinline__ void fwd_chain_tc(
         lw[h] = col_ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
         lb[h] = col_ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
     }
-    const int cols_w = max(0, min(16, D - 16 * wid));   // valid columns of this warp
+    const int rs = H * D;                                // row stride (32-bit in a chunk)
+    const float inv_d = 1.f / (float)D;
+    const int cols_w = max(0, min(16, D - 16 * wid));    // valid columns of this warp
+    const float inv_cols = cols_w > 0 ? 1.f / (float)cols_w : 0.f;
+    float cols[NW];                                      // valid columns of every warp
+#pragma unroll
+    for (int w2 = 0; w2 < NW; ++w2) cols[w2] = (float)max(0, min(16, D - 16 * w2));
+    // this thread's elements of the tile loads: rows i_ld + (NT / D_PAD) u, column d_ld
+    const int i_ld = threadIdx.x / D_PAD, d_ld = threadIdx.x % D_PAD;
 
     if (sq.nc > 0) {
         const int L0 = (int)min((long long)BT, sq.len);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, 0, L0, row_stride, D, 1.f);
         load_tile<D_PAD, BT, NT>(s_v, v, p_base, 0, L0, row_stride, D, 1.f);
     }
+    float e_l = sq.nc > 0 ? eta[p_ebase + (min((long long)BT, sq.len) - 1) * H] : 0.f;
     __syncthreads();
+    long long i_slot = sq.slot_base * H + i_h;           // the next slot to write
+    int in_group = 0;                                    // i_c % G, without a 64-bit modulo
     for (long long i_c = 0; i_c < sq.nc; ++i_c) {
-        if (i_c % G == 0) {
-            const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
-            store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
+        if (in_group == 0) {
+            store_state_frag<D_PAD>(ck + i_slot * DD, ckb + i_slot * D, W, hb, D);
+            i_slot += H;
         }
+        in_group = in_group + 1 == G ? 0 : in_group + 1;
         const int buf = (int)(i_c & 1);
         const float* sk = s_k + buf * Tr::kTile;
         const float* sv = s_v + buf * Tr::kTile;
         const long long row0 = i_c * BT;
         const int L = (int)min((long long)BT, sq.len - row0);
-        const float e_l = eta[p_ebase + (row0 + L - 1) * H];
 
-        // the next chunk's k, v (zero past the end) into registers, stored at the step's end
-        const long long row0n = row0 + BT;
-        const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0n) : 0;
+        // the next chunk's k, v (zero past the end) into registers, stored at the step's end,
+        // and its eta_l
+        const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
+        const long long o_next = p_base + (row0 + BT) * row_stride;
         T nk[PER], nv[PER];
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
-            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
-            if (i < Ln && d < D) {
-                const long long o = p_base + (row0n + i) * row_stride + d;
-                nk[u] = k[o];
-                nv[u] = v[o];
-            } else {
-                nk[u] = from_f32<T>(0.f);
-                nv[u] = from_f32<T>(0.f);
-            }
+            const int i = i_ld + (NT / D_PAD) * u, o = i * rs + d_ld;
+            const bool ok = i < Ln && d_ld < D;
+            nk[u] = ok ? k[o_next + o] : from_f32<T>(0.f);
+            nv[u] = ok ? v[o_next + o] : from_f32<T>(0.f);
         }
+        const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
 
-        // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1)
+        // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1);
+        // LayerNorm statistics per warp (mean, M2 over its columns), combined by Chan's formula
         float x[NR][4];
         tile_times_state_frag<D_PAD, BT>(x, W, sk);
-        float* red = s_red;                              // LayerNorm statistics
+        FloatK<2>* stat = reinterpret_cast<FloatK<2>*>(s_red);
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -113,15 +122,10 @@ __device__ __forceinline__ void fwd_chain_tc(
                 float& x1 = x[i][e + 2];
                 x0 = col_ok[0] ? x0 + hb[0] : 0.f;
                 x1 = col_ok[1] ? x1 + hb[1] : 0.f;
-                const float s = frag_col_sum(x0, x1);
-                const float m = cols_w > 0 ? s / (float)cols_w : 0.f;
+                const float m = frag_col_sum(x0, x1) * inv_cols;
                 const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
                 const float m2 = frag_col_sum(d0 * d0, d1 * d1);
-                if (g == 0) {
-                    const int t = 8 * i + 2 * tq + e;
-                    red[(wid * BT + t) * 2] = s;
-                    red[(wid * BT + t) * 2 + 1] = m2;
-                }
+                if (g == 0) stat[wid * BT + 8 * i + 2 * tq + e] = FloatK<2>{{m, m2}};
             }
         __syncthreads();
         float r[NR][2];
@@ -130,56 +134,52 @@ __device__ __forceinline__ void fwd_chain_tc(
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int t = 8 * i + 2 * tq + e;
-                float s = 0.f;
-                for (int w2 = 0; w2 < NW; ++w2) s += red[(w2 * BT + t) * 2];
-                const float mean = s / (float)D;
-                float m2 = 0.f;  // Chan: sum_w M2_w + n_w (mean_w - mean)^2
+                FloatK<2> st[NW];
+                float mean = 0.f;
+#pragma unroll
                 for (int w2 = 0; w2 < NW; ++w2) {
-                    const int nw = max(0, min(16, D - 16 * w2));
-                    if (nw == 0) continue;
-                    const float dm = red[(w2 * BT + t) * 2] / (float)nw - mean;
-                    m2 += red[(w2 * BT + t) * 2 + 1] + (float)nw * dm * dm;
+                    st[w2] = stat[w2 * BT + t];
+                    mean += cols[w2] * st[w2].v[0];
                 }
-                r[i][e] = 1.f / sqrtf(m2 / (float)D + eps);
+                mean *= inv_d;
+                float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
+#pragma unroll
+                for (int w2 = 0; w2 < NW; ++w2) {
+                    const float dm = st[w2].v[0] - mean;
+                    m2 += st[w2].v[1] + cols[w2] * dm * dm;
+                }
+                r[i][e] = rsqrtf(m2 * inv_d + eps);
                 x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
                 x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
             }
 
         // y = (xh w + b - v + k) w; g = r (y - mean(y) - xh mean(y xh))
-        float y[NR][4];
-        red = s_red + 2 * NW * BT;                       // the y statistics
+        float y[NR][4], sums[NR][2][2];
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int t = 8 * i + 2 * tq + e;
+                sums[i][e][0] = sums[i][e][1] = 0.f;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int c = e + 2 * h, n = n0 + 8 * h;
                     y[i][c] = col_ok[h] ? (x[i][c] * lw[h] + lb[h] - sv[t * LD + n] +
                                            sk[t * LD + n]) * lw[h]
                                         : 0.f;
-                }
-                const float sy = frag_col_sum(y[i][e], y[i][e + 2]);
-                const float syx = frag_col_sum(y[i][e] * x[i][e], y[i][e + 2] * x[i][e + 2]);
-                if (g == 0) {
-                    red[(wid * BT + t) * 2] = sy;
-                    red[(wid * BT + t) * 2 + 1] = syx;
+                    sums[i][e][0] += y[i][c];
+                    sums[i][e][1] += y[i][c] * x[i][c];
                 }
             }
-        __syncthreads();
+        frag_row_sums<NW, BT, 2>(sums, s_red + 2 * NW * BT);
+        float* g_rows = gbuf + p_base + row0 * row_stride;
         float hs[2] = {0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int t = 8 * i + 2 * tq + e;
-                float sy = 0.f, syx = 0.f;
-                for (int w2 = 0; w2 < NW; ++w2) {
-                    sy += red[(w2 * BT + t) * 2];
-                    syx += red[(w2 * BT + t) * 2 + 1];
-                }
-                const float ym = sy / (float)D, yx = syx / (float)D;
+                const float ym = sums[i][e][0] * inv_d, yx = sums[i][e][1] * inv_d;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int c = e + 2 * h;
@@ -187,7 +187,7 @@ __device__ __forceinline__ void fwd_chain_tc(
                     const float gv = ok ? r[i][e] * (y[i][c] - ym - x[i][c] * yx) : 0.f;
                     y[i][c] = gv;                        // y now holds g
                     hs[h] += gv;
-                    if (ok) gbuf[p_base + (row0 + t) * row_stride + n0 + 8 * h] = gv;
+                    if (ok) g_rows[t * rs + n0 + 8 * h] = gv;
                 }
             }
 
@@ -199,14 +199,15 @@ __device__ __forceinline__ void fwd_chain_tc(
             hs[h] += __shfl_xor_sync(0xffffffffu, hs[h], 2);
             hb[h] -= e_l * hs[h];
         }
+        e_l = e_l_next;
 
         float* skn = s_k + (buf ^ 1) * Tr::kTile;
         float* svn = s_v + (buf ^ 1) * Tr::kTile;
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
-            const int idx = threadIdx.x + NT * u, i = idx / D_PAD, d = idx % D_PAD;
-            skn[i * LD + d] = to_f32(nk[u]);
-            svn[i * LD + d] = to_f32(nv[u]);
+            const int o = (i_ld + (NT / D_PAD) * u) * LD + d_ld;
+            skn[o] = to_f32(nk[u]);
+            svn[o] = to_f32(nv[u]);
         }
         __syncthreads();
     }

@@ -905,46 +905,59 @@ __device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
     }
 }
 
-// Row sums over all D_PAD columns of K quantities for the rows of an accumulator layout
-// (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two columns) and
-// gets the row's total. Warp shuffles, then per-warp partials through red ([NW][BT][K] floats)
-// and one barrier (every thread must call it; red must not be read by a pending round).
+// K floats moved as one shared-memory access (K = 2 or 4: ld/st.shared.v2 / .v4).
+template <int K>
+struct alignas(4 * K) FloatK {
+    float v[K];
+};
+
+// Row sums over all D_PAD columns of K (2 or 4) quantities for the rows of an accumulator
+// layout (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two
+// columns) and gets the row's total. Warp shuffles, then per-warp partials through red
+// ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call it; red must
+// not be read by a pending round).
 template <int NW, int BT, int K>
 __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* red) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    static_assert(K == 2 || K == 4, "K must be 2 or 4");
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, t0 = 2 * (lane & 3);
+    FloatK<K>* rows = reinterpret_cast<FloatK<K>*>(red);
 #pragma unroll
     for (int i = 0; i < BT / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int e = 0; e < 2; ++e) {
+            FloatK<K> part;
 #pragma unroll
             for (int j = 0; j < K; ++j) {
                 float s = p[i][e][j];
                 s += __shfl_xor_sync(0xffffffffu, s, 4);
                 s += __shfl_xor_sync(0xffffffffu, s, 8);
                 s += __shfl_xor_sync(0xffffffffu, s, 16);
-                if ((lane >> 2) == 0) red[(wid * BT + 8 * i + 2 * (lane & 3) + e) * K + j] = s;
+                part.v[j] = s;
             }
+            if ((lane >> 2) == 0) rows[wid * BT + 8 * i + t0 + e] = part;
+        }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < BT / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int e = 0; e < 2; ++e) {
 #pragma unroll
-            for (int j = 0; j < K; ++j) {
-                float s = 0.f;
-                for (int w = 0; w < NW; ++w)
-                    s += red[(w * BT + 8 * i + 2 * (lane & 3) + e) * K + j];
-                p[i][e][j] = s;
+            for (int j = 0; j < K; ++j) p[i][e][j] = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const FloatK<K> part = rows[w * BT + 8 * i + t0 + e];
+#pragma unroll
+                for (int j = 0; j < K; ++j) p[i][e][j] += part.v[j];
             }
+        }
 }
 
-// x[i][c] = src[base + (row0 + t) * row_stride + n] at this lane's entries of a [BT, D_PAD]
-// tile in the accumulator layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero
-// for t >= L or n >= D.
+// x[i][c] = rows[t * rs + n] at this lane's entries of a [BT, D_PAD] tile in the accumulator
+// layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero for t >= L or n >= D;
+// rows: the chunk's first row, rs: the row stride (32-bit: a chunk spans < 2^31 elements).
 template <int BT, typename S>
-__device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ src,
-                                               long long base, long long row0,
-                                               long long row_stride, int L, int D) {
+__device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ rows,
+                                               int rs, int L, int D) {
     const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
     const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
 #pragma unroll
@@ -952,7 +965,7 @@ __device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* _
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int t = 8 * i + t0 + (c & 1), n = n0 + 8 * (c >> 1);
-            x[i][c] = (t < L && n < D) ? to_f32(src[base + (row0 + t) * row_stride + n]) : 0.f;
+            x[i][c] = (t < L && n < D) ? to_f32(rows[t * rs + n]) : 0.f;
         }
 }
 
