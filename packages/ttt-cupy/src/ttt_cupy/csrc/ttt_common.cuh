@@ -864,10 +864,11 @@ __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
                                                       const float* sX) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float odd[BT / 8][4];  // the odd blocks J accumulate apart: two chains of half the length
 #pragma unroll
     for (int i = 0; i < BT / 8; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) out[i][c] = 0.f;
+        for (int c = 0; c < 4; ++c) out[i][c] = odd[i][c] = 0.f;
 #pragma unroll
     for (int J = 0; J < D_PAD / 8; ++J) {
         unsigned a[4];
@@ -877,9 +878,13 @@ __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
         for (int i = 0; i < BT / 8; ++i) {
             const float* x = sX + (8 * i + g) * LD + col;
             const unsigned b[2] = {to_tf32(x[0]), to_tf32(x[1])};
-            mma_m16n8k8_tf32(out[i], a, b);
+            mma_m16n8k8_tf32(J % 2 == 0 ? out[i] : odd[i], a, b);
         }
     }
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[i][c] += odd[i][c];
 }
 
 // frag (W) += mult Y^T X over the tile's rows: Y^T given as accumulators y[i] in the layout of
