@@ -555,7 +555,7 @@ __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[
 // Used by every kernel's MMA instance for half inputs (MMA = true); float inputs keep the SIMT
 // passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
 // tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
-// read from the fp32 shared tiles and rounded to tf32 (cvt.rna), fp32 accumulation. Fragment
+// read from the fp32 shared tiles and rounded to tf32 (to_tf32), fp32 accumulation. Fragment
 // layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
 //   A (16 x 8, row):  a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]
 //   B (8 x 8, col):   b0 = B[t][g], b1 = B[t + 4][g]
@@ -567,11 +567,11 @@ template <typename T> struct is_half_type { static constexpr bool value = true; 
 template <> struct is_half_type<float> { static constexpr bool value = false; };
 
 #if defined(__CUDA_ARCH__)
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+// x rounded to tf32, to nearest with ties away from zero (cvt.rna's rounding, for finite x):
+// half a tf32 ulp (bit 12) is added to the bit pattern and mma.sync ignores the 13 low bits
+// of a .tf32 operand (CUTLASS's round_half_ulp_truncate). One integer add, where cvt.rna
+// takes several instructions on sm_90.
+__device__ __forceinline__ unsigned to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // d += A B for one m16n8k8 tf32 tile (a warp-wide instruction: every lane must call it).
 __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4],
