@@ -72,12 +72,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     bool col_ok[2];
     load_state_frag<D_PAD>(dW, dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
                            dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        col_ok[h] = n0 + 8 * h < D;
-        lw[h] = col_ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
-        lb[h] = col_ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
-    }
+    state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
     {
         const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
         store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);

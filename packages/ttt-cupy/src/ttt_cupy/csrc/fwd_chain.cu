@@ -58,12 +58,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     bool col_ok[2];
     load_state_frag<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
                            hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        col_ok[h] = n0 + 8 * h < D;
-        lw[h] = col_ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
-        lb[h] = col_ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
-    }
+    state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
     const int rs = H * D;                                // row stride (32-bit in a chunk)
     const float inv_d = 1.f / (float)D;
     const int cols_w = max(0, min(16, D - 16 * wid));    // valid columns of this warp

@@ -806,18 +806,26 @@ __device__ __forceinline__ int state_col(int j) {
     return j - r + (KB / 4) * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
 }
 
+// The state entry W[a][n] that frag[J][c] of this lane holds (see above).
+template <int D_PAD>
+__device__ __forceinline__ void state_frag_entry(int J, int c, int& a, int& n) {
+    const int lane = threadIdx.x & 31;
+    n = 16 * (threadIdx.x >> 5) + (lane >> 2) + 8 * (c >> 1);
+    a = state_col<D_PAD>(8 * J + 2 * (lane & 3) + (c & 1));
+}
+
 // frag <- the state src [D, D] (zero when null), in the layout above; hb (per lane: columns
 // n, n + 8) <- srcb.
 template <int D_PAD>
 __device__ __forceinline__ void load_state_frag(float (&frag)[D_PAD / 8][4], float (&hb)[2],
                                                 const float* src, const float* srcb, int D) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+    const int n0 = 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
 #pragma unroll
     for (int J = 0; J < D_PAD / 8; ++J)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const int n = n0 + 8 * (c >> 1), a = state_col<D_PAD>(8 * J + 2 * t + (c & 1));
+            int a, n;
+            state_frag_entry<D_PAD>(J, c, a, n);
             frag[J][c] = (src != nullptr && a < D && n < D) ? src[a * D + n] : 0.f;
         }
 #pragma unroll
@@ -830,19 +838,34 @@ template <int D_PAD>
 __device__ __forceinline__ void store_state_frag(float* dst, float* dstb,
                                                  const float (&frag)[D_PAD / 8][4],
                                                  const float (&hb)[2], int D) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
+    const int lane = threadIdx.x & 31;
     const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
 #pragma unroll
     for (int J = 0; J < D_PAD / 8; ++J)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const int n = n0 + 8 * (c >> 1), a = state_col<D_PAD>(8 * J + 2 * t + (c & 1));
+            int a, n;
+            state_frag_entry<D_PAD>(J, c, a, n);
             if (a < D && n < D) dst[a * D + n] = frag[J][c];
         }
-    if (dstb != nullptr && t == 0) {
+    if (dstb != nullptr && (lane & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             if (n0 + 8 * h < D) dstb[n0 + 8 * h] = hb[h];
+    }
+}
+
+// This lane's two state columns n0, n0 + 8 of head i_h: whether each is a real column (< D)
+// and the LayerNorm weight and bias there (zero for padded columns).
+__device__ __forceinline__ void state_cols_ln(bool (&ok)[2], float (&lw)[2], float (&lb)[2],
+                                              const float* __restrict__ lnw,
+                                              const float* __restrict__ lnb, int i_h, int D) {
+    const int n0 = 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ok[h] = n0 + 8 * h < D;
+        lw[h] = ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
+        lb[h] = ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
     }
 }
 
