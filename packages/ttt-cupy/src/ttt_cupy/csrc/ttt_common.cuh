@@ -806,12 +806,16 @@ __device__ __forceinline__ int state_col(int j) {
     return j - r + (KB / 4) * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
 }
 
-// The state entry W[a][n] that frag[J][c] of this lane holds (see above).
-template <int D_PAD>
-__device__ __forceinline__ void state_frag_entry(int J, int c, int& a, int& n) {
+// f(J, c, a, n) for every entry frag[J][c] of this lane, which holds W[a][n] (see above).
+template <int D_PAD, typename F>
+__device__ __forceinline__ void for_each_state_entry(F f) {
     const int lane = threadIdx.x & 31;
-    n = 16 * (threadIdx.x >> 5) + (lane >> 2) + 8 * (c >> 1);
-    a = state_col<D_PAD>(8 * J + 2 * (lane & 3) + (c & 1));
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            f(J, c, state_col<D_PAD>(8 * J + 2 * (lane & 3) + (c & 1)), n0 + 8 * (c >> 1));
 }
 
 // frag <- the state src [D, D] (zero when null), in the layout above; hb (per lane: columns
@@ -820,14 +824,9 @@ template <int D_PAD>
 __device__ __forceinline__ void load_state_frag(float (&frag)[D_PAD / 8][4], float (&hb)[2],
                                                 const float* src, const float* srcb, int D) {
     const int n0 = 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
-#pragma unroll
-    for (int J = 0; J < D_PAD / 8; ++J)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            int a, n;
-            state_frag_entry<D_PAD>(J, c, a, n);
-            frag[J][c] = (src != nullptr && a < D && n < D) ? src[a * D + n] : 0.f;
-        }
+    for_each_state_entry<D_PAD>([&](int J, int c, int a, int n) {
+        frag[J][c] = (src != nullptr && a < D && n < D) ? src[a * D + n] : 0.f;
+    });
 #pragma unroll
     for (int h = 0; h < 2; ++h)
         hb[h] = (srcb != nullptr && n0 + 8 * h < D) ? srcb[n0 + 8 * h] : 0.f;
@@ -840,14 +839,9 @@ __device__ __forceinline__ void store_state_frag(float* dst, float* dstb,
                                                  const float (&hb)[2], int D) {
     const int lane = threadIdx.x & 31;
     const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
-#pragma unroll
-    for (int J = 0; J < D_PAD / 8; ++J)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            int a, n;
-            state_frag_entry<D_PAD>(J, c, a, n);
-            if (a < D && n < D) dst[a * D + n] = frag[J][c];
-        }
+    for_each_state_entry<D_PAD>([&](int J, int c, int a, int n) {
+        if (a < D && n < D) dst[a * D + n] = frag[J][c];
+    });
     if (dstb != nullptr && (lane & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
