@@ -237,13 +237,19 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> A
     return module
 
 
+@functools.cache
+def device_arch(device_index: int) -> str:
+    """The compute capability of device ``device_index`` without a dot (e.g. "90"), asked
+    once per process."""
+    import cupy
+
+    return cupy.cuda.Device(device_index).compute_capability
+
+
 def kernels_use_mma(dtype_name: str, device_index: int) -> bool:
     """Whether :func:`get_kernels` gives the tensor-core instances for this dtype on this
     device (:func:`use_mma` with the device's compute capability)."""
-    import cupy
-
-    with cupy.cuda.Device(device_index) as device:
-        return use_mma(CTYPES[dtype_name], device.compute_capability)
+    return use_mma(CTYPES[dtype_name], device_arch(device_index))
 
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
@@ -262,9 +268,9 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
     if bt not in BLOCK_TS:
         raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
     ctype = CTYPES[dtype_name]
-    with cupy.cuda.Device(device_index) as device:
-        arch = device.compute_capability
-        mma = use_mma(ctype, arch)
+    arch = device_arch(device_index)
+    mma = use_mma(ctype, arch)
+    with cupy.cuda.Device(device_index):
         module = _module(pass_, ctype, dp, bt, arch, mma)
         return {k: module.get_function(name)
                 for k, name in pass_names(pass_, ctype, dp, bt, mma).items()}
