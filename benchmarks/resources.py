@@ -99,13 +99,11 @@ def main() -> None:
                     src = ASTSource(fn=fn, signature=_signature(fn, dtype, consts),
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()})
-                    nw = launcher.num_warps(kind, BD, dtype == "fp32", tune)
-                    label = f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} warps={nw}"
+                    options = launcher.launch_options(kind, BD, dtype == "fp32", tune)
+                    label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
+                             f"warps={options['num_warps']}")
                     if "BS" in consts:
                         label += f" BS={consts['BS']}"
-                    options = dict(num_warps=nw, num_stages=1)
-                    if tune[f"{kind}_regs"]:
-                        options["maxnreg"] = tune[f"{kind}_regs"]
                     try:
                         kernel = triton.compile(
                             src, target=GPUTarget("cuda", args.arch, 32), options=options)

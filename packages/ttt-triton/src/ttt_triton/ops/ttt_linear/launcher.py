@@ -69,8 +69,9 @@ path, which only pays when enough chains run at once to hide it (docs/benchmarks
 
 
 def tunables() -> dict[str, int]:
-    """G (0: chosen per problem, see :func:`checkpoint_interval`), BLOCK_ROWS, NUM_WARPS
-    and NUM_STAGES, overridden for tuning runs by
+    """G (0: chosen per problem, see :func:`checkpoint_interval`), FUSED's overrides (-1:
+    the rule), BLOCK_ROWS, NUM_WARPS, NUM_STAGES and MAX_REGISTERS, overridden for tuning
+    runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
     tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, **BLOCK_ROWS, **NUM_STAGES,
                 **MAX_REGISTERS)
@@ -129,14 +130,19 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
 
 
-def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
-    if interpreting():
-        return {}
-    options = dict(num_warps=num_warps(kind, BD, dtype == torch.float32, tune),
-                   num_stages=tune[f"{kind}_stages"])
+def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int]) -> dict:
+    """num_warps, num_stages and (when capped) maxnreg of a ``kind`` ("chain" or "group")
+    kernel: what the launcher passes and ``benchmarks/resources.py`` compiles with."""
+    options = dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=tune[f"{kind}_stages"])
     if tune[f"{kind}_regs"]:
         options["maxnreg"] = tune[f"{kind}_regs"]
     return options
+
+
+def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
+    if interpreting():
+        return {}
+    return launch_options(kind, BD, dtype == torch.float32, tune)
 
 
 @dataclass
