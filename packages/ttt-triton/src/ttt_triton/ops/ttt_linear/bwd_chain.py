@@ -22,7 +22,7 @@ leaves the chain as per-row sums (one row reduction per step; ``bwd_grads.py`` s
 per chunk and adds them to ``deta``). The cotangent of checkpoint slot ``s`` (the state
 before chunk ``s * G``; the last slot is the final state) is written to ``dck`` for
 ``bwd_grads.py``, and slot 0's to ``dh0``/``dhb0`` when asked. Inputs of the next chunk
-are loaded one step early.
+are loaded one step early (not with ``FUSE_GRADS``, which has no registers to spare).
 
 With ``FUSE_GRADS`` the program does ``bwd_grads.py``'s work itself, one chunk at a time
 (its formulas with blocks of one chunk, where ``C_k`` vanishes), instead of storing ``dg``,
@@ -107,7 +107,9 @@ def ttt_linear_bwd_chain_kernel(
     i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
     if FUSE_GRADS:
         m_jgei = o_t[:, None] <= o_t[None, :]                              # [BT, BT] j >= i
-        b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)       # [BD, BD] after
+        # W^T, so that dkh W^T needs no transpose of a computed tile (fewer registers)
+        o_ddt = o_d[:, None] + o_d[None, :] * D                            # [BD, BD]
+        b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_dd, other=0.)     # [BD, BD] after
         b_dw = tl.zeros([BD], dtype=tl.float32)                            # [BD]
         b_db = tl.zeros([BD], dtype=tl.float32)                            # [BD]
     else:
@@ -115,23 +117,32 @@ def ttt_linear_bwd_chain_kernel(
 
     p_base = (bos * H + i_h) * D
     p_ebase = bos * H + i_h
-    r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
-        q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, (NC - 1) * BT, o_t, o_d,
-        seq_len, m_d, H, D)
-    r_el = last_row_eta(eta, p_ebase, NC - 1, seq_len, BT, H)
+    if not FUSE_GRADS:
+        r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
+            q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, (NC - 1) * BT, o_t, o_d,
+            seq_len, m_d, H, D)
+        r_el = last_row_eta(eta, p_ebase, NC - 1, seq_len, BT, H)
     for i_r in range(0, NC):
         i_c = NC - 1 - i_r
+        if FUSE_GRADS:
+            # no prefetch: the fused step has no registers to spare for the next inputs
+            r_q, r_k, r_v, b_xh, b_r, b_dop, b_dgl = _load_step(
+                q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, i_c * BT, o_t, o_d,
+                seq_len, m_d, H, D)
+            b_el = last_row_eta(eta, p_ebase, i_c, seq_len, BT, H)
+        else:
+            b_xh, b_r, b_dop, b_dgl, b_el = r_xh, r_r, r_dop, r_dgl, r_el
         b_q = r_q.to(tl.float32) * scale                                   # [BT, BD]
         b_k = r_k.to(tl.float32)                                           # [BT, BD]
         b_v = r_v.to(tl.float32)                                           # [BT, BD]
-        b_xh, b_r, b_dop, b_dgl, b_el = r_xh, r_r, r_dop, r_dgl, r_el
         o_x, m_2d, o_e, m_t = row_offsets(p_base, i_c * BT, o_t, o_d, seq_len, m_d, H, D)
-        # the previous chunk's inputs (a chunk before the first reads as nothing)
-        i_p = tl.maximum(i_c - 1, 0)
-        r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
-            q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, i_p * BT, o_t, o_d,
-            seq_len, m_d, H, D)
-        r_el = last_row_eta(eta, p_ebase, i_p, seq_len, BT, H)
+        if not FUSE_GRADS:
+            # the previous chunk's inputs (a chunk before the first reads as nothing)
+            i_p = tl.maximum(i_c - 1, 0)
+            r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
+                q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, i_p * BT, o_t, o_d,
+                seq_len, m_d, H, D)
+            r_el = last_row_eta(eta, p_ebase, i_p, seq_len, BT, H)
 
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
         b_kdW = tl.dot(b_k, b_dW, input_precision=PREC)                   # [BT, BD]
@@ -139,30 +150,32 @@ def ttt_linear_bwd_chain_kernel(
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
         b_rs = tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1)                    # [BT]
         if FUSE_GRADS:
-            # the state before the chunk: its own slot at a group start, else stepped back
-            if i_c % G == 0:
-                i_cs = (slot_base + i_c // G) * H + i_h
-                b_W = tl.load(ck + i_cs * D * D + o_dd, mask=m_dd, other=0.)
-            else:
-                b_W = b_W + b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
-            b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
             b_dyw = b_dy * b_w[None, :]                                    # [BT, BD]
             b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
             b_db += tl.sum(b_dyw, 0)
             tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
-            b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)     # [BT, BT]
-            b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1              # [BT, BT]
-            b_dk = b_dyw + tl.dot(b_dkh, tl.trans(b_W), input_precision=PREC) \
-                - b_el * tl.dot(b_g, tl.trans(b_dW), input_precision=PREC) \
-                + tl.dot(b_Cq, b_q, input_precision=PREC)                  # [BT, BD]
-            tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
             o_last = p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
             tl.store(deta + o_last, tl.load(deta + o_last) - tl.sum(b_rs, 0))
+            b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
+            b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)     # [BT, BT]
+            b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1              # [BT, BT]
+            # dk in accumulated parts, the state's term last (the state is stepped back
+            # right before it); v, the dw/db/dv inputs, die before the products
+            b_dk = tl.dot(b_g * -b_el, tl.trans(b_dW), b_dyw, input_precision=PREC)
+            b_dk = tl.dot(b_Cq, b_q, b_dk, input_precision=PREC)             # [BT, BD]
+            # the state before the chunk: its own slot at a group start, else stepped back
+            if i_c % G == 0:
+                i_cs = (slot_base + i_c // G) * H + i_h
+                b_Wt = tl.load(ck + i_cs * D * D + o_ddt, mask=m_dd, other=0.)
+            else:
+                b_Wt = tl.dot(tl.trans(b_g * b_el), b_k, b_Wt, input_precision=PREC)
+            b_dk = tl.dot(b_dkh, b_Wt, b_dk, input_precision=PREC)           # [BT, BD]
+            tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         else:
             tl.store(dgbuf + o_x, b_dg, mask=m_2d)
             tl.store(desum + p_ebase + o_e, b_rs, mask=m_t)
-        b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
-            + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
+        b_dW = tl.dot(tl.trans(b_q), b_dop, b_dW, input_precision=PREC)
+        b_dW = tl.dot(tl.trans(b_k), b_dkh, b_dW, input_precision=PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
         if not FUSE_GRADS and i_c % G == 0:
             i_ck = (slot_base + i_c // G) * H + i_h

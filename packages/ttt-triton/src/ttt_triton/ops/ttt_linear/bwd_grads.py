@@ -77,7 +77,9 @@ def ttt_linear_bwd_grads_kernel(
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     i_ck0 = slot * H + i_h
     i_ck = i_ck0 + H
-    b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)           # [BD, BD]
+    # W^T, so that dkh W^T needs no transpose of a computed tile (fewer registers)
+    o_ddt = o_d[:, None] + o_d[None, :] * D                                # [BD, BD]
+    b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_dd, other=0.)         # [BD, BD]
     b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)         # [BD, BD]
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
@@ -109,24 +111,25 @@ def ttt_linear_bwd_grads_kernel(
 
         # the state before the block
         if jr == n_blk - 1:
-            b_W = tl.load(ck + i_ck0 * D * D + o_dd, mask=m_dd, other=0.)
+            b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_dd, other=0.)
         else:
-            b_W = b_W + tl.dot(tl.trans(b_k * b_el[:, None]), b_g, input_precision=PREC)
-        b_dk = b_dyw + tl.dot(b_dkh, tl.trans(b_W), input_precision=PREC) \
-            - b_el[:, None] * tl.dot(b_g, tl.trans(b_dW), input_precision=PREC)  # [BS, BD]
+            b_Wt = tl.dot(tl.trans(b_g * b_el[:, None]), b_k, b_Wt, input_precision=PREC)
+        # dk in accumulated parts
+        b_dk = tl.dot(b_dkh, b_Wt, b_dyw, input_precision=PREC)            # [BS, BD]
+        b_dk = tl.dot(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, input_precision=PREC)
         b_S2 = tl.dot(b_g, tl.trans(b_dkh), input_precision=PREC)         # [BS, BS]
         b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
             - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
-        b_dk += tl.dot(b_Ck, b_k, input_precision=PREC)
+        b_dk = tl.dot(b_Ck, b_k, b_dk, input_precision=PREC)
         b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BS, BD]
         b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
         b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)         # [BS, BS]
         b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
-        b_dk += tl.dot(b_Cq, b_q, input_precision=PREC)
+        b_dk = tl.dot(b_Cq, b_q, b_dk, input_precision=PREC)
         tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         # the cotangent of the state before the block
-        b_dW += tl.dot(tl.trans(b_q), b_dop, input_precision=PREC) \
-            + tl.dot(tl.trans(b_k), b_dkh, input_precision=PREC)
+        b_dW = tl.dot(tl.trans(b_q), b_dop, b_dW, input_precision=PREC)
+        b_dW = tl.dot(tl.trans(b_k), b_dkh, b_dW, input_precision=PREC)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     tl.store(dwp + o_p, b_dw, mask=m_d)

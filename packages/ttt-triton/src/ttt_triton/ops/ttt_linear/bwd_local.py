@@ -88,8 +88,8 @@ def ttt_linear_bwd_local_kernel(
         b_Ps = tl.where(m_same, b_e[:, None], 0.)                          # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], b_Ps)                        # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                   # [BS, BD]
-        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :] \
-            - tl.dot(b_P * b_A, b_g, input_precision=PREC)                 # [BS, BD]
+        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BS, BD]
+        b_o = tl.dot(-(b_P * b_A), b_g, b_o, input_precision=PREC)
 
         # post norm-residual backward
         b_do = tl.load(do + o_x, mask=m_2d, other=0.).to(tl.float32)       # [BS, BD]
@@ -101,17 +101,18 @@ def ttt_linear_bwd_local_kernel(
         # h-cotangent-free gradients
         b_dS = tl.dot(b_dop, tl.trans(b_g), input_precision=PREC)         # [BS, BS]
         b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)                # [BS]
-        b_dq = tl.dot(b_dop, tl.trans(b_W), input_precision=PREC) \
-            - tl.dot(b_P * b_dS, b_k, input_precision=PREC)                # [BS, BD]
         b_dgl = -tl.dot(tl.trans(b_Ps * b_A), b_dop, input_precision=PREC)  # [BS, BD]
+        b_dq = tl.dot(b_dop, tl.trans(b_W), input_precision=PREC)         # [BS, BD]
+        b_dq = tl.dot(-(b_P * b_dS), b_k, b_dq, input_precision=PREC)
 
         tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
         tl.store(deta + o_e, b_de, mask=m_t)
         tl.store(dopbuf + o_x, b_dop, mask=m_2d)
         tl.store(dgbuf + o_x, b_dgl, mask=m_2d)
 
-        b_ke = b_k * b_el[:, None]                                         # [BS, BD]
-        b_W = b_W - tl.dot(tl.trans(b_ke), b_g, input_precision=PREC)
+        # k again (a cache hit) rather than a copy kept live through the block
+        b_ke = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32) * -b_el[:, None]
+        b_W = tl.dot(tl.trans(b_ke), b_g, b_W, input_precision=PREC)
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
