@@ -31,8 +31,10 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
-    triton_fused)   # the same suite with the fused chains forced on (launcher.FUSED)
-      timeout ${TRITON_TIMEOUT:-300} env TTT_TRITON_TUNE=fuse=1,fuse_bwd=1 python3 -m nox \
+    triton_fused)   # the same suite with the fused chains forced on (launcher.FUSED), after
+                    # any TTT_TRITON_TUNE of the caller (e.g. a candidate chain_stages=2)
+      timeout ${TRITON_TIMEOUT:-300} env \
+        TTT_TRITON_TUNE=${TTT_TRITON_TUNE:+$TTT_TRITON_TUNE,}fuse=1,fuse_bwd=1 python3 -m nox \
         --no-venv -s "tests(backend='triton')" -- -q $XDIST 2>&1 \
         | tee "$OUT/tests-triton-fused.log" | tail -40 ;;
     cupy)   # the CUDA C++ backend's suite on the GPU

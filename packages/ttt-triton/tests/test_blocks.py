@@ -18,6 +18,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+
+def _tune(settings: str) -> str:
+    """A test's TTT_TRITON_TUNE: the run's own settings (e.g. ``chain_stages=2`` when a whole
+    suite is run under a candidate tuning), then the test's, which win where they overlap."""
+    return ",".join(filter(None, (os.environ.get("TTT_TRITON_TUNE", ""), settings)))
+
+
 F64 = torch.float64
 
 
@@ -68,7 +75,7 @@ def _run(x, cu, chunk, backend, dtype, device):
     ("G=2,S_out=16,S_local=16,S_grads=16", 32, None),
 ])
 def test_small_groups_and_blocks(monkeypatch, tune, chunk, seq_lens):
-    monkeypatch.setenv("TTT_TRITON_TUNE", tune)
+    monkeypatch.setenv("TTT_TRITON_TUNE", _tune(tune))
     T = sum(seq_lens) if seq_lens else 165
     x, cu = _inputs(T, 2, 32, seq_lens, seed=11)
     want = _run(x, cu, chunk, "reference", F64, "cpu")
@@ -98,7 +105,7 @@ def test_fused_chains(monkeypatch, fuse, with_grad, chunk, seq_lens):
     """The chains doing the parallel kernels' work (forward: the outputs, backward: dk, dv
     and the last-row deta) and the split kernels, with and without a backward, against the
     float64 reference: partial last chunks, varlen, initial states, several groups."""
-    monkeypatch.setenv("TTT_TRITON_TUNE", f"{fuse},G=2")
+    monkeypatch.setenv("TTT_TRITON_TUNE", _tune(f"{fuse},G=2"))
     T = sum(seq_lens) if seq_lens else 85
     x, cu = _inputs(T, 2, 32, seq_lens, seed=13)
     run = _run if with_grad else _forward_only
@@ -120,7 +127,7 @@ def _split_and_fused_errors(monkeypatch, run, x, cu, dtype, tune):
     want = run(x, cu, 16, "reference", F64, "cpu")
     errs = {}
     for fuse in (0, 1):
-        monkeypatch.setenv("TTT_TRITON_TUNE", tune.format(fuse=fuse))
+        monkeypatch.setenv("TTT_TRITON_TUNE", _tune(tune.format(fuse=fuse)))
         got = run(x, cu, 16, "triton", dtype, DEVICE)
         errs[fuse] = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
     return errs
