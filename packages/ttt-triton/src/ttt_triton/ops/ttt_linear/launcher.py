@@ -48,13 +48,15 @@ NUM_WARPS = {"chain": 4, "group": 4}
 ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
 doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
-NUM_STAGES = {"chain_stages": 1, "group_stages": 2, "group_stages_fp32": 1}
+NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "group_stages": 2,
+              "group_stages_fp32": 1}
 """num_stages (software pipelining of the loop's loads) of the sequential kernels, which
-prefetch the next chunk by hand, and of the group-parallel ones (``group_stages_fp32`` for
-float32 inputs). For half inputs 2 was 0-10% faster fwd+bwd than 1 on the five anchor shapes
-on the H200 once the backward kernels spilled less (docs/benchmarks.md, 2026-12-03 third
-session). Float32 inputs keep 1: with 2, ptxas compiles fwd_out at head dim 64 and bwd_local
-at chunk 64 into 32 registers and 5-8 KB of stack (``benchmarks/resources.py``)."""
+prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
+float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 was 0-10%
+faster fwd+bwd than 1 on the five anchor shapes on the H200 once the backward kernels
+spilled less (docs/benchmarks.md, 2026-12-03 third session). Float32 keeps 1: with 2,
+ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32 registers and 5-8
+KB of stack (``benchmarks/resources.py``)."""
 
 
 MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
@@ -137,9 +139,8 @@ def _precision(dtype: torch.dtype) -> str:
 def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int]) -> dict:
     """num_warps, num_stages and (when capped) maxnreg of a ``kind`` ("chain" or "group")
     kernel: what the launcher passes and ``benchmarks/resources.py`` compiles with."""
-    stages = tune.get(f"{kind}_stages_fp32", tune[f"{kind}_stages"]) if ieee \
-        else tune[f"{kind}_stages"]
-    options = dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=stages)
+    options = dict(num_warps=num_warps(kind, BD, ieee, tune),
+                   num_stages=tune[f"{kind}_stages_fp32" if ieee else f"{kind}_stages"])
     if tune[f"{kind}_regs"]:
         options["maxnreg"] = tune[f"{kind}_regs"]
     return options
