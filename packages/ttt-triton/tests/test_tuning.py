@@ -88,3 +88,14 @@ def test_register_cap(monkeypatch):
     tune = launcher.tunables()
     assert launcher._launch("group", 64, torch.bfloat16, tune)["maxnreg"] == 128
     assert "maxnreg" not in launcher._launch("chain", 64, torch.bfloat16, tune)
+
+
+def test_fused_backward_chain_stages(monkeypatch):
+    """The fused backward chain takes fused_bwd_stages for half inputs; float32 and the
+    unfused chain keep their own keys."""
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setenv("TTT_TRITON_TUNE", "chain_stages=1,chain_stages_fp32=1,fused_bwd_stages=3")
+    tune = launcher.tunables()
+    assert launcher._launch("chain", 64, torch.bfloat16, tune, fused_bwd=True)["num_stages"] == 3
+    assert launcher._launch("chain", 64, torch.bfloat16, tune)["num_stages"] == 1
+    assert launcher._launch("chain", 64, torch.float32, tune, fused_bwd=True)["num_stages"] == 1

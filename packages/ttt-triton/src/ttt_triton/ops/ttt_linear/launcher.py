@@ -48,15 +48,18 @@ NUM_WARPS = {"chain": 4, "group": 4}
 ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
 doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
-NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "group_stages": 2,
-              "group_stages_fp32": 1}
+NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
+              "group_stages": 2, "group_stages_fp32": 1}
 """num_stages (software pipelining of the loop's loads) of the sequential kernels, which
 prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
 float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 was 0-10%
 faster fwd+bwd than 1 on the five anchor shapes on the H200 once the backward kernels
 spilled less (docs/benchmarks.md, 2026-12-03 third session). Float32 keeps 1: with 2,
 ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32 registers and 5-8
-KB of stack (``benchmarks/resources.py``)."""
+KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces ``chain_stages``
+for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16, head dims <= 64):
+2 took 32,2048,16,64 fwd+bwd from 4.48 to 4.24 ms on the H200, while the unfused chains
+spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
 
 
 MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
@@ -136,20 +139,26 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
 
 
-def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int]) -> dict:
+def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int],
+                   fused_bwd: bool = False) -> dict:
     """num_warps, num_stages and (when capped) maxnreg of a ``kind`` ("chain" or "group")
-    kernel: what the launcher passes and ``benchmarks/resources.py`` compiles with."""
-    options = dict(num_warps=num_warps(kind, BD, ieee, tune),
-                   num_stages=tune[f"{kind}_stages_fp32" if ieee else f"{kind}_stages"])
+    kernel, ``fused_bwd`` for the backward chain that does bwd_grads' work: what the launcher
+    passes and ``benchmarks/resources.py`` compiles with."""
+    if ieee:
+        stages = f"{kind}_stages_fp32"
+    else:
+        stages = "fused_bwd_stages" if fused_bwd else f"{kind}_stages"
+    options = dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=tune[stages])
     if tune[f"{kind}_regs"]:
         options["maxnreg"] = tune[f"{kind}_regs"]
     return options
 
 
-def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int]) -> dict:
+def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int],
+            fused_bwd: bool = False) -> dict:
     if interpreting():
         return {}
-    return launch_options(kind, BD, dtype == torch.float32, tune)
+    return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd)
 
 
 @dataclass
@@ -276,7 +285,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
         saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec, **_launch("chain", BD, q.dtype, tune))
+        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec,
+        **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))
     if fuse:
         return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
             dh0, dhb0
