@@ -36,8 +36,8 @@ BACKENDS = {
     "reference": ([], [], {}, ["packages/ttt/tests"]),
     "triton": (["packages/ttt-triton"], ["triton"], {"TRITON_INTERPRET": "1"},
                ["packages/ttt-triton/tests"]),
-    # on CPU: NVRTC compiles every kernel instance (sm_80, sm_90) and the GPU cases of the
-    # suite skip with the backend's reason
+    # on CPU: NVRTC compiles every kernel instance (sm_90 cubins, sm_80 PTX), g++ runs the
+    # kernels' C++ (CPU emulation), and the suite's GPU cases skip with the backend's reason
     "cupy": (["packages/ttt-cupy[compile-check]"], [], {}, ["packages/ttt-cupy/tests"]),
 }
 

@@ -1,9 +1,9 @@
-"""Run the CUDA kernels' C++ on the CPU (one std::thread per CUDA thread) against a float64
+"""Run the CUDA kernels' C++ on the CPU (one fiber per CUDA thread) against a float64
 NumPy oracle: outputs, final states and every gradient (by central differences).
 
 This is not a GPU test: it checks the kernels' math, indexing, masking, padding rule,
 checkpointing and varlen handling, with T = float only (no half types, no real warps or
-memory model). Needs g++ with C++20 (std::barrier) and NumPy; skips without them.
+memory model). Needs g++ with C++20, glibc's ucontext and NumPy; skips without them.
 """
 
 from __future__ import annotations

@@ -24,12 +24,15 @@ def _nvrtc_available() -> str | None:
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
 def test_every_instance_compiles_for_sm80_and_sm90():
+    """sm_90 (the H200 this backend is tuned on) through ptxas to cubins; sm_80 to PTX for
+    compute_80 (the front end and code generation under __CUDA_ARCH__ 800, where the
+    arch-specific source differs; its ptxas run would add about 2 minutes to CI)."""
     from ttt_cupy import nvrtc_check
     from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS
 
     out = io.StringIO()
     try:
-        counts = nvrtc_check.run(("80", "90"), out=out)
+        counts = nvrtc_check.run(("80", "90"), out=out, ptx_only=("80",))
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
     # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0)

@@ -2,8 +2,11 @@
 
 ``python -m ttt_cupy.nvrtc_check`` compiles the five kernels (forward: fwd_chain, fwd_out;
 backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
-(pass, dtype, D_PAD, BT) as the backend does at run time, to cubins for each ``--arch``
-(default sm_80 and sm_90), and checks that the C++ shared-memory sizes equal
+(pass, dtype, D_PAD, BT) as the backend does at run time, for each ``--arch`` (default
+sm_80 and sm_90): to cubins (NVRTC's front end, PTX code generation and ptxas), or with
+``--ptx-only ARCH`` to PTX for ``compute_ARCH`` (front end and code generation with that
+``__CUDA_ARCH__``, where arch-specific source differs, but no ptxas: half the time). It
+checks that the C++ shared-memory sizes equal
 :func:`ttt_cupy.compile.smem_bytes`. For half types every kernel is compiled twice (the
 tensor-core instance, MMA = true, and the SIMT one); the PTX of every kernel is checked to
 hold tf32 ``mma.sync`` instructions exactly when it is an MMA instance (so float never does).
@@ -136,8 +139,9 @@ def _log(nvrtc, prog) -> str:
 
 
 def compile_instance(code: str, names: list[str], arch: str, options: list[str],
-                     ptxas_verbose: bool = False) -> Compiled:
-    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch``."""
+                     ptxas_verbose: bool = False, cubin: bool = True) -> Compiled:
+    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch`` (or, with
+    ``cubin`` False, to PTX for compute_``arch`` only; cubin_bytes is then 0)."""
     nvrtc = _nvrtc()
     (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
                      "nvrtcCreateProgram", nvrtc)
@@ -145,19 +149,22 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         for name in names:
             _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
                    f"nvrtcAddNameExpression({name})", nvrtc)
-        opts = [o.encode() for o in (*options, f"-arch=sm_{arch}")]
-        if ptxas_verbose:
+        target = f"sm_{arch}" if cubin else f"compute_{arch}"
+        opts = [o.encode() for o in (*options, f"-arch={target}")]
+        if ptxas_verbose and cubin:
             opts.append(b"--ptxas-options=-v")
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
-               f"nvrtcCompileProgram({names}, sm_{arch})", nvrtc, prog)
+               f"nvrtcCompileProgram({names}, {target})", nvrtc, prog)
         lowered = {}
         for name in names:
             (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
                             f"nvrtcGetLoweredName({name})", nvrtc)
             lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-        if size <= 0:
-            raise CheckError(f"empty cubin for {names} on sm_{arch}")
+        size = 0
+        if cubin:
+            (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
+            if size <= 0:
+                raise CheckError(f"empty cubin for {names} on sm_{arch}")
         (ptx_size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
         ptx = b" " * ptx_size
         _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
@@ -171,9 +178,10 @@ SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csr
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
-    code, pass_, ct, dp, bt, arch, options, ptxas_verbose = task
+    code, pass_, ct, dp, bt, arch, options, ptxas_verbose, cubin = task
     names = program_names(pass_, ct, dp, bt)
-    return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose)
+    return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose,
+                                                 cubin)
 
 
 def instances() -> list[tuple[str, str, int, int]]:
@@ -183,8 +191,9 @@ def instances() -> list[tuple[str, str, int, int]]:
 
 
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
-        out=sys.stdout) -> dict[str, int]:
-    """Compile everything; returns {arch: kernel instances compiled}. Raises CheckError."""
+        out=sys.stdout, ptx_only=()) -> dict[str, int]:
+    """Compile everything (to PTX only for the archs in ``ptx_only``); returns {arch: kernel
+    instances compiled}. Raises CheckError."""
     nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
@@ -196,7 +205,8 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     counts = {}
     for arch in archs:
         start = time.perf_counter()
-        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose)
+        cubin = arch not in ptx_only
+        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose, cubin)
                  for pass_, ct, dp, bt in instances()]
         if jobs > 1:
             # processes: the bindings hold the GIL while NVRTC compiles
@@ -212,10 +222,11 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         n = sum(len(c.names) for _, c in results)
         n_mma = sum(is_mma_instance(name) for _, c in results for name in c.names)
         counts[arch] = n
-        cubin = sum(c.cubin_bytes for _, c in results)
+        built = (f"{sum(c.cubin_bytes for _, c in results) / 1e6:.1f} MB of cubin" if cubin
+                 else f"PTX for compute_{arch} only")
         print(f"sm_{arch}: {n} kernel instances compiled ({n_mma} with tf32 mma.sync; "
-              f"{len(results)} programs, {cubin / 1e6:.1f} MB of cubin, "
-              f"{time.perf_counter() - start:.1f} s)", file=out)
+              f"{len(results)} programs, {built}, {time.perf_counter() - start:.1f} s)",
+              file=out)
         if ptxas_verbose:
             for (pass_, ct, dp, bt), c in results:
                 for line in c.log.splitlines():
@@ -230,13 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", action="append", dest="archs", metavar="SM",
                         help="compute capability without a dot (repeatable; default 80 and 90)")
+    parser.add_argument("--ptx-only", action="append", default=[], metavar="SM",
+                        help="compile this arch to PTX only, without ptxas (repeatable)")
     parser.add_argument("--jobs", type=int, default=0,
                         help="parallel compile processes (default: cpus)")
     parser.add_argument("--ptxas-verbose", action="store_true",
                         help="print registers and spills of every kernel")
     args = parser.parse_args(argv)
     try:
-        counts = run(tuple(args.archs or DEFAULT_ARCHS), args.jobs, args.ptxas_verbose)
+        counts = run(tuple(args.archs or DEFAULT_ARCHS), args.jobs, args.ptxas_verbose,
+                     ptx_only=tuple(args.ptx_only))
     except CheckError as err:
         print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
         return 1

@@ -1,15 +1,18 @@
 // CPU emulation of the CUDA kernels in ttt_cupy/csrc (a test harness, not package code).
 //
-// Every CUDA thread of a block is a std::thread; __syncthreads is a block-wide std::barrier,
-// __shfl_xor_sync an exchange through a per-warp buffer between two warp barriers. Blocks
-// run one after the other and share one static "shared memory" buffer, NaN-poisoned before
-// each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
+// Every CUDA thread of a block is a fiber (ucontext: its own stack, all on the calling OS
+// thread, switched only at barriers); __syncthreads is a block-wide barrier, __shfl_xor_sync
+// an exchange through a per-warp buffer between two warp barriers. A fiber waiting at a
+// barrier yields to the scheduler, which resumes the block's fibers round by round (see
+// fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
+// NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
 // launcher's order by test_cpu_emulation.py). Only T = float is exposed (the fake
 // cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
+#include <ucontext.h>
+
 #include <algorithm>
-#include <barrier>
 #include <iterator>
 #include <cmath>
 #include <cstdio>
@@ -17,13 +20,79 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
-thread_local dim3_ threadIdx, blockIdx, blockDim;
-static std::barrier<>* g_block_barrier = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warp_barriers;
+dim3_ threadIdx, blockIdx, blockDim;   // threadIdx: the running fiber's, set by the scheduler
+
+namespace fiber {
+constexpr std::size_t kStackBytes = 256 << 10;
+struct Fiber {
+    ucontext_t ctx;
+    bool done;
+};
+static ucontext_t g_scheduler;
+static std::vector<Fiber> g_fibers;
+static std::unique_ptr<char[]> g_stacks;      // uninitialised: pages are touched on use only
+static std::size_t g_stack_count = 0;
+static const std::function<void()>* g_body = nullptr;
+
+// Back to the scheduler; it resumes this fiber on a later round.
+inline void yield() { swapcontext(&g_fibers[threadIdx.x].ctx, &g_scheduler); }
+
+// std::barrier's contract for fibers: arrive, then wait until all n have arrived.
+struct Barrier {
+    unsigned n = 0, count = 0, phase = 0;
+    void arrive_and_wait() {
+        const unsigned phase0 = phase;
+        if (++count == n) {
+            count = 0;
+            ++phase;
+            return;
+        }
+        while (phase == phase0) yield();
+    }
+};
+
+static void entry() {
+    (*g_body)();
+    g_fibers[threadIdx.x].done = true;     // returns to uc_link, the scheduler
+}
+
+// Runs body on nt fibers (threadIdx.x = 0 .. nt - 1) until all of them return.
+static void run(int nt, const std::function<void()>& body) {
+    if (g_stack_count < (std::size_t)nt) {
+        g_stacks.reset(new char[kStackBytes * nt]);
+        g_stack_count = nt;
+    }
+    g_body = &body;
+    g_fibers.assign(nt, Fiber{});
+    for (int t = 0; t < nt; ++t) {
+        Fiber& f = g_fibers[t];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = g_stacks.get() + kStackBytes * t;
+        f.ctx.uc_stack.ss_size = kStackBytes;
+        f.ctx.uc_link = &g_scheduler;
+        makecontext(&f.ctx, entry, 0);
+    }
+    // Rounds alternate between ascending and descending thread order, so that a read of
+    // another thread's write with no barrier between them runs before that write in one of
+    // the two orders (and reads NaN-poisoned or stale shared memory).
+    for (int live = nt, round = 0; live > 0; ++round) {
+        live = 0;
+        for (int i = 0; i < nt; ++i) {
+            const int t = round % 2 ? nt - 1 - i : i;
+            if (g_fibers[t].done) continue;
+            threadIdx.x = t;
+            swapcontext(&g_scheduler, &g_fibers[t].ctx);
+            live += !g_fibers[t].done;
+        }
+    }
+}
+}  // namespace fiber
+
+static fiber::Barrier g_block_barrier;
+static fiber::Barrier g_warp_barriers[32];
 static float g_shfl[1024];
 alignas(16) float smem[1 << 17];  // 512 KiB, more than any instance needs (checked below)
 
@@ -32,14 +101,14 @@ alignas(16) float smem[1 << 17];  // 512 KiB, more than any instance needs (chec
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__
-inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline void __syncthreads() { g_block_barrier.arrive_and_wait(); }
 inline void __trap() { std::fprintf(stderr, "__trap\n"); std::abort(); }
 inline float __shfl_xor_sync(unsigned, float x, int m) {
     const unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
     g_shfl[t] = x;
-    g_warp_barriers[w]->arrive_and_wait();
+    g_warp_barriers[w].arrive_and_wait();
     const float y = g_shfl[w * 32 + (lane ^ m)];
-    g_warp_barriers[w]->arrive_and_wait();
+    g_warp_barriers[w].arrive_and_wait();
     return y;
 }
 using std::min;
@@ -72,7 +141,7 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsign
     const unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
     for (int r = 0; r < 4; ++r) g_mma_a[t * 4 + r] = a[r];
     for (int r = 0; r < 2; ++r) g_mma_b[t * 2 + r] = b[r];
-    g_warp_barriers[w]->arrive_and_wait();
+    g_warp_barriers[w].arrive_and_wait();
     float A[16][8], B[8][8];
     for (int l = 0; l < 32; ++l) {
         const int gl = l / 4, tl = l % 4;
@@ -85,7 +154,7 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsign
         B[tl][gl] = tf32_value(bl[0]);
         B[tl + 4][gl] = tf32_value(bl[1]);
     }
-    g_warp_barriers[w]->arrive_and_wait();
+    g_warp_barriers[w].arrive_and_wait();
     const int g = lane / 4, tq = lane % 4;
     for (int r = 0; r < 4; ++r) {
         const int row = g + 8 * (r / 2), col = 2 * tq + r % 2;
@@ -103,23 +172,15 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsign
 #include "bwd_grads.cu"
 
 static void launch(long long grid, int nt, const std::function<void()>& body) {
+    if (nt > 1024) __trap();
+    blockDim.x = nt;
     for (long long b = 0; b < grid; ++b) {
-        std::barrier<> block(nt);
-        g_block_barrier = &block;
-        g_warp_barriers.clear();
-        for (int w = 0; w < (nt + 31) / 32; ++w)
-            g_warp_barriers.emplace_back(std::make_unique<std::barrier<>>(32));
+        g_block_barrier = fiber::Barrier{(unsigned)nt};
+        for (int w = 0; w < (nt + 31) / 32; ++w) g_warp_barriers[w] = fiber::Barrier{32};
         // poison shared memory: a kernel reading what it did not write sees NaNs
         std::fill(std::begin(smem), std::end(smem), std::nanf(""));
-        std::vector<std::thread> threads;
-        for (int t = 0; t < nt; ++t)
-            threads.emplace_back([&, t, b] {
-                threadIdx.x = t;
-                blockIdx.x = (unsigned)b;
-                blockDim.x = nt;
-                body();
-            });
-        for (auto& th : threads) th.join();
+        blockIdx.x = (unsigned)b;
+        fiber::run(nt, body);
     }
 }
 
