@@ -248,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ptxas-verbose", action="store_true",
                         help="print registers and spills of every kernel")
     args = parser.parse_args(argv)
+    archs = tuple(args.archs or DEFAULT_ARCHS)
+    if set(args.ptx_only) - set(archs):
+        parser.error(f"--ptx-only {sorted(set(args.ptx_only) - set(archs))}: not among the "
+                     f"archs compiled, {list(archs)}")
     try:
-        counts = run(tuple(args.archs or DEFAULT_ARCHS), args.jobs, args.ptxas_verbose,
-                     ptx_only=tuple(args.ptx_only))
+        counts = run(archs, args.jobs, args.ptxas_verbose, ptx_only=tuple(args.ptx_only))
     except CheckError as err:
         print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
         return 1
