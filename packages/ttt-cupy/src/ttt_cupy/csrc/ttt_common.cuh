@@ -22,8 +22,12 @@
 // (at most) G chunks between two slots; groups are counted over the batch (grp_offsets [N + 1]
 // gives each sequence's first group, grp_seq [groups] each group's sequence, varlen only).
 //
+// Saved activations (as in the Triton backend): fwd_chain writes xh and r of every valid row;
+// the four other kernels read them and derive y and g row-locally (inner_grad_row): no kernel
+// but fwd_chain computes k W or the LayerNorm of kh.
+//
 // Layout: q, k, v, o, do, dq, dk, dv are [B, T, H, D] in the input dtype T (float, __half or
-// __nv_bfloat16); the fp32 work buffers g, xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
+// __nv_bfloat16); the fp32 work buffers xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
 // [B, T, H]; w, b [H, D] fp32; states [N, H, D, D] / [N, H, D] and slots [slots, H, D, D] /
 // [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
 //
@@ -458,8 +462,10 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
 
 // g of a chunk's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
 // no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT; g_i = inner_grad_row(xh_i,
-// r_i, k_i, v_i) into sG's row (k from sK, xh, r and v from global memory at the offsets of
-// inner_grad_rows); rows >= L are zeroed. Row-local: no barrier between the rows.
+// r_i, k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
+// inner_grad_rows); rows >= L are zeroed. Row-local: no barrier between the rows. (Unrolling
+// the rows, so that all their loads are in flight together, made ptxas spill more in
+// bwd_local's and fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
 template <int D_PAD, int BT, int NW, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
                                                       const T* __restrict__ v,
