@@ -121,20 +121,19 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
     # ---- forward
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
     ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
-    gbuf = _empty(B, T, H, D)
+    xbuf, rbuf = _empty(B, T, H, D), _empty(B, T, H)  # the saved activations xhat, r
     call("fwd_chain", N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
-         _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(gbuf), _p(cu_arr), _p(go),
-         c["eps"], c["T"], c["H"], c["D"], c["G"])
+         _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(cu_arr),
+         _p(go), c["eps"], c["T"], c["H"], c["D"], c["G"])
     o = _empty(B, T, H, D)
-    call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
-         _p(ck), _p(ckb), _p(gbuf), _p(o), _p(cu_arr), _p(go), _p(gs), c["scale"], c["eps"],
-         c["T"], c["H"], c["D"], c["G"])
+    call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+         _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr), _p(go), _p(gs),
+         c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
 
     # ---- backward
     do, dht, dhbt = (None if a is None else np.ascontiguousarray(a, dtype=np.float32)
                      for a in grads)
-    xbuf, dopbuf, dgbuf = _empty(B, T, H, D), _empty(B, T, H, D), _empty(B, T, H, D)
-    rbuf = _empty(B, T, H)
+    dopbuf, dgbuf = _empty(B, T, H, D), _empty(B, T, H, D)
     g = {n: _empty(*f[n].shape) for n in ("q", "k", "v", "eta")}
     dwp, dbp = _empty(2, count, H, D), _empty(2, count, H, D)
     call("bwd_local", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),

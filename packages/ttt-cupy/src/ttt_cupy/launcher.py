@@ -3,9 +3,11 @@ CuPy (zero copy).
 
 Kernels get raw ``data_ptr()`` addresses and run on torch's current stream of the inputs'
 device; nothing is copied to the host. The split follows the Triton backend: the forward is
-fwd_chain (one block per (sequence, head): the state chain, g and the checkpoint slots) then
-fwd_out (one block per (group of G chunks, head): the outputs); the backward is bwd_local
-(per group), bwd_chain (per sequence, reverse) and bwd_grads (per group, reverse). Tunables
+fwd_chain (one block per (sequence, head): the state chain, the checkpoint slots and the
+LayerNorm's xhat [B, T, H, D] and r [B, T, H] of every row, fp32) then fwd_out (one block
+per (group of G chunks, head): the outputs, g derived row-locally from xhat and r); the
+backward is bwd_local (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group,
+reverse), all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables
 live in :data:`CKPT_INTERVAL`. For half inputs all five kernels are their tensor-core
 (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
 :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
@@ -63,10 +65,13 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
 
 @dataclass
 class Saved:
-    """What the forward keeps for the backward: the fp32 state slots and the grouping."""
+    """What the forward keeps for the backward: the fp32 state slots, the LayerNorm's xhat and
+    r of every row (fwd_chain) and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
+    xbuf: torch.Tensor        # [B, T, H, D] fp32 xhat
+    rbuf: torch.Tensor        # [B, T, H] fp32 r
     groups: ChunkGroups
 
 
@@ -147,7 +152,8 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         hbt = torch.empty(N, H, 1, D, **f32)
     ck = torch.empty(grp.slots, H, D, D, **f32)
     ckb = torch.empty(grp.slots, H, D, **f32)
-    gbuf = torch.empty(q.shape, **f32)
+    xbuf = torch.empty(q.shape, **f32)       # xhat
+    rbuf = torch.empty(B, T, H, **f32)       # r
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
     h0, hb0 = _f32(p.initial_state), _f32(p.initial_state_bias)
     kern = get_kernels("fwd", dtype_name, dp, BT, _index(dev))
@@ -157,18 +163,19 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     smem = smem_bytes("fwd_chain", dp, BT, mma)
     _launch(kern["fwd_chain"], dev, N * H, threads(dp, "fwd_chain", mma), smem, (
         _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0), _ptr(ht),
-        _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(gbuf), _ptr(cu_seqlens), _ptr(grp.offsets),
-        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-        np.uint64(smem)))
+        _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf), _ptr(cu_seqlens),
+        _ptr(grp.offsets), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
+        np.int32(G), np.uint64(smem)))
     o = torch.empty_like(q)
     smem = smem_bytes("fwd_out", dp, BT)
     _launch(kern["fwd_out"], dev, grp.count * H, nt, smem, (
-        _ptr(q), _ptr(k), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb), _ptr(gbuf),
-        _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
-        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-        np.uint64(smem)))
-    del gbuf  # back to torch's caching allocator, stream-ordered after fwd_out
-    saved = Saved(ck, ckb, grp) if save_for_backward else None
+        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
+        _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
+        np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
+        np.int32(G), np.uint64(smem)))
+    # without a backward, xbuf / rbuf go back to torch's caching allocator here (stream-ordered
+    # after fwd_out)
+    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -195,8 +202,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     kern = get_kernels("bwd", dtype_name, dp, BT, _index(dev))
     nt = threads(dp)
 
-    xbuf = torch.empty(q.shape, **f32)       # xhat
-    rbuf = torch.empty(B, T, H, **f32)       # r
+    xbuf, rbuf = saved.xbuf, saved.rbuf      # xhat, r (fwd_chain)
     dopbuf = torch.empty(q.shape, **f32)     # do_pre
     dgbuf = torch.empty(q.shape, **f32)      # dg_loc, then the full dg
     dq = torch.empty_like(q)

@@ -208,21 +208,24 @@ using ci64 = const long long*;
 #define P_(...) __VA_ARGS__
 
 #define FWD_CHAIN_PARAMS cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, float* hbt, \
-    float* ck, float* ckb, float* gbuf, ci64 cu, ci64 go, float eps, i64 T, int H, int D, int G
-#define FWD_CHAIN_ARGS k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, gbuf, cu, go, eps, T, H, D, G
+    float* ck, float* ckb, float* xbuf, float* rbuf, ci64 cu, ci64 go, float eps, i64 T, int H, \
+    int D, int G
+#define FWD_CHAIN_ARGS k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu, go, eps, T, H, \
+    D, G
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
 ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
 
-#define FWD_OUT_PARAMS cf q, cf k, cf eta, cf w, cf b, cf ck, cf ckb, cf gbuf, float* o, ci64 cu, \
-    ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G
-#define FWD_OUT_ARGS q, k, eta, w, b, ck, ckb, gbuf, o, cu, go, gs, scale, eps, T, H, D, G
+#define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
+    float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G
+#define FWD_OUT_ARGS q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu, go, gs, scale, eps, T, H, D, \
+    G
 #define DISPATCH_ONE_fwd_out(DP, BT) \
     if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
 ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
 
 #define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
-    float* xbuf, float* rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
+    cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
     float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G
 #define BWD_LOCAL_ARGS q, k, v, eta, w, b, dout, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, \
     dwp, dbp, cu, go, gs, scale, eps, T, H, D, G
@@ -260,7 +263,7 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
         ttt_linear_fwd_chain<__half, DP, BT, true>(kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                                                   gbuf, cu, go, eps, T, H, D, G,
+                                                   xbuf, rbuf, cu, go, eps, T, H, D, G,
                                                    Tr::kFwdChainTcBytes);
     });
 }
@@ -297,10 +300,12 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
+    auto vh = reinterpret_cast<const __half*>(v);
     auto oh = reinterpret_cast<__half*>(o);
     launch(grid, Tr::kThreads, [&] {
-        ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, eta, w, b, ck, ckb, gbuf, oh, cu, go, gs,
-                                                 scale, eps, T, H, D, G, Tr::kFwdOutBytes);
+        ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, ckb, xbuf, rbuf, oh,
+                                                 cu, go, gs, scale, eps, T, H, D, G,
+                                                 Tr::kFwdOutBytes);
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \

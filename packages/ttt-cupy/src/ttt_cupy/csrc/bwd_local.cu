@@ -2,25 +2,30 @@
 // forward state but not the state's cotangent; one block per (group of G chunks, head),
 // replaying its group from its checkpoint slot (notation in ttt_common.cuh):
 //
-//   kh, xh, r, y, g as in the forward;     o_pre = q W + hb - e (A g)
+//   y = (xh w + b - v + k) w,  g = r (y - mean(y) - xh mean(y xh))   (xh, r from fwd_chain.cu)
+//   o_pre = q W + hb - e (A g)
 //   do_pre = do + r_o (doh - mean(doh) - oh mean(doh oh)),  doh = do w,  oh = LN(o_pre)
 //   dS = do_pre g^T,   dP = -tril(e dS),   dq = scale (do_pre W^T + dP k)
 //   deta_i = -sum_j A_ij dS_ij                      (the last-row term comes in bwd_chain.cu)
 //   dg_loc = -A^T (e do_pre)
 //   dw += sum_i do oh,  db += sum_i do              (post norm-residual part)
 //
-// It writes dq (final), deta (final except the last-row term), the dw / db partials of the
-// block ([groups, H, D]: deterministic, summed in torch), and for the later kernels xhat, r,
-// do_pre and dg_loc (fp32). Shared memory: W, hb, Q, K, DO, G, A, dS/dP, eta
+// g is row-local in the xh and r that fwd_chain.cu saved (inner_grad_rows_saved, in the phase
+// of q k^T): no k W product, no LayerNorm statistics. The state W still walks the group (q W,
+// do_pre W^T and the step W <- W - eta_l k^T g). It writes dq (final), deta (final except the
+// last-row term), the dw / db partials of the block ([groups, H, D]: deterministic, summed in
+// torch), and for the later kernels do_pre and dg_loc (fp32; bwd_chain.cu and bwd_grads.cu
+// read xh, r from fwd_chain.cu too). Shared memory: W, hb, Q, K, DO, G, A, dS/dP, eta
 // (Traits::kBwdLocalBytes).
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
-// q k^T, k W, q W + A g (which then replaces q in its tile), dS = do_pre g^T,
+// q k^T, q W + A g (which then replaces q in its tile), dS = do_pre g^T,
 // do_pre W^T + dP k, A^T (e do_pre) and the state step k^T g run on tensor cores (mma.sync
 // m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh); the row passes keep the
-// row-local math (LayerNorm, g, the post norm's backward), the deta pass scales A's rows by
+// row-local math (g, the post norm's backward), the deta pass scales A's rows by
 // e in place for dg_loc. With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is
-// SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
+// SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48),
+// before g came from the saved xh, r (since then: CPU emulation and NVRTC only).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
@@ -32,8 +37,8 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
                      const float* __restrict__ ck,     // [slots, H, D, D] state slots
                      const float* __restrict__ ckb,    // [slots, H, D]
-                     float* __restrict__ xbuf,         // [B, T, H, D] fp32 xhat
-                     float* __restrict__ rbuf,         // [B, T, H] fp32 r
+                     const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
+                     const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
                      float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
                      float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
                      T* __restrict__ dq,               // [B, T, H, D]
@@ -92,15 +97,10 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
         if constexpr (MMA) {
             const int g4 = lane >> 2, t4 = lane & 3;
-            // A -> s_A, kh - hb = k W -> s_g (tensor cores)
+            // A -> s_A (tensor cores); row pass: g from xh, r, k, v -> s_g
             ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
-            ttt::tile_times_state_mma<D_PAD, BT, NW>(s_g, s_k, s_W);
-            __syncthreads();
-
-            // row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
-            ttt::inner_grad_rows<D_PAD, BT, NW, true>(s_g, s_k, s_W, s_hb, v, b_w, b_b,
-                                                      p_base, p_ebase, row0, row_stride, L,
-                                                      H, D, eps, nullptr, xbuf, rbuf);
+            ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                      p_ebase, row0, row_stride, L, H, D);
             __syncthreads();
 
             // o_pre - hb = q W - e (A g) -> s_q (after every warp's products: they read q)
@@ -161,11 +161,10 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
             continue;
         }
 
-        // A -> s_A (tile pass); row pass: kh -> xh, r, g (s_g; xbuf, rbuf)
+        // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        ttt::inner_grad_rows<D_PAD, BT, NW, false>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                   p_ebase, row0, row_stride, L, H, D, eps,
-                                                   nullptr, xbuf, rbuf);
+        ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                  p_ebase, row0, row_stride, L, H, D);
         __syncthreads();
 
         // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db

@@ -3,16 +3,20 @@
 //
 // One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
 //
-//   kh = k W + hb  ->  g (inner-loss gradient)  ->  W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
+//   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g (inner-loss gradient)
+//   W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
 //
-// The block writes g (fp32) of every valid row for fwd_out.cu, the fp32 state into checkpoint
-// slot s before chunk s * G, and the final state into the sequence's last slot (and into
-// ht / hbt when given). The outputs (which need q) are left to the group-parallel fwd_out.cu.
+// The block writes xh ([B, T, H, D] fp32) and r ([B, T, H] fp32) of every valid row, the fp32
+// state into checkpoint slot s before chunk s * G, and the final state into the sequence's
+// last slot (and into ht / hbt when given). The outputs (which need q) are left to the
+// group-parallel fwd_out.cu. xh and r are the saved activations (as in the Triton backend):
+// fwd_out.cu and bwd_local.cu derive g from them row-locally (y = (xh w + b - v + k) w, then g;
+// no k W, no LayerNorm statistics), bwd_chain.cu and bwd_grads.cu read them for g and dkh.
 //
 // MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kFwdChainBytes): the
 // state lives in shared memory; per chunk a row pass (one warp a row: kh = k_i W + hb,
-// LayerNorm, g) then a SIMT tile pass for the state step. Each step asks for the next chunk's
-// rows of k, v and eta into L1 (prefetch_rows).
+// LayerNorm (xh, r -> xbuf, rbuf), g) then a SIMT tile pass for the state step. Each step asks
+// for the next chunk's rows of k, v and eta into L1 (prefetch_rows).
 //
 // MMA = true (default for __half / __nv_bfloat16; Traits::kTcThreads threads, one warp per 16
 // state columns, kFwdChainTcBytes): fwd_chain_tc below. The state stays in registers as mma
@@ -21,8 +25,9 @@
 // Triton backend does for half inputs. kh comes out of k W in the accumulator layout (each
 // lane: 2 columns x BT / 4 rows), so the LayerNorm's and g's row sums are warp shuffles plus
 // one exchange of per-warp partials through shared memory (Chan's formula for the variance):
-// three barriers per chunk. The next chunk's k and v are loaded into registers at the start of
-// a step and stored into the other half of the double-buffered tiles at its end.
+// three barriers per chunk. xh and r go to xbuf, rbuf from that layout (r by warp 0's lanes
+// g = 0). The next chunk's k and v are loaded into registers at the start of a step and stored
+// into the other half of the double-buffered tiles at its end.
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -33,7 +38,8 @@ __device__ __forceinline__ void fwd_chain_tc(
     float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ gbuf,
+    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
+    float* __restrict__ rbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
@@ -124,6 +130,7 @@ __device__ __forceinline__ void fwd_chain_tc(
             }
         __syncthreads();
         float r[NR][2];
+        float* x_rows = xbuf + p_base + row0 * row_stride;
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -146,6 +153,11 @@ __device__ __forceinline__ void fwd_chain_tc(
                 r[i][e] = rsqrtf(m2 * inv_d + eps);
                 x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
                 x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
+                if (t < L) {  // the saved activations: xh, and r once (warp 0, lanes g = 0)
+                    if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
+                    if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
+                    if (wid == 0 && g == 0) rbuf[p_ebase + (row0 + t) * H] = r[i][e];
+                }
             }
 
         // y = (xh w + b - v + k) w; g = r (y - mean(y) - xh mean(y xh))
@@ -167,7 +179,6 @@ __device__ __forceinline__ void fwd_chain_tc(
                 }
             }
         frag_row_sums<NW, BT, 2>(sums, s_red + 2 * NW * BT);
-        float* g_rows = gbuf + p_base + row0 * row_stride;
         float hs[2] = {0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < NR; ++i)
@@ -182,7 +193,6 @@ __device__ __forceinline__ void fwd_chain_tc(
                     const float gv = ok ? r[i][e] * (y[i][c] - ym - x[i][c] * yx) : 0.f;
                     y[i][c] = gv;                        // y now holds g
                     hs[h] += gv;
-                    if (ok) g_rows[t * rs + n0 + 8 * h] = gv;
                 }
             }
 
@@ -218,7 +228,8 @@ __device__ __forceinline__ void fwd_chain_simt(
     float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ gbuf,
+    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
+    float* __restrict__ rbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
@@ -262,10 +273,9 @@ __device__ __forceinline__ void fwd_chain_simt(
         }
         __syncthreads();
 
-        // row pass: kh -> xh, r -> g (s_g, gbuf)
-        inner_grad_rows<D_PAD, BT, NW, false>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                              p_ebase, row0, row_stride, L, H, D, eps, gbuf,
-                                              nullptr, nullptr);
+        // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g)
+        inner_grad_rows<D_PAD, BT, NW>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base, p_ebase,
+                                       row0, row_stride, L, H, D, eps, xbuf, rbuf);
         __syncthreads();
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
@@ -293,7 +303,8 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      float* __restrict__ hbt,         // [N, H, D] or null (with ht)
                      float* __restrict__ ck,          // [slots, H, D, D] state slots
                      float* __restrict__ ckb,         // [slots, H, D]
-                     float* __restrict__ gbuf,        // [B, T, H, D] fp32: g of every valid row
+                     float* __restrict__ xbuf,        // [B, T, H, D] fp32: xh of valid rows
+                     float* __restrict__ rbuf,        // [B, T, H] fp32: r of valid rows
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float eps, long long T_len, int H, int D, int G,
@@ -306,11 +317,13 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
             G < 1)
             __trap();
         ttt::fwd_chain_tc<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
-                                        gbuf, cu_seqlens, grp_offsets, eps, T_len, H, D, G);
+                                        xbuf, rbuf, cu_seqlens, grp_offsets, eps, T_len, H, D,
+                                        G);
     } else {
         if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
         ttt::fwd_chain_simt<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
-                                          gbuf, cu_seqlens, grp_offsets, eps, T_len, H, D, G);
+                                          xbuf, rbuf, cu_seqlens, grp_offsets, eps, T_len, H, D,
+                                          G);
     }
 }

@@ -1,9 +1,11 @@
 // Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT>. The outputs, one block per
 // (group of G chunks, head).
 //
-// fwd_chain.cu stored g of every row and the state before every group, so a group replays
-// its chunks from its slot without recomputing the inner loss (notation in ttt_common.cuh):
+// fwd_chain.cu stored xh and r of every row and the state before every group, so a group
+// replays its chunks from its slot without recomputing k W or the LayerNorm: g comes back
+// row-locally from xh, r, k, v (inner_grad_rows_saved; notation in ttt_common.cuh):
 //
+//   y     = (xh w + b - v + k) w,     g = r (y - mean(y) - xh mean(y xh))
 //   A     = tril(q k^T) + tril(1)                                  [BT, BT]
 //   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
@@ -11,24 +13,28 @@
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs
 // there are. It walks chunk by chunk (blocks of BT rows): in SIMT arithmetic that is the
 // cheapest block (per row 2 D^2 + BT D multiply-adds); larger row blocks only pay with tensor
-// cores. Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
+// cores. The g row pass shares its phase with q k^T (no barrier of its own). Shared memory:
+// W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): q k^T, q W + A g
 // ([BT, D] x [D, D] and [BT, BT] x [BT, D], one tile pass whose result replaces q in its
 // tile) and the state step k^T g run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
 // accumulation; ttt_common.cuh); the row pass then only adds hb and does the post norm. With
-// MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
+// MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path
+// passed the conformance suite on an H200 (580de07, again at 80e4f48), before g came from the
+// saved xh, r (since then: CPU emulation and NVRTC only).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
+ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const float* __restrict__ eta,    // [B, T, H] fp32
                    const float* __restrict__ lnw,    // [H, D] fp32
                    const float* __restrict__ lnb,    // [H, D] fp32
                    const float* __restrict__ ck,     // [slots, H, D, D] state slots
                    const float* __restrict__ ckb,    // [slots, H, D]
-                   const float* __restrict__ gbuf,   // [B, T, H, D] fp32 g (fwd_chain)
+                   const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xh (fwd_chain)
+                   const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
                    T* __restrict__ o,                // [B, T, H, D]
                    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
@@ -70,13 +76,15 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
         const int L = (int)min((long long)BT, gr.seq.len - row0);
         ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_tile<D_PAD, BT, NT>(s_g, gbuf, p_base, row0, L, row_stride, D, 1.f);
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
 
         if constexpr (MMA) {
+            // A -> s_A (tensor cores); row pass: g from xh, r, k, v -> s_g
             ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
+            ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                      p_ebase, row0, row_stride, L, H, D);
             __syncthreads();
             // q W - e (A g) -> s_q (after every warp's products: they read q)
             ttt::out_pre_mma<D_PAD, BT, NW>(s_q, s_W, s_A, s_g, s_e);
@@ -97,7 +105,10 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k,
             continue;
         }
 
+        // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                  p_ebase, row0, row_stride, L, H, D);
         __syncthreads();
 
         // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o

@@ -22,8 +22,12 @@
 // (at most) G chunks between two slots; groups are counted over the batch (grp_offsets [N + 1]
 // gives each sequence's first group, grp_seq [groups] each group's sequence, varlen only).
 //
+// Saved activations (as in the Triton backend): fwd_chain writes xh and r of every valid row;
+// the four other kernels read them and derive y and g row-locally (inner_grad_row): no kernel
+// but fwd_chain computes k W or the LayerNorm of kh.
+//
 // Layout: q, k, v, o, do, dq, dk, dv are [B, T, H, D] in the input dtype T (float, __half or
-// __nv_bfloat16); the fp32 work buffers g, xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
+// __nv_bfloat16); the fp32 work buffers xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
 // [B, T, H]; w, b [H, D] fp32; states [N, H, D, D] / [N, H, D] and slots [slots, H, D, D] /
 // [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
 //
@@ -417,20 +421,20 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
         g[e] = lane + 32 * e < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
 }
 
-// The row pass of the inner loss over one chunk (fwd_chain, bwd_local): warp w takes rows
-// w, w + NW, ... < BT. kh = k_i W + hb (MMA: k W was staged in sG's row by the tensor cores;
-// else a SIMT row product), then xh, r (LayerNorm) and g (inner_grad_row) into sG's row; rows
-// >= L are zeroed. Also writes g of row i to gbuf, xh to xbuf and r to rbuf, each when not
-// null (row i is at p_base + (row0 + i) * row_stride, its r at p_ebase + (row0 + i) * H).
-// b_w, b_b: the LayerNorm weight and bias per lane.
-template <int D_PAD, int BT, int NW, bool MMA, typename T, int P>
+// The row pass of the inner loss over one chunk (fwd_chain's SIMT instance): warp w takes rows
+// w, w + NW, ... < BT. kh = k_i W + hb (a SIMT row product), then xh, r (LayerNorm) and g
+// (inner_grad_row) into sG's row; rows >= L are zeroed. Writes xh of row i to xbuf (at
+// p_base + (row0 + i) * row_stride) and r to rbuf (at p_ebase + (row0 + i) * H): the group
+// kernels derive g from them (inner_grad_rows_saved). b_w, b_b: the LayerNorm weight and bias
+// per lane.
+template <int D_PAD, int BT, int NW, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
                                                 const float* sHb, const T* __restrict__ v,
                                                 const float (&b_w)[P], const float (&b_b)[P],
                                                 long long p_base, long long p_ebase,
                                                 long long row0, long long row_stride, int L,
-                                                int H, int D, float eps, float* gbuf,
-                                                float* xbuf, float* rbuf) {
+                                                int H, int D, float eps, float* __restrict__ xbuf,
+                                                float* __restrict__ rbuf) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BT; i += NW) {
@@ -440,10 +444,7 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
         }
         const long long o_r = p_base + (row0 + i) * row_stride;
         float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-        if constexpr (MMA)
-            load_row<D_PAD>(b_x, sG + i * LD, D_PAD, 1.f);  // this warp's row only
-        else
-            row_times_state<D_PAD>(b_x, sK + i * LD, sW);
+        row_times_state<D_PAD>(b_x, sK + i * LD, sW);
 #pragma unroll
         for (int e = 0; e < P; ++e) {
             const int d = lane + 32 * e;
@@ -454,9 +455,41 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
         load_row<D_PAD>(b_v, v + o_r, D, 1.f);
         inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
         put_row<D_PAD>(sG + i * LD, b_g);
-        if (gbuf != nullptr) store_row<D_PAD>(gbuf + o_r, b_g, D);
-        if (xbuf != nullptr) store_row<D_PAD>(xbuf + o_r, b_x, D);
-        if (rbuf != nullptr && lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        store_row<D_PAD>(xbuf + o_r, b_x, D);
+        if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+    }
+}
+
+// g of a chunk's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
+// no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT; g_i = inner_grad_row(xh_i,
+// r_i, k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
+// inner_grad_rows); rows >= L are zeroed. Row-local: no barrier between the rows. (Unrolling
+// the rows, so that all their loads are in flight together, made ptxas spill more in
+// bwd_local's and fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
+template <int D_PAD, int BT, int NW, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
+                                                      const T* __restrict__ v,
+                                                      const float* __restrict__ xbuf,
+                                                      const float* __restrict__ rbuf,
+                                                      const float (&b_w)[P],
+                                                      const float (&b_b)[P], long long p_base,
+                                                      long long p_ebase, long long row0,
+                                                      long long row_stride, int L, int H,
+                                                      int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int i = threadIdx.x >> 5; i < BT; i += NW) {
+        if (i >= L) {
+            zero_row<D_PAD>(sG + i * LD);
+            continue;
+        }
+        const long long o_r = p_base + (row0 + i) * row_stride;
+        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+        const float r = rbuf[p_ebase + (row0 + i) * H];
+        load_row<D_PAD>(b_x, xbuf + o_r, D, 1.f);
+        load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
+        load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+        inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD>(sG + i * LD, b_g);
     }
 }
 
@@ -697,19 +730,6 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
         });
 }
 
-
-// sOut[i, n] = sum_a sX[i, a] sS[a, n] for i < BT, n < D_PAD (X [BT, D_PAD] tile, S a
-// [D_PAD, D_PAD] state; both with row stride D_PAD + 1). Tiles: (BT / 16) x (D_PAD / 8).
-template <int D_PAD, int BT, int NW>
-__device__ __forceinline__ void tile_times_state_mma(float* sOut, const float* sX,
-                                                     const float* sS) {
-    constexpr int LD = D_PAD + 1;
-    mma_tiles<BT, D_PAD, NW>(
-        [&](float (&acc)[4], int m0, int n0) {
-            mma_tile_acc(acc, sX, LD, 1, sS, LD, 1, m0, n0, 0, D_PAD);
-        },
-        [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sOut, acc, m0, n0); });
-}
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
 // the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
