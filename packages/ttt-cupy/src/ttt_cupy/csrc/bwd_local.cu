@@ -24,8 +24,8 @@
 // m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh); the row passes keep the
 // row-local math (g, the post norm's backward), the deta pass scales A's rows by
 // e in place for dg_loc. With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is
-// SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48),
-// before g came from the saved xh, r (since then: CPU emulation and NVRTC only).
+// SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, 80e4f48, and with
+// g from the saved xh, r at 3eb0127).
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
