@@ -28,7 +28,10 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.error_on_missing_interpreters = False
 
 TORCH = "torch==2.13.0"
-TEST_DEPS = ["pytest>=7", "numpy"]
+TEST_DEPS = ["pytest>=7", "pytest-xdist", "numpy"]
+CPU_WORKERS = ["-n", "auto"]
+"""pytest-xdist workers for CPU runs (one per core; a CI machine has 2). Extra arguments after
+``--`` come later and win (e.g. ``-- -n 0``)."""
 
 # backend -> (its package, what it needs on a CPU machine, environment for CPU runs,
 #             the backend's own tests besides the conformance suite)
@@ -82,7 +85,7 @@ def tests(session: nox.Session, backend: str) -> None:
     if _offline(session):
         env, selection = {}, []            # GPU runner: every case, big ones included
     else:
-        env, selection = cpu_env, ["-m", "not big"]
+        env, selection = cpu_env, ["-m", "not big", *CPU_WORKERS]
     session.run(_python(session), "-m", "pytest", *paths, "--backend", backend, *selection,
                 *session.posargs, env=env)
 
