@@ -19,6 +19,39 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 import triton
 import triton.language as tl
 
+IEEE_K_BLOCK = tl.constexpr(16)
+"""K block of the IEEE fp32 products (:func:`mm`)."""
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``. IEEE fp32 products with
+    K > IEEE_K_BLOCK run as one batched dot over K blocks, summed: Triton lowers an IEEE dot
+    to FMA loops that hold each thread's whole K slices of both operands, which at K = 128
+    put the chains into local memory (32 registers and KBs of stack); blocks of 16 keep them
+    in registers. The products stay exact fp32, only the summation order changes. tf32 and
+    half-precision dots are left to Triton as they are."""
+    K: tl.constexpr = a.shape[1]
+    if PREC == "ieee" and K > IEEE_K_BLOCK:
+        M: tl.constexpr = a.shape[0]
+        N: tl.constexpr = b.shape[1]
+        NB: tl.constexpr = K // IEEE_K_BLOCK
+        a3 = tl.permute(tl.reshape(a, (M, NB, IEEE_K_BLOCK)), (1, 0, 2))   # [NB, M, KB]
+        b3 = tl.reshape(b, (NB, IEEE_K_BLOCK, N))                           # [NB, KB, N]
+        return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def mm_acc(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` (:func:`mm`); tf32 and half dots accumulate in place."""
+    K: tl.constexpr = a.shape[1]
+    if PREC == "ieee" and K > IEEE_K_BLOCK:
+        return acc + mm(a, b, PREC)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
 
 @triton.jit
 def seq_coords(i_n, cu_seqlens, grp_offsets, T, BT: tl.constexpr, G: tl.constexpr,
@@ -138,7 +171,7 @@ def qk_plus_one(r_q, r_k, scale, HALF: tl.constexpr, PREC: tl.constexpr):
     if HALF:
         b_A = tl.dot(r_q, tl.trans(r_k))
     else:
-        b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+        b_A = mm(r_q, tl.trans(r_k), PREC)
     return b_A * scale + 1.
 
 
