@@ -20,35 +20,39 @@ import triton
 import triton.language as tl
 
 IEEE_K_BLOCK = tl.constexpr(16)
-"""K block of the IEEE fp32 products (:func:`mm`)."""
+"""K block of the "ieee_kblocks" products (:func:`mm`)."""
 
 
 @triton.jit
 def mm(a, b, PREC: tl.constexpr):
-    """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``. IEEE fp32 products with
-    K > IEEE_K_BLOCK run as one batched dot over K blocks, summed: Triton lowers an IEEE dot
-    to FMA loops that hold each thread's whole K slices of both operands, which at K = 128
-    put the chains into local memory (32 registers and KBs of stack); blocks of 16 keep them
-    in registers. The products stay exact fp32, only the summation order changes. tf32 and
-    half-precision dots are left to Triton as they are."""
+    """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
+    has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
+    ``launcher.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
+    batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
+    thread's whole K slices of both operands; at K = 128 that puts the kernels into local
+    memory. The products stay exact fp32, only the summation order changes."""
     K: tl.constexpr = a.shape[1]
-    if PREC == "ieee" and K > IEEE_K_BLOCK:
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
         M: tl.constexpr = a.shape[0]
         N: tl.constexpr = b.shape[1]
         NB: tl.constexpr = K // IEEE_K_BLOCK
         a3 = tl.permute(tl.reshape(a, (M, NB, IEEE_K_BLOCK)), (1, 0, 2))   # [NB, M, KB]
         b3 = tl.reshape(b, (NB, IEEE_K_BLOCK, N))                           # [NB, KB, N]
         return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
+    elif PREC == "ieee_kblocks":
+        return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def mm_acc(a, b, acc, PREC: tl.constexpr):
-    """``acc + a @ b`` (:func:`mm`); tf32 and half dots accumulate in place."""
+    """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
     K: tl.constexpr = a.shape[1]
-    if PREC == "ieee" and K > IEEE_K_BLOCK:
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
         return acc + mm(a, b, PREC)
+    elif PREC == "ieee_kblocks":
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
 
