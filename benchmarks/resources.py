@@ -17,6 +17,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -97,8 +98,9 @@ def main() -> None:
     tune["G"] = tune["G"] or launcher.CKPT_INTERVAL["narrow"]
     print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
     for dtype in args.dtypes:
-        prec = "ieee" if dtype == "fp32" else launcher.HALF_DOT_PRECISION
         for BD in args.bd:
+            prec = launcher.dot_precision(torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                          BD)
             for BT in args.bt:
                 for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:

@@ -35,7 +35,7 @@ the backward chain); the group's first block takes its state from its own exact 
 import triton
 import triton.language as tl
 
-from .common import block_rows, group_coords, inner_grad_bwd, inner_grad_from_xhat
+from .common import block_rows, group_coords, inner_grad_bwd, inner_grad_from_xhat, mm, mm_acc
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -113,23 +113,23 @@ def ttt_linear_bwd_grads_kernel(
         if jr == n_blk - 1:
             b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_dd, other=0.)
         else:
-            b_Wt = tl.dot(tl.trans(b_g * b_el[:, None]), b_k, b_Wt, input_precision=PREC)
+            b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_k, b_Wt, PREC)
         # dk in accumulated parts
-        b_dk = tl.dot(b_dkh, b_Wt, b_dyw, input_precision=PREC)            # [BS, BD]
-        b_dk = tl.dot(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, input_precision=PREC)
-        b_S2 = tl.dot(b_g, tl.trans(b_dkh), input_precision=PREC)         # [BS, BS]
+        b_dk = mm_acc(b_dkh, b_Wt, b_dyw, PREC)            # [BS, BD]
+        b_dk = mm_acc(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, PREC)
+        b_S2 = mm(b_g, tl.trans(b_dkh), PREC)         # [BS, BS]
         b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
             - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
-        b_dk = tl.dot(b_Ck, b_k, b_dk, input_precision=PREC)
+        b_dk = mm_acc(b_Ck, b_k, b_dk, PREC)
         b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BS, BD]
         b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
-        b_S1 = tl.dot(b_g, tl.trans(b_dop), input_precision=PREC)         # [BS, BS]
+        b_S1 = mm(b_g, tl.trans(b_dop), PREC)         # [BS, BS]
         b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
-        b_dk = tl.dot(b_Cq, b_q, b_dk, input_precision=PREC)
+        b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)
         tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         # the cotangent of the state before the block
-        b_dW = tl.dot(tl.trans(b_q), b_dop, b_dW, input_precision=PREC)
-        b_dW = tl.dot(tl.trans(b_k), b_dkh, b_dW, input_precision=PREC)
+        b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
+        b_dW = mm_acc(tl.trans(b_k), b_dkh, b_dW, PREC)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     tl.store(dwp + o_p, b_dw, mask=m_d)

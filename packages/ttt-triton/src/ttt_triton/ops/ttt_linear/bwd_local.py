@@ -28,7 +28,16 @@ later kernels ``do_pre`` and ``dg_loc`` (fp32).
 import triton
 import triton.language as tl
 
-from .common import block_g, block_rows, group_coords, post_norm, post_norm_bwd, qk_plus_one
+from .common import (
+    block_g,
+    block_rows,
+    group_coords,
+    mm,
+    mm_acc,
+    post_norm,
+    post_norm_bwd,
+    qk_plus_one,
+)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,8 +97,8 @@ def ttt_linear_bwd_local_kernel(
         b_Ps = tl.where(m_same, b_e[:, None], 0.)                          # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], b_Ps)                        # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                   # [BS, BD]
-        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :]      # [BS, BD]
-        b_o = tl.dot(-(b_P * b_A), b_g, b_o, input_precision=PREC)
+        b_o = mm(b_q, b_W, PREC) + b_hb[None, :]      # [BS, BD]
+        b_o = mm_acc(-(b_P * b_A), b_g, b_o, PREC)
 
         # post norm-residual backward
         b_do = tl.load(do + o_x, mask=m_2d, other=0.).to(tl.float32)       # [BS, BD]
@@ -99,11 +108,11 @@ def ttt_linear_bwd_local_kernel(
         b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BS, BD]
 
         # h-cotangent-free gradients
-        b_dS = tl.dot(b_dop, tl.trans(b_g), input_precision=PREC)         # [BS, BS]
+        b_dS = mm(b_dop, tl.trans(b_g), PREC)         # [BS, BS]
         b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)                # [BS]
-        b_dgl = -tl.dot(tl.trans(b_Ps * b_A), b_dop, input_precision=PREC)  # [BS, BD]
-        b_dq = tl.dot(b_dop, tl.trans(b_W), input_precision=PREC)         # [BS, BD]
-        b_dq = tl.dot(-(b_P * b_dS), b_k, b_dq, input_precision=PREC)
+        b_dgl = -mm(tl.trans(b_Ps * b_A), b_dop, PREC)  # [BS, BD]
+        b_dq = mm(b_dop, tl.trans(b_W), PREC)         # [BS, BD]
+        b_dq = mm_acc(-(b_P * b_dS), b_k, b_dq, PREC)
 
         tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
         tl.store(deta + o_e, b_de, mask=m_t)
@@ -112,7 +121,7 @@ def ttt_linear_bwd_local_kernel(
 
         # k again (a cache hit) rather than a copy kept live through the block
         b_ke = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32) * -b_el[:, None]
-        b_W = tl.dot(tl.trans(b_ke), b_g, b_W, input_precision=PREC)
+        b_W = mm_acc(tl.trans(b_ke), b_g, b_W, PREC)
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d

@@ -19,6 +19,43 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 import triton
 import triton.language as tl
 
+IEEE_K_BLOCK = tl.constexpr(16)
+"""K block of the "ieee_kblocks" products (:func:`mm`)."""
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
+    has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
+    ``launcher.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
+    batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
+    thread's whole K slices of both operands; at K = 128 that puts the kernels into local
+    memory. The products stay exact fp32, only the summation order changes."""
+    K: tl.constexpr = a.shape[1]
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
+        M: tl.constexpr = a.shape[0]
+        N: tl.constexpr = b.shape[1]
+        NB: tl.constexpr = K // IEEE_K_BLOCK
+        a3 = tl.permute(tl.reshape(a, (M, NB, IEEE_K_BLOCK)), (1, 0, 2))   # [NB, M, KB]
+        b3 = tl.reshape(b, (NB, IEEE_K_BLOCK, N))                           # [NB, KB, N]
+        return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
+    elif PREC == "ieee_kblocks":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def mm_acc(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
+    K: tl.constexpr = a.shape[1]
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
+        return acc + mm(a, b, PREC)
+    elif PREC == "ieee_kblocks":
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
 
 @triton.jit
 def seq_coords(i_n, cu_seqlens, grp_offsets, T, BT: tl.constexpr, G: tl.constexpr,
@@ -138,7 +175,7 @@ def qk_plus_one(r_q, r_k, scale, HALF: tl.constexpr, PREC: tl.constexpr):
     if HALF:
         b_A = tl.dot(r_q, tl.trans(r_k))
     else:
-        b_A = tl.dot(r_q, tl.trans(r_k), input_precision=PREC)
+        b_A = mm(r_q, tl.trans(r_k), PREC)
     return b_A * scale + 1.
 
 

@@ -30,7 +30,7 @@ picks it when there are enough chains to hide the latency (``launcher.FUSED``).
 import triton
 import triton.language as tl
 
-from .common import inner_grad, last_row_eta, post_norm, qk_plus_one, row_offsets, seq_coords
+from .common import inner_grad, last_row_eta, mm, post_norm, qk_plus_one, row_offsets, seq_coords
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -105,7 +105,7 @@ def ttt_linear_fwd_chain_kernel(
         r_v = tl.load(v + o_xn, mask=m_2dn, other=0.)
         r_el = last_row_eta(eta, p_ebase, tl.minimum(i_c + 1, NC - 1), seq_len, BT, H)
 
-        b_kh = tl.dot(b_k, b_W, input_precision=PREC) + b_hb[None, :]     # [BT, BD]
+        b_kh = mm(b_k, b_W, PREC) + b_hb[None, :]     # [BT, BD]
         b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
         if SAVE:
             tl.store(xbuf + o_x, b_xh, mask=m_2d)
@@ -116,11 +116,11 @@ def ttt_linear_fwd_chain_kernel(
             r_e = tl.load(eta + p_ebase + o_en, mask=m_tn, other=0.)
             b_A = qk_plus_one(c_q, b_k.to(c_q.dtype), scale, HALF, PREC)   # [BT, BT]
             b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * b_A
-            b_o = tl.dot(c_q.to(tl.float32) * scale, b_W, input_precision=PREC) \
-                + b_hb[None, :] - tl.dot(b_A, b_g, input_precision=PREC)  # [BT, BD]
+            b_o = mm(c_q.to(tl.float32) * scale, b_W, PREC) \
+                + b_hb[None, :] - mm(b_A, b_g, PREC)  # [BT, BD]
             b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)
             tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
-        b_W = b_W - b_el * tl.dot(tl.trans(b_k), b_g, input_precision=PREC)
+        b_W = b_W - b_el * mm(tl.trans(b_k), b_g, PREC)
         b_hb = b_hb - b_el * tl.sum(b_g, 0)
 
     if SAVE:

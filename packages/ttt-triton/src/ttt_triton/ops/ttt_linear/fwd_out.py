@@ -25,7 +25,7 @@ cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 import triton
 import triton.language as tl
 
-from .common import block_g, block_rows, group_coords, post_norm, qk_plus_one
+from .common import block_g, block_rows, group_coords, mm, post_norm, qk_plus_one
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -79,11 +79,11 @@ def ttt_linear_fwd_out_kernel(
         b_P = tl.where(m_prev, b_el[None, :], tl.where(m_same, b_e[:, None], 0.))
         b_A = b_P * b_A                                                    # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                  # [BS, BD]
-        b_o = tl.dot(b_q, b_W, input_precision=PREC) + b_hb[None, :] \
-            - tl.dot(b_A, b_g, input_precision=PREC)                       # [BS, BD]
+        b_o = mm(b_q, b_W, PREC) + b_hb[None, :] \
+            - mm(b_A, b_g, PREC)                       # [BS, BD]
         b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 
         b_ke = r_k.to(tl.float32) * b_el[:, None]                          # [BS, BD]
-        b_W = b_W - tl.dot(tl.trans(b_ke), b_g, input_precision=PREC)
+        b_W = b_W - mm(tl.trans(b_ke), b_g, PREC)
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)

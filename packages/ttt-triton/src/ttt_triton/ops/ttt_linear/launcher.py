@@ -135,8 +135,15 @@ def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
     return max(BT, min(tune[kind], G * BT))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else HALF_DOT_PRECISION
+def dot_precision(dtype: torch.dtype, BD: int) -> str:
+    """The kernels' PREC (``common.mm``): HALF_DOT_PRECISION for half inputs; IEEE for
+    float32, as K blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE
+    dots put the kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4
+    ms with the blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so
+    head dims <= 64 keep plain IEEE dots (docs/benchmarks.md)."""
+    if dtype != torch.float32:
+        return HALF_DOT_PRECISION
+    return "ieee_kblocks" if BD >= 128 else "ieee"
 
 
 def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int],
@@ -210,7 +217,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
         xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
         rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    prec = _precision(q.dtype)
+    prec = dot_precision(q.dtype, BD)
     varlen = cu_seqlens is not None
     half = q.dtype != torch.float32
     o = torch.empty_like(q)
@@ -244,7 +251,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     G = grp.G
     tune = tunables()
     dev = q.device
-    prec = _precision(q.dtype)
+    prec = dot_precision(q.dtype, BD)
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
