@@ -28,7 +28,7 @@ def emu(tmp_path_factory):
     if cxx is None:
         pytest.skip("g++ not found (the CPU emulation compiles the kernels as C++20)")
     out = tmp_path_factory.mktemp("emu") / "emu.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{HERE / 'fake_include'}",
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{HERE / 'fake_include'}",
            f"-I{CSRC}", str(HERE / "harness.cpp"), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:

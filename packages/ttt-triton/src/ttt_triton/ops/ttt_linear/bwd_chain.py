@@ -153,7 +153,7 @@ def ttt_linear_bwd_chain_kernel(
             r_el = last_row_eta(eta, p_ebase, i_p, seq_len, BT, H)
 
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
-        b_kdW = mm(b_k, b_dW, PREC)                   # [BT, BD]
+        b_kdW = mm(b_k, b_dW, PREC)                                        # [BT, BD]
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
         b_rs = tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1)                    # [BT]
@@ -165,19 +165,19 @@ def ttt_linear_bwd_chain_kernel(
             o_last = p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
             tl.store(deta + o_last, tl.load(deta + o_last) - tl.sum(b_rs, 0))
             b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
-            b_S1 = mm(b_g, tl.trans(b_dop), PREC)     # [BT, BT]
+            b_S1 = mm(b_g, tl.trans(b_dop), PREC)                          # [BT, BT]
             b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1              # [BT, BT]
             # dk in accumulated parts, the state's term last (the state is stepped back
             # right before it); v, the dw/db/dv inputs, die before the products
             b_dk = mm_acc(b_g * -b_el, tl.trans(b_dW), b_dyw, PREC)
-            b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)             # [BT, BD]
+            b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)                           # [BT, BD]
             # the state before the chunk: its own slot at a group start, else stepped back
             if i_c % G == 0:
                 i_cs = (slot_base + i_c // G) * H + i_h
                 b_Wt = tl.load(ck + i_cs * D * D + o_ddt, mask=m_dd, other=0.)
             else:
                 b_Wt = mm_acc(tl.trans(b_g * b_el), b_k, b_Wt, PREC)
-            b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)           # [BT, BD]
+            b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                         # [BT, BD]
             tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         else:
             tl.store(dgbuf + o_x, b_dg, mask=m_2d)

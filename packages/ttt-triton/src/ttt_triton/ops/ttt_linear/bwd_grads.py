@@ -115,15 +115,15 @@ def ttt_linear_bwd_grads_kernel(
         else:
             b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_k, b_Wt, PREC)
         # dk in accumulated parts
-        b_dk = mm_acc(b_dkh, b_Wt, b_dyw, PREC)            # [BS, BD]
+        b_dk = mm_acc(b_dkh, b_Wt, b_dyw, PREC)                            # [BS, BD]
         b_dk = mm_acc(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, PREC)
-        b_S2 = mm(b_g, tl.trans(b_dkh), PREC)         # [BS, BS]
+        b_S2 = mm(b_g, tl.trans(b_dkh), PREC)                              # [BS, BS]
         b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
             - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
         b_dk = mm_acc(b_Ck, b_k, b_dk, PREC)
         b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BS, BD]
         b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
-        b_S1 = mm(b_g, tl.trans(b_dop), PREC)         # [BS, BS]
+        b_S1 = mm(b_g, tl.trans(b_dop), PREC)                              # [BS, BS]
         b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
         b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)
         tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)

@@ -97,7 +97,7 @@ def ttt_linear_bwd_local_kernel(
         b_Ps = tl.where(m_same, b_e[:, None], 0.)                          # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], b_Ps)                        # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                   # [BS, BD]
-        b_o = mm(b_q, b_W, PREC) + b_hb[None, :]      # [BS, BD]
+        b_o = mm(b_q, b_W, PREC) + b_hb[None, :]                           # [BS, BD]
         b_o = mm_acc(-(b_P * b_A), b_g, b_o, PREC)
 
         # post norm-residual backward
@@ -108,10 +108,10 @@ def ttt_linear_bwd_local_kernel(
         b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BS, BD]
 
         # h-cotangent-free gradients
-        b_dS = mm(b_dop, tl.trans(b_g), PREC)         # [BS, BS]
+        b_dS = mm(b_dop, tl.trans(b_g), PREC)                              # [BS, BS]
         b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)                # [BS]
-        b_dgl = -mm(tl.trans(b_Ps * b_A), b_dop, PREC)  # [BS, BD]
-        b_dq = mm(b_dop, tl.trans(b_W), PREC)         # [BS, BD]
+        b_dgl = -mm(tl.trans(b_Ps * b_A), b_dop, PREC)                     # [BS, BD]
+        b_dq = mm(b_dop, tl.trans(b_W), PREC)                              # [BS, BD]
         b_dq = mm_acc(-(b_P * b_dS), b_k, b_dq, PREC)
 
         tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)

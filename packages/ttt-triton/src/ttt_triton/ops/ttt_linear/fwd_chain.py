@@ -105,7 +105,7 @@ def ttt_linear_fwd_chain_kernel(
         r_v = tl.load(v + o_xn, mask=m_2dn, other=0.)
         r_el = last_row_eta(eta, p_ebase, tl.minimum(i_c + 1, NC - 1), seq_len, BT, H)
 
-        b_kh = mm(b_k, b_W, PREC) + b_hb[None, :]     # [BT, BD]
+        b_kh = mm(b_k, b_W, PREC) + b_hb[None, :]                          # [BT, BD]
         b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
         if SAVE:
             tl.store(xbuf + o_x, b_xh, mask=m_2d)
@@ -117,7 +117,7 @@ def ttt_linear_fwd_chain_kernel(
             b_A = qk_plus_one(c_q, b_k.to(c_q.dtype), scale, HALF, PREC)   # [BT, BT]
             b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * b_A
             b_o = mm(c_q.to(tl.float32) * scale, b_W, PREC) \
-                + b_hb[None, :] - mm(b_A, b_g, PREC)  # [BT, BD]
+                + b_hb[None, :] - mm(b_A, b_g, PREC)                       # [BT, BD]
             b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)
             tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
         b_W = b_W - b_el * mm(tl.trans(b_k), b_g, PREC)

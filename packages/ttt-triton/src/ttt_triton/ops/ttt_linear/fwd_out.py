@@ -80,7 +80,7 @@ def ttt_linear_fwd_out_kernel(
         b_A = b_P * b_A                                                    # [BS, BS]
         b_q = r_q.to(tl.float32) * scale                                  # [BS, BD]
         b_o = mm(b_q, b_W, PREC) + b_hb[None, :] \
-            - mm(b_A, b_g, PREC)                       # [BS, BD]
+            - mm(b_A, b_g, PREC)                                           # [BS, BD]
         b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 

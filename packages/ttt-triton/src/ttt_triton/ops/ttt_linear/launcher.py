@@ -36,7 +36,7 @@ it leaves at 16. ``TTT_TRITON_TUNE="G=8"`` fixes G."""
 HALF_DOT_PRECISION = "tf32"
 """input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
 inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
-inputs always use "ieee"."""
+inputs use IEEE dots (:func:`dot_precision`)."""
 
 BLOCK_ROWS = {"S_out": 64, "S_local": 32, "S_grads": 32}
 """Rows per block of fwd_out, bwd_local and bwd_grads, which walk a group in blocks of
