@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ttt_cupy.compile import grads_split
+
 np = pytest.importorskip("numpy")
 
 HERE = Path(__file__).resolve().parent / "cpu_emulation"
@@ -148,10 +150,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
          _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
          _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
          c["D"], c["G"])
-    call("bwd_grads", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-         _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
-         _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr), _p(go), _p(gs),
-         c["scale"], c["T"], c["H"], c["D"], c["G"])
+    # grads_split blocks per (group, head), as the launcher
+    call("bwd_grads", count * H * grads_split(DP, BT), _p(f["q"]), _p(f["k"]), _p(f["v"]),
+         _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
+         _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
+         _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g
@@ -173,6 +176,7 @@ CASES = [
     (1, 120, 1, 30, 32, 32, 3, [45, 75], False, True),   # groups of 3, last one partial
     (1, 70, 1, 96, 128, 32, 2, None, False, True),     # D = 96 backward at chunk 32
     (1, 40, 1, 60, 64, 32, 4, [17, 23], True, True),   # D = 60, one group per sequence
+    (1, 130, 1, 96, 128, 64, 2, None, True, True),     # D = 96 at chunk 64: split bwd_grads
 ]
 
 

@@ -44,7 +44,16 @@ def test_every_instance_compiles_for_sm80_and_sm90():
 
 def test_name_expressions_and_smem_formula():
     """No NVRTC needed: names and the shared-memory budget the launcher relies on."""
-    from ttt_cupy.compile import KERNELS, PASSES, d_pad, kernel_name, pass_smem, smem_bytes, threads
+    from ttt_cupy.compile import (
+        KERNELS,
+        PASSES,
+        d_pad,
+        grads_split,
+        kernel_name,
+        pass_smem,
+        smem_bytes,
+        threads,
+    )
     from ttt_cupy.nvrtc_check import traits_field
 
     assert KERNELS == ("fwd_chain", "fwd_out", "bwd_local", "bwd_chain", "bwd_grads")
@@ -58,13 +67,21 @@ def test_name_expressions_and_smem_formula():
     assert threads(64, "fwd_chain", False) == threads(64, "fwd_out", True) == 256
     assert [threads(dp, "bwd_chain", True) for dp in (16, 32, 64, 128)] == [32, 64, 128, 256]
     assert traits_field("fwd_chain", True) == "kFwdChainTcBytes"
-    h200 = 227 * 1024
-    # the forward fits every (D_PAD, BT); the backward all but (128, 64)
+    h200, a100 = 227 * 1024, 163 * 1024
+    # an H100/H200 takes every (D_PAD, BT) both ways; an A100 no backward at D_PAD 128 and no
+    # forward at (128, 64)
     for dp in (16, 32, 64, 128):
         for bt in (16, 32, 64):
-            assert pass_smem("fwd", dp, bt)[1] <= h200
-            assert (pass_smem("bwd", dp, bt)[1] <= h200) == ((dp, bt) != (128, 64))
-    assert pass_smem("bwd", 128, 64)[0] == "bwd_grads"
+            for pass_ in ("fwd", "bwd"):
+                assert pass_smem(pass_, dp, bt)[1] <= h200
+            assert (pass_smem("bwd", dp, bt)[1] <= a100) == (dp < 128)
+            assert (pass_smem("fwd", dp, bt)[1] <= a100) == ((dp, bt) != (128, 64))
+    # (128, 64): bwd_grads split over two blocks per (group, head), each with half the state
+    assert [grads_split(dp, bt) for dp in (64, 128) for bt in (16, 32, 64)] == [1] * 5 + [2]
+    assert smem_bytes("bwd_grads", 128, 64) == 4 * (2 * 64 * 129 + 2 * 64 * 65 + 3 * 64 * 129
+                                                    + 64 * 65 + 64)
+    assert smem_bytes("bwd_grads", 128, 32) == 4 * (2 * 128 * 129 + 5 * 32 * 129 + 32 * 33 + 32)
+    assert pass_smem("bwd", 128, 64) == ("bwd_local", 232192)
     assert max(smem_bytes(k, 128, 32) for k in PASSES["bwd"]) <= h200
     with pytest.raises(ValueError, match="head dim"):
         d_pad(129)
@@ -111,9 +128,16 @@ def test_mma_instances_and_switch(monkeypatch):
 def test_smem_reason_names_the_kernel():
     from ttt_cupy.launcher import smem_reason
 
-    h200 = 227 * 1024
-    assert smem_reason(96, 32, True, h200) is None
-    assert smem_reason(128, 64, False, h200) is None
-    why = smem_reason(128, 64, True, h200)
+    h200, a100 = 227 * 1024, 163 * 1024
+    for D in (60, 96, 128):
+        for chunk in (16, 32, 64):
+            for backward in (False, True):
+                assert smem_reason(D, chunk, backward, h200) is None
+    assert smem_reason(96, 32, False, a100) is None
+    why = smem_reason(128, 64, False, a100)
+    assert why is not None and "fwd_out" in why and "forward" in why
+    assert "chunk_size 32 fits" in why
+    why = smem_reason(96, 32, True, a100)
     assert why is not None and "bwd_grads" in why and "backward" in why
+    assert "no chunk_size fits head dim 96" in why
     assert smem_reason(128, 64, True, None) is None

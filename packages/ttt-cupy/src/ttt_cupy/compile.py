@@ -128,15 +128,24 @@ def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
     return 256 if dp >= 64 else 128
 
 
+def grads_split(dp: int, bt: int) -> int:
+    """Blocks per (group, head) of bwd_grads (Traits::kGradsSplit): 2 at D_PAD 128 with BT 64,
+    each holding half of the state's rows (and of q's and k's columns) so that the block fits
+    an H100/H200's 227 KiB; 1 elsewhere. The launcher multiplies bwd_grads' grid by it."""
+    return 2 if (dp, bt) == (128, 64) else 1
+
+
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
     fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
     states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The MMA instances of
-    :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes). The C++
-    traits give the same numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
+    :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes);
+    bwd_grads holds 1 / :func:`grads_split` of the state's rows. The C++ traits give the same
+    numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
     _check_kernel(kernel)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
+    rows = dp // grads_split(dp, bt)     # bwd_grads' state rows (and q, k columns) per block
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
         # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each
@@ -146,7 +155,8 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
         "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
         "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
-        "bwd_grads": 2 * state + 5 * tile + square + bt,          # W, dW, Q, K, DOP, G, DKH, S
+        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta
+        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt,
     }[kernel]
     return 4 * floats
 

@@ -7,7 +7,8 @@ fwd_chain (one block per (sequence, head): the state chain, the checkpoint slots
 LayerNorm's xhat [B, T, H, D] and r [B, T, H] of every row, fp32) then fwd_out (one block
 per (group of G chunks, head): the outputs, g derived row-locally from xhat and r); the
 backward is bwd_local (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group,
-reverse), all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables
+reverse; :func:`~ttt_cupy.compile.grads_split` blocks per group at D_PAD 128 with chunk 64),
+all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables
 live in :data:`CKPT_INTERVAL`. For half inputs all five kernels are their tensor-core
 (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
 :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
@@ -24,7 +25,16 @@ import torch
 from ttt import Problem
 from ttt.problem import ChunkGroups
 
-from .compile import d_pad, get_kernels, kernels_use_mma, pass_smem, smem_bytes, threads
+from .compile import (
+    BLOCK_TS,
+    d_pad,
+    get_kernels,
+    grads_split,
+    kernels_use_mma,
+    pass_smem,
+    smem_bytes,
+    threads,
+)
 
 CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
@@ -49,17 +59,27 @@ def max_smem_optin(device: torch.device) -> int | None:
 
 
 def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> str | None:
-    """Why the kernels of this shape do not fit the device's shared memory (None: they do)."""
+    """Why the kernels of this shape do not fit the device's shared memory (None: they do).
+    Every shape fits an H100/H200 (227 KiB per block); an A100 (163 KiB) refuses head dims
+    above 64 with a backward and at chunk size 64 without one."""
     if limit is None:
         return None
     dp = d_pad(D)
-    for pass_ in ("fwd", "bwd") if backward else ("fwd",):
+    passes = ("fwd", "bwd") if backward else ("fwd",)
+
+    def fits(bt: int) -> bool:
+        return all(pass_smem(pass_, dp, bt)[1] <= limit for pass_ in passes)
+
+    for pass_ in passes:
         kernel, need = pass_smem(pass_, dp, chunk_size)
         if need > limit:
             what = "backward" if pass_ == "bwd" else "forward"
+            smaller = [bt for bt in BLOCK_TS if bt < chunk_size and fits(bt)]
+            hint = (f"chunk_size {max(smaller)} fits" if smaller
+                    else f"no chunk_size fits head dim {D} here")
             return (f"the cupy {what} kernel {kernel} for head dim {D} (padded {dp}) and "
                     f"chunk_size {chunk_size} needs {need // 1024} KiB of shared memory; this "
-                    f"device allows {limit // 1024} KiB per block (use a smaller chunk_size)")
+                    f"device allows {limit // 1024} KiB per block ({hint})")
     return None
 
 
@@ -233,7 +253,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
     smem = smem_bytes("bwd_grads", dp, BT)
-    _launch(kern["bwd_grads"], dev, grp.count * H, nt, smem, (
+    # grads_split blocks per (group, head), each with a part of the state's rows
+    _launch(kern["bwd_grads"], dev, grp.count * H * grads_split(dp, BT), nt, smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
         _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
         _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),

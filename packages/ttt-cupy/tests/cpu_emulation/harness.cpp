@@ -191,7 +191,7 @@ using ci64 = const long long*;
 // One entry point per kernel: emu_<kernel>(dp, bt, grid, <the kernel's arguments but smem>);
 // returns 1 when no instance of (dp, bt) is built here.
 #define INSTANCES(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32) \
-    X(128, 16) X(128, 32)
+    X(128, 16) X(128, 32) X(128, 64)
 
 #define ENTRY(NAME, BYTES, PARAMS, ARGS)                                                     \
     template <int DP, int BT>                                                                \
