@@ -1,7 +1,8 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
 ``python -m ttt_cupy.nvrtc_check`` compiles the five kernels (forward: fwd_chain, fwd_out;
-backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
+backward: bwd_local, bwd_chain, bwd_grads; and fwd_chain's fused instances, which write the
+outputs too) for every dtype x D_PAD x BT, one program per
 (pass, dtype, D_PAD, BT) as the backend does at run time, for each ``--arch`` (default
 sm_80 and sm_90): to cubins (NVRTC's front end, PTX code generation and ptxas), or with
 ``--ptx-only ARCH`` to PTX for ``compute_ARCH`` (front end and code generation with that
@@ -31,6 +32,7 @@ from .compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
+    FUSED_KERNEL,
     KERNELS,
     NVRTC_OPTIONS,
     PASSES,
@@ -64,8 +66,10 @@ MMA_PTX = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
 
 
 def is_mma_instance(name: str) -> bool:
-    """Whether a name expression is a tensor-core instance (``..., true>``)."""
-    return name.replace(" ", "").endswith(",true>")
+    """Whether a name expression is a tensor-core instance (fourth template argument ``true``;
+    a fifth one is ``FUSE``)."""
+    args = name[name.index("<") + 1:name.rindex(">")].replace(" ", "").split(",")
+    return len(args) >= 4 and args[3] == "true"
 
 
 def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
@@ -97,11 +101,12 @@ def _nvrtc():
     return nvrtc
 
 
-def traits_field(kernel: str, register_state: bool = False) -> str:
+def traits_field(kernel: str, register_state: bool = False, fused: bool = False) -> str:
     """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (or
-    kFwdChainTcBytes: the register-resident MMA instance)."""
+    kFwdChainTcBytes: the register-resident MMA instance; kFwdChainFusedTcBytes: its fused
+    instance)."""
     name = "".join(part.capitalize() for part in kernel.split("_"))
-    return f"k{name}{'Tc' if register_state else ''}Bytes"
+    return f"k{name}{'Fused' if fused else ''}{'Tc' if register_state else ''}Bytes"
 
 
 def smem_asserts() -> str:
@@ -114,6 +119,13 @@ def smem_asserts() -> str:
                 n, field = smem_bytes(kernel, dp, bt), traits_field(kernel)
                 lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
                              f"\"smem_bytes('{kernel}', {dp}, {bt}) != Traits::{field}\");")
+                if kernel == FUSED_KERNEL:
+                    for mma in (False, True):
+                        n = smem_bytes(kernel, dp, bt, mma, fused=True)
+                        field = traits_field(kernel, mma, fused=True)
+                        lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
+                                     f"\"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True) "
+                                     f"!= Traits::{field}\");")
                 if kernel in REGISTER_STATE_KERNELS:
                     n, field = smem_bytes(kernel, dp, bt, True), traits_field(kernel, True)
                     lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "

@@ -88,6 +88,14 @@ struct Traits {
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
     static constexpr unsigned long long kBwdChainTcBytes = 4ull * kBwdChainTcFloats;
+    // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
+    // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
+    // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
+    static constexpr int kFwdChainFusedFloats = kState + D_PAD + 3 * kTile + kSquare + BT;
+    static constexpr int kFwdChainFusedTcFloats =
+        kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
+    static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
+    static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
@@ -504,9 +512,10 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
 // w, w + NW, ... < BT. kh = k_i W + hb (a SIMT row product), then xh, r (LayerNorm) and g
 // (inner_grad_row) into sG's row; rows >= L are zeroed. Writes xh of row i to xbuf (at
 // p_base + (row0 + i) * row_stride) and r to rbuf (at p_ebase + (row0 + i) * H): the group
-// kernels derive g from them (inner_grad_rows_saved). b_w, b_b: the LayerNorm weight and bias
+// kernels derive g from them (inner_grad_rows_saved); with OPTIONAL_SAVE, only when xbuf is
+// not null (the fused forward without a backward). b_w, b_b: the LayerNorm weight and bias
 // per lane.
-template <int D_PAD, int BT, int NW, typename T, int P>
+template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
                                                 const float* sHb, const T* __restrict__ v,
                                                 const float (&b_w)[P], const float (&b_b)[P],
@@ -534,8 +543,10 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
         load_row<D_PAD>(b_v, v + o_r, D, 1.f);
         inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
         put_row<D_PAD>(sG + i * LD, b_g);
-        store_row<D_PAD>(xbuf + o_r, b_x, D);
-        if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        if (!OPTIONAL_SAVE || xbuf != nullptr) {
+            store_row<D_PAD>(xbuf + o_r, b_x, D);
+            if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        }
     }
 }
 
@@ -783,10 +794,10 @@ __device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
     }
 }
 
-// sOut[i, j] = X_i . Y_j + add for i, j < L and j <= i (LOWER) or j >= i (upper), times
-// scale[j] when given; zero elsewhere (tri_dots on tensor cores; X, Y [BT, D_PAD] tiles,
-// sOut [BT, BT + 1]). The mma twin of tri_dots.
-template <int D_PAD, int BT, int NW, bool LOWER>
+// sOut[i, j] = sign (X_i . Y_j + add) for i, j < L and j <= i (LOWER) or j >= i (upper),
+// times scale[j] (or scale[i]: ROW_SCALE) when given; zero elsewhere (tri_dots on tensor
+// cores; X, Y [BT, D_PAD] tiles, sOut [BT, BT + 1]). The mma twin of tri_dots.
+template <int D_PAD, int BT, int NW, bool LOWER, bool ROW_SCALE = false>
 __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
                                              int L, float add, const float* scale = nullptr,
                                              float sign = 1.f) {
@@ -803,7 +814,8 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
                 const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
                 float val = 0.f;
                 if (i < L && j < L && (LOWER ? j <= i : j >= i))
-                    val = sign * (acc[r] + add) * (scale != nullptr ? scale[j] : 1.f);
+                    val = sign * (acc[r] + add) *
+                          (scale != nullptr ? scale[ROW_SCALE ? i : j] : 1.f);
                 sOut[i * LA + j] = val;
             }
         });
