@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ttt_cupy.compile import grads_split
+
 np = pytest.importorskip("numpy")
 
 HERE = Path(__file__).resolve().parent / "cpu_emulation"
@@ -92,10 +94,13 @@ CHAIN_KERNELS = ("fwd_chain", "bwd_chain")
 GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
 
 
-def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
+def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
     everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
-    that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones."""
+    that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
+    ``fused``: fwd_chain's fused instance writes o and fwd_out is skipped; ``grads`` None then
+    means a forward without backward (no slots, xhat or r: null pointers) and returns
+    (o, ht, hbt), None."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -113,22 +118,28 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
     c = dict(H=ctypes.c_int(H), D=ctypes.c_int(D), G=ctypes.c_int(G), T=i64(T),
              scale=fl(scale), eps=fl(EPS))
 
-    def call(name, grid, *args):
-        entry = f"emu_{name}_mma" if name in mma else f"emu_{name}"
+    def call(name, grid, *args, fused_instance=False):
+        entry = f"emu_{name}{'_fused' if fused_instance else ''}{'_mma' if name in mma else ''}"
         rc = getattr(emu, entry)(DP, BT, i64(grid), *args)
-        assert rc == 0, f"no emulated {name} instance for D_PAD={DP}, BT={BT}"
+        assert rc == 0, f"no emulated {entry} instance for D_PAD={DP}, BT={BT}"
 
     # ---- forward
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
     ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
     xbuf, rbuf = _empty(B, T, H, D), _empty(B, T, H)  # the saved activations xhat, r
-    call("fwd_chain", N * H, _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]),
-         _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(cu_arr),
-         _p(go), c["eps"], c["T"], c["H"], c["D"], c["G"])
+    if fused and grads is None:
+        ck = ckb = xbuf = rbuf = None
     o = _empty(B, T, H, D)
-    call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
-         _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr), _p(go), _p(gs),
-         c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
+    call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
+         _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
+         _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(cu_arr), _p(go),
+         c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], fused_instance=fused)
+    if not fused:
+        call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+             _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr),
+             _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
+    if grads is None:
+        return (o, ht, hbt), None
 
     # ---- backward
     do, dht, dhbt = (None if a is None else np.ascontiguousarray(a, dtype=np.float32)
@@ -148,10 +159,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=()):
          _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
          _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
          c["D"], c["G"])
-    call("bwd_grads", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-         _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
-         _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr), _p(go), _p(gs),
-         c["scale"], c["T"], c["H"], c["D"], c["G"])
+    # grads_split blocks per (group, head), as the launcher
+    call("bwd_grads", count * H * grads_split(DP, BT), _p(f["q"]), _p(f["k"]), _p(f["v"]),
+         _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
+         _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
+         _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g
@@ -173,6 +185,7 @@ CASES = [
     (1, 120, 1, 30, 32, 32, 3, [45, 75], False, True),   # groups of 3, last one partial
     (1, 70, 1, 96, 128, 32, 2, None, False, True),     # D = 96 backward at chunk 32
     (1, 40, 1, 60, 64, 32, 4, [17, 23], True, True),   # D = 60, one group per sequence
+    (1, 130, 1, 96, 128, 64, 2, None, True, True),     # D = 96 at chunk 64: split bwd_grads
 ]
 
 
@@ -253,6 +266,36 @@ def test_kernels_match_oracle(emu, case):
         assert err < 2e-3, f"d{name}: max error {err:.2e} (fd {fd}, kernel {an})"
 
 
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_fused_forward(emu, case):
+    """fwd_chain's fused instance (SIMT) writes o itself: against the oracle without a backward
+    (no slots, xhat or r stored), and with one (what it stores feeds the backward) against the
+    unfused sequence, every output and gradient."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    ref = oracle(x["q"], x["k"], x["v"], x["eta"], x["w"], x["b"], x["h0"], x["hb0"], seqs,
+                 scale, BT)
+    got, none = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, None, init, fused=True)
+    assert none is None
+    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < 2e-5, f"{name}: relative error {_rel(a, r):.2e}"
+
+    grads_in = cot if with_dht else (cot[0], None, None)
+    unfused, unfused_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
+    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, fused=True)
+    for name, a, r in zip(("o", "ht", "hbt"), got, unfused):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < 1e-6, f"{name}: relative error {_rel(a, r):.2e} to the unfused"
+    for name, a in got_g.items():
+        if a is None:
+            assert unfused_g[name] is None
+            continue
+        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
+        r = unfused_g[name]
+        assert _rel(a, r) < 1e-6, f"d{name}: relative error {_rel(a, r):.2e} to the unfused"
+
+
 @pytest.mark.parametrize("kernels", [CHAIN_KERNELS, GROUP_KERNELS], ids=["chain", "group"])
 @pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -277,6 +320,36 @@ def test_mma_instances_match_simt(emu, case, tf32, kernels):
         assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
         assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
     for name, a in got_g.items():
+        if a is None:
+            assert ref_g[name] is None
+            continue
+        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
+        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_fused_mma_instance_matches_simt(emu, case, tf32, backward):
+    """fwd_chain's fused tensor-core instance (emulated mma.sync; o finished a step late from
+    per-warp statistics) against the unfused SIMT sequence: o, the final states and, with a
+    backward (SIMT kernels on what the fused chain stored), every gradient."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = (cot if with_dht else (cot[0], None, None)) if backward else None
+    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G,
+                             cot if with_dht else (cot[0], None, None), init)
+    emu.emu_set_tf32_round(int(tf32))
+    try:
+        got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init,
+                                 mma=("fwd_chain",), fused=True)
+    finally:
+        emu.emu_set_tf32_round(0)
+    tol = 2e-2 if tf32 else 2e-5
+    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
+    for name, a in (got_g or {}).items():
         if a is None:
             assert ref_g[name] is None
             continue

@@ -35,16 +35,27 @@ def test_every_instance_compiles_for_sm80_and_sm90():
         counts = nvrtc_check.run(("80", "90"), out=out, ptx_only=("80",))
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0)
+    # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0), + the fused
+    # forward chain per dtype (and its SIMT instance for the half types)
     assert MMA_KERNELS == KERNELS
-    expected = (len(KERNELS) * len(CTYPES) + len(MMA_KERNELS) * 2) * len(D_PADS) * len(BLOCK_TS)
-    assert expected == 300
+    expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
+        * len(BLOCK_TS)
+    assert expected == 360
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
 def test_name_expressions_and_smem_formula():
     """No NVRTC needed: names and the shared-memory budget the launcher relies on."""
-    from ttt_cupy.compile import KERNELS, PASSES, d_pad, kernel_name, pass_smem, smem_bytes, threads
+    from ttt_cupy.compile import (
+        KERNELS,
+        PASSES,
+        d_pad,
+        grads_split,
+        kernel_name,
+        pass_smem,
+        smem_bytes,
+        threads,
+    )
     from ttt_cupy.nvrtc_check import traits_field
 
     assert KERNELS == ("fwd_chain", "fwd_out", "bwd_local", "bwd_chain", "bwd_grads")
@@ -58,13 +69,33 @@ def test_name_expressions_and_smem_formula():
     assert threads(64, "fwd_chain", False) == threads(64, "fwd_out", True) == 256
     assert [threads(dp, "bwd_chain", True) for dp in (16, 32, 64, 128)] == [32, 64, 128, 256]
     assert traits_field("fwd_chain", True) == "kFwdChainTcBytes"
-    h200 = 227 * 1024
-    # the forward fits every (D_PAD, BT); the backward all but (128, 64)
+    assert traits_field("fwd_chain", True, fused=True) == "kFwdChainFusedTcBytes"
+    assert traits_field("fwd_chain", fused=True) == "kFwdChainFusedBytes"
+    # the fused forward chain: SIMT with fwd_out's tiles; MMA the unfused one's + Q (double),
+    # A, eta (double), one more round of per-warp statistics
+    for dp, bt in ((16, 16), (64, 16), (128, 64)):
+        assert smem_bytes("fwd_chain", dp, bt, fused=True) == smem_bytes("fwd_out", dp, bt)
+        tile, square = bt * (dp + 1), bt * (bt + 1)
+        assert smem_bytes("fwd_chain", dp, bt, True, fused=True) == smem_bytes(
+            "fwd_chain", dp, bt, True) + 4 * (2 * tile + square + 2 * bt + 2 * (dp // 16) * bt)
+    assert smem_bytes("fwd_chain", 128, 64, True, fused=True) == 227584
+    with pytest.raises(ValueError, match="fused"):
+        smem_bytes("fwd_out", 64, 16, fused=True)
+    h200, a100 = 227 * 1024, 163 * 1024
+    # an H100/H200 takes every (D_PAD, BT) both ways; an A100 no backward at D_PAD 128 and no
+    # forward at (128, 64)
     for dp in (16, 32, 64, 128):
         for bt in (16, 32, 64):
-            assert pass_smem("fwd", dp, bt)[1] <= h200
-            assert (pass_smem("bwd", dp, bt)[1] <= h200) == ((dp, bt) != (128, 64))
-    assert pass_smem("bwd", 128, 64)[0] == "bwd_grads"
+            for pass_ in ("fwd", "bwd"):
+                assert pass_smem(pass_, dp, bt)[1] <= h200
+            assert (pass_smem("bwd", dp, bt)[1] <= a100) == (dp < 128)
+            assert (pass_smem("fwd", dp, bt)[1] <= a100) == ((dp, bt) != (128, 64))
+    # (128, 64): bwd_grads split over two blocks per (group, head), each with half the state
+    assert [grads_split(dp, bt) for dp in (64, 128) for bt in (16, 32, 64)] == [1] * 5 + [2]
+    assert smem_bytes("bwd_grads", 128, 64) == 4 * (2 * 64 * 129 + 2 * 64 * 65 + 3 * 64 * 129
+                                                    + 64 * 65 + 64)
+    assert smem_bytes("bwd_grads", 128, 32) == 4 * (2 * 128 * 129 + 5 * 32 * 129 + 32 * 33 + 32)
+    assert pass_smem("bwd", 128, 64) == ("bwd_local", 232192)
     assert max(smem_bytes(k, 128, 32) for k in PASSES["bwd"]) <= h200
     with pytest.raises(ValueError, match="head dim"):
         d_pad(129)
@@ -95,7 +126,8 @@ def test_mma_instances_and_switch(monkeypatch):
     assert use_mma("__half", "90")
     assert pass_names("fwd", "float", 64, 16, True) == {
         "fwd_chain": "ttt_linear_fwd_chain<float, 64, 16, false>",
-        "fwd_out": "ttt_linear_fwd_out<float, 64, 16, false>"}
+        "fwd_out": "ttt_linear_fwd_out<float, 64, 16, false>",
+        "fwd_chain_fused": "ttt_linear_fwd_chain<float, 64, 16, false, true>"}
     assert all(n.endswith(", false>") for n in pass_names("bwd", "__half", 64, 16, False).values())
     assert all(n.endswith(", true>") for n in pass_names("bwd", "__half", 64, 16, True).values())
     assert (kernel_name("bwd_grads", "__nv_bfloat16", 128, 32)
@@ -103,7 +135,15 @@ def test_mma_instances_and_switch(monkeypatch):
     with pytest.raises(ValueError, match="float"):
         kernel_name("bwd_local", "float", 64, 16, True)
     assert [is_mma_instance(n) for n in program_names("fwd", "__half", 16, 16)] == [
-        True, True, False, False]
+        True, True, True, False, False, False]
+    assert (kernel_name("fwd_chain", "__half", 64, 16, True, fused=True)
+            == "ttt_linear_fwd_chain<__half, 64, 16, true, true>")
+    assert not is_mma_instance(kernel_name("fwd_chain", "__half", 64, 16, False, fused=True))
+    assert pass_names("fwd", "float", 64, 16, True)["fwd_chain_fused"] == (
+        "ttt_linear_fwd_chain<float, 64, 16, false, true>")
+    assert "fwd_chain_fused" not in pass_names("bwd", "float", 64, 16, True)
+    with pytest.raises(ValueError, match="fused"):
+        kernel_name("fwd_out", "__half", 64, 16, fused=True)
     assert not any(is_mma_instance(n) for n in program_names("bwd", "float", 16, 16))
     assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 6
 
@@ -111,9 +151,40 @@ def test_mma_instances_and_switch(monkeypatch):
 def test_smem_reason_names_the_kernel():
     from ttt_cupy.launcher import smem_reason
 
-    h200 = 227 * 1024
-    assert smem_reason(96, 32, True, h200) is None
-    assert smem_reason(128, 64, False, h200) is None
-    why = smem_reason(128, 64, True, h200)
+    h200, a100 = 227 * 1024, 163 * 1024
+    for D in (60, 96, 128):
+        for chunk in (16, 32, 64):
+            for backward in (False, True):
+                assert smem_reason(D, chunk, backward, h200) is None
+    assert smem_reason(96, 32, False, a100) is None
+    why = smem_reason(128, 64, False, a100)     # the fused chain's MMA instance: 222 KiB
+    assert why is not None and "fwd_chain" in why and "forward" in why
+    assert "chunk_size 32 fits" in why
+    why = smem_reason(96, 32, True, a100)
     assert why is not None and "bwd_grads" in why and "backward" in why
+    assert "no chunk_size fits head dim 96" in why
     assert smem_reason(128, 64, True, None) is None
+
+
+def test_fused_forward_rule(monkeypatch):
+    """No GPU needed: when the forward chain writes the outputs itself (launcher.FUSED), and
+    TTT_CUPY_FUSE forcing it either way."""
+    from types import SimpleNamespace
+
+    from ttt_cupy.launcher import FUSE_ENV, FUSED, fused_forward
+
+    assert FUSED == {"forward_inference": 96, "forward_training": 256}
+    monkeypatch.delenv(FUSE_ENV, raising=False)
+    assert fused_forward(SimpleNamespace(N=8, H=12), False)         # 96 chains, inference
+    assert not fused_forward(SimpleNamespace(N=8, H=11), False)
+    assert not fused_forward(SimpleNamespace(N=8, H=12), True)      # training: from 256
+    assert fused_forward(SimpleNamespace(N=32, H=16), True)
+    for value, on in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv(FUSE_ENV, value)
+        assert fused_forward(SimpleNamespace(N=1, H=2), False) is on
+        assert fused_forward(SimpleNamespace(N=32, H=16), True) is on
+    monkeypatch.setenv(FUSE_ENV, "")                                 # empty: the rule
+    assert not fused_forward(SimpleNamespace(N=1, H=2), False)
+    monkeypatch.setenv(FUSE_ENV, "yes")
+    with pytest.raises(ValueError, match=FUSE_ENV):
+        fused_forward(SimpleNamespace(N=2, H=2), False)

@@ -49,8 +49,12 @@ class CupyBackend(Backend):
             "half inputs: tf32 tensor-core dots in every kernel (TTT_CUPY_MMA=0: SIMT)",
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
-            "shared memory bounds (chunk_size, head dim); on an H100/H200 (227 KiB per "
-            "block) the backward with head dim > 64 takes chunk_size 16 or 32",
+            "fused forward from 96 (sequence, head) chains (256 with a backward): the chain "
+            "writes the outputs, no fwd_out (launcher.FUSED; TTT_CUPY_FUSE=0/1 forces it)",
+            "shared memory bounds (chunk_size, head dim): every supported shape fits an "
+            "H100/H200 (227 KiB per block; at head dim > 64 with chunk_size 64 bwd_grads "
+            "runs two blocks per group, each with half of the state); a smaller device "
+            "refuses what does not fit",
             "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200 "
             "with SIMT group kernels (their tensor-core instances: not yet)",
         ),

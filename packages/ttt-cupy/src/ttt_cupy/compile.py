@@ -43,6 +43,16 @@ REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 columns): it runs with :func:`threads` ``(dp, kernel, mma=True)`` threads and its own shared
 memory (:func:`smem_bytes` with ``mma=True``)."""
 
+FUSED_KERNEL = "fwd_chain"
+"""The kernel with a fifth template parameter ``bool FUSE``: its FUSE instances also write the
+forward's outputs (fwd_out's work, for :func:`ttt_cupy.launcher.fused_forward`), e.g.
+``ttt_linear_fwd_chain<__half, 64, 16, true, true>``. :func:`pass_names` lists them as
+:data:`FUSED_NAME`."""
+
+FUSED_NAME = "fwd_chain_fused"
+"""The key of :data:`FUSED_KERNEL`'s FUSE instance in :func:`pass_names` and
+:func:`get_kernels` (forward pass)."""
+
 MMA_ENV = "TTT_CUPY_MMA"
 """``TTT_CUPY_MMA=0`` makes half inputs run the SIMT fp32 instances of :data:`MMA_KERNELS`
 too (default: tensor cores for half inputs on sm_80+). Read at every launch."""
@@ -91,32 +101,47 @@ def use_mma(ctype: str, arch: str | int | None = None) -> bool:
     return arch is None or int(arch) >= MMA_MIN_ARCH
 
 
-def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None) -> str:
+def _check_fused(kernel: str, fused: bool) -> None:
+    if fused and kernel != FUSED_KERNEL:
+        raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
+
+
+def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
+                fused: bool = False) -> str:
     """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``
     or ``ttt_linear_fwd_chain<__half, 64, 16, true>``. ``mma`` matters for :data:`MMA_KERNELS`
-    only (None: the type's default, true for half types); float has no MMA instance."""
+    only (None: the type's default, true for half types); float has no MMA instance.
+    ``fused``: :data:`FUSED_KERNEL`'s instance that writes the outputs (``..., true>``)."""
     _check_kernel(kernel)
+    _check_fused(kernel, fused)
     if kernel not in MMA_KERNELS:
         return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}>"
     if mma is None:
         mma = ctype != "float"
     if mma and ctype == "float":
         raise ValueError("float inputs have no MMA instance (float32-exact arithmetic)")
-    return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}, {'true' if mma else 'false'}>"
+    return (f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}, {'true' if mma else 'false'}"
+            + (", true>" if fused else ">"))
 
 
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool) -> dict[str, str]:
-    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`)."""
+    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`); the
+    forward also holds :data:`FUSED_NAME`, the chain that writes the outputs."""
     _check_pass(pass_)
-    return {k: kernel_name(k, ctype, dp, bt, mma and ctype != "float") for k in PASSES[pass_]}
+    mma = mma and ctype != "float"
+    names = {k: kernel_name(k, ctype, dp, bt, mma) for k in PASSES[pass_]}
+    if FUSED_KERNEL in PASSES[pass_]:
+        names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True)
+    return names
 
 
 def program_names(pass_: str, ctype: str, dp: int, bt: int) -> list[str]:
     """Every name expression the backend may launch from one (pass, type, D_PAD, BT) program:
-    the pass's kernels, plus the SIMT instances of :data:`MMA_KERNELS` for half types."""
+    the pass's kernels (and the fused forward chain), plus their SIMT instances for half
+    types."""
     names = list(pass_names(pass_, ctype, dp, bt, ctype != "float").values())
     if ctype != "float":
-        names += [kernel_name(k, ctype, dp, bt, False) for k in PASSES[pass_] if k in MMA_KERNELS]
+        names += list(pass_names(pass_, ctype, dp, bt, False).values())
     return names
 
 
@@ -128,15 +153,33 @@ def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
     return 256 if dp >= 64 else 128
 
 
-def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
+def grads_split(dp: int, bt: int) -> int:
+    """Blocks per (group, head) of bwd_grads (Traits::kGradsSplit): 2 at D_PAD 128 with BT 64,
+    each holding half of the state's rows (and of q's and k's columns) so that the block fits
+    an H100/H200's 227 KiB; 1 elsewhere. The launcher multiplies bwd_grads' grid by it."""
+    return 2 if (dp, bt) == (128, 64) else 1
+
+
+def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
     fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
     states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The MMA instances of
-    :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes). The C++
+    :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes);
+    bwd_grads holds 1 / :func:`grads_split` of the state's rows; ``fused``: the instance of
+    :data:`FUSED_KERNEL` that writes the outputs (Traits::kFwdChainFused*Bytes). The C++
     traits give the same numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
     _check_kernel(kernel)
+    _check_fused(kernel, fused)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
+    rows = dp // grads_split(dp, bt)     # bwd_grads' state rows (and q, k columns) per block
+    if fused and mma:
+        # the unfused instance's, then Q double-buffered, A, eta double-buffered and one more
+        # round of per-warp statistics (o_pre's rows)
+        return smem_bytes(kernel, dp, bt, True) + 4 * (2 * tile + square + 2 * bt
+                                                       + 2 * (dp // 16) * bt)
+    if fused:
+        return 4 * (state + dp + 3 * tile + square + bt)      # W, hb, K, G, Q, A, eta
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
         # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each
@@ -146,16 +189,19 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False) -> int:
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
         "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
         "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
-        "bwd_grads": 2 * state + 5 * tile + square + bt,          # W, dW, Q, K, DOP, G, DKH, S
+        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta
+        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt,
     }[kernel]
     return 4 * floats
 
 
 def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
-    """(kernel, bytes) of the pass's kernel that needs the most shared memory (either
-    instance)."""
+    """(kernel, bytes) of the pass's kernel that needs the most shared memory (any instance,
+    the fused forward chain's included)."""
     _check_pass(pass_)
-    return max(((k, max(smem_bytes(k, dp, bt, mma) for mma in (False, True)))
+    return max(((k, max(smem_bytes(k, dp, bt, mma, fused)
+                        for mma in (False, True)
+                        for fused in ((False, True) if k == FUSED_KERNEL else (False,))))
                 for k in PASSES[pass_]), key=lambda kv: kv[1])
 
 

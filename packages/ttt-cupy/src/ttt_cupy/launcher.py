@@ -5,17 +5,21 @@ Kernels get raw ``data_ptr()`` addresses and run on torch's current stream of th
 device; nothing is copied to the host. The split follows the Triton backend: the forward is
 fwd_chain (one block per (sequence, head): the state chain, the checkpoint slots and the
 LayerNorm's xhat [B, T, H, D] and r [B, T, H] of every row, fp32) then fwd_out (one block
-per (group of G chunks, head): the outputs, g derived row-locally from xhat and r); the
+per (group of G chunks, head): the outputs, g derived row-locally from xhat and r), or, with
+many chains (:data:`FUSED`), fwd_chain's fused instance alone, writing the outputs itself; the
 backward is bwd_local (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group,
-reverse), all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables
-live in :data:`CKPT_INTERVAL`. For half inputs all five kernels are their tensor-core
-(tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
+reverse; :func:`~ttt_cupy.compile.grads_split` blocks per group at D_PAD 128 with chunk 64),
+all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables live in
+:data:`CKPT_INTERVAL` and :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off /
+on). For half inputs all five kernels are their tensor-core (tf32 mma.sync) instances on
+sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
 :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,11 +28,34 @@ import torch
 from ttt import Problem
 from ttt.problem import ChunkGroups
 
-from .compile import d_pad, get_kernels, kernels_use_mma, pass_smem, smem_bytes, threads
+from .compile import (
+    BLOCK_TS,
+    FUSED_KERNEL,
+    FUSED_NAME,
+    d_pad,
+    get_kernels,
+    grads_split,
+    kernels_use_mma,
+    pass_smem,
+    smem_bytes,
+    threads,
+)
 
 CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
 group-parallel kernels replay one group each from its slot."""
+
+FUSED = {"forward_inference": 96, "forward_training": 256}
+"""The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
+instance writes the outputs itself and fwd_out is not launched; for a forward without backward
+(``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
+(``forward_training``) it stores them as before. Fusing puts fwd_out's work on the chains'
+critical path, which pays only when enough chains run at once (the Triton backend's
+``FUSED``, same thresholds). :data:`FUSE_ENV` overrides the rule."""
+
+FUSE_ENV = "TTT_CUPY_FUSE"
+"""``TTT_CUPY_FUSE=1`` forces the fused forward on, ``0`` off (unset or empty: :data:`FUSED`);
+read at every call, for A/B runs of both paths."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -49,18 +76,40 @@ def max_smem_optin(device: torch.device) -> int | None:
 
 
 def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> str | None:
-    """Why the kernels of this shape do not fit the device's shared memory (None: they do)."""
+    """Why the kernels of this shape do not fit the device's shared memory (None: they do).
+    Every shape fits an H100/H200 (227 KiB per block); an A100 (163 KiB) refuses head dims
+    above 64 with a backward and at chunk size 64 without one."""
     if limit is None:
         return None
     dp = d_pad(D)
-    for pass_ in ("fwd", "bwd") if backward else ("fwd",):
+    passes = ("fwd", "bwd") if backward else ("fwd",)
+
+    def fits(bt: int) -> bool:
+        return all(pass_smem(pass_, dp, bt)[1] <= limit for pass_ in passes)
+
+    for pass_ in passes:
         kernel, need = pass_smem(pass_, dp, chunk_size)
         if need > limit:
             what = "backward" if pass_ == "bwd" else "forward"
+            smaller = [bt for bt in BLOCK_TS if bt < chunk_size and fits(bt)]
+            hint = (f"chunk_size {max(smaller)} fits" if smaller
+                    else f"no chunk_size fits head dim {D} here")
             return (f"the cupy {what} kernel {kernel} for head dim {D} (padded {dp}) and "
                     f"chunk_size {chunk_size} needs {need // 1024} KiB of shared memory; this "
-                    f"device allows {limit // 1024} KiB per block (use a smaller chunk_size)")
+                    f"device allows {limit // 1024} KiB per block ({hint})")
     return None
+
+
+def fused_forward(problem: Problem, save_for_backward: bool) -> bool:
+    """Whether the forward runs fwd_chain's fused instance instead of fwd_chain + fwd_out
+    (:data:`FUSED`, :data:`FUSE_ENV`)."""
+    value = os.environ.get(FUSE_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"{FUSE_ENV}: expected 0, 1 or unset, got {value!r}")
+    key = "forward_training" if save_for_backward else "forward_inference"
+    return problem.N * problem.H >= FUSED[key]
 
 
 @dataclass
@@ -150,23 +199,32 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     if p.output_final_state:
         ht = torch.empty(N, H, D, D, **f32)
         hbt = torch.empty(N, H, 1, D, **f32)
-    ck = torch.empty(grp.slots, H, D, D, **f32)
-    ckb = torch.empty(grp.slots, H, D, **f32)
-    xbuf = torch.empty(q.shape, **f32)       # xhat
-    rbuf = torch.empty(B, T, H, **f32)       # r
+    fuse = fused_forward(p, save_for_backward)
+    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
+    ck = ckb = xbuf = rbuf = None
+    if save:
+        ck = torch.empty(grp.slots, H, D, D, **f32)
+        ckb = torch.empty(grp.slots, H, D, **f32)
+        xbuf = torch.empty(q.shape, **f32)   # xhat
+        rbuf = torch.empty(B, T, H, **f32)   # r
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
     h0, hb0 = _f32(p.initial_state), _f32(p.initial_state_bias)
     kern = get_kernels("fwd", dtype_name, dp, BT, _index(dev))
     nt = threads(dp)
+    o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, _index(dev))
-    smem = smem_bytes("fwd_chain", dp, BT, mma)
-    _launch(kern["fwd_chain"], dev, N * H, threads(dp, "fwd_chain", mma), smem, (
-        _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0), _ptr(hb0), _ptr(ht),
-        _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf), _ptr(cu_seqlens),
-        _ptr(grp.offsets), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
-        np.int32(G), np.uint64(smem)))
-    o = torch.empty_like(q)
+    smem = smem_bytes(FUSED_KERNEL, dp, BT, mma, fused=fuse)
+    _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
+            threads(dp, "fwd_chain", mma), smem, (
+                _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
+                _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf),
+                _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale),
+                np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+                np.uint64(smem)))
+    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
+    if fuse:
+        return o, ht, hbt, saved
     smem = smem_bytes("fwd_out", dp, BT)
     _launch(kern["fwd_out"], dev, grp.count * H, nt, smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
@@ -175,7 +233,6 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         np.int32(G), np.uint64(smem)))
     # without a backward, xbuf / rbuf go back to torch's caching allocator here (stream-ordered
     # after fwd_out)
-    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -233,7 +290,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
     smem = smem_bytes("bwd_grads", dp, BT)
-    _launch(kern["bwd_grads"], dev, grp.count * H, nt, smem, (
+    # grads_split blocks per (group, head), each with a part of the state's rows
+    _launch(kern["bwd_grads"], dev, grp.count * H * grads_split(dp, BT), nt, smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
         _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
         _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),

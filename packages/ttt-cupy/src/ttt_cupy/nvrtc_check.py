@@ -1,7 +1,8 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
 ``python -m ttt_cupy.nvrtc_check`` compiles the five kernels (forward: fwd_chain, fwd_out;
-backward: bwd_local, bwd_chain, bwd_grads) for every dtype x D_PAD x BT, one program per
+backward: bwd_local, bwd_chain, bwd_grads; and fwd_chain's fused instances, which write the
+outputs too) for every dtype x D_PAD x BT, one program per
 (pass, dtype, D_PAD, BT) as the backend does at run time, for each ``--arch`` (default
 sm_80 and sm_90): to cubins (NVRTC's front end, PTX code generation and ptxas), or with
 ``--ptx-only ARCH`` to PTX for ``compute_ARCH`` (front end and code generation with that
@@ -13,7 +14,8 @@ hold tf32 ``mma.sync`` instructions exactly when it is an MMA instance (so float
 It uses ``cuda.bindings.nvrtc`` (``pip install './packages/ttt-cupy[compile-check]'``:
 cuda-python plus the NVRTC and CUDA-runtime header wheels), which load ``libnvrtc`` from
 site-packages; CuPy's compile path needs a driver, this does not. Exits 1 with the NVRTC log
-on the first failure.
+on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` restrict it to some
+programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from .compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
+    FUSED_KERNEL,
     KERNELS,
     NVRTC_OPTIONS,
     PASSES,
     REGISTER_STATE_KERNELS,
     cuda_include_dir,
+    grads_split,
     include_options,
     program_names,
     smem_bytes,
@@ -62,8 +66,10 @@ MMA_PTX = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
 
 
 def is_mma_instance(name: str) -> bool:
-    """Whether a name expression is a tensor-core instance (``..., true>``)."""
-    return name.replace(" ", "").endswith(",true>")
+    """Whether a name expression is a tensor-core instance (fourth template argument ``true``;
+    a fifth one is ``FUSE``)."""
+    args = name[name.index("<") + 1:name.rindex(">")].replace(" ", "").split(",")
+    return len(args) >= 4 and args[3] == "true"
 
 
 def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
@@ -95,15 +101,17 @@ def _nvrtc():
     return nvrtc
 
 
-def traits_field(kernel: str, register_state: bool = False) -> str:
+def traits_field(kernel: str, register_state: bool = False, fused: bool = False) -> str:
     """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (or
-    kFwdChainTcBytes: the register-resident MMA instance)."""
+    kFwdChainTcBytes: the register-resident MMA instance; kFwdChainFusedTcBytes: its fused
+    instance)."""
     name = "".join(part.capitalize() for part in kernel.split("_"))
-    return f"k{name}{'Tc' if register_state else ''}Bytes"
+    return f"k{name}{'Fused' if fused else ''}{'Tc' if register_state else ''}Bytes"
 
 
 def smem_asserts() -> str:
-    """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes`."""
+    """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes` (and
+    :func:`ttt_cupy.compile.grads_split`, the launcher's bwd_grads grid)."""
     lines = []
     for dp in D_PADS:
         for bt in BLOCK_TS:
@@ -111,6 +119,13 @@ def smem_asserts() -> str:
                 n, field = smem_bytes(kernel, dp, bt), traits_field(kernel)
                 lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
                              f"\"smem_bytes('{kernel}', {dp}, {bt}) != Traits::{field}\");")
+                if kernel == FUSED_KERNEL:
+                    for mma in (False, True):
+                        n = smem_bytes(kernel, dp, bt, mma, fused=True)
+                        field = traits_field(kernel, mma, fused=True)
+                        lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
+                                     f"\"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True) "
+                                     f"!= Traits::{field}\");")
                 if kernel in REGISTER_STATE_KERNELS:
                     n, field = smem_bytes(kernel, dp, bt, True), traits_field(kernel, True)
                     lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
@@ -119,6 +134,9 @@ def smem_asserts() -> str:
                     lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::kTcThreads == "
                                  f"{threads(dp, kernel, True)}, \"threads({dp}, '{kernel}', "
                                  f"True) != Traits::kTcThreads\");")
+            lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::kGradsSplit == "
+                         f"{grads_split(dp, bt)}, \"grads_split({dp}, {bt}) != "
+                         f"Traits::kGradsSplit\");")
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -184,16 +202,21 @@ def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
                                                  cubin)
 
 
-def instances() -> list[tuple[str, str, int, int]]:
-    """(pass, C++ type, D_PAD, BT) of every program the backend may build."""
-    return [(pass_, ct, dp, bt) for pass_ in PASSES for ct in CTYPES.values()
-            for dp in D_PADS for bt in BLOCK_TS]
+def instances(passes=None, dtypes=None, d_pads=None,
+              block_ts=None) -> list[tuple[str, str, int, int]]:
+    """(pass, C++ type, D_PAD, BT) of every program the backend may build, or of those in the
+    given passes / dtype names (``float16``) / D_PADs / BTs (None: all)."""
+    return [(pass_, ct, dp, bt) for pass_ in PASSES if passes is None or pass_ in passes
+            for name, ct in CTYPES.items() if dtypes is None or name in dtypes
+            for dp in D_PADS if d_pads is None or dp in d_pads
+            for bt in BLOCK_TS if block_ts is None or bt in block_ts]
 
 
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
-        out=sys.stdout, ptx_only=()) -> dict[str, int]:
-    """Compile everything (to PTX only for the archs in ``ptx_only``); returns {arch: kernel
-    instances compiled}. Raises CheckError."""
+        out=sys.stdout, ptx_only=(), only: dict | None = None) -> dict[str, int]:
+    """Compile everything (to PTX only for the archs in ``ptx_only``), or the programs that
+    :func:`instances` selects with the keywords in ``only``; returns {arch: kernel instances
+    compiled}. Raises CheckError."""
     nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
@@ -207,7 +230,7 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         start = time.perf_counter()
         cubin = arch not in ptx_only
         tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose, cubin)
-                 for pass_, ct, dp, bt in instances()]
+                 for pass_, ct, dp, bt in instances(**(only or {}))]
         if jobs > 1:
             # processes: the bindings hold the GIL while NVRTC compiles
             with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -247,13 +270,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallel compile processes (default: cpus)")
     parser.add_argument("--ptxas-verbose", action="store_true",
                         help="print registers and spills of every kernel")
+    parser.add_argument("--pass", action="append", dest="passes", choices=list(PASSES),
+                        help="compile only this pass's programs (repeatable; default: all)")
+    parser.add_argument("--dtype", action="append", dest="dtypes", choices=list(CTYPES),
+                        help="only this input dtype (repeatable; default: all)")
+    parser.add_argument("--d-pad", action="append", dest="d_pads", type=int, choices=D_PADS,
+                        help="only this padded head dim (repeatable; default: all)")
+    parser.add_argument("--chunk", action="append", dest="block_ts", type=int, choices=BLOCK_TS,
+                        help="only this chunk size BT (repeatable; default: all)")
     args = parser.parse_args(argv)
     archs = tuple(args.archs or DEFAULT_ARCHS)
     if set(args.ptx_only) - set(archs):
         parser.error(f"--ptx-only {sorted(set(args.ptx_only) - set(archs))}: not among the "
                      f"archs compiled, {list(archs)}")
     try:
-        counts = run(archs, args.jobs, args.ptxas_verbose, ptx_only=tuple(args.ptx_only))
+        only = dict(passes=args.passes, dtypes=args.dtypes, d_pads=args.d_pads,
+                    block_ts=args.block_ts)
+        counts = run(archs, args.jobs, args.ptxas_verbose, ptx_only=tuple(args.ptx_only),
+                     only=only)
     except CheckError as err:
         print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@
 // barrier yields to the scheduler, which resumes the block's fibers round by round (see
 // fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
 // NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
-// launcher's order by test_cpu_emulation.py). Only T = float is exposed (the fake
+// launcher's order by test_cpu_emulation.py), and fwd_chain's fused instances (emu_fwd_chain_fused*). Only T = float is exposed (the fake
 // cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
@@ -191,7 +191,7 @@ using ci64 = const long long*;
 // One entry point per kernel: emu_<kernel>(dp, bt, grid, <the kernel's arguments but smem>);
 // returns 1 when no instance of (dp, bt) is built here.
 #define INSTANCES(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32) \
-    X(128, 16) X(128, 32)
+    X(128, 16) X(128, 32) X(128, 64)
 
 #define ENTRY(NAME, BYTES, PARAMS, ARGS)                                                     \
     template <int DP, int BT>                                                                \
@@ -207,11 +207,11 @@ using ci64 = const long long*;
 
 #define P_(...) __VA_ARGS__
 
-#define FWD_CHAIN_PARAMS cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, float* hbt, \
-    float* ck, float* ckb, float* xbuf, float* rbuf, ci64 cu, ci64 go, float eps, i64 T, int H, \
-    int D, int G
-#define FWD_CHAIN_ARGS k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu, go, eps, T, H, \
-    D, G
+#define FWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, \
+    float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, ci64 cu, ci64 go, \
+    float scale, float eps, i64 T, int H, int D, int G
+#define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, cu, go, \
+    scale, eps, T, H, D, G
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
 ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
@@ -256,21 +256,49 @@ ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS))
 // operands to tf32 (the GPU's arithmetic), 0 keeps them fp32 (the index math alone).
 extern "C" void emu_set_tf32_round(int on) { g_tf32_round = on; }
 
-template <int DP, int BT>
+template <int DP, int BT, bool FUSE = false>
 static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
+    auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
+    auto oh = reinterpret_cast<__half*>(o);
+    constexpr unsigned long long bytes = FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes;
+    static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
     launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
-        ttt_linear_fwd_chain<__half, DP, BT, true>(kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                                                   xbuf, rbuf, cu, go, eps, T, H, D, G,
-                                                   Tr::kFwdChainTcBytes);
+        ttt_linear_fwd_chain<__half, DP, BT, true, FUSE>(qh, kh, vh, eta, w, b, h0, hb0, ht, hbt,
+                                                         ck, ckb, xbuf, rbuf, oh, cu, go, scale,
+                                                         eps, T, H, D, G, bytes);
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
 extern "C" int emu_fwd_chain_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_MMA_fwd_chain)
+    return 1;
+}
+
+// fwd_chain's fused instances (FUSE = true: they write o; ck, ckb, xbuf, rbuf all null for a
+// forward without backward), SIMT (T = float) and MMA (T = the fake __half).
+template <int DP, int BT>
+static void fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
+    using Tr = ttt::Traits<DP, BT>;
+    static_assert(Tr::kFwdChainFusedBytes <= sizeof(smem),
+                  "the emulated shared memory is too small");
+    launch(grid, Tr::kThreads, [&] {
+        ttt_linear_fwd_chain<float, DP, BT, false, true>(FWD_CHAIN_ARGS, Tr::kFwdChainFusedBytes);
+    });
+}
+#define DISPATCH_FUSED_fwd_chain(DP, BT) \
+    if (dp == DP && bt == BT) return fwd_chain_fused_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
+extern "C" int emu_fwd_chain_fused(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
+    INSTANCES(DISPATCH_FUSED_fwd_chain)
+    return 1;
+}
+#define DISPATCH_FUSED_MMA_fwd_chain(DP, BT) \
+    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT, true>(grid, FWD_CHAIN_ARGS), 0;
+extern "C" int emu_fwd_chain_fused_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
+    INSTANCES(DISPATCH_FUSED_MMA_fwd_chain)
     return 1;
 }
 

@@ -21,6 +21,16 @@
 // eps^-1/2 there). dy w stays in registers between the two row passes (each warp keeps its
 // rows). Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta (Traits::kBwdGradsBytes).
 //
+// Split state rows (Traits::kGradsSplit: 2 at D_PAD 128 with BT 64, else 1). Everything above
+// is row-local in the state: row a of W and of dW gives column a of dk and needs column a of q
+// and k only, while g, dkh and dy come from stored rows without the state. So SPLIT blocks
+// share a (group, head): block b takes (group, head) b / SPLIT and the DA = D_PAD / SPLIT
+// state rows from a0 = (b % SPLIT) DA, holds W[a0 : a0 + DA, :], dW[a0 : a0 + DA, :] and
+// q, k[:, a0 : a0 + DA], repeats the row pass and S (whole rows; k then from global memory)
+// and writes dk, dv, dw, db of its columns a0 .. a0 + DA - 1 only. That takes the block from
+// 307 to 210 KiB at D_PAD 128, BT 64; with SPLIT = 1 (a0 = 0, DA = D_PAD) it is the whole
+// state as before.
+//
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): the state steps
 // (k^T g, q^T do_pre + k^T dkh), S = g do_pre^T (stored as -e_j S_ij) and the dk products
 // -(e S) q + dkh W^T - eta_l g dW^T (one tile pass whose result replaces g in its tile; the
@@ -53,22 +63,27 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
+    constexpr int SPLIT = Tr::kGradsSplit, DA = Tr::kGradsRows, LDH = Tr::kLdH;
     if (smem_bytes < Tr::kBwdGradsBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
 
     extern __shared__ float smem[];
-    float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
-    float* s_dW = s_W + Tr::kState;    // [D_PAD, LD]  cotangent of the state after the chunk
-    float* s_q = s_dW + Tr::kState;    // [BT, LD]     q * scale
-    float* s_k = s_q + Tr::kTile;      // [BT, LD]     k
-    float* s_dop = s_k + Tr::kTile;    // [BT, LD]     do_pre
+    float* s_W = smem;                 // [DA, LD]     state before the chunk (rows a0 ..)
+    float* s_dW = s_W + DA * LD;       // [DA, LD]     cotangent of the state after the chunk
+    float* s_q = s_dW + DA * LD;       // [BT, LDH]    q * scale (columns a0 ..)
+    float* s_k = s_q + BT * LDH;       // [BT, LDH]    k (columns a0 ..)
+    float* s_dop = s_k + BT * LDH;     // [BT, LD]     do_pre
     float* s_g = s_dop + Tr::kTile;    // [BT, LD]     g
     float* s_dkh = s_g + Tr::kTile;    // [BT, LD]     dkh
     float* s_S = s_dkh + Tr::kTile;    // [BT, LA]     S = g do_pre^T (upper triangle)
     float* s_e = s_S + Tr::kSquare;    // [BT]         eta (zero past the end)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const long long gid = blockIdx.x / H;
-    const int i_h = (int)(blockIdx.x % H);
+    const unsigned i_b = blockIdx.x / SPLIT;                // (group, head) of the block
+    const int a0 = (int)(blockIdx.x % SPLIT) * DA;          // its first state row / dk column
+    const int rows = D - a0;                                // its valid rows (with a < DA)
+    const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)
+    const long long gid = i_b / H;
+    const int i_h = (int)(i_b % H);
     const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
     const long long DD = (long long)D * D;
 
@@ -80,8 +95,9 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
     const long long i_ck0 = gr.slot * H + i_h;   // the state before the group
     const long long i_ck1 = i_ck0 + H;           // the slot after the group
-    ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck1 * DD, nullptr, D);
-    ttt::load_state<D_PAD, NT>(s_dW, nullptr, dck + i_ck1 * DD, nullptr, D);
+    const long long o_a0 = (long long)a0 * D;   // the block's first state row
+    ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck1 * DD + o_a0, rows, D);
+    ttt::load_state_rows<D_PAD, DA, NT>(s_dW, dck + i_ck1 * DD + o_a0, rows, D);
 
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -89,8 +105,8 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int j = gr.nc - 1; j >= 0; --j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
-        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        ttt::load_tile<DA, BT, NT>(s_q, q, p_base + a0, row0, L, row_stride, D - a0, scale);
+        ttt::load_tile<DA, BT, NT>(s_k, k, p_base + a0, row0, L, row_stride, D - a0, 1.f);
         ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
@@ -112,7 +128,10 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
             float b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
             const float r = rbuf[p_ebase + (row0 + i) * H];
             ttt::load_row<D_PAD>(b_xh, xbuf + o_r, D, 1.f);
-            ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+            if constexpr (SPLIT == 1)
+                ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+            else  // s_k holds the block's columns only
+                ttt::load_row<D_PAD>(b_k, k + o_r, D, 1.f);
             ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
             ttt::load_row<D_PAD>(b_dg, dgbuf + o_r, D, 1.f);
             ttt::inner_grad_row(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
@@ -126,26 +145,30 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 b_db[e] += b_dyw[ii][e];
                 b_dy[e] = -b_dyw[ii][e];
             }
-            ttt::store_row<D_PAD>(dv + o_r, b_dy, D);
+            if constexpr (SPLIT == 1)
+                ttt::store_row<D_PAD>(dv + o_r, b_dy, D);
+            else
+                ttt::store_row_part<D_PAD>(dv + o_r, b_dy, a0, d1);
         }
         __syncthreads();
 
         if constexpr (MMA) {
             // the state before the chunk; -e_j S_ij = -e_j g_i . do_pre_j (j >= i) -> s_S
             if (j == 0) {
-                ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck0 * DD, nullptr, D);
+                ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck0 * DD + o_a0, rows, D);
             } else {
-                ttt::state_update_mma<D_PAD, BT, NW>(s_W, e_l, s_k, s_g, nullptr, nullptr, D);
+                ttt::state_rows_update_mma<D_PAD, BT, NW, DA, LDH>(s_W, e_l, s_k, s_g, nullptr,
+                                                                   nullptr, rows, D);
             }
             ttt::tri_dots_mma<D_PAD, BT, NW, false>(s_S, s_g, s_dop, L, 0.f, s_e, -1.f);
             __syncthreads();
 
             // dk - dy w = -(e S) q + dkh W^T - eta_l g dW^T -> s_g (after every warp's
             // products: they read g)
-            ttt::mma_tiles_synced<BT, D_PAD, NW>(
+            ttt::mma_tiles_synced<BT, DA, NW>(  // [BT, DA]: dk's columns a0 ..
                 [&](float (&acc)[4], int m0, int n0) {
                     float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                    ttt::mma_tile_acc(acc, s_S, LA, 1, s_q, LD, 1, m0, n0, m0, BT);
+                    ttt::mma_tile_acc(acc, s_S, LA, 1, s_q, LDH, 1, m0, n0, m0, BT);
                     ttt::mma_tile_acc(acc, s_dkh, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
                     ttt::mma_tile_acc(acc2, s_g, LD, 1, s_dW, 1, LD, m0, n0, 0, D_PAD);
 #pragma unroll
@@ -162,21 +185,29 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 const int i = warp + ii * NW;
                 if (i >= L) continue;
                 float b_a[P];
-                ttt::load_row<D_PAD>(b_a, s_g + i * LD, D_PAD, 1.f);
+                if constexpr (SPLIT == 1)
+                    ttt::load_row<D_PAD>(b_a, s_g + i * LD, D_PAD, 1.f);
+                else
+                    ttt::load_row_part<D_PAD, DA>(b_a, s_g + i * LD, a0);
 #pragma unroll
                 for (int e = 0; e < P; ++e) b_a[e] += b_dyw[ii][e];
-                ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+                if constexpr (SPLIT == 1)
+                    ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+                else
+                    ttt::store_row_part<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, a0,
+                                               d1);
             }
-            ttt::state_update_mma<D_PAD, BT, NW>(s_dW, 1.f, s_q, s_dop, s_k, s_dkh, D);
+            ttt::state_rows_update_mma<D_PAD, BT, NW, DA, LDH>(s_dW, 1.f, s_q, s_dop, s_k,
+                                                               s_dkh, rows, D);
             __syncthreads();
             continue;
         }
 
         // the state before the chunk; S = g do_pre^T (j >= i)
         if (j == 0) {
-            ttt::load_state<D_PAD, NT>(s_W, nullptr, ck + i_ck0 * DD, nullptr, D);
+            ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck0 * DD + o_a0, rows, D);
         } else {
-            ttt::state_axpy<D_PAD, BT, NT>(s_W, nullptr, e_l, s_k, s_g, D);
+            ttt::state_rows_axpy<D_PAD, BT, NT, DA, LDH>(s_W, e_l, s_k, s_g, rows, D);
         }
         ttt::tri_dots<D_PAD, BT, NT, false>(s_S, s_g, s_dop, L, 0.f);
         __syncthreads();
@@ -187,26 +218,33 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
             const int i = warp + ii * NW;
             if (i >= L) continue;
             float b_a[P], b_c[P];
-            ttt::row_times_state_t<D_PAD>(b_a, s_dkh + i * LD, s_W);
-            ttt::row_times_state_t<D_PAD>(b_c, s_g + i * LD, s_dW);
+            ttt::row_times_state_rows_t<D_PAD, DA>(b_a, s_dkh + i * LD, s_W, a0);
+            ttt::row_times_state_rows_t<D_PAD, DA>(b_c, s_g + i * LD, s_dW, a0);
 #pragma unroll
             for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e;
+                const int d = lane + 32 * e, dl = d - a0;  // dl: its column in s_q
                 float acc = 0.f;
-                if (d < D) {
-                    for (int jj = i; jj < L; ++jj) acc += s_e[jj] * s_S[i * LA + jj] * s_q[jj * LD + d];
+                if (d < D && (SPLIT == 1 || (dl >= 0 && dl < DA))) {
+                    for (int jj = i; jj < L; ++jj)
+                        acc += s_e[jj] * s_S[i * LA + jj] * s_q[jj * LDH + dl];
                 }
                 b_a[e] += b_dyw[ii][e] - acc - e_l * b_c[e];
             }
-            ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+            if constexpr (SPLIT == 1)
+                ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+            else
+                ttt::store_row_part<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, a0, d1);
         }
         __syncthreads();
 
         // dW <- dW + q^T do_pre + k^T dkh
-        ttt::state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
+        ttt::state_rows_add2<D_PAD, BT, NT, DA, LDH>(s_dW, s_q, s_dop, s_k, s_dkh, rows, D);
         __syncthreads();
     }
 
-    // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, D);
+    // dw, db of the block's columns: the warps' partials summed in a fixed order (s_q, s_k
+    // reused as [NW, LD]; NW * LD <= BT * LDH)
+    static_assert(NW * LD <= BT * LDH, "the partials need [NW, LD] of s_q and s_k");
+    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, a0,
+                                       d1);
 }

@@ -216,5 +216,6 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, D);
+    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
+                                       D);
 }

@@ -1,5 +1,5 @@
-// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA>. Carries the state through
-// the chunks, nothing else.
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE>. Carries the state
+// through the chunks (and, with FUSE, writes the outputs on the way).
 //
 // One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
 //
@@ -9,9 +9,10 @@
 // The block writes xh ([B, T, H, D] fp32) and r ([B, T, H] fp32) of every valid row, the fp32
 // state into checkpoint slot s before chunk s * G, and the final state into the sequence's
 // last slot (and into ht / hbt when given). The outputs (which need q) are left to the
-// group-parallel fwd_out.cu. xh and r are the saved activations (as in the Triton backend):
-// fwd_out.cu and bwd_local.cu derive g from them row-locally (y = (xh w + b - v + k) w, then g;
-// no k W, no LayerNorm statistics), bwd_chain.cu and bwd_grads.cu read them for g and dkh.
+// group-parallel fwd_out.cu, unless FUSE (below). xh and r are the saved activations (as in
+// the Triton backend): fwd_out.cu and bwd_local.cu derive g from them row-locally (y = (xh w +
+// b - v + k) w, then g; no k W, no LayerNorm statistics), bwd_chain.cu and bwd_grads.cu read
+// them for g and dkh.
 //
 // MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kFwdChainBytes): the
 // state lives in shared memory; per chunk a row pass (one warp a row: kh = k_i W + hb,
@@ -28,26 +29,56 @@
 // three barriers per chunk. xh and r go to xbuf, rbuf from that layout (r by warp 0's lanes
 // g = 0). The next chunk's k and v are loaded into registers at the start of a step and stored
 // into the other half of the double-buffered tiles at its end.
+//
+// FUSE = true (the launcher's choice with many (sequence, head) chains, launcher.FUSED; as the
+// Triton backend's FUSE_OUT): the block also writes each chunk's outputs from the state
+// before the chunk (q pre-scaled, e the per-row eta; the math of fwd_out.cu), and fwd_out is
+// not launched:
+//
+//   A = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
+//
+// With ck null (a forward without backward) it stores no slots, xh or r (only o and ht / hbt);
+// else it stores them as the unfused instance does, for the backward. SIMT instance: fwd_out's
+// tiles (Q, A, eta besides W, hb, K, G; Traits::kFwdChainFusedBytes) and its passes: A with g
+// in one phase, then a row pass for o_pre and the post norm, then the state step (four
+// barriers per chunk). MMA instance (Traits::kFwdChainFusedTcBytes): q (and the per-row eta)
+// double-buffered beside k, v; in the first phase q W + hb comes out of the same register
+// state as k W (o_pre's accumulators, the layout of kh) and A (scaled by -e per row) goes to
+// shared memory on tensor cores; after g, the accumulators take (-e A) g on tensor cores (A
+// operand: g's accumulators, as in the state step). The post norm's per-warp row statistics
+// cross the step's last barrier, so o is finished (Chan's formula) and stored at the start
+// of the next step (or after the last one): no barrier of its own, three per chunk as without
+// FUSE.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
 // The MMA instance of the forward chain (see the top of this file); arguments as the kernel's.
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool FUSE>
 __device__ __forceinline__ void fwd_chain_tc(
-    float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf,
+    float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float eps, long long T_len, int H, int D, int G) {
+    float scale, float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
-    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
+    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, LA = Tr::kLdA;
+    constexpr int NR = BT / 8;
     constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
+    constexpr int PE = (BT + NT - 1) / NT;  // rows of a chunk's eta per thread (FUSE)
     float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
     float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
     float* s_red = s_v + 2 * Tr::kTile;   // [2][NW][BT][2] per-warp row statistics (two rounds)
+    // FUSE only (past the unfused instance's shared memory):
+    float* s_q = s_red + 4 * NW * BT;     // [2][BT, LD]  q * scale, double-buffered
+    float* s_A = s_q + 2 * Tr::kTile;     // [BT, LA]     -e_t (q_t . k_j + 1) for j <= t < L
+    float* s_e = s_A + Tr::kSquare;       // [2][BT]      per-row eta, double-buffered
+    float* s_ost = s_e + 2 * BT;          // [NW][BT][2]  per-warp statistics of o_pre's rows
+    // a forward without backward (FUSE, ck null) stores no slots, xh or r
+    const bool save = !FUSE || ck != nullptr;
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int n0 = 16 * wid + g;                         // this lane's columns n0, n0 + 8
@@ -79,14 +110,53 @@ __device__ __forceinline__ void fwd_chain_tc(
         const int L0 = (int)min((long long)BT, sq.len);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, 0, L0, row_stride, D, 1.f);
         load_tile<D_PAD, BT, NT>(s_v, v, p_base, 0, L0, row_stride, D, 1.f);
+        if constexpr (FUSE) {
+            load_tile<D_PAD, BT, NT>(s_q, q, p_base, 0, L0, row_stride, D, scale);
+            load_eta<BT, NT>(s_e, eta, p_ebase, 0, L0, H);
+        }
     }
     float e_l = sq.nc > 0 ? eta[p_ebase + (min((long long)BT, sq.len) - 1) * H] : 0.f;
     __syncthreads();
+    // FUSE: o_pre of the previous chunk (rows row0_o .., L_o of them) in the accumulator layout
+    // of kh, finished at the start of the next step once its row statistics are in s_ost
+    float ob[NR][4];
+    long long row0_o = 0;
+    int L_o = 0;
+    // o <- o_pre + LN(o_pre) w + b for the chunk in ob (FUSE), from the per-warp statistics
+    auto finish_out = [&]() {
+        const FloatK<2>* ost = reinterpret_cast<const FloatK<2>*>(s_ost);
+        T* o_rows = o + p_base + row0_o * row_stride;
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                float mean = 0.f;
+#pragma unroll
+                for (int w2 = 0; w2 < NW; ++w2) mean += cols[w2] * ost[w2 * BT + t].v[0];
+                mean *= inv_d;
+                float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
+#pragma unroll
+                for (int w2 = 0; w2 < NW; ++w2) {
+                    const FloatK<2> st = ost[w2 * BT + t];
+                    const float dm = st.v[0] - mean;
+                    m2 += st.v[1] + cols[w2] * dm * dm;
+                }
+                const float ro = 1.f / sqrtf(m2 * inv_d + eps);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float x = ob[i][e + 2 * h];
+                    if (col_ok[h] && t < L_o)
+                        o_rows[t * rs + n0 + 8 * h] =
+                            from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
+                }
+            }
+    };
     long long i_slot = sq.slot_base * H + i_h;           // the next slot to write
     int in_group = 0;                                    // i_c % G, without a 64-bit modulo
     for (long long i_c = 0; i_c < sq.nc; ++i_c) {
         if (in_group == 0) {
-            store_state_frag<D_PAD>(ck + i_slot * DD, ckb + i_slot * D, W, hb, D);
+            if (save) store_state_frag<D_PAD>(ck + i_slot * DD, ckb + i_slot * D, W, hb, D);
             i_slot += H;
         }
         in_group = in_group + 1 == G ? 0 : in_group + 1;
@@ -109,11 +179,39 @@ __device__ __forceinline__ void fwd_chain_tc(
             nv[u] = ok ? v[o_next + o] : from_f32<T>(0.f);
         }
         const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
+        T nq[FUSE ? PER : 1];    // FUSE: the next chunk's q and per-row eta likewise
+        float ne[PE];
+        if constexpr (FUSE) {
+#pragma unroll
+            for (int u = 0; u < PER; ++u) {
+                const int i = i_ld + (NT / D_PAD) * u;
+                nq[u] = i < Ln && d_ld < D ? q[o_next + i * rs + d_ld] : from_f32<T>(0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < PE; ++u) {
+                const int i = threadIdx.x + NT * u;
+                ne[u] = i < Ln ? eta[p_ebase + (row0 + BT + i) * H] : 0.f;
+            }
+        }
 
         // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1);
         // LayerNorm statistics per warp (mean, M2 over its columns), combined by Chan's formula
         float x[NR][4];
         tile_times_state_frag<D_PAD, BT>(x, W, sk);
+        if constexpr (FUSE) {
+            // the previous chunk's o (its statistics crossed the last barrier); then this
+            // chunk's o_pre = q W + hb (same layout as kh) and -e A -> s_A (tensor cores)
+            if (i_c > 0) finish_out();
+            const float* sqt = s_q + buf * Tr::kTile;
+            tile_times_state_frag<D_PAD, BT>(ob, W, sqt);
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) ob[i][c] = col_ok[c >> 1] ? ob[i][c] + hb[c >> 1] : 0.f;
+            tri_dots_mma<D_PAD, BT, NW, true, true>(s_A, sqt, sk, L, 1.f, s_e + buf * BT, -1.f);
+            row0_o = row0;
+            L_o = L;
+        }
         FloatK<2>* stat = reinterpret_cast<FloatK<2>*>(s_red);
 #pragma unroll
         for (int i = 0; i < NR; ++i)
@@ -153,7 +251,7 @@ __device__ __forceinline__ void fwd_chain_tc(
                 r[i][e] = rsqrtf(m2 * inv_d + eps);
                 x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
                 x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
-                if (t < L) {  // the saved activations: xh, and r once (warp 0, lanes g = 0)
+                if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
                     if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
                     if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
                     if (wid == 0 && g == 0) rbuf[p_ebase + (row0 + t) * H] = r[i][e];
@@ -196,6 +294,32 @@ __device__ __forceinline__ void fwd_chain_tc(
                 }
             }
 
+        if constexpr (FUSE) {
+            // o_pre += (-e A) g: M = n (this warp's columns), K = j (g's accumulators as the A
+            // operand: slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower);
+            // then the per-warp statistics of o_pre's rows (mean, M2 over the warp's columns)
+            FloatK<2>* ost = reinterpret_cast<FloatK<2>*>(s_ost);
+#pragma unroll
+            for (int I = 0; I < NR; ++I) {
+                const float* arow = s_A + (8 * I + g) * LA + 2 * tq;
+#pragma unroll
+                for (int i = 0; i <= I; ++i) {
+                    unsigned a[4];
+                    acc_as_a(a, y[i], 1.f);
+                    const unsigned b[2] = {to_tf32(arow[8 * i]), to_tf32(arow[8 * i + 1])};
+                    mma_m16n8k8_tf32(ob[I], a, b);
+                }
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x0 = ob[I][e], x1 = ob[I][e + 2];  // zero in padded columns
+                    const float m = frag_col_sum(x0, x1) * inv_cols;
+                    const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
+                    const float m2 = frag_col_sum(d0 * d0, d1 * d1);
+                    if (g == 0) ost[wid * BT + 8 * I + 2 * tq + e] = FloatK<2>{{m, m2}};
+                }
+            }
+        }
+
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
         state_update_frag<D_PAD, BT>(W, y, -e_l, sk);
 #pragma unroll
@@ -214,30 +338,49 @@ __device__ __forceinline__ void fwd_chain_tc(
             skn[o] = to_f32(nk[u]);
             svn[o] = to_f32(nv[u]);
         }
+        if constexpr (FUSE) {
+            float* sqn = s_q + (buf ^ 1) * Tr::kTile;
+#pragma unroll
+            for (int u = 0; u < PER; ++u)
+                sqn[(i_ld + (NT / D_PAD) * u) * LD + d_ld] = to_f32(nq[u]) * scale;
+#pragma unroll
+            for (int u = 0; u < PE; ++u)
+                if (threadIdx.x + NT * u < BT) s_e[(buf ^ 1) * BT + threadIdx.x + NT * u] = ne[u];
+        }
         __syncthreads();
+    }
+    if constexpr (FUSE) {
+        if (sq.nc > 0) finish_out();  // the last chunk's statistics crossed its last barrier
     }
 
     const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-    store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
+    if (save) store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
     if (ht != nullptr) store_state_frag<D_PAD>(ht + i_nh * DD, hbt + i_nh * D, W, hb, D);
 }
 
 // The SIMT instance of the forward chain (MMA = false; see the top of this file).
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool FUSE>
 __device__ __forceinline__ void fwd_chain_simt(
-    float* smem, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ eta,
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf,
+    float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float eps, long long T_len, int H, int D, int G) {
+    float scale, float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state
     float* s_hb = s_W + Tr::kState;    // [D_PAD]      bias state
     float* s_k = s_hb + D_PAD;         // [BT, LD]     k
     float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
+    // FUSE only (past the unfused instance's shared memory):
+    float* s_q = s_g + Tr::kTile;      // [BT, LD]     q * scale
+    float* s_A = s_q + Tr::kTile;      // [BT, LA]     tril(q k^T) + tril(1)
+    float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
+    // a forward without backward (FUSE, ck null) stores no slots, xh or r
+    const bool save = !FUSE || ck != nullptr;
 
     const long long i_nh = blockIdx.x;
     const long long i_n = i_nh / H;
@@ -256,7 +399,7 @@ __device__ __forceinline__ void fwd_chain_simt(
     const long long p_base = (sq.bos * H + i_h) * D;     // row 0 of this (sequence, head)
     const long long p_ebase = sq.bos * H + i_h;          // eta rows are H apart
     for (long long i_c = 0; i_c < sq.nc; ++i_c) {
-        if (i_c % G == 0) {
+        if (save && i_c % G == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
         }
@@ -264,19 +407,46 @@ __device__ __forceinline__ void fwd_chain_simt(
         const int L = (int)min((long long)BT, sq.len - row0);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
+        if constexpr (FUSE) {
+            load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+            load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        }
         if (i_c + 1 < sq.nc) {  // the next chunk's rows into L1 while this one computes
             const long long row0n = row0 + BT;
             const int Ln = (int)min((long long)BT, sq.len - row0n);
             prefetch_rows<NT>(k + p_base, row0n, Ln, row_stride, D);
             prefetch_rows<NT>(v + p_base, row0n, Ln, row_stride, D);
-            prefetch_rows<NT>(eta + p_ebase, row0n + Ln - 1, 1, H, 1);
+            if constexpr (FUSE) {
+                prefetch_rows<NT>(q + p_base, row0n, Ln, row_stride, D);
+                prefetch_rows<NT>(eta + p_ebase, row0n, Ln, H, 1);
+            } else {
+                prefetch_rows<NT>(eta + p_ebase, row0n + Ln - 1, 1, H, 1);
+            }
         }
         __syncthreads();
 
-        // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g)
-        inner_grad_rows<D_PAD, BT, NW>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base, p_ebase,
-                                       row0, row_stride, L, H, D, eps, xbuf, rbuf);
+        // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g); FUSE: A = tril(q k^T) + tril(1) too
+        if constexpr (FUSE) {
+            tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+            inner_grad_rows<D_PAD, BT, NW, true>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                 p_ebase, row0, row_stride, L, H, D, eps,
+                                                 save ? xbuf : nullptr, rbuf);
+        } else {
+            inner_grad_rows<D_PAD, BT, NW>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base, p_ebase,
+                                           row0, row_stride, L, H, D, eps, xbuf, rbuf);
+        }
         __syncthreads();
+
+        if constexpr (FUSE) {
+            // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
+            for (int i = threadIdx.x >> 5; i < L; i += NW) {
+                float b_o[P];
+                out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+                post_norm_row(b_o, b_w, b_b, D, eps);
+                store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+            }
+            __syncthreads();
+        }
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
         state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
@@ -284,16 +454,18 @@ __device__ __forceinline__ void fwd_chain_simt(
     }
 
     const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-    store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
+    if (save) store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
     if (ht != nullptr) store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
 }
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          bool FUSE = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
+ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; else unused)
+                     const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,   // [B, T, H] fp32
                      const float* __restrict__ lnw,   // [H, D] fp32
                      const float* __restrict__ lnb,   // [H, D] fp32
@@ -305,25 +477,30 @@ ttt_linear_fwd_chain(const T* __restrict__ k, const T* __restrict__ v,
                      float* __restrict__ ckb,         // [slots, H, D]
                      float* __restrict__ xbuf,        // [B, T, H, D] fp32: xh of valid rows
                      float* __restrict__ rbuf,        // [B, T, H] fp32: r of valid rows
+                     T* __restrict__ o,               // [B, T, H, D] (FUSE; else unused)
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     float eps, long long T_len, int H, int D, int G,
+                     float scale, float eps, long long T_len, int H, int D, int G,
                      unsigned long long smem_bytes) {
+    // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
     if constexpr (MMA) {
-        if (smem_bytes < Tr::kFwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
-            G < 1)
+        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedTcBytes
+                                                   : Tr::kFwdChainTcBytes;
+        if (smem_bytes < kBytes || blockDim.x != Tr::kTcThreads || D > D_PAD || G < 1)
             __trap();
-        ttt::fwd_chain_tc<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
-                                        xbuf, rbuf, cu_seqlens, grp_offsets, eps, T_len, H, D,
-                                        G);
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck,
+                                              ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets, scale,
+                                              eps, T_len, H, D, G);
     } else {
-        if (smem_bytes < Tr::kFwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
+        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
+                                                   : Tr::kFwdChainBytes;
+        if (smem_bytes < kBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
-        ttt::fwd_chain_simt<T, D_PAD, BT>(smem, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck, ckb,
-                                          xbuf, rbuf, cu_seqlens, grp_offsets, eps, T_len, H, D,
-                                          G);
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt,
+                                                ck, ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets,
+                                                scale, eps, T_len, H, D, G);
     }
 }

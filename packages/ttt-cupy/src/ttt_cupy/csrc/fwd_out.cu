@@ -19,7 +19,13 @@
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): q k^T, q W + A g
 // ([BT, D] x [D, D] and [BT, BT] x [BT, D], one tile pass whose result replaces q in its
 // tile) and the state step k^T g run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
-// accumulation; ttt_common.cuh); the row pass then only adds hb and does the post norm. With
+// accumulation; ttt_common.cuh); the row pass then only adds hb and does the post norm. The
+// MMA instance asks for each chunk's stored rows (xh, v, r) into L1 before its tile loads (the
+// first chunk's before the state load), so that the g row pass after the barrier and q k^T
+// finds them there: their latency overlaps the tile loads and the barrier instead of following
+// them. (Loading them into registers instead, all of a warp's rows or only its first, took
+// ptxas from 62 to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps
+// the plain loads: the prefetch cost it 8-16 registers.) With
 // MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path
 // passed the conformance suite on an H200 (580de07, 80e4f48, and with g from the saved xh, r
 // at 3eb0127).
@@ -65,6 +71,19 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     float b_w[P], b_b[P];                                            // [D] per lane
     ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
     ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    // MMA: chunk jj's stored rows (xh, v, r; the g row pass reads them after the barrier and
+    // q k^T) asked for into L1 before its tile loads, the first chunk's before the state load
+    auto ask_rows = [&](int jj) {
+        const long long rs = (long long)H * D, pb = (gr.seq.bos * H + i_h) * D;
+        const long long row0n = (gr.c0 + jj) * BT;
+        const int Ln = (int)min((long long)BT, gr.seq.len - row0n);
+        ttt::prefetch_rows<NT>(xbuf + pb, row0n, Ln, rs, D);
+        ttt::prefetch_rows<NT>(v + pb, row0n, Ln, rs, D);
+        ttt::prefetch_rows<NT>(rbuf + gr.seq.bos * H + i_h, row0n, Ln, H, 1);
+    };
+    if constexpr (MMA) {
+        if (gr.nc > 0) ask_rows(0);
+    }
     const long long i_ck = gr.slot * H + i_h;
     ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
@@ -74,6 +93,9 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int j = 0; j < gr.nc; ++j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
+        if constexpr (MMA) {
+            if (j > 0) ask_rows(j);  // before the tile loads and the barrier
+        }
         ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);

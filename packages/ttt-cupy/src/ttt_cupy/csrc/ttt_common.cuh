@@ -69,8 +69,16 @@ struct Traits {
     static constexpr int kBwdLocalFloats = kState + D_PAD + 4 * kTile + 2 * kSquare + BT;
     // bwd_chain: dW, dhb, Q, K, DOP, DKH, row sums
     static constexpr int kBwdChainFloats = kState + D_PAD + 4 * kTile + BT;
-    // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta
-    static constexpr int kBwdGradsFloats = 2 * kState + 5 * kTile + kSquare + BT;
+    // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta. At D_PAD 128 with BT 64 (where the whole
+    // state, its cotangent and the tiles would need 307 KiB) kGradsSplit = 2 blocks share a
+    // (group, head): each holds kGradsRows rows of W and dW ([kGradsRows, D_PAD + 1]) and the
+    // same columns of q and k ([BT, kGradsRows + 1]); everything else stays whole. Smaller
+    // shapes keep one block and the full tiles (kGradsRows = D_PAD: the same layout as before)
+    static constexpr int kGradsSplit = (D_PAD == 128 && BT == 64) ? 2 : 1;
+    static constexpr int kGradsRows = D_PAD / kGradsSplit;
+    static constexpr int kLdH = kGradsRows + 1;          // row stride of the [BT, kGradsRows] tiles
+    static constexpr int kBwdGradsFloats =
+        2 * kGradsRows * kLd + 2 * BT * kLdH + 3 * kTile + kSquare + BT;
     // the chains' register-resident tensor-core instances (fwd_chain_tc below): one warp per
     // 16 columns of the state; fwd_chain's MMA instance: K, V double-buffered, row statistics
     static constexpr int kTcWarps = D_PAD / 16;
@@ -80,6 +88,14 @@ struct Traits {
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
     static constexpr unsigned long long kBwdChainTcBytes = 4ull * kBwdChainTcFloats;
+    // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
+    // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
+    // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
+    static constexpr int kFwdChainFusedFloats = kState + D_PAD + 3 * kTile + kSquare + BT;
+    static constexpr int kFwdChainFusedTcFloats =
+        kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
+    static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
+    static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
@@ -206,15 +222,22 @@ __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta
     for (int i = threadIdx.x; i < BT; i += NT) s[i] = i < L ? eta[ebase + (row0 + i) * H] : 0.f;
 }
 
+// M rows of a state: sW[a, d] = src[a * D + d] for a < rows, d < D (zero elsewhere or when src
+// is null); sW [M, D_PAD + 1]. (bwd_grads' split blocks: src the first of their rows.)
+template <int D_PAD, int M, int NT>
+__device__ __forceinline__ void load_state_rows(float* sW, const float* src, int rows, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < M * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        sW[a * LD + d] = (src != nullptr && a < rows && d < D) ? src[a * D + d] : 0.f;
+    }
+}
+
 // sW[a, d] = src[a * D + d] (zero outside [D, D] or when src is null); sHb likewise when given.
 template <int D_PAD, int NT>
 __device__ __forceinline__ void load_state(float* sW, float* sHb, const float* src,
                                            const float* srcb, int D) {
-    constexpr int LD = D_PAD + 1;
-    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
-        const int a = idx / D_PAD, d = idx % D_PAD;
-        sW[a * LD + d] = (src != nullptr && a < D && d < D) ? src[a * D + d] : 0.f;
-    }
+    load_state_rows<D_PAD, D_PAD, NT>(sW, src, D, D);
     if (sHb != nullptr) {
         for (int d = threadIdx.x; d < D_PAD; d += NT)
             sHb[d] = (srcb != nullptr && d < D) ? srcb[d] : 0.f;
@@ -235,21 +258,30 @@ __device__ __forceinline__ void store_state(float* dst, float* dstb, const float
     }
 }
 
+// M rows of W += c X^T Y: sW[a, d] += c sum_i X[i, a] Y[i, d] for a < rows, d < D; sW
+// [M, D_PAD + 1], X [BT, M] (row stride LDX), Y [BT, D_PAD] tiles, zero past the valid rows.
+template <int D_PAD, int BT, int NT, int M = D_PAD, int LDX = D_PAD + 1>
+__device__ __forceinline__ void state_rows_axpy(float* sW, float c, const float* sX,
+                                                const float* sY, int rows, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < M * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        if (a < rows && d < D) {
+            float acc = 0.f;
+#pragma unroll 8
+            for (int i = 0; i < BT; ++i) acc += sX[i * LDX + a] * sY[i * LD + d];
+            sW[a * LD + d] += c * acc;
+        }
+    }
+}
+
 // W += c X^T Y (X, Y [BT, D_PAD] tiles, zero past the valid rows); hb += c sum_i Y_i when
 // sHb is given.
 template <int D_PAD, int BT, int NT>
 __device__ __forceinline__ void state_axpy(float* sW, float* sHb, float c, const float* sX,
                                            const float* sY, int D) {
     constexpr int LD = D_PAD + 1;
-    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
-        const int a = idx / D_PAD, d = idx % D_PAD;
-        if (a < D && d < D) {
-            float acc = 0.f;
-#pragma unroll 8
-            for (int i = 0; i < BT; ++i) acc += sX[i * LD + a] * sY[i * LD + d];
-            sW[a * LD + d] += c * acc;
-        }
-    }
+    state_rows_axpy<D_PAD, BT, NT>(sW, c, sX, sY, D, D);
     if (sHb != nullptr) {
         for (int d = threadIdx.x; d < D; d += NT) {
             float acc = 0.f;
@@ -259,21 +291,31 @@ __device__ __forceinline__ void state_axpy(float* sW, float* sHb, float c, const
     }
 }
 
+// M rows of W += X1^T Y1 + X2^T Y2 (the cotangent step): sW[a, d] for a < rows, d < D; sW
+// [M, D_PAD + 1], X1, X2 [BT, M] (row stride LDX), Y1, Y2 [BT, D_PAD] tiles, zero past the
+// valid rows.
+template <int D_PAD, int BT, int NT, int M = D_PAD, int LDX = D_PAD + 1>
+__device__ __forceinline__ void state_rows_add2(float* sW, const float* sX1, const float* sY1,
+                                                const float* sX2, const float* sY2, int rows,
+                                                int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int idx = threadIdx.x; idx < M * D_PAD; idx += NT) {
+        const int a = idx / D_PAD, d = idx % D_PAD;
+        if (a < rows && d < D) {
+            float acc = 0.f;
+#pragma unroll 8
+            for (int i = 0; i < BT; ++i)
+                acc += sX1[i * LDX + a] * sY1[i * LD + d] + sX2[i * LDX + a] * sY2[i * LD + d];
+            sW[a * LD + d] += acc;
+        }
+    }
+}
+
 // W += X1^T Y1 + X2^T Y2 (the cotangent step; [BT, D_PAD] tiles, zero past the valid rows).
 template <int D_PAD, int BT, int NT>
 __device__ __forceinline__ void state_add2(float* sW, const float* sX1, const float* sY1,
                                            const float* sX2, const float* sY2, int D) {
-    constexpr int LD = D_PAD + 1;
-    for (int idx = threadIdx.x; idx < D_PAD * D_PAD; idx += NT) {
-        const int a = idx / D_PAD, d = idx % D_PAD;
-        if (a < D && d < D) {
-            float acc = 0.f;
-#pragma unroll 8
-            for (int i = 0; i < BT; ++i)
-                acc += sX1[i * LD + a] * sY1[i * LD + d] + sX2[i * LD + a] * sY2[i * LD + d];
-            sW[a * LD + d] += acc;
-        }
-    }
+    state_rows_add2<D_PAD, BT, NT>(sW, sX1, sY1, sX2, sY2, D, D);
 }
 
 // sOut[i, j] = X_i . Y_j + add for the (i, j) with i, j < L and j <= i (LOWER) or j >= i
@@ -317,6 +359,31 @@ __device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + 31) 
     for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
         const int d = lane + 32 * e;
         if (d < D) dst[d] = from_f32<S>(x[e]);
+    }
+}
+
+// x[e] = srow[d - a0] for the lane's columns d in [a0, a0 + M), zero elsewhere (a row of a
+// [BT, M] part of a tile holding columns a0 .. a0 + M - 1).
+template <int D_PAD, int M>
+__device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + 31) / 32], const float* srow,
+                                              int a0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int dl = lane + 32 * e - a0;
+        x[e] = dl >= 0 && dl < M ? srow[dl] : 0.f;
+    }
+}
+
+// dst[d] = x[e] for d in [d0, d1) (store_row for a range of columns).
+template <int D_PAD, typename S>
+__device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD + 31) / 32],
+                                               int d0, int d1) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
     }
 }
 
@@ -388,6 +455,26 @@ __device__ __forceinline__ void row_times_state_t(float (&out)[(D_PAD + 31) / 32
     }
 }
 
+// The row times M^T for M rows a0 .. a0 + M - 1 of a state (sM [M, D_PAD + 1]): out[d] =
+// sum_c arow[c] M[d - a0, c] for d in [a0, a0 + M), zero for the lane's other columns.
+template <int D_PAD, int M>
+__device__ __forceinline__ void row_times_state_rows_t(float (&out)[(D_PAD + 31) / 32],
+                                                       const float* arow, const float* sM,
+                                                       int a0) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int dl = lane + 32 * e - a0;
+        float acc = 0.f;
+        if (dl >= 0 && dl < M) {
+#pragma unroll 8
+            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[dl * LD + c];
+        }
+        out[e] = acc;
+    }
+}
+
 // In place: x <- LN(x) over the D valid columns (no affine); returns r = 1 / sqrt(var + eps).
 template <int P>
 __device__ __forceinline__ float layer_norm_row(float (&x)[P], int D, float eps) {
@@ -425,9 +512,10 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
 // w, w + NW, ... < BT. kh = k_i W + hb (a SIMT row product), then xh, r (LayerNorm) and g
 // (inner_grad_row) into sG's row; rows >= L are zeroed. Writes xh of row i to xbuf (at
 // p_base + (row0 + i) * row_stride) and r to rbuf (at p_ebase + (row0 + i) * H): the group
-// kernels derive g from them (inner_grad_rows_saved). b_w, b_b: the LayerNorm weight and bias
+// kernels derive g from them (inner_grad_rows_saved); with OPTIONAL_SAVE, only when xbuf is
+// not null (the fused forward without a backward). b_w, b_b: the LayerNorm weight and bias
 // per lane.
-template <int D_PAD, int BT, int NW, typename T, int P>
+template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
                                                 const float* sHb, const T* __restrict__ v,
                                                 const float (&b_w)[P], const float (&b_b)[P],
@@ -455,8 +543,10 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
         load_row<D_PAD>(b_v, v + o_r, D, 1.f);
         inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
         put_row<D_PAD>(sG + i * LD, b_g);
-        store_row<D_PAD>(xbuf + o_r, b_x, D);
-        if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        if (!OPTIONAL_SAVE || xbuf != nullptr) {
+            store_row<D_PAD>(xbuf + o_r, b_x, D);
+            if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        }
     }
 }
 
@@ -704,10 +794,10 @@ __device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
     }
 }
 
-// sOut[i, j] = X_i . Y_j + add for i, j < L and j <= i (LOWER) or j >= i (upper), times
-// scale[j] when given; zero elsewhere (tri_dots on tensor cores; X, Y [BT, D_PAD] tiles,
-// sOut [BT, BT + 1]). The mma twin of tri_dots.
-template <int D_PAD, int BT, int NW, bool LOWER>
+// sOut[i, j] = sign (X_i . Y_j + add) for i, j < L and j <= i (LOWER) or j >= i (upper),
+// times scale[j] (or scale[i]: ROW_SCALE) when given; zero elsewhere (tri_dots on tensor
+// cores; X, Y [BT, D_PAD] tiles, sOut [BT, BT + 1]). The mma twin of tri_dots.
+template <int D_PAD, int BT, int NW, bool LOWER, bool ROW_SCALE = false>
 __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
                                              int L, float add, const float* scale = nullptr,
                                              float sign = 1.f) {
@@ -724,12 +814,37 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
                 const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
                 float val = 0.f;
                 if (i < L && j < L && (LOWER ? j <= i : j >= i))
-                    val = sign * (acc[r] + add) * (scale != nullptr ? scale[j] : 1.f);
+                    val = sign * (acc[r] + add) *
+                          (scale != nullptr ? scale[ROW_SCALE ? i : j] : 1.f);
                 sOut[i * LA + j] = val;
             }
         });
 }
 
+
+// M rows of W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a < rows, d < D (sW [M, D_PAD + 1];
+// X* [BT, M] tiles of row stride LDX, Y* [BT, D_PAD] tiles, zero past the valid rows; X2 / Y2
+// may be null). Tiles: (M / 16) x (D_PAD / 8), K = BT (or 2 BT).
+template <int D_PAD, int BT, int NW, int M, int LDX>
+__device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const float* sX1,
+                                                      const float* sY1, const float* sX2,
+                                                      const float* sY2, int rows, int D) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<M, D_PAD, NW>(
+        [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LDX + a]
+            mma_tile_acc(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
+            if (sX2 != nullptr)  // uniform over the block
+                mma_tile_acc(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
+                if (a < rows && d < D) sW[a * LD + d] += c * acc[r];
+            }
+        });
+}
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
 // the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
@@ -737,21 +852,7 @@ template <int D_PAD, int BT, int NW>
 __device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
                                                  const float* sY1, const float* sX2,
                                                  const float* sY2, int D) {
-    constexpr int LD = D_PAD + 1;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    mma_tiles<D_PAD, D_PAD, NW>(
-        [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LD + a]
-            mma_tile_acc(acc, sX1, 1, LD, sY1, LD, 1, m0, n0, 0, BT);
-            if (sX2 != nullptr)  // uniform over the block
-                mma_tile_acc(acc, sX2, 1, LD, sY2, LD, 1, m0, n0, 0, BT);
-        },
-        [&](float (&acc)[4], int m0, int n0) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
-                if (a < D && d < D) sW[a * LD + d] += c * acc[r];
-            }
-        });
+    state_rows_update_mma<D_PAD, BT, NW, D_PAD, D_PAD + 1>(sW, c, sX1, sY1, sX2, sY2, D, D);
 }
 
 // sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
@@ -776,17 +877,18 @@ __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const fl
 
 // The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db) summed over the
 // warps in a fixed order (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of
-// shared memory), written to dwp[o_p + d], dbp[o_p + d]. Every thread must call it.
+// shared memory), written to dwp[o_p + d], dbp[o_p + d] for d in [d0, d1). Every thread must
+// call it.
 template <int D_PAD, int NW, int NT, int P>
 __device__ __forceinline__ void store_partials(float* sA, float* sB, const float (&b_dw)[P],
                                                const float (&b_db)[P], float* dwp, float* dbp,
-                                               long long o_p, int D) {
+                                               long long o_p, int d0, int d1) {
     constexpr int LD = D_PAD + 1;
     const int warp = threadIdx.x >> 5;
     put_row<D_PAD>(sA + warp * LD, b_dw);
     put_row<D_PAD>(sB + warp * LD, b_db);
     __syncthreads();
-    for (int d = threadIdx.x; d < D; d += NT) {
+    for (int d = d0 + threadIdx.x; d < d1; d += NT) {
         float sw = 0.f, sb = 0.f;
         for (int w = 0; w < NW; ++w) {
             sw += sA[w * LD + d];
