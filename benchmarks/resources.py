@@ -119,8 +119,7 @@ def main() -> None:
                                                 for k, v in consts.items()},
                                     attrs=_aligned(fn, sig) if args.aligned else None)
                     options = launcher.launch_options(kind, BD, dtype == "fp32", tune,
-                                                      fused_bwd=name == "bwd_fused",
-                                                      kblocks=prec == "tf32_kblocks")
+                                                      fused_bwd=name == "bwd_fused")
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
                              f"warps={options['num_warps']}")
                     if "BS" in consts:

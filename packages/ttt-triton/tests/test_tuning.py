@@ -99,19 +99,3 @@ def test_fused_backward_chain_stages(monkeypatch):
     assert launcher._launch("chain", 64, torch.bfloat16, tune, fused_bwd=True)["num_stages"] == 3
     assert launcher._launch("chain", 64, torch.bfloat16, tune)["num_stages"] == 1
     assert launcher._launch("chain", 64, torch.float32, tune, fused_bwd=True)["num_stages"] == 1
-
-
-def test_kblocks_stages(monkeypatch):
-    """Kernels with "tf32_kblocks" products (the backward's group work at chunk 64, head dim
-    128, half inputs) take kblocks_stages; the unfused backward chain keeps plain dots."""
-    monkeypatch.setattr(launcher, "interpreting", lambda: False)
-    monkeypatch.setenv("TTT_TRITON_TUNE", "group_stages=2,kblocks_stages=1")
-    tune = launcher.tunables()
-    prec = launcher.dot_precision(torch.bfloat16, 128, 64, backward_group=True)
-    assert prec == "tf32_kblocks"
-    assert launcher._launch("group", 128, torch.bfloat16, tune, prec=prec)["num_stages"] == 1
-    assert launcher._launch("group", 128, torch.bfloat16, tune)["num_stages"] == 2
-    assert launcher.dot_precision(torch.bfloat16, 128, 64) == launcher.HALF_DOT_PRECISION
-    assert launcher.dot_precision(torch.bfloat16, 128, 32, backward_group=True) \
-        == launcher.HALF_DOT_PRECISION
-    assert launcher.dot_precision(torch.float32, 128, 64, backward_group=True) == "ieee_kblocks"

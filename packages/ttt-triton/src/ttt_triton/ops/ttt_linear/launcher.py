@@ -49,7 +49,7 @@ ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half input
 doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
 
 NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
-              "group_stages": 2, "group_stages_fp32": 1, "kblocks_stages": 1}
+              "group_stages": 2, "group_stages_fp32": 1}
 """num_stages (software pipelining of the loop's loads) of the sequential kernels, which
 prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
 float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 was 0-10%
@@ -59,10 +59,7 @@ ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32 register
 KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces ``chain_stages``
 for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16, head dims <= 64):
 2 took 32,2048,16,64 fwd+bwd from 4.48 to 4.24 ms on the H200, while the unfused chains
-spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B). ``kblocks_stages`` is for the
-kernels with "tf32_kblocks" products (:func:`dot_precision`: the backward at chunk 64 and
-head dim 128): with 2, bwd_grads needs 246 KB of shared memory under triton 3.6 (the GPU
-runner's) and bwd_local 230 KB, against 227 KB per block; with 1, 131 KB each."""
+spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
 
 
 MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
@@ -157,14 +154,11 @@ def dot_precision(dtype: torch.dtype, BD: int, BT: int = 16, backward_group: boo
 
 
 def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int],
-                   fused_bwd: bool = False, kblocks: bool = False) -> dict:
+                   fused_bwd: bool = False) -> dict:
     """num_warps, num_stages and (when capped) maxnreg of a ``kind`` ("chain" or "group")
-    kernel, ``fused_bwd`` for the backward chain that does bwd_grads' work, ``kblocks`` for a
-    kernel with "tf32_kblocks" products: what the launcher passes and
-    ``benchmarks/resources.py`` compiles with."""
-    if kblocks:
-        stages = "kblocks_stages"
-    elif ieee:
+    kernel, ``fused_bwd`` for the backward chain that does bwd_grads' work: what the launcher
+    passes and ``benchmarks/resources.py`` compiles with."""
+    if ieee:
         stages = f"{kind}_stages_fp32"
     else:
         stages = "fused_bwd_stages" if fused_bwd else f"{kind}_stages"
@@ -175,11 +169,10 @@ def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int],
 
 
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int],
-            fused_bwd: bool = False, prec: str = "") -> dict:
+            fused_bwd: bool = False) -> dict:
     if interpreting():
         return {}
-    return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd,
-                          kblocks=prec == "tf32_kblocks")
+    return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd)
 
 
 @dataclass
@@ -283,7 +276,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
-        **_launch("group", BD, q.dtype, tune, prec=prec))
+        **_launch("group", BD, q.dtype, tune))
 
     dh0 = dhb0 = None
     if want_dh0:
@@ -302,13 +295,12 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     else:
         dck = torch.empty_like(saved.ck)
         desum = torch.empty(B, T, H, **f32)
-    chain_prec = dot_precision(q.dtype, BD, BT, backward_group=fuse)
     ttt_linear_bwd_chain_kernel[(N * H,)](
         q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
         saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=chain_prec,
-        **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse, prec=chain_prec))
+        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=dot_precision(q.dtype, BD, BT, fuse),
+        **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))
     if fuse:
         return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
             dh0, dhb0
@@ -318,5 +310,5 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, PREC=prec, **_launch("group", BD, q.dtype, tune, prec=prec))
+        IS_VARLEN=varlen, PREC=prec, **_launch("group", BD, q.dtype, tune))
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
