@@ -46,7 +46,6 @@ KERNELS = (
      dict(USE_DHT=True, STORE_DH0=True, FUSE_GRADS=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
-BACKWARD_GROUP = {"bwd_local", "bwd_fused", "bwd_grads"}   # launcher.dot_precision
 
 
 def _signature(fn, dtype: str, consts: dict) -> dict:
@@ -106,7 +105,7 @@ def main() -> None:
                     if only and name not in only:
                         continue
                     prec = launcher.dot_precision(torch_dtype, BD, BT,
-                                                  backward_group=name in BACKWARD_GROUP)
+                                                  backward=name.startswith("bwd"))
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
                                   IS_VARLEN=False, PREC=prec, **extra)
                     if "HALF" in fn.arg_names:

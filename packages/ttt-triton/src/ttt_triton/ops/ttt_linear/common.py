@@ -20,18 +20,14 @@ import triton
 import triton.language as tl
 
 K_BLOCK = tl.constexpr(16)
-"""K block of the "ieee_kblocks" products (:func:`mm`)."""
-TF32_K_BLOCK = tl.constexpr(32)
-"""K block of the "tf32_kblocks" products: with blocks of 32, bwd_grads at chunk 64 and head
-dim 128 compiles to 9.7 KB of stack instead of 14 KB with 16 (sm_90, triton 3.9), in the
-same 213 KB of shared memory; with 64, its shared memory grows to 304 KB."""
+"""K block of the "*_kblocks" products (:func:`mm`)."""
 
 
 @triton.jit
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
     has them, or "ieee_kblocks" / "tf32_kblocks" (see ``launcher.dot_precision``): products
-    with K above the block run as one batched dot over K blocks, summed, at IEEE or tf32 input
+    with K > K_BLOCK run as one batched dot over K blocks, summed, at IEEE or tf32 input
     precision. Triton lowers an IEEE dot to FMA loops that hold each thread's whole K slices
     of both operands (at K = 128 the kernels go to local memory), and a plain tf32 dot on
     sm_90 stages both fp32 operands in shared memory (at chunk 64 and K = 128 more than a
@@ -39,9 +35,9 @@ def mm(a, b, PREC: tl.constexpr):
     only the summation order changes."""
     K: tl.constexpr = a.shape[1]
     if PREC == "ieee_kblocks" and K > K_BLOCK:
-        return _mm_kblocks(a, b, "ieee", K_BLOCK)
-    elif PREC == "tf32_kblocks" and K > TF32_K_BLOCK:
-        return _mm_kblocks(a, b, "tf32", TF32_K_BLOCK)
+        return _mm_kblocks(a, b, "ieee")
+    elif PREC == "tf32_kblocks" and K > K_BLOCK:
+        return _mm_kblocks(a, b, "tf32")
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, input_precision="ieee")
     elif PREC == "tf32_kblocks":
@@ -54,8 +50,7 @@ def mm(a, b, PREC: tl.constexpr):
 def mm_acc(a, b, acc, PREC: tl.constexpr):
     """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
     K: tl.constexpr = a.shape[1]
-    if (PREC == "ieee_kblocks" and K > K_BLOCK) or (PREC == "tf32_kblocks"
-                                                    and K > TF32_K_BLOCK):
+    if (PREC == "ieee_kblocks" or PREC == "tf32_kblocks") and K > K_BLOCK:
         return acc + mm(a, b, PREC)
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -66,14 +61,14 @@ def mm_acc(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mm_kblocks(a, b, IP: tl.constexpr, KB: tl.constexpr):
-    """``a @ b`` as one batched dot over K blocks of ``KB`` at input precision ``IP``."""
+def _mm_kblocks(a, b, IP: tl.constexpr):
+    """``a @ b`` as one batched dot over K blocks of K_BLOCK at input precision ``IP``."""
     M: tl.constexpr = a.shape[0]
     K: tl.constexpr = a.shape[1]
     N: tl.constexpr = b.shape[1]
-    NB: tl.constexpr = K // KB
-    a3 = tl.permute(tl.reshape(a, (M, NB, KB)), (1, 0, 2))                   # [NB, M, KB]
-    b3 = tl.reshape(b, (NB, KB, N))                                          # [NB, KB, N]
+    NB: tl.constexpr = K // K_BLOCK
+    a3 = tl.permute(tl.reshape(a, (M, NB, K_BLOCK)), (1, 0, 2))             # [NB, M, KB]
+    b3 = tl.reshape(b, (NB, K_BLOCK, N))                                     # [NB, KB, N]
     return tl.sum(tl.dot(a3, b3, input_precision=IP), 0)                    # [M, N]
 
 

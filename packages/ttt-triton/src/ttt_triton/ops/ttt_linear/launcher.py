@@ -135,19 +135,17 @@ def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
     return max(BT, min(tune[kind], G * BT))
 
 
-def dot_precision(dtype: torch.dtype, BD: int, BT: int = 16, backward_group: bool = False) -> str:
-    """The kernels' PREC (``common.mm``). Half inputs: HALF_DOT_PRECISION, except for the
-    backward's group work (bwd_local, bwd_grads, the fused bwd_chain: ``backward_group``) at
-    chunk 64 and a padded head dim of 128 ("tf32_kblocks"), where plain tf32 dots stage more
-    fp32 operands in shared memory than an H200 block has (bwd_local 295 KB, bwd_grads 279
-    KB against 227 KB; ``benchmarks/resources.py``). The unfused bwd_chain fits (147 KB)
-    and keeps plain dots: with K blocks it would run from local memory. float32: IEEE, as K
+def dot_precision(dtype: torch.dtype, BD: int, BT: int = 16, backward: bool = False) -> str:
+    """The kernels' PREC (``common.mm``). Half inputs: HALF_DOT_PRECISION, except the
+    backward at chunk 64 and a padded head dim of 128 ("tf32_kblocks"), where plain tf32
+    dots stage more fp32 operands in shared memory than an H200 block has (bwd_local 295
+    KB, bwd_grads 279 KB against 227 KB; ``benchmarks/resources.py``). float32: IEEE, as K
     blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE dots put the
     kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4 ms with the
     blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so head dims <= 64
     keep plain IEEE dots (docs/benchmarks.md)."""
     if dtype != torch.float32:
-        if backward_group and BT >= 64 and BD >= 128:
+        if backward and BT >= 64 and BD >= 128:
             return "tf32_kblocks"
         return HALF_DOT_PRECISION
     return "ieee_kblocks" if BD >= 128 else "ieee"
@@ -258,7 +256,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     G = grp.G
     tune = tunables()
     dev = q.device
-    prec = dot_precision(q.dtype, BD, BT, backward_group=True)    # bwd_local, bwd_grads
+    prec = dot_precision(q.dtype, BD, BT, backward=True)
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
@@ -299,7 +297,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
         saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets, float(p.scale), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=dot_precision(q.dtype, BD, BT, fuse),
+        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec,
         **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))
     if fuse:
         return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
