@@ -99,13 +99,12 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
     for dtype in args.dtypes:
         for BD in args.bd:
-            torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+            prec = launcher.dot_precision(torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                          BD)
             for BT in args.bt:
                 for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:
                         continue
-                    prec = launcher.dot_precision(torch_dtype, BD, BT,
-                                                  backward=name.startswith("bwd"))
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
                                   IS_VARLEN=False, PREC=prec, **extra)
                     if "HALF" in fn.arg_names:

@@ -16,6 +16,11 @@ from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 MAX_HEAD_DIM = 128
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
 need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
+MAX_BACKWARD_HEAD_DIM_CHUNK_64 = 64
+"""The backward with chunk_size 64 and a padded head dim of 128 needs 224 KiB of shared
+memory in ``bwd_local`` (bf16, ``benchmarks/resources.py`` on sm_90 with triton 3.9), at
+the H200's limit of 227 KiB per block; with the refusal lifted, three of those four suite
+cases failed on the H200 (triton 3.6). Chunk sizes 16 and 32 fit (at most 129 KiB)."""
 
 
 def interpreting() -> bool:
@@ -76,6 +81,11 @@ class TritonBackend(Backend):
             why.append(f"head dim {problem.D}: the triton backend keeps the fp32 state "
                        f"[D, D] and its gradient in one program's registers, which does "
                        f"not fit above D = {MAX_HEAD_DIM}")
+        if (problem.requires_grad and problem.chunk_size == 64
+                and MAX_BACKWARD_HEAD_DIM_CHUNK_64 < problem.D <= MAX_HEAD_DIM):
+            why.append(f"backward with chunk_size 64 and head dim {problem.D} > "
+                       f"{MAX_BACKWARD_HEAD_DIM_CHUNK_64}: the backward kernel needs more "
+                       "shared memory than an H200 has (use chunk_size 16 or 32)")
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")

@@ -19,29 +19,28 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 import triton
 import triton.language as tl
 
-K_BLOCK = tl.constexpr(16)
-"""K block of the "*_kblocks" products (:func:`mm`)."""
+IEEE_K_BLOCK = tl.constexpr(16)
+"""K block of the "ieee_kblocks" products (:func:`mm`)."""
 
 
 @triton.jit
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
-    has them, or "ieee_kblocks" / "tf32_kblocks" (see ``launcher.dot_precision``): products
-    with K > K_BLOCK run as one batched dot over K blocks, summed, at IEEE or tf32 input
-    precision. Triton lowers an IEEE dot to FMA loops that hold each thread's whole K slices
-    of both operands (at K = 128 the kernels go to local memory), and a plain tf32 dot on
-    sm_90 stages both fp32 operands in shared memory (at chunk 64 and K = 128 more than a
-    block may have); a batched dot runs as register-operand MMAs. The products are the same,
-    only the summation order changes."""
+    has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
+    ``launcher.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
+    batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
+    thread's whole K slices of both operands; at K = 128 that puts the kernels into local
+    memory. The products stay exact fp32, only the summation order changes."""
     K: tl.constexpr = a.shape[1]
-    if PREC == "ieee_kblocks" and K > K_BLOCK:
-        return _mm_kblocks(a, b, "ieee")
-    elif PREC == "tf32_kblocks" and K > K_BLOCK:
-        return _mm_kblocks(a, b, "tf32")
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
+        M: tl.constexpr = a.shape[0]
+        N: tl.constexpr = b.shape[1]
+        NB: tl.constexpr = K // IEEE_K_BLOCK
+        a3 = tl.permute(tl.reshape(a, (M, NB, IEEE_K_BLOCK)), (1, 0, 2))   # [NB, M, KB]
+        b3 = tl.reshape(b, (NB, IEEE_K_BLOCK, N))                           # [NB, KB, N]
+        return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, input_precision="ieee")
-    elif PREC == "tf32_kblocks":
-        return tl.dot(a, b, input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision=PREC)
 
@@ -50,26 +49,12 @@ def mm(a, b, PREC: tl.constexpr):
 def mm_acc(a, b, acc, PREC: tl.constexpr):
     """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
     K: tl.constexpr = a.shape[1]
-    if (PREC == "ieee_kblocks" or PREC == "tf32_kblocks") and K > K_BLOCK:
+    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
         return acc + mm(a, b, PREC)
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, acc, input_precision="ieee")
-    elif PREC == "tf32_kblocks":
-        return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
-def _mm_kblocks(a, b, IP: tl.constexpr):
-    """``a @ b`` as one batched dot over K blocks of K_BLOCK at input precision ``IP``."""
-    M: tl.constexpr = a.shape[0]
-    K: tl.constexpr = a.shape[1]
-    N: tl.constexpr = b.shape[1]
-    NB: tl.constexpr = K // K_BLOCK
-    a3 = tl.permute(tl.reshape(a, (M, NB, K_BLOCK)), (1, 0, 2))             # [NB, M, KB]
-    b3 = tl.reshape(b, (NB, K_BLOCK, N))                                     # [NB, KB, N]
-    return tl.sum(tl.dot(a3, b3, input_precision=IP), 0)                    # [M, N]
 
 
 @triton.jit

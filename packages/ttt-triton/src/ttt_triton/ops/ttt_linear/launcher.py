@@ -135,18 +135,13 @@ def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
     return max(BT, min(tune[kind], G * BT))
 
 
-def dot_precision(dtype: torch.dtype, BD: int, BT: int = 16, backward: bool = False) -> str:
-    """The kernels' PREC (``common.mm``). Half inputs: HALF_DOT_PRECISION, except the
-    backward at chunk 64 and a padded head dim of 128 ("tf32_kblocks"), where plain tf32
-    dots stage more fp32 operands in shared memory than an H200 block has (bwd_local 295
-    KB, bwd_grads 279 KB against 227 KB; ``benchmarks/resources.py``). float32: IEEE, as K
-    blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE dots put the
-    kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4 ms with the
-    blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so head dims <= 64
-    keep plain IEEE dots (docs/benchmarks.md)."""
+def dot_precision(dtype: torch.dtype, BD: int) -> str:
+    """The kernels' PREC (``common.mm``): HALF_DOT_PRECISION for half inputs; IEEE for
+    float32, as K blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE
+    dots put the kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4
+    ms with the blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so
+    head dims <= 64 keep plain IEEE dots (docs/benchmarks.md)."""
     if dtype != torch.float32:
-        if backward and BT >= 64 and BD >= 128:
-            return "tf32_kblocks"
         return HALF_DOT_PRECISION
     return "ieee_kblocks" if BD >= 128 else "ieee"
 
@@ -256,7 +251,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     G = grp.G
     tune = tunables()
     dev = q.device
-    prec = dot_precision(q.dtype, BD, BT, backward=True)
+    prec = dot_precision(q.dtype, BD)
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
