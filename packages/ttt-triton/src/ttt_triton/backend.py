@@ -17,10 +17,14 @@ MAX_HEAD_DIM = 128
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
 need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
 MAX_BACKWARD_HEAD_DIM_CHUNK_64 = 64
-"""The backward with chunk_size 64 and a padded head dim of 128 needs 224 KiB of shared
-memory in ``bwd_local`` (bf16, ``benchmarks/resources.py`` on sm_90 with triton 3.9), at
-the H200's limit of 227 KiB per block; with the refusal lifted, three of those four suite
-cases failed on the H200 (triton 3.6). Chunk sizes 16 and 32 fit (at most 129 KiB)."""
+"""The backward with chunk_size 64 and a padded head dim of 128 does not fit an H200 block's
+227 KiB of shared memory (``benchmarks/resources.py``, sm_90, triton 3.6 as on the GPU
+runner, bf16): with plain tf32 dots ``bwd_local`` needs 230 KB and ``bwd_grads`` 246 KB
+(197 and 246 KB with ``num_stages`` 1). Running their products as batched tf32 dots over K
+blocks (register-operand MMAs) brings both to 131 KB, but those kernels spill 18-28 KB of
+stack and take more than ten minutes to compile under triton 3.6; the H200 suite run timed
+out on them (docs/benchmarks.md, 2026-12-03 fifth session). Chunk sizes 16 and 32 fit (at
+most 129 KiB), and the cupy backend runs this case."""
 
 
 def interpreting() -> bool:
@@ -85,7 +89,8 @@ class TritonBackend(Backend):
                 and MAX_BACKWARD_HEAD_DIM_CHUNK_64 < problem.D <= MAX_HEAD_DIM):
             why.append(f"backward with chunk_size 64 and head dim {problem.D} > "
                        f"{MAX_BACKWARD_HEAD_DIM_CHUNK_64}: the backward kernel needs more "
-                       "shared memory than an H200 has (use chunk_size 16 or 32)")
+                       "shared memory than an H200 has (use chunk_size 16 or 32, "
+                       "or the cupy backend)")
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")
