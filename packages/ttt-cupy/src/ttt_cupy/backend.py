@@ -56,7 +56,8 @@ class CupyBackend(Backend):
             "runs two blocks per group, each with half of the state); a smaller device "
             "refuses what does not fit",
             "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200 "
-            "with SIMT group kernels (their tensor-core instances: not yet)",
+            "with the tensor-core, the SIMT (TTT_CUPY_MMA=0) and the forced fused forward "
+            "(TTT_CUPY_FUSE=1) kernels",
         ),
     )
 
