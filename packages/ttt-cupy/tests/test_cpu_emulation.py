@@ -296,6 +296,20 @@ def test_fused_forward(emu, case):
         assert _rel(a, r) < 1e-6, f"d{name}: relative error {_rel(a, r):.2e} to the unfused"
 
 
+def _assert_close(got, ref, got_g, ref_g, tol):
+    """Outputs, final states and every gradient (``got_g`` None: a forward only) written
+    everywhere (no NaN poison left) and within relative error ``tol`` of the reference."""
+    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
+    for name, a in (got_g or {}).items():
+        if a is None:
+            assert ref_g[name] is None
+            continue
+        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
+        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+
+
 @pytest.mark.parametrize("kernels", [CHAIN_KERNELS, GROUP_KERNELS], ids=["chain", "group"])
 @pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -315,16 +329,7 @@ def test_mma_instances_match_simt(emu, case, tf32, kernels):
                                  mma=kernels)
     finally:
         emu.emu_set_tf32_round(0)
-    tol = 2e-2 if tf32 else 2e-5
-    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
-        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
-        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
-    for name, a in got_g.items():
-        if a is None:
-            assert ref_g[name] is None
-            continue
-        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
-        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+    _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["inference", "training"])
@@ -345,13 +350,4 @@ def test_fused_mma_instance_matches_simt(emu, case, tf32, backward):
                                  mma=("fwd_chain",), fused=True)
     finally:
         emu.emu_set_tf32_round(0)
-    tol = 2e-2 if tf32 else 2e-5
-    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
-        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
-        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
-    for name, a in (got_g or {}).items():
-        if a is None:
-            assert ref_g[name] is None
-            continue
-        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
-        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+    _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)
