@@ -23,8 +23,9 @@ runner, bf16): with plain tf32 dots ``bwd_local`` needs 230 KB and ``bwd_grads``
 (197 and 246 KB with ``num_stages`` 1). Running their products as batched tf32 dots over K
 blocks (register-operand MMAs) brings both to 131 KB, but those kernels spill 18-28 KB of
 stack and take more than ten minutes to compile under triton 3.6; the H200 suite run timed
-out on them (docs/benchmarks.md, 2026-12-03 fifth session). Chunk sizes 16 and 32 fit (at
-most 129 KiB), and the cupy backend runs this case."""
+out on them. Splitting bwd_grads over the state's rows with one stage fits (180 KB) and
+passes under the interpreter; it awaits the H200 (docs/benchmarks.md, 2026-12-03 fifth
+session). Chunk sizes 16 and 32 fit (at most 129 KiB), and the cupy backend runs this case."""
 
 
 def interpreting() -> bool:
