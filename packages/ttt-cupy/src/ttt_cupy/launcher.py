@@ -30,7 +30,6 @@ from ttt.problem import ChunkGroups
 
 from .compile import (
     BLOCK_TS,
-    FUSED_KERNEL,
     FUSED_NAME,
     d_pad,
     get_kernels,
@@ -214,7 +213,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, _index(dev))
-    smem = smem_bytes(FUSED_KERNEL, dp, BT, mma, fused=fuse)
+    smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
             threads(dp, "fwd_chain", mma), smem, (
                 _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),

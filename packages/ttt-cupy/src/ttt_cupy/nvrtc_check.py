@@ -113,30 +113,27 @@ def smem_asserts() -> str:
     """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes` (and
     :func:`ttt_cupy.compile.grads_split`, the launcher's bwd_grads grid)."""
     lines = []
+
+    def check(dp: int, bt: int, field: str, value: int, python: str) -> None:
+        lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {value}ull, "
+                     f"\"{python} != Traits::{field}\");")
+
     for dp in D_PADS:
         for bt in BLOCK_TS:
             for kernel in KERNELS:
-                n, field = smem_bytes(kernel, dp, bt), traits_field(kernel)
-                lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
-                             f"\"smem_bytes('{kernel}', {dp}, {bt}) != Traits::{field}\");")
+                check(dp, bt, traits_field(kernel), smem_bytes(kernel, dp, bt),
+                      f"smem_bytes('{kernel}', {dp}, {bt})")
                 if kernel == FUSED_KERNEL:
                     for mma in (False, True):
-                        n = smem_bytes(kernel, dp, bt, mma, fused=True)
-                        field = traits_field(kernel, mma, fused=True)
-                        lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
-                                     f"\"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True) "
-                                     f"!= Traits::{field}\");")
+                        check(dp, bt, traits_field(kernel, mma, fused=True),
+                              smem_bytes(kernel, dp, bt, mma, fused=True),
+                              f"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True)")
                 if kernel in REGISTER_STATE_KERNELS:
-                    n, field = smem_bytes(kernel, dp, bt, True), traits_field(kernel, True)
-                    lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {n}ull, "
-                                 f"\"smem_bytes('{kernel}', {dp}, {bt}, True) != "
-                                 f"Traits::{field}\");")
-                    lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::kTcThreads == "
-                                 f"{threads(dp, kernel, True)}, \"threads({dp}, '{kernel}', "
-                                 f"True) != Traits::kTcThreads\");")
-            lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::kGradsSplit == "
-                         f"{grads_split(dp, bt)}, \"grads_split({dp}, {bt}) != "
-                         f"Traits::kGradsSplit\");")
+                    check(dp, bt, traits_field(kernel, True), smem_bytes(kernel, dp, bt, True),
+                          f"smem_bytes('{kernel}', {dp}, {bt}, True)")
+                    check(dp, bt, "kTcThreads", threads(dp, kernel, True),
+                          f"threads({dp}, '{kernel}', True)")
+            check(dp, bt, "kGradsSplit", grads_split(dp, bt), f"grads_split({dp}, {bt})")
     return "\n" + "\n".join(lines) + "\n"
 
 

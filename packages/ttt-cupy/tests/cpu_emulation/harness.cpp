@@ -5,9 +5,10 @@
 // an exchange through a per-warp buffer between two warp barriers. A fiber waiting at a
 // barrier yields to the scheduler, which resumes the block's fibers round by round (see
 // fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
-// NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry points, called in the
-// launcher's order by test_cpu_emulation.py), and fwd_chain's fused instances (emu_fwd_chain_fused*). Only T = float is exposed (the fake
-// cuda_fp16.h / cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
+// NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry
+// points, called in the launcher's order by test_cpu_emulation.py) and fwd_chain's fused
+// instances (emu_fwd_chain_fused*). Only T = float is exposed (the fake cuda_fp16.h /
+// cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
 #include <ucontext.h>
