@@ -223,6 +223,20 @@ def _inputs(case):
     return x, seqs, cu, scale, cot, rng
 
 
+def _assert_close(got, ref, got_g, ref_g, tol):
+    """Outputs, final states and every gradient (``got_g`` None: a forward only) written
+    everywhere (no NaN poison left) and within relative error ``tol`` of the reference."""
+    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
+        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
+        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
+    for name, a in (got_g or {}).items():
+        if a is None:
+            assert ref_g[name] is None
+            continue
+        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
+        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kernels_match_oracle(emu, case):
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
@@ -277,37 +291,12 @@ def test_fused_forward(emu, case):
                  scale, BT)
     got, none = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, None, init, fused=True)
     assert none is None
-    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
-        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
-        assert _rel(a, r) < 2e-5, f"{name}: relative error {_rel(a, r):.2e}"
+    _assert_close(got, ref, None, None, 2e-5)
 
     grads_in = cot if with_dht else (cot[0], None, None)
     unfused, unfused_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
     got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, fused=True)
-    for name, a, r in zip(("o", "ht", "hbt"), got, unfused):
-        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
-        assert _rel(a, r) < 1e-6, f"{name}: relative error {_rel(a, r):.2e} to the unfused"
-    for name, a in got_g.items():
-        if a is None:
-            assert unfused_g[name] is None
-            continue
-        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
-        r = unfused_g[name]
-        assert _rel(a, r) < 1e-6, f"d{name}: relative error {_rel(a, r):.2e} to the unfused"
-
-
-def _assert_close(got, ref, got_g, ref_g, tol):
-    """Outputs, final states and every gradient (``got_g`` None: a forward only) written
-    everywhere (no NaN poison left) and within relative error ``tol`` of the reference."""
-    for name, a, r in zip(("o", "ht", "hbt"), got, ref):
-        assert np.isfinite(a).all(), f"{name}: not every entry written (NaN poison)"
-        assert _rel(a, r) < tol, f"{name}: relative error {_rel(a, r):.2e}"
-    for name, a in (got_g or {}).items():
-        if a is None:
-            assert ref_g[name] is None
-            continue
-        assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
-        assert _rel(a, ref_g[name]) < tol, f"d{name}: relative error {_rel(a, ref_g[name]):.2e}"
+    _assert_close(got, unfused, got_g, unfused_g, 1e-6)
 
 
 @pytest.mark.parametrize("kernels", [CHAIN_KERNELS, GROUP_KERNELS], ids=["chain", "group"])
