@@ -179,7 +179,7 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         return smem_bytes(kernel, dp, bt, True) + 4 * (2 * tile + square + 2 * bt
                                                        + 2 * (dp // 16) * bt)
     if fused:
-        return 4 * (state + dp + 3 * tile + square + bt)      # W, hb, K, G, Q, A, eta
+        return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
         # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each

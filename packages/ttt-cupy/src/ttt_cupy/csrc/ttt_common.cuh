@@ -91,7 +91,7 @@ struct Traits {
     // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
     // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
     // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
-    static constexpr int kFwdChainFusedFloats = kState + D_PAD + 3 * kTile + kSquare + BT;
+    static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
