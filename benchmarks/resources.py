@@ -99,8 +99,8 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
     for dtype in args.dtypes:
         for BD in args.bd:
-            prec = launcher.dot_precision(torch.float32 if dtype == "fp32" else torch.bfloat16,
-                                          BD)
+            torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+            prec = launcher.dot_precision(torch_dtype, BD)
             for BT in args.bt:
                 for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:
@@ -111,6 +111,8 @@ def main() -> None:
                         consts["HALF"] = dtype != "fp32"
                     if rows is not None:
                         consts["BS"] = launcher.rows_per_block(rows, BT, tune["G"], tune)
+                    if "SPLIT" in fn.arg_names:
+                        consts["SPLIT"] = launcher.grads_split(torch_dtype, BD, BT, tune)
                     sig = _signature(fn, dtype, consts)
                     src = ASTSource(fn=fn, signature=sig,
                                     constexprs={(fn.arg_names.index(k),): v
@@ -118,6 +120,9 @@ def main() -> None:
                                     attrs=_aligned(fn, sig) if args.aligned else None)
                     options = launcher.launch_options(kind, BD, dtype == "fp32", tune,
                                                       fused_bwd=name == "bwd_fused")
+                    if (name in ("bwd_local", "bwd_grads")
+                            and launcher.wide_backward(torch_dtype, BD, BT)):
+                        options["num_stages"] = launcher.WIDE_BACKWARD["stages"]
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
                              f"warps={options['num_warps']}")
                     if "BS" in consts:

@@ -16,16 +16,6 @@ from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 MAX_HEAD_DIM = 128
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
 need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
-MAX_BACKWARD_HEAD_DIM_CHUNK_64 = 64
-"""The backward with chunk_size 64 and a padded head dim of 128 does not fit an H200 block's
-227 KiB of shared memory (``benchmarks/resources.py``, sm_90, triton 3.6 as on the GPU
-runner, bf16): with plain tf32 dots ``bwd_local`` needs 230 KB and ``bwd_grads`` 246 KB
-(197 and 246 KB with ``num_stages`` 1). Running their products as batched tf32 dots over K
-blocks (register-operand MMAs) brings both to 131 KB, but those kernels spill 18-28 KB of
-stack and take more than ten minutes to compile under triton 3.6; the H200 suite run timed
-out on them. Splitting bwd_grads over the state's rows with one stage fits (180 KB) and
-passes under the interpreter; it awaits the H200 (docs/benchmarks.md, 2026-12-03 fifth
-session). Chunk sizes 16 and 32 fit (at most 129 KiB), and the cupy backend runs this case."""
 
 
 def interpreting() -> bool:
@@ -86,12 +76,6 @@ class TritonBackend(Backend):
             why.append(f"head dim {problem.D}: the triton backend keeps the fp32 state "
                        f"[D, D] and its gradient in one program's registers, which does "
                        f"not fit above D = {MAX_HEAD_DIM}")
-        if (problem.requires_grad and problem.chunk_size == 64
-                and MAX_BACKWARD_HEAD_DIM_CHUNK_64 < problem.D <= MAX_HEAD_DIM):
-            why.append(f"backward with chunk_size 64 and head dim {problem.D} > "
-                       f"{MAX_BACKWARD_HEAD_DIM_CHUNK_64}: the backward kernel needs more "
-                       "shared memory than an H200 has (use chunk_size 16 or 32, "
-                       "or the cupy backend)")
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")

@@ -35,7 +35,15 @@ the backward chain); the group's first block takes its state from its own exact 
 import triton
 import triton.language as tl
 
-from .common import block_rows, group_coords, inner_grad_bwd, inner_grad_from_xhat, mm, mm_acc
+from .common import (
+    block_rows,
+    group_coords,
+    inner_grad_bwd,
+    inner_grad_from_xhat,
+    mm,
+    mm_acc,
+    split_cols,
+)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -59,15 +67,25 @@ def ttt_linear_bwd_grads_kernel(
     G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     gid, i_h = tl.program_id(0), tl.program_id(1)
+    # SPLIT programs per (group, head), program i_p owning the columns o_k of k (the rows of
+    # W, dW): dk's columns and the state's rows are independent given the row-local tiles
+    BK: tl.constexpr = BD // SPLIT
+    o_s = tl.arange(0, BS)
+    if SPLIT == 1:
+        i_p = 0
+        m_own = o_s >= 0            # [BS] rows whose dv, deta terms this program writes
+    else:
+        i_p = tl.program_id(2)
+        m_own = (o_s * 0 + i_p) == 0
+    o_k = i_p * BK + tl.arange(0, BK)                                      # [BK]
+    m_k = o_k < D
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
-    o_s = tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    m_dd = m_d[:, None] & m_d[None, :]
-    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
     o_c = o_s // BT                                                        # [BS] chunk in block
     m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] <= o_s[None, :])  # [BS, BS] j >= i
     m_later = o_c[:, None] < o_c[None, :]                                  # [BS, BS] c_j > c_i
@@ -78,9 +96,12 @@ def ttt_linear_bwd_grads_kernel(
     i_ck0 = slot * H + i_h
     i_ck = i_ck0 + H
     # W^T, so that dkh W^T needs no transpose of a computed tile (fewer registers)
-    o_ddt = o_d[:, None] + o_d[None, :] * D                                # [BD, BD]
-    b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_dd, other=0.)         # [BD, BD]
-    b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)         # [BD, BD]
+    o_ddt = o_d[:, None] + o_k[None, :] * D                                # [BD, BK]
+    m_ddt = m_d[:, None] & m_k[None, :]
+    o_dd = o_k[:, None] * D + o_d[None, :]                                 # [BK, BD]
+    m_dd = m_k[:, None] & m_d[None, :]
+    b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_ddt, other=0.)        # [BD, BK]
+    b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)         # [BK, BD]
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
 
@@ -95,6 +116,7 @@ def ttt_linear_bwd_grads_kernel(
         # the last-row terms of deta, from the backward chain
         b_rs = tl.load(desum + o_e, mask=m_t, other=0.)                    # [BS]
         b_dl = -tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_rs[None, :], 0.), 1)
+        m_last = m_last & m_own
         tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl, mask=m_last)
         # row-local: g, y, then dkh, dy from the full dg; dv, dw, db
         b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
@@ -107,30 +129,39 @@ def ttt_linear_bwd_grads_kernel(
         b_dyw = b_dy * b_w[None, :]                                        # [BS, BD]
         b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
         b_db += tl.sum(b_dyw, 0)
-        tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
+        tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d & m_own[:, None])
+        if SPLIT == 1:
+            o_xk, m_2dk, b_kk = o_x, m_2d, b_k                             # [BS, BD]
+            b_dk = b_dyw
+        else:
+            o_xk = p_base + (r0 + o_s).to(tl.int64)[:, None] * (H * D) + o_k[None, :]
+            m_2dk = m_t[:, None] & m_k[None, :]                            # [BS, BK]
+            b_kk = tl.load(k + o_xk, mask=m_2dk, other=0.).to(tl.float32)  # [BS, BK]
+            b_dk = split_cols(b_dyw, i_p, SPLIT)                           # [BS, BK]
 
         # the state before the block
         if jr == n_blk - 1:
-            b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_dd, other=0.)
+            b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_ddt, other=0.)
         else:
-            b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_k, b_Wt, PREC)
+            b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_kk, b_Wt, PREC)
         # dk in accumulated parts
-        b_dk = mm_acc(b_dkh, b_Wt, b_dyw, PREC)                            # [BS, BD]
+        b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                             # [BS, BK]
         b_dk = mm_acc(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, PREC)
         b_S2 = mm(b_g, tl.trans(b_dkh), PREC)                              # [BS, BS]
         b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
             - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
-        b_dk = mm_acc(b_Ck, b_k, b_dk, PREC)
-        b_q = tl.load(q + o_x, mask=m_2d, other=0.).to(tl.float32) * scale  # [BS, BD]
+        b_dk = mm_acc(b_Ck, b_kk, b_dk, PREC)
+        b_q = tl.load(q + o_xk, mask=m_2dk, other=0.).to(tl.float32) * scale  # [BS, BK]
         b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
         b_S1 = mm(b_g, tl.trans(b_dop), PREC)                              # [BS, BS]
         b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
         b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)
-        tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
+        tl.store(dk + o_xk, b_dk.to(dk.dtype.element_ty), mask=m_2dk)
         # the cotangent of the state before the block
         b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
-        b_dW = mm_acc(tl.trans(b_k), b_dkh, b_dW, PREC)
+        b_dW = mm_acc(tl.trans(b_kk), b_dkh, b_dW, PREC)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
-    tl.store(dwp + o_p, b_dw, mask=m_d)
-    tl.store(dbp + o_p, b_db, mask=m_d)
+    m_dw = m_d & ((o_d * 0 + i_p) == 0)
+    tl.store(dwp + o_p, b_dw, mask=m_dw)
+    tl.store(dbp + o_p, b_db, mask=m_dw)

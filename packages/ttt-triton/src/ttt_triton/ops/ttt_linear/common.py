@@ -58,6 +58,16 @@ def mm_acc(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def split_cols(x, i_p, SPLIT: tl.constexpr):
+    """Columns ``i_p * N / SPLIT ..`` of ``x`` [M, N] (SPLIT = 2), exactly: a reshape and a
+    split, no product."""
+    M: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    x_lo, x_hi = tl.split(tl.permute(tl.reshape(x, (M, SPLIT, N // SPLIT)), (0, 2, 1)))
+    return tl.where(i_p == 0, x_lo, x_hi)                                  # [M, N / SPLIT]
+
+
+@triton.jit
 def seq_coords(i_n, cu_seqlens, grp_offsets, T, BT: tl.constexpr, G: tl.constexpr,
                IS_VARLEN: tl.constexpr):
     """(bos, seq_len, NC, slot_base) of sequence ``i_n``: first row (int64), length, chunk

@@ -62,6 +62,16 @@ for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16, head dim
 spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
 
 
+WIDE_BACKWARD = {"grads_split": 2, "stages": 1}
+"""The backward at chunk 64 and a padded head dim of 128 with half inputs, where Triton's
+tf32 dots stage fp32 operands in shared memory (``benchmarks/resources.py``, sm_90, triton
+3.6 as on the GPU runner; an H200 block has 227 KB): bwd_grads runs ``grads_split``
+programs per (group, head), each with a share of the columns of k (the rows of the state and
+of its cotangent), and bwd_local and bwd_grads run ``stages`` stages. bwd_local needs 230
+KB with 2 stages, 197 KB with 1; bwd_grads 246 KB unsplit with 1 stage, 295 KB split with
+2, 180 KB split with 1. Elsewhere bwd_grads runs one program per (group, head)
+(``TTT_TRITON_TUNE="grads_split=2"`` forces the split, for tests)."""
+
 MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
 """Register cap per thread (ptx ``.maxnreg``; 0: none, the compiler's choice) of the
 sequential and the group-parallel kernels. A cap lets more programs share an SM at the
@@ -82,8 +92,8 @@ def tunables() -> dict[str, int]:
     the rule), BLOCK_ROWS, NUM_WARPS, NUM_STAGES and MAX_REGISTERS, overridden for tuning
     runs by
     ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, **BLOCK_ROWS, **NUM_STAGES,
-                **MAX_REGISTERS)
+    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, grads_split=0, **BLOCK_ROWS,
+                **NUM_STAGES, **MAX_REGISTERS)
     for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
         key, _, value = item.partition("=")
         tune[key.strip()] = int(value)
@@ -123,6 +133,18 @@ def fused_backward(p: Problem, tune: dict[str, int]) -> bool:
     if tune["fuse_bwd"] >= 0:
         return bool(tune["fuse_bwd"])
     return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]
+
+
+def wide_backward(dtype: torch.dtype, BD: int, BT: int) -> bool:
+    """Whether the backward takes :data:`WIDE_BACKWARD`'s settings."""
+    return dtype != torch.float32 and BD >= 128 and BT >= 64
+
+
+def grads_split(dtype: torch.dtype, BD: int, BT: int, tune: dict[str, int]) -> int:
+    """Programs per (group, head) of bwd_grads (:data:`WIDE_BACKWARD`)."""
+    if tune["grads_split"]:
+        return tune["grads_split"]
+    return WIDE_BACKWARD["grads_split"] if wide_backward(dtype, BD, BT) else 1
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
@@ -263,13 +285,15 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     fuse = fused_backward(p, tune)          # bwd_grads' work done by the backward chain
     dwp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
     dbp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
+    group_launch = _launch("group", BD, q.dtype, tune)
+    if group_launch and wide_backward(q.dtype, BD, BT):
+        group_launch["num_stages"] = WIDE_BACKWARD["stages"]
     ttt_linear_bwd_local_kernel[(grp.count, H)](
         q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec,
-        **_launch("group", BD, q.dtype, tune))
+        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec, **group_launch)
 
     dh0 = dhb0 = None
     if want_dh0:
@@ -298,10 +322,11 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
             dh0, dhb0
 
-    ttt_linear_bwd_grads_kernel[(grp.count, H)](
+    split = grads_split(q.dtype, BD, BT, tune)
+    ttt_linear_bwd_grads_kernel[(grp.count, H, split)](
         q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
         dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, PREC=prec, **_launch("group", BD, q.dtype, tune))
+        IS_VARLEN=varlen, PREC=prec, SPLIT=split, **group_launch)
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
