@@ -4,6 +4,12 @@
 
 Prints, per anchor shape, the mean device time of each kernel per fwd+bwd call, and the
 sum. Complements run.py (end-to-end medians) when deciding what to optimise next.
+
+With ``--ncu`` it runs one warmed-up fwd+bwd per shape between cudaProfilerStart and Stop
+instead, for Nsight Compute's hardware counters:
+
+    ncu --clock-control none --profile-from-start off --set full -o report \
+        python benchmarks/profile_kernels.py --backend cupy --shapes 1,32768,16,64 --ncu
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--shapes", nargs="+", default=None)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--ncu", action="store_true",
+                        help="one fwd+bwd per shape inside cudaProfilerStart/Stop, no table")
     args = parser.parse_args()
     shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes
               else SHAPES)
@@ -45,6 +53,12 @@ def main() -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        if args.ncu:
+            torch.cuda.profiler.start()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 step()
