@@ -224,7 +224,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     if fuse:
         return o, ht, hbt, saved
-    smem = smem_bytes("fwd_out", dp, BT)
+    smem = smem_bytes("fwd_out", dp, BT, mma)
     _launch(kern["fwd_out"], dev, grp.count * H, nt, smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
         _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),

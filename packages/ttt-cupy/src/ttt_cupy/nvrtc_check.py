@@ -128,9 +128,10 @@ def smem_asserts() -> str:
                         check(dp, bt, traits_field(kernel, mma, fused=True),
                               smem_bytes(kernel, dp, bt, mma, fused=True),
                               f"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True)")
-                if kernel in REGISTER_STATE_KERNELS:
+                if kernel in REGISTER_STATE_KERNELS or kernel == "fwd_out":
                     check(dp, bt, traits_field(kernel, True), smem_bytes(kernel, dp, bt, True),
                           f"smem_bytes('{kernel}', {dp}, {bt}, True)")
+                if kernel in REGISTER_STATE_KERNELS:
                     check(dp, bt, "kTcThreads", threads(dp, kernel, True),
                           f"threads({dp}, '{kernel}', True)")
             check(dp, bt, "kGradsSplit", grads_split(dp, bt), f"grads_split({dp}, {bt})")

@@ -16,20 +16,143 @@
 // cores. The g row pass shares its phase with q k^T (no barrier of its own). Shared memory:
 // W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
 //
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): q k^T, q W + A g
-// ([BT, D] x [D, D] and [BT, BT] x [BT, D], one tile pass whose result replaces q in its
-// tile) and the state step k^T g run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
-// accumulation; ttt_common.cuh); the row pass then only adds hb and does the post norm. The
-// MMA instance asks for each chunk's stored rows (xh, v, r) into L1 before its tile loads (the
-// first chunk's before the state load), so that the g row pass after the barrier and q k^T
-// finds them there: their latency overlaps the tile loads and the barrier instead of following
-// them. (Loading them into registers instead, all of a warp's rows or only its first, took
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): fwd_out_tc below.
+// It walks the group in blocks of R = Traits::kOutRows rows (R / BT chunks; R = BT at D_PAD
+// 128), as the Triton backend's fwd_out does: with W0, hb0 the state before the block and
+// c(t) the chunk of row t, the state before row t's chunk is W0 - sum_{c < c(t)} eta_l(c)
+// k_c^T g_c, so
+//
+//   M[t, j] = (q_t . k_j + 1) e_t          j <= t in the same chunk
+//           = (q_t . k_j + 1) eta_l(c(j))  j in an earlier chunk of the block,  else 0
+//   o_pre   = q W0 + hb0 - M g
+//   W0     <- W0 - k^T (eta_l g),  hb0 <- hb0 - sum_j eta_l(c(j)) g_j     (rows scaled)
+//
+// q k^T (M), q W0 - M g (one tile pass whose result replaces q in its tile) and the state
+// step run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation;
+// ttt_common.cuh), with K = D_PAD or R (R >= 32: the bank-conflict-free k order); four
+// barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta, eta_l
+// (Traits::kFwdOutTcBytes). The row pass then only adds hb0, does the post
+// norm and scales g's rows by their chunk's eta_l. Each block asks for its stored rows (xh, v,
+// r) into L1 before its tile loads (the first block's before the state load), so that the g
+// row pass after the barrier finds them there. (Loading them into registers instead took
 // ptxas from 62 to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps
-// the plain loads: the prefetch cost it 8-16 registers.) With
-// MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is SIMT fp32. The MMA path
-// passed the conformance suite on an H200 (580de07, 80e4f48, and with g from the saved xh, r
-// at 3eb0127).
+// the plain loads: the prefetch cost it 8-16 registers.) With MMA = false (float inputs, or
+// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
+// passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
+
+namespace ttt {
+
+// M (see the top of this file) -> sM [R, R + 1]: rows and columns past L zero. sE: each row's
+// eta, sEl: each row's chunk eta_l. Tensor cores; tiles wholly above the diagonal skip the
+// product.
+template <int D_PAD, int R, int BT, int NW>
+__device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
+                                               int L, const float* sE, const float* sEl) {
+    constexpr int LD = D_PAD + 1, LM = R + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<R, R, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            if (n0 <= m0 + 15) mma_tile_acc(acc, sQ, LD, 1, sK, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                float val = 0.f;
+                if (i < L && j <= i) val = (acc[r] + 1.f) * (i / BT == j / BT ? sE[i] : sEl[j]);
+                sM[i * LM + j] = val;
+            }
+        });
+}
+
+// The MMA instance of fwd_out (see the top of this file); arguments as the kernel's.
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void fwd_out_tc(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ ck, const float* __restrict__ ckb, const float* __restrict__ xbuf,
+    const float* __restrict__ rbuf, T* __restrict__ o, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
+    float eps, long long T_len, int H, int D, int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    constexpr int LD = Tr::kLd;
+    static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
+    float* s_W = smem;                 // [D_PAD, LD]  state before the block
+    float* s_hb = s_W + Tr::kState;    // [D_PAD]
+    float* s_q = s_hb + D_PAD;         // [R, LD]      q * scale -> q W - M g
+    float* s_k = s_q + R * LD;         // [R, LD]      k
+    float* s_g = s_k + R * LD;         // [R, LD]      g -> eta_l g
+    float* s_M = s_g + R * LD;         // [R, R + 1]   M
+    float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
+    float* s_el = s_e + R;             // [R]          eta_l of the row's chunk (zero past)
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long gid = blockIdx.x / H;
+    const int i_h = (int)(blockIdx.x % H);
+    const Group gr = group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const long long DD = (long long)D * D;
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (gr.seq.bos * H + i_h) * D;
+    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
+    const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    // the block's stored rows (xh, v, r) asked for into L1 before its tile loads
+    auto ask_rows = [&](long long row0, int L) {
+        prefetch_rows<NT>(xbuf + p_base, row0, L, row_stride, D);
+        prefetch_rows<NT>(v + p_base, row0, L, row_stride, D);
+        prefetch_rows<NT>(rbuf + p_ebase, row0, L, H, 1);
+    };
+    if (rows > 0) ask_rows(g_row0, min(R, rows));
+    const long long i_ck = gr.slot * H + i_h;
+    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+
+    for (int b0 = 0; b0 < rows; b0 += R) {
+        const long long row0 = g_row0 + b0;
+        const int L = min(R, rows - b0);
+        if (b0 > 0) ask_rows(row0, L);  // before the tile loads and the barrier
+        load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        for (int i = threadIdx.x; i < R; i += NT) {  // eta at the last valid row of i's chunk
+            const int last = min((i / BT + 1) * BT, L) - 1;
+            s_el[i] = i < L ? eta[p_ebase + (row0 + last) * H] : 0.f;
+        }
+        __syncthreads();
+
+        // M -> s_M (tensor cores); row pass: g from xh, r, k, v -> s_g (zero past L)
+        block_dots_mma<D_PAD, R, BT, NW>(s_M, s_q, s_k, L, s_e, s_el);
+        inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
+                                            row0, row_stride, L, H, D);
+        __syncthreads();
+        // q W0 - M g -> s_q (after every warp's products: they read q)
+        out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_M, s_g, nullptr);
+        __syncthreads();
+
+        // row pass: o_pre = (q W0 - M g) + hb0, the post norm-residual -> o; g's row *= eta_l
+        for (int i = warp; i < L; i += NW) {
+            float b_o[P];
+            out_pre_row<D_PAD, R, true>(b_o, i, s_q, s_W, s_M, s_g, s_hb, s_e, D);
+            post_norm_row(b_o, b_w, b_b, D, eps);
+            store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+            const float el = s_el[i];
+            for (int d = lane; d < D_PAD; d += 32) s_g[i * LD + d] *= el;
+        }
+        __syncthreads();
+
+        // W0 <- W0 - k^T (eta_l g), hb0 <- hb0 - sum_j (eta_l g)_j
+        state_update_mma<D_PAD, R, NW>(s_W, -1.f, s_k, s_g, nullptr, nullptr, D);
+        bias_axpy<D_PAD, R, NT>(s_hb, -1.f, s_g, D);
+        __syncthreads();
+    }
+}
+
+}  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
@@ -51,9 +174,17 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd;
-    if (smem_bytes < Tr::kFwdOutBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
+    if (smem_bytes < (MMA ? Tr::kFwdOutTcBytes : Tr::kFwdOutBytes) || blockDim.x != NT ||
+        D > D_PAD || G < 1)
+        __trap();
 
     extern __shared__ float smem[];
+    if constexpr (MMA) {
+        ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
+                                      cu_seqlens, grp_offsets, grp_seq, scale, eps, T_len, H, D,
+                                      G);
+        return;
+    }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
     float* s_q = s_hb + D_PAD;         // [BT, LD]     q * scale
@@ -71,19 +202,6 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     float b_w[P], b_b[P];                                            // [D] per lane
     ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
     ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    // MMA: chunk jj's stored rows (xh, v, r; the g row pass reads them after the barrier and
-    // q k^T) asked for into L1 before its tile loads, the first chunk's before the state load
-    auto ask_rows = [&](int jj) {
-        const long long rs = (long long)H * D, pb = (gr.seq.bos * H + i_h) * D;
-        const long long row0n = (gr.c0 + jj) * BT;
-        const int Ln = (int)min((long long)BT, gr.seq.len - row0n);
-        ttt::prefetch_rows<NT>(xbuf + pb, row0n, Ln, rs, D);
-        ttt::prefetch_rows<NT>(v + pb, row0n, Ln, rs, D);
-        ttt::prefetch_rows<NT>(rbuf + gr.seq.bos * H + i_h, row0n, Ln, H, 1);
-    };
-    if constexpr (MMA) {
-        if (gr.nc > 0) ask_rows(0);
-    }
     const long long i_ck = gr.slot * H + i_h;
     ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
@@ -93,39 +211,11 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int j = 0; j < gr.nc; ++j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
-        if constexpr (MMA) {
-            if (j > 0) ask_rows(j);  // before the tile loads and the barrier
-        }
         ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
-
-        if constexpr (MMA) {
-            // A -> s_A (tensor cores); row pass: g from xh, r, k, v -> s_g
-            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
-            ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                      p_ebase, row0, row_stride, L, H, D);
-            __syncthreads();
-            // q W - e (A g) -> s_q (after every warp's products: they read q)
-            ttt::out_pre_mma<D_PAD, BT, NW>(s_q, s_W, s_A, s_g, s_e);
-            __syncthreads();
-
-            // row pass: o_pre = (q W - e (A g)) + hb, then the post norm-residual -> o
-            for (int i = warp; i < L; i += NW) {
-                float b_o[P];
-                ttt::out_pre_row<D_PAD, BT, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-                ttt::post_norm_row(b_o, b_w, b_b, D, eps);
-                ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
-            }
-            __syncthreads();
-
-            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
-            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
-            __syncthreads();
-            continue;
-        }
 
         // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);

@@ -94,6 +94,14 @@ struct Traits {
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
+    // fwd_out's MMA instance walks its group in blocks of kOutRows rows (several chunks: one
+    // masked [kOutRows, kOutRows] product per block, fwd_out.cu): W, hb, Q, K, G, M, eta and
+    // each row's chunk eta_l. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then still
+    // fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
+    static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
+    static constexpr int kFwdOutTcFloats =
+        kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + 2 * kOutRows;
+    static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
@@ -859,7 +867,10 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
 // [BT, D_PAD] q tile (pre-scaled), sW the state, sA [BT, BT + 1] the masked A = tril(q k^T +
 // 1), sG the g tile, sE [BT] the per-row eta. The products finish in every warp before the
 // result overwrites q (mma_tiles_synced; every thread must call it).
-template <int D_PAD, int BT, int NW>
+//
+// ROW_SCALE false: sA already holds e (and any other per-entry factor): sQ <- q W - A g, sE
+// unused.
+template <int D_PAD, int BT, int NW, bool ROW_SCALE = true>
 __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const float* sA,
                                             const float* sG, const float* sE) {
     constexpr int LD = D_PAD + 1, LA = BT + 1;
@@ -870,7 +881,8 @@ __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const fl
             mma_tile_acc(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
             mma_tile_acc(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[r] -= sE[m0 + g + 8 * (r >> 1)] * acc2[r];
+            for (int r = 0; r < 4; ++r)
+                acc[r] -= (ROW_SCALE ? sE[m0 + g + 8 * (r >> 1)] : 1.f) * acc2[r];
         },
         [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
 }
