@@ -160,9 +160,13 @@ def grads_split(dp: int, bt: int) -> int:
     return 2 if (dp, bt) == (128, 64) else 1
 
 
+BLOCK_ROWS_KERNELS = ("fwd_out", "bwd_local")
+"""Group kernels whose MMA instances walk their group in blocks of :func:`out_rows` rows."""
+
+
 def out_rows(dp: int, bt: int) -> int:
-    """Rows per block of fwd_out's MMA instance (Traits::kOutRows): 64 at D_PAD <= 32, 32 at
-    D_PAD 64 with chunk 16, else one chunk."""
+    """Rows per block of the MMA instances of :data:`BLOCK_ROWS_KERNELS` (Traits::kOutRows): 64
+    at D_PAD <= 32, 32 at D_PAD 64 with chunk 16, else one chunk."""
     if dp <= 32:
         return 64
     return 32 if dp == 64 and bt < 32 else bt
@@ -174,7 +178,8 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
     states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The MMA instances of
     :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes);
-    fwd_out's MMA instance holds blocks of :func:`out_rows` rows (Traits::kFwdOutTcBytes);
+    those of :data:`BLOCK_ROWS_KERNELS` hold blocks of :func:`out_rows` rows
+    (Traits::kFwdOutTcBytes, kBwdLocalTcBytes);
     bwd_grads holds 1 / :func:`grads_split` of the state's rows; ``fused``: the instance of
     :data:`FUSED_KERNEL` that writes the outputs (Traits::kFwdChainFused*Bytes). The C++
     traits give the same numbers (checked by ``python -m ttt_cupy.nvrtc_check``)."""
@@ -189,10 +194,12 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
                                                        + 2 * (dp // 16) * bt)
     if fused:
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
-    if mma and kernel == "fwd_out":
-        # blocks of out_rows rows: W, hb, Q, K, G ([R, D_PAD + 1]), M ([R, R + 1]), eta, eta_l
+    if mma and kernel in BLOCK_ROWS_KERNELS:
+        # blocks of out_rows rows: fwd_out W, hb, Q, K, G ([R, D_PAD + 1]), M ([R, R + 1]),
+        # eta, eta_l; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta, eta_l
         r = out_rows(dp, bt)
-        return 4 * (state + dp + 3 * r * (dp + 1) + r * (r + 1) + 2 * r)
+        tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
+        return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + 2 * r)
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
         # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each

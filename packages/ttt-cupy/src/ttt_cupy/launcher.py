@@ -265,7 +265,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     deta = torch.empty(B, T, H, 1, **f32)
     dwp = torch.empty(2, grp.count, H, D, **f32)
     dbp = torch.empty(2, grp.count, H, D, **f32)
-    smem = smem_bytes("bwd_local", dp, BT)
+    mma = kernels_use_mma(dtype_name, _index(dev))
+    smem = smem_bytes("bwd_local", dp, BT, mma)
     _launch(kern["bwd_local"], dev, grp.count * H, nt, smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
         _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
@@ -278,7 +279,6 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         dh0 = torch.empty(N, H, D, D, **f32)
         dhb0 = torch.empty(N, H, 1, D, **f32)
     dck = torch.empty_like(saved.ck)
-    mma = kernels_use_mma(dtype_name, _index(dev))
     smem = smem_bytes("bwd_chain", dp, BT, mma)
     _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), smem, (
         _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf), _ptr(rbuf),

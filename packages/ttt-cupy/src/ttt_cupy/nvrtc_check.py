@@ -29,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .compile import (
+    BLOCK_ROWS_KERNELS,
     BLOCK_TS,
     CTYPES,
     D_PADS,
@@ -128,7 +129,7 @@ def smem_asserts() -> str:
                         check(dp, bt, traits_field(kernel, mma, fused=True),
                               smem_bytes(kernel, dp, bt, mma, fused=True),
                               f"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True)")
-                if kernel in REGISTER_STATE_KERNELS or kernel == "fwd_out":
+                if kernel in REGISTER_STATE_KERNELS or kernel in BLOCK_ROWS_KERNELS:
                     check(dp, bt, traits_field(kernel, True), smem_bytes(kernel, dp, bt, True),
                           f"smem_bytes('{kernel}', {dp}, {bt}, True)")
                 if kernel in REGISTER_STATE_KERNELS:

@@ -357,7 +357,7 @@ static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
         ttt_linear_bwd_local<__half, DP, BT, true>(qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf,
                                                    rbuf, dopbuf, dgbuf, dqh, deta, dwp, dbp, cu,
                                                    go, gs, scale, eps, T, H, D, G,
-                                                   Tr::kBwdLocalBytes);
+                                                   Tr::kBwdLocalTcBytes);
     });
 }
 #define DISPATCH_MMA_bwd_local(DP, BT) \

@@ -18,15 +18,164 @@
 // read xh, r from fwd_chain.cu too). Shared memory: W, hb, Q, K, DO, G, A, dS/dP, eta
 // (Traits::kBwdLocalBytes).
 //
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): the products
-// q k^T, q W + A g (which then replaces q in its tile), dS = do_pre g^T,
-// do_pre W^T + dP k, A^T (e do_pre) and the state step k^T g run on tensor cores (mma.sync
-// m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh); the row passes keep the
-// row-local math (g, the post norm's backward), the deta pass scales A's rows by
-// e in place for dg_loc. With MMA = false (float inputs, or TTT_CUPY_MMA=0) every product is
-// SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, 80e4f48, and with
-// g from the saved xh, r at 3eb0127).
+// MMA (default: true for __half / __nv_bfloat16, must be false for float): bwd_local_tc
+// below. It walks the group in blocks of R = Traits::kOutRows rows (several chunks, as
+// fwd_out.cu's MMA instance; R = BT at D_PAD 128), with M, W0, hb0 as there:
+//
+//   o_pre = q W0 + hb0 - M g,    dS = do_pre g^T (every j <= t of the block)
+//   dP'[t, j] = -(e_t dS_tj) in t's chunk, -(eta_l(chunk of j) dS_tj) for earlier chunks
+//   dq = scale (do_pre W0^T + dP' k)  (the earlier chunks' state steps folded into dP')
+//   deta_t = -sum_{j <= t in t's chunk} A_tj dS_tj,  dg_loc = -(e A)^T do_pre within chunks
+//
+// so dq, deta, dg_loc, do_pre and the dw / db partials are those of the chunk-by-chunk
+// definition above. q k^T (A and M in one pass), q W0 - M g, dS, do_pre W0^T + dP' k,
+// (e A)^T do_pre and the state step (on g rows scaled by their chunk's eta_l) run on tensor
+// cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh): the same
+// barriers per block as the SIMT instance has per chunk. Shared memory: W, hb, Q, K, DO, G,
+// A, M / dS / dP', eta, eta_l (Traits::kBwdLocalTcBytes). With MMA = false (float inputs, or
+// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
+// passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
+
+namespace ttt {
+
+// The MMA instance of bwd_local (see the top of this file); arguments as the kernel's.
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void bwd_local_tc(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const T* __restrict__ dout, const float* __restrict__ ck, const float* __restrict__ ckb,
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf, float* __restrict__ dopbuf,
+    float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,
+    float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
+    float eps, long long T_len, int H, int D, int G) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    constexpr int LD = Tr::kLd, LA = R + 1;
+    static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
+    float* s_W = smem;                 // [D_PAD, LD]  state before the block
+    float* s_hb = s_W + Tr::kState;    // [D_PAD]
+    float* s_q = s_hb + D_PAD;         // [R, LD]      q * scale -> q W0 - M g
+    float* s_k = s_q + R * LD;         // [R, LD]      k
+    float* s_do = s_k + R * LD;        // [R, LD]      do -> do_pre
+    float* s_g = s_do + R * LD;        // [R, LD]      g -> eta_l g
+    float* s_A = s_g + R * LD;         // [R, LA]      q k^T + 1 (j <= t) -> e A within chunks
+    float* s_P = s_A + R * LA;         // [R, LA]      M -> dS -> dP'
+    float* s_e = s_P + R * LA;         // [R]          eta (zero past the end)
+    float* s_el = s_e + R;             // [R]          eta_l of the row's chunk (zero past)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g4 = lane >> 2, t4 = lane & 3;
+    const long long gid = blockIdx.x / H;
+    const int i_h = (int)(blockIdx.x % H);
+    const Group gr = group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const long long DD = (long long)D * D;
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (gr.seq.bos * H + i_h) * D;
+    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
+    const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
+
+    float b_w[P], b_b[P];                                            // [D] per lane
+    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    float b_dw[P], b_db[P];                                          // this warp's partials
+#pragma unroll
+    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    const long long i_ck = gr.slot * H + i_h;
+    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+
+    for (int b0 = 0; b0 < rows; b0 += R) {
+        const long long row0 = g_row0 + b0;
+        const int L = min(R, rows - b0);
+        load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
+        load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        for (int i = tid; i < R; i += NT) {  // eta at the last valid row of i's chunk
+            const int last = min((i / BT + 1) * BT, L) - 1;
+            s_el[i] = i < L ? eta[p_ebase + (row0 + last) * H] : 0.f;
+        }
+        __syncthreads();
+
+        // A -> s_A, M -> s_P (tensor cores); row pass: g from xh, r, k, v -> s_g
+        block_dots_mma<D_PAD, R, BT, NW>(s_P, s_q, s_k, L, s_e, s_el, s_A);
+        inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
+                                            row0, row_stride, L, H, D);
+        __syncthreads();
+
+        // q W0 - M g -> s_q (after every warp's products: they read q)
+        out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_P, s_g, nullptr);
+        __syncthreads();
+
+        // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
+        for (int i = warp; i < L; i += NW) {
+            float b_o[P], b_do[P];
+            out_pre_row<D_PAD, R, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+            load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
+            post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
+            put_row<D_PAD>(s_do + i * LD, b_do);
+            store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
+        }
+        __syncthreads();
+
+        // dS = do_pre g^T (every j <= t) -> s_P
+        tri_dots_mma<D_PAD, R, NW, true>(s_P, s_do, s_g, L, 0.f);
+        __syncthreads();
+
+        // deta_t = -sum_{j <= t in t's chunk} A_tj dS_tj; dS -> dP' and A -> e A (zero across
+        // chunks) in place, a row each; g's rows *= their chunk's eta_l (for the state step)
+        for (int i = tid; i < L; i += NT) {
+            const int c0 = (i / BT) * BT;  // first row of i's chunk
+            const float ei = s_e[i];
+            float de = 0.f;
+            for (int jj = 0; jj <= i; ++jj) {
+                const float ds = s_P[i * LA + jj], a = s_A[i * LA + jj];
+                const bool same = jj >= c0;
+                if (same) de -= a * ds;
+                s_P[i * LA + jj] = -(same ? ei : s_el[jj]) * ds;
+                s_A[i * LA + jj] = same ? ei * a : 0.f;
+            }
+            deta[p_ebase + (row0 + i) * H] = de;
+        }
+        for (int idx = tid; idx < L * D_PAD; idx += NT) {
+            const int i = idx / D_PAD;
+            s_g[i * LD + idx % D_PAD] *= s_el[i];
+        }
+        __syncthreads();
+
+        // dq = scale (do_pre W0^T + dP' k);  dg_loc = -(e A)^T do_pre   (tensor cores)
+        mma_tiles<R, D_PAD, NW>(
+            [&](float (&acc)[4], int m0, int n0) {
+                float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_tile_acc(acc, s_do, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
+                mma_tile_acc(acc, s_P, LA, 1, s_k, LD, 1, m0, n0, 0, m0 + 16);
+                mma_tile_acc(acc2, s_A, 1, LA, s_do, LD, 1, m0, n0, m0, R);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 2 * t4 + (r & 1);
+                    if (i < L && d < D) {
+                        const long long o_x = p_base + (row0 + i) * row_stride + d;
+                        dq[o_x] = from_f32<T>(scale * acc[r]);
+                        dgbuf[o_x] = -acc2[r];
+                    }
+                }
+            },
+            [](float (&)[4], int, int) {});
+        __syncthreads();
+
+        // W0 <- W0 - k^T (eta_l g), hb0 <- hb0 - sum_j (eta_l g)_j
+        state_update_mma<D_PAD, R, NW>(s_W, -1.f, s_k, s_g, nullptr, nullptr, D);
+        bias_axpy<D_PAD, R, NT>(s_hb, -1.f, s_g, D);
+        __syncthreads();
+    }
+
+    // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
+    store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0, D);
+}
+
+}  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
@@ -54,9 +203,17 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
-    if (smem_bytes < Tr::kBwdLocalBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
+    if (smem_bytes < (MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes) || blockDim.x != NT ||
+        D > D_PAD || G < 1)
+        __trap();
 
     extern __shared__ float smem[];
+    if constexpr (MMA) {
+        ttt::bwd_local_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf, rbuf,
+                                        dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
+                                        grp_offsets, grp_seq, scale, eps, T_len, H, D, G);
+        return;
+    }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
     float* s_q = s_hb + D_PAD;         // [BT, LD]     q * scale
@@ -94,72 +251,6 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
         ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
-
-        if constexpr (MMA) {
-            const int g4 = lane >> 2, t4 = lane & 3;
-            // A -> s_A (tensor cores); row pass: g from xh, r, k, v -> s_g
-            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_A, s_q, s_k, L, 1.f);
-            ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                      p_ebase, row0, row_stride, L, H, D);
-            __syncthreads();
-
-            // o_pre - hb = q W - e (A g) -> s_q (after every warp's products: they read q)
-            ttt::out_pre_mma<D_PAD, BT, NW>(s_q, s_W, s_A, s_g, s_e);
-            __syncthreads();
-
-            // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
-            for (int i = warp; i < L; i += NW) {
-                float b_o[P], b_do[P];
-                ttt::out_pre_row<D_PAD, BT, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-                ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-                ttt::post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
-                ttt::put_row<D_PAD>(s_do + i * LD, b_do);
-                ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
-            }
-            __syncthreads();
-
-            // dS = do_pre g^T (lower triangle) -> s_P
-            ttt::tri_dots_mma<D_PAD, BT, NW, true>(s_P, s_do, s_g, L, 0.f);
-            __syncthreads();
-
-            // deta_i = -sum_j A_ij dS_ij; dP = -tril(e dS) and A <- e A in place (a row each)
-            for (int i = tid; i < L; i += NT) {
-                float de = 0.f;
-                for (int jj = 0; jj <= i; ++jj) {
-                    const float ds = s_P[i * LA + jj], a = s_A[i * LA + jj];
-                    de -= a * ds;
-                    s_P[i * LA + jj] = -s_e[i] * ds;
-                    s_A[i * LA + jj] = s_e[i] * a;
-                }
-                deta[p_ebase + (row0 + i) * H] = de;
-            }
-            __syncthreads();
-
-            // dq = scale (do_pre W^T + dP k);  dg_loc = -(e A)^T do_pre   (tensor cores)
-            ttt::mma_tiles<BT, D_PAD, NW>(
-                [&](float (&acc)[4], int m0, int n0) {
-                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                    ttt::mma_tile_acc(acc, s_do, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
-                    ttt::mma_tile_acc(acc, s_P, LA, 1, s_k, LD, 1, m0, n0, 0, m0 + 16);
-                    ttt::mma_tile_acc(acc2, s_A, 1, LA, s_do, LD, 1, m0, n0, m0, BT);
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 2 * t4 + (r & 1);
-                        if (i < L && d < D) {
-                            const long long o_x = p_base + (row0 + i) * row_stride + d;
-                            dq[o_x] = ttt::from_f32<T>(scale * acc[r]);
-                            dgbuf[o_x] = -acc2[r];
-                        }
-                    }
-                },
-                [](float (&)[4], int, int) {});
-            __syncthreads();
-
-            ttt::state_update_mma<D_PAD, BT, NW>(s_W, -e_l, s_k, s_g, nullptr, nullptr, D);
-            ttt::bias_axpy<D_PAD, BT, NT>(s_hb, -e_l, s_g, D);
-            __syncthreads();
-            continue;
-        }
 
         // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
         ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);

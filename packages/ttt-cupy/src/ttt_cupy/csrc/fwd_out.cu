@@ -43,29 +43,6 @@
 
 namespace ttt {
 
-// M (see the top of this file) -> sM [R, R + 1]: rows and columns past L zero. sE: each row's
-// eta, sEl: each row's chunk eta_l. Tensor cores; tiles wholly above the diagonal skip the
-// product.
-template <int D_PAD, int R, int BT, int NW>
-__device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
-                                               int L, const float* sE, const float* sEl) {
-    constexpr int LD = D_PAD + 1, LM = R + 1;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    mma_tiles<R, R, NW>(
-        [&](float (&acc)[4], int m0, int n0) {
-            if (n0 <= m0 + 15) mma_tile_acc(acc, sQ, LD, 1, sK, 1, LD, m0, n0, 0, D_PAD);
-        },
-        [&](float (&acc)[4], int m0, int n0) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
-                float val = 0.f;
-                if (i < L && j <= i) val = (acc[r] + 1.f) * (i / BT == j / BT ? sE[i] : sEl[j]);
-                sM[i * LM + j] = val;
-            }
-        });
-}
-
 // The MMA instance of fwd_out (see the top of this file); arguments as the kernel's.
 template <typename T, int D_PAD, int BT>
 __device__ __forceinline__ void fwd_out_tc(

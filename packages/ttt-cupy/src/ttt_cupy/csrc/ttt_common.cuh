@@ -94,14 +94,20 @@ struct Traits {
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
-    // fwd_out's MMA instance walks its group in blocks of kOutRows rows (several chunks: one
-    // masked [kOutRows, kOutRows] product per block, fwd_out.cu): W, hb, Q, K, G, M, eta and
+    // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
+    // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
+    // holds W, hb, Q, K, G, M, eta and
     // each row's chunk eta_l. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then still
     // fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + 2 * kOutRows;
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
+    // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
+    // eta and eta_l
+    static constexpr int kBwdLocalTcFloats =
+        kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + 2 * kOutRows;
+    static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
@@ -829,6 +835,33 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
         });
 }
 
+
+// The group kernels' blocks of R rows (several chunks of BT rows; fwd_out.cu, bwd_local.cu):
+// sM[t, j] = (q_t . k_j + 1) e_t for j <= t in t's chunk, (q_t . k_j + 1) eta_l(chunk of j)
+// for j in an earlier chunk, zero elsewhere (t, j < L); with sA also sA[t, j] = q_t . k_j + 1
+// for every j <= t < L (zero elsewhere). sE: each row's eta, sEl: the eta_l of each row's
+// chunk; sM, sA [R, R + 1]. Tensor cores; tiles wholly above the diagonal skip the product.
+template <int D_PAD, int R, int BT, int NW>
+__device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
+                                               int L, const float* sE, const float* sEl,
+                                               float* sA = nullptr) {
+    constexpr int LD = D_PAD + 1, LM = R + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<R, R, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            if (n0 <= m0 + 15) mma_tile_acc(acc, sQ, LD, 1, sK, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                const bool in = i < L && j <= i;
+                const float a = in ? acc[r] + 1.f : 0.f;
+                sM[i * LM + j] = a * (i / BT == j / BT ? sE[i] : sEl[j]);
+                if (sA != nullptr) sA[i * LM + j] = a;
+            }
+        });
+}
 
 // M rows of W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a < rows, d < D (sW [M, D_PAD + 1];
 // X* [BT, M] tiles of row stride LDX, Y* [BT, D_PAD] tiles, zero past the valid rows; X2 / Y2
