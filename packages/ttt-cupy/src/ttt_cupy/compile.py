@@ -196,10 +196,10 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
     if mma and kernel in BLOCK_ROWS_KERNELS:
         # blocks of out_rows rows: fwd_out W, hb, Q, K, G ([R, D_PAD + 1]), M ([R, R + 1]),
-        # eta, eta_l; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta, eta_l
+        # eta; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta
         r = out_rows(dp, bt)
         tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
-        return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + 2 * r)
+        return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r)
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
         # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each

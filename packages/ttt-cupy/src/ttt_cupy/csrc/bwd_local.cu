@@ -32,7 +32,7 @@
 // (e A)^T do_pre and the state step (on g rows scaled by their chunk's eta_l) run on tensor
 // cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh): the same
 // barriers per block as the SIMT instance has per chunk. Shared memory: W, hb, Q, K, DO, G,
-// A, M / dS / dP', eta, eta_l (Traits::kBwdLocalTcBytes). With MMA = false (float inputs, or
+// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). With MMA = false (float inputs, or
 // TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
 // passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
@@ -63,7 +63,6 @@ __device__ __forceinline__ void bwd_local_tc(
     float* s_A = s_g + R * LD;         // [R, LA]      q k^T + 1 (j <= t) -> e A within chunks
     float* s_P = s_A + R * LA;         // [R, LA]      M -> dS -> dP'
     float* s_e = s_P + R * LA;         // [R]          eta (zero past the end)
-    float* s_el = s_e + R;             // [R]          eta_l of the row's chunk (zero past)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g4 = lane >> 2, t4 = lane & 3;
@@ -93,14 +92,10 @@ __device__ __forceinline__ void bwd_local_tc(
         load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
         load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
-        for (int i = tid; i < R; i += NT) {  // eta at the last valid row of i's chunk
-            const int last = min((i / BT + 1) * BT, L) - 1;
-            s_el[i] = i < L ? eta[p_ebase + (row0 + last) * H] : 0.f;
-        }
         __syncthreads();
 
         // A -> s_A, M -> s_P (tensor cores); row pass: g from xh, r, k, v -> s_g
-        block_dots_mma<D_PAD, R, BT, NW>(s_P, s_q, s_k, L, s_e, s_el, s_A);
+        block_dots_mma<D_PAD, R, BT, NW>(s_P, s_q, s_k, L, s_e, s_A);
         inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
                                             row0, row_stride, L, H, D);
         __syncthreads();
@@ -134,14 +129,14 @@ __device__ __forceinline__ void bwd_local_tc(
                 const float ds = s_P[i * LA + jj], a = s_A[i * LA + jj];
                 const bool same = jj >= c0;
                 if (same) de -= a * ds;
-                s_P[i * LA + jj] = -(same ? ei : s_el[jj]) * ds;
+                s_P[i * LA + jj] = -(same ? ei : chunk_eta_l<BT>(s_e, jj, L)) * ds;
                 s_A[i * LA + jj] = same ? ei * a : 0.f;
             }
             deta[p_ebase + (row0 + i) * H] = de;
         }
         for (int idx = tid; idx < L * D_PAD; idx += NT) {
             const int i = idx / D_PAD;
-            s_g[i * LD + idx % D_PAD] *= s_el[i];
+            s_g[i * LD + idx % D_PAD] *= chunk_eta_l<BT>(s_e, i, L);
         }
         __syncthreads();
 

@@ -30,7 +30,7 @@
 // q k^T (M), q W0 - M g (one tile pass whose result replaces q in its tile) and the state
 // step run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation;
 // ttt_common.cuh), with K = D_PAD or R (R >= 32: the bank-conflict-free k order); four
-// barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta, eta_l
+// barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta
 // (Traits::kFwdOutTcBytes). The row pass then only adds hb0, does the post
 // norm and scales g's rows by their chunk's eta_l. Each block asks for its stored rows (xh, v,
 // r) into L1 before its tile loads (the first block's before the state load), so that the g
@@ -63,7 +63,6 @@ __device__ __forceinline__ void fwd_out_tc(
     float* s_g = s_k + R * LD;         // [R, LD]      g -> eta_l g
     float* s_M = s_g + R * LD;         // [R, R + 1]   M
     float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
-    float* s_el = s_e + R;             // [R]          eta_l of the row's chunk (zero past)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long gid = blockIdx.x / H;
@@ -96,14 +95,10 @@ __device__ __forceinline__ void fwd_out_tc(
         load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
-        for (int i = threadIdx.x; i < R; i += NT) {  // eta at the last valid row of i's chunk
-            const int last = min((i / BT + 1) * BT, L) - 1;
-            s_el[i] = i < L ? eta[p_ebase + (row0 + last) * H] : 0.f;
-        }
         __syncthreads();
 
         // M -> s_M (tensor cores); row pass: g from xh, r, k, v -> s_g (zero past L)
-        block_dots_mma<D_PAD, R, BT, NW>(s_M, s_q, s_k, L, s_e, s_el);
+        block_dots_mma<D_PAD, R, BT, NW>(s_M, s_q, s_k, L, s_e);
         inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
                                             row0, row_stride, L, H, D);
         __syncthreads();
@@ -117,7 +112,7 @@ __device__ __forceinline__ void fwd_out_tc(
             out_pre_row<D_PAD, R, true>(b_o, i, s_q, s_W, s_M, s_g, s_hb, s_e, D);
             post_norm_row(b_o, b_w, b_b, D, eps);
             store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
-            const float el = s_el[i];
+            const float el = chunk_eta_l<BT>(s_e, i, L);
             for (int d = lane; d < D_PAD; d += 32) s_g[i * LD + d] *= el;
         }
         __syncthreads();

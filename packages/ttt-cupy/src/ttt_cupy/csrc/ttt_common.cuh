@@ -96,17 +96,16 @@ struct Traits {
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
-    // holds W, hb, Q, K, G, M, eta and
-    // each row's chunk eta_l. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then still
-    // fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
+    // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
+    // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcFloats =
-        kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + 2 * kOutRows;
+        kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
     // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
-    // eta and eta_l
+    // eta
     static constexpr int kBwdLocalTcFloats =
-        kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + 2 * kOutRows;
+        kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
@@ -836,15 +835,22 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
 }
 
 
+// The eta_l of row j's chunk in a block of several chunks of BT rows (fwd_out.cu,
+// bwd_local.cu): eta at the chunk's last valid row (sE: the block's per-row eta, L valid rows;
+// j < L).
+template <int BT>
+__device__ __forceinline__ float chunk_eta_l(const float* sE, int j, int L) {
+    return sE[min((j / BT + 1) * BT, L) - 1];
+}
+
 // The group kernels' blocks of R rows (several chunks of BT rows; fwd_out.cu, bwd_local.cu):
 // sM[t, j] = (q_t . k_j + 1) e_t for j <= t in t's chunk, (q_t . k_j + 1) eta_l(chunk of j)
 // for j in an earlier chunk, zero elsewhere (t, j < L); with sA also sA[t, j] = q_t . k_j + 1
-// for every j <= t < L (zero elsewhere). sE: each row's eta, sEl: the eta_l of each row's
-// chunk; sM, sA [R, R + 1]. Tensor cores; tiles wholly above the diagonal skip the product.
+// for every j <= t < L (zero elsewhere). sE: each row's eta (zero past L); sM, sA [R, R + 1].
+// Tensor cores; tiles wholly above the diagonal skip the product.
 template <int D_PAD, int R, int BT, int NW>
 __device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
-                                               int L, const float* sE, const float* sEl,
-                                               float* sA = nullptr) {
+                                               int L, const float* sE, float* sA = nullptr) {
     constexpr int LD = D_PAD + 1, LM = R + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     mma_tiles<R, R, NW>(
@@ -857,7 +863,8 @@ __device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const
                 const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
                 const bool in = i < L && j <= i;
                 const float a = in ? acc[r] + 1.f : 0.f;
-                sM[i * LM + j] = a * (i / BT == j / BT ? sE[i] : sEl[j]);
+                sM[i * LM + j] =
+                    in ? a * (i / BT == j / BT ? sE[i] : chunk_eta_l<BT>(sE, j, L)) : 0.f;
                 if (sA != nullptr) sA[i * LM + j] = a;
             }
         });
