@@ -48,8 +48,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     int G) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
-    constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
-    float* s_q = smem;                    // [2][BT, LD]  q * scale, double-buffered
+    float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
     float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
     float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
 
@@ -65,8 +64,9 @@ __device__ __forceinline__ void bwd_chain_tc(
     const long long p_ebase = sq.bos * H + i_h;
     const float inv_d = 1.f / (float)D;
     const int rs = H * D;                                // row stride (32-bit in a chunk)
-    // this thread's elements of the tile loads: rows i_ld + (NT / D_PAD) u, column d_ld
-    const int i_ld = threadIdx.x / D_PAD, d_ld = threadIdx.x % D_PAD;
+    constexpr bool kExact = is_half_type<T>::value;  // q's, k's tiles hold tf32 values
+    // the previous chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
+    const bool vec = vec_rows_ok(q, row_stride, D) && vec_rows_ok(k, row_stride, D);
 
     float dW[D_PAD / 8][4], dhb[2], lw[2], lb[2];
     bool col_ok[2];
@@ -80,7 +80,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     if (sq.nc > 0) {
         const long long row0 = (sq.nc - 1) * BT;
         const int L = (int)(sq.len - row0);
-        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, 1.f);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
     }
     __syncthreads();
@@ -99,14 +99,9 @@ __device__ __forceinline__ void bwd_chain_tc(
         // the previous chunk's q, k (a full chunk) into registers, stored at the step's end
         const long long row0p = row0 - BT;
         const long long o_prev = p_base + row0p * row_stride;
-        T pq[PER], pk[PER];
-#pragma unroll
-        for (int u = 0; u < PER; ++u) {
-            const int o = (i_ld + (NT / D_PAD) * u) * rs + d_ld;
-            const bool ok = i_c > 0 && d_ld < D;
-            pq[u] = ok ? q[o_prev + o] : from_f32<T>(0.f);
-            pk[u] = ok ? k[o_prev + o] : from_f32<T>(0.f);
-        }
+        StagedTile<T, D_PAD, BT, NT> pq, pk;
+        pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
+        pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
         if (i_c > 0) {  // and its other rows into L1
             prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
             prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
@@ -136,7 +131,7 @@ __device__ __forceinline__ void bwd_chain_tc(
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
         float u[NR][4], y[NR][4], s1[NR][2][2];
-        tile_times_state_frag<D_PAD, BT>(u, dW, skt);
+        tile_times_state_frag<D_PAD, BT, kExact>(u, dW, skt);
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -224,8 +219,8 @@ __device__ __forceinline__ void bwd_chain_tc(
             }
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i (do_pre_i + dkh_i)
-        state_update_frag<D_PAD, BT>(dW, dop, 1.f, sqt);
-        state_update_frag<D_PAD, BT>(dW, u, 1.f, skt);
+        state_update_frag<D_PAD, BT, kExact>(dW, dop, scale, sqt);  // (q scale)^T do_pre
+        state_update_frag<D_PAD, BT, kExact>(dW, u, 1.f, skt);
         us += __shfl_xor_sync(0xffffffffu, us, 1);
         us += __shfl_xor_sync(0xffffffffu, us, 2);
 #pragma unroll
@@ -240,14 +235,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         }
         if (threadIdx.x == 0) deta[o_last] = deta_l - us;
 
-        float* sqn = s_q + (buf ^ 1) * Tr::kTile;
-        float* skn = s_k + (buf ^ 1) * Tr::kTile;
-#pragma unroll
-        for (int u2 = 0; u2 < PER; ++u2) {
-            const int o = (i_ld + (NT / D_PAD) * u2) * LD + d_ld;
-            sqn[o] = to_f32(pq[u2]) * scale;
-            skn[o] = to_f32(pk[u2]);
-        }
+        pq.store(s_q + (buf ^ 1) * Tr::kTile, 1.f);
+        pk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
         __syncthreads();
         if (in_group == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;

@@ -67,7 +67,6 @@ __device__ __forceinline__ void fwd_chain_tc(
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, LA = Tr::kLdA;
     constexpr int NR = BT / 8;
-    constexpr int PER = BT * D_PAD / NT;  // elements of a [BT, D_PAD] tile per thread
     constexpr int PE = (BT + NT - 1) / NT;  // rows of a chunk's eta per thread (FUSE)
     float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
     float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
@@ -103,8 +102,10 @@ __device__ __forceinline__ void fwd_chain_tc(
     float cols[NW];                                      // valid columns of every warp
 #pragma unroll
     for (int w2 = 0; w2 < NW; ++w2) cols[w2] = (float)max(0, min(16, D - 16 * w2));
-    // this thread's elements of the tile loads: rows i_ld + (NT / D_PAD) u, column d_ld
-    const int i_ld = threadIdx.x / D_PAD, d_ld = threadIdx.x % D_PAD;
+    constexpr bool kExact = is_half_type<T>::value;  // k's tile holds tf32 values (tf32_operand)
+    // the next chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
+    const bool vec = vec_rows_ok(k, row_stride, D) && vec_rows_ok(v, row_stride, D) &&
+                     (!FUSE || vec_rows_ok(q, row_stride, D));
 
     if (sq.nc > 0) {
         const int L0 = (int)min((long long)BT, sq.len);
@@ -170,23 +171,13 @@ __device__ __forceinline__ void fwd_chain_tc(
         // and its eta_l
         const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
         const long long o_next = p_base + (row0 + BT) * row_stride;
-        T nk[PER], nv[PER];
-#pragma unroll
-        for (int u = 0; u < PER; ++u) {
-            const int i = i_ld + (NT / D_PAD) * u, o = i * rs + d_ld;
-            const bool ok = i < Ln && d_ld < D;
-            nk[u] = ok ? k[o_next + o] : from_f32<T>(0.f);
-            nv[u] = ok ? v[o_next + o] : from_f32<T>(0.f);
-        }
+        StagedTile<T, D_PAD, BT, NT> nk, nv, nq;  // nq: FUSE only
+        nk.load(k + o_next, rs, Ln, D, vec);
+        nv.load(v + o_next, rs, Ln, D, vec);
         const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
-        T nq[FUSE ? PER : 1];    // FUSE: the next chunk's q and per-row eta likewise
-        float ne[PE];
+        float ne[PE];            // FUSE: the next chunk's q and per-row eta likewise
         if constexpr (FUSE) {
-#pragma unroll
-            for (int u = 0; u < PER; ++u) {
-                const int i = i_ld + (NT / D_PAD) * u;
-                nq[u] = i < Ln && d_ld < D ? q[o_next + i * rs + d_ld] : from_f32<T>(0.f);
-            }
+            nq.load(q + o_next, rs, Ln, D, vec);
 #pragma unroll
             for (int u = 0; u < PE; ++u) {
                 const int i = threadIdx.x + NT * u;
@@ -197,7 +188,7 @@ __device__ __forceinline__ void fwd_chain_tc(
         // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1);
         // LayerNorm statistics per warp (mean, M2 over its columns), combined by Chan's formula
         float x[NR][4];
-        tile_times_state_frag<D_PAD, BT>(x, W, sk);
+        tile_times_state_frag<D_PAD, BT, kExact>(x, W, sk);
         if constexpr (FUSE) {
             // the previous chunk's o (its statistics crossed the last barrier); then this
             // chunk's o_pre = q W + hb (same layout as kh) and -e A -> s_A (tensor cores)
@@ -229,6 +220,7 @@ __device__ __forceinline__ void fwd_chain_tc(
         __syncthreads();
         float r[NR][2];
         float* x_rows = xbuf + p_base + row0 * row_stride;
+        float* r_rows = rbuf + p_ebase + row0 * H;
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -254,7 +246,7 @@ __device__ __forceinline__ void fwd_chain_tc(
                 if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
                     if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
                     if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
-                    if (wid == 0 && g == 0) rbuf[p_ebase + (row0 + t) * H] = r[i][e];
+                    if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
                 }
             }
 
@@ -321,7 +313,7 @@ __device__ __forceinline__ void fwd_chain_tc(
         }
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
-        state_update_frag<D_PAD, BT>(W, y, -e_l, sk);
+        state_update_frag<D_PAD, BT, kExact>(W, y, -e_l, sk);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             hs[h] += __shfl_xor_sync(0xffffffffu, hs[h], 1);
@@ -330,19 +322,10 @@ __device__ __forceinline__ void fwd_chain_tc(
         }
         e_l = e_l_next;
 
-        float* skn = s_k + (buf ^ 1) * Tr::kTile;
-        float* svn = s_v + (buf ^ 1) * Tr::kTile;
-#pragma unroll
-        for (int u = 0; u < PER; ++u) {
-            const int o = (i_ld + (NT / D_PAD) * u) * LD + d_ld;
-            skn[o] = to_f32(nk[u]);
-            svn[o] = to_f32(nv[u]);
-        }
+        nk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
+        nv.store(s_v + (buf ^ 1) * Tr::kTile, 1.f);
         if constexpr (FUSE) {
-            float* sqn = s_q + (buf ^ 1) * Tr::kTile;
-#pragma unroll
-            for (int u = 0; u < PER; ++u)
-                sqn[(i_ld + (NT / D_PAD) * u) * LD + d_ld] = to_f32(nq[u]) * scale;
+            nq.store(s_q + (buf ^ 1) * Tr::kTile, scale);
 #pragma unroll
             for (int u = 0; u < PE; ++u)
                 if (threadIdx.x + NT * u < BT) s_e[(buf ^ 1) * BT + threadIdx.x + NT * u] = ne[u];

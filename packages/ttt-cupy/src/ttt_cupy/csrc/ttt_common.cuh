@@ -235,6 +235,67 @@ __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta
     for (int i = threadIdx.x; i < BT; i += NT) s[i] = i < L ? eta[ebase + (row0 + i) * H] : 0.f;
 }
 
+// A [BT, D_PAD] tile of the input dtype staged in registers, for the chains' tile of the next
+// chunk: loaded at the start of a step, stored into the other half of a double-buffered fp32
+// tile at its end. Thread x holds kVec = 16 / sizeof(T) consecutive columns c0 .. c0 + kVec - 1
+// of row i for each of its kChunks pieces (piece u: index x + NT u, row-major over the
+// [BT, D_PAD / kVec] pieces). With `vec` (the rows and src 16-byte aligned, D a multiple of
+// kVec: vec_rows_ok) a piece is one 16-byte load; else element by element. Zero past L rows and
+// D columns.
+template <typename T, int D_PAD, int BT, int NT>
+struct StagedTile {
+    static constexpr int kVec = 16 / (int)sizeof(T);
+    static constexpr int kPieces = D_PAD / kVec;           // pieces per row
+    static constexpr int kChunks = BT * kPieces / NT;      // pieces per thread
+    static_assert(D_PAD % kVec == 0 && (BT * kPieces) % NT == 0, "StagedTile: tile shape");
+    struct alignas(16) Piece {
+        T v[kVec];
+    };
+    Piece r[kChunks];
+
+    __device__ __forceinline__ static int row(int u) { return (threadIdx.x + NT * u) / kPieces; }
+    __device__ __forceinline__ static int col(int u) {
+        return (threadIdx.x + NT * u) % kPieces * kVec;
+    }
+    // rows 0 .. L - 1 of src (row i at src + i * rs)
+    __device__ __forceinline__ void load(const T* __restrict__ src, int rs, int L, int D,
+                                         bool vec) {
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+            const int i = row(u), c0 = col(u);
+            if (vec) {
+                if (i < L && c0 < D) {
+                    r[u] = *reinterpret_cast<const Piece*>(src + i * rs + c0);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < kVec; ++j) r[u].v[j] = from_f32<T>(0.f);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < kVec; ++j)
+                    r[u].v[j] = i < L && c0 + j < D ? src[i * rs + c0 + j] : from_f32<T>(0.f);
+            }
+        }
+    }
+    // s[i, c] = mult * tile[i, c] into a [BT, D_PAD + 1] fp32 tile (every entry written)
+    __device__ __forceinline__ void store(float* s, float mult) const {
+        constexpr int LD = D_PAD + 1;
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u)
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) s[row(u) * LD + col(u) + j] = to_f32(r[u].v[j]) * mult;
+    }
+};
+
+// Whether StagedTile may load 16-byte pieces from a [.., rs]-strided array at p: p 16-byte
+// aligned, rs and D multiples of 16 / sizeof(T) elements.
+template <typename T>
+__device__ __forceinline__ bool vec_rows_ok(const T* p, long long rs, int D) {
+    constexpr int kVec = 16 / (int)sizeof(T);
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0 && rs % kVec == 0 &&
+           D % kVec == 0;
+}
+
 // M rows of a state: sW[a, d] = src[a * D + d] for a < rows, d < D (zero elsewhere or when src
 // is null); sW [M, D_PAD + 1]. (bwd_grads' split blocks: src the first of their rows.)
 template <int D_PAD, int M, int NT>
@@ -724,6 +785,24 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
 }
 #endif  // without __CUDA_ARCH__ (the CPU emulation) the harness defines both functions
 
+// An mma operand read from a tile of raw bf16 / fp16 inputs (converted to fp32: at most 11
+// significant bits, so already a tf32 value) needs no rounding: EXACT passes its bits as they
+// are, one integer add less per operand. Tiles of products (q * scale, g, ...) keep to_tf32.
+template <bool EXACT>
+__device__ __forceinline__ unsigned tf32_operand(float x) {
+    if constexpr (EXACT) {
+#if defined(__CUDA_ARCH__)
+        return __float_as_uint(x);
+#else
+        unsigned u;
+        std::memcpy(&u, &x, sizeof u);
+        return u;
+#endif
+    } else {
+        return to_tf32(x);
+    }
+}
+
 // The warp tile of every mma pass: acc += sum_k X(m, k) Y(k, n) over k in [kbeg, kend) (a
 // multiple of 16 long) for the 16 x 8 output tile at (m0, n0), with X(m, k) = x[m * xm + k * xk]
 // and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its transpose). Every lane of
@@ -1048,8 +1127,9 @@ __device__ __forceinline__ void acc_as_a(unsigned (&a)[4], const float (&acc)[4]
 
 // out[i] (M = n: this warp's 16 state columns, N = t: rows 8 i .. 8 i + 7 of the tile) =
 // W^T X^T, i.e. out[i][c] = (X W)[t][n] with t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)
-// (lane (g, t')). sX: a [BT, D_PAD + 1] fp32 tile. Tensor cores, tf32 operands.
-template <int D_PAD, int BT>
+// (lane (g, t')). sX: a [BT, D_PAD + 1] fp32 tile. Tensor cores, tf32 operands (EXACT_X: sX
+// holds tf32 values already, see tf32_operand).
+template <int D_PAD, int BT, bool EXACT_X = false>
 __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
                                                       const float (&frag)[D_PAD / 8][4],
                                                       const float* sX) {
@@ -1068,7 +1148,7 @@ __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
 #pragma unroll
         for (int i = 0; i < BT / 8; ++i) {
             const float* x = sX + (8 * i + g) * LD + col;
-            const unsigned b[2] = {to_tf32(x[0]), to_tf32(x[1])};
+            const unsigned b[2] = {tf32_operand<EXACT_X>(x[0]), tf32_operand<EXACT_X>(x[1])};
             mma_m16n8k8_tf32(J % 2 == 0 ? out[i] : odd[i], a, b);
         }
     }
@@ -1080,8 +1160,8 @@ __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
 
 // frag (W) += mult Y^T X over the tile's rows: Y^T given as accumulators y[i] in the layout of
 // tile_times_state_frag's output (M = n, N = t), X a [BT, D_PAD + 1] fp32 tile (rows past the
-// chunk's end zero). Tensor cores, tf32 operands.
-template <int D_PAD, int BT>
+// chunk's end zero). Tensor cores, tf32 operands (EXACT_X as in tile_times_state_frag).
+template <int D_PAD, int BT, bool EXACT_X = false>
 __device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
                                                   const float (&y)[BT / 8][4], float mult,
                                                   const float* sX) {
@@ -1095,7 +1175,8 @@ __device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
 #pragma unroll
         for (int J = 0; J < D_PAD / 8; ++J) {
             const int col = state_col<D_PAD>(8 * J + g);
-            const unsigned b[2] = {to_tf32(x0[col]), to_tf32(x0[LD + col])};
+            const unsigned b[2] = {tf32_operand<EXACT_X>(x0[col]),
+                                   tf32_operand<EXACT_X>(x0[LD + col])};
             mma_m16n8k8_tf32(frag[J], a, b);
         }
     }
