@@ -239,19 +239,26 @@ __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta
 // chunk: loaded at the start of a step, stored into the other half of a double-buffered fp32
 // tile at its end. Thread x holds kVec = 16 / sizeof(T) consecutive columns c0 .. c0 + kVec - 1
 // of row i for each of its kChunks pieces (piece u: index x + NT u, row-major over the
-// [BT, D_PAD / kVec] pieces). With `vec` (the rows and src 16-byte aligned, D a multiple of
-// kVec: vec_rows_ok) a piece is one 16-byte load; else element by element. Zero past L rows and
-// D columns.
+// [BT, D_PAD / kVec] pieces), as raw 16-byte words. With `vec` (the rows and src 16-byte
+// aligned, D a multiple of kVec: vec_rows_ok) a piece is one predicated 16-byte load into
+// zeroed registers, and nothing reads those registers before store(): the load's latency
+// stays off the chain (unpacking right after the load made every step wait for device
+// memory). Else element by element, packed at once (a slower path for unaligned rows). Zero
+// past L rows and D columns.
 template <typename T, int D_PAD, int BT, int NT>
 struct StagedTile {
     static constexpr int kVec = 16 / (int)sizeof(T);
     static constexpr int kPieces = D_PAD / kVec;           // pieces per row
     static constexpr int kChunks = BT * kPieces / NT;      // pieces per thread
     static_assert(D_PAD % kVec == 0 && (BT * kPieces) % NT == 0, "StagedTile: tile shape");
+    struct alignas(16) Raw {
+        unsigned w[4];
+    };
     struct alignas(16) Piece {
         T v[kVec];
     };
-    Piece r[kChunks];
+    static_assert(sizeof(Raw) == 16 && sizeof(Piece) == 16, "StagedTile: 16-byte pieces");
+    Raw r[kChunks];
 
     __device__ __forceinline__ static int row(int u) { return (threadIdx.x + NT * u) / kPieces; }
     __device__ __forceinline__ static int col(int u) {
@@ -264,16 +271,15 @@ struct StagedTile {
         for (int u = 0; u < kChunks; ++u) {
             const int i = row(u), c0 = col(u);
             if (vec) {
-                if (i < L && c0 < D) {
-                    r[u] = *reinterpret_cast<const Piece*>(src + i * rs + c0);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < kVec; ++j) r[u].v[j] = from_f32<T>(0.f);
-                }
+                Raw x = {{0u, 0u, 0u, 0u}};
+                if (i < L && c0 < D) x = *reinterpret_cast<const Raw*>(src + i * rs + c0);
+                r[u] = x;
             } else {
+                Piece p;
 #pragma unroll
                 for (int j = 0; j < kVec; ++j)
-                    r[u].v[j] = i < L && c0 + j < D ? src[i * rs + c0 + j] : from_f32<T>(0.f);
+                    p.v[j] = i < L && c0 + j < D ? src[i * rs + c0 + j] : from_f32<T>(0.f);
+                memcpy(&r[u], &p, sizeof p);
             }
         }
     }
@@ -281,9 +287,12 @@ struct StagedTile {
     __device__ __forceinline__ void store(float* s, float mult) const {
         constexpr int LD = D_PAD + 1;
 #pragma unroll
-        for (int u = 0; u < kChunks; ++u)
+        for (int u = 0; u < kChunks; ++u) {
+            Piece p;
+            memcpy(&p, &r[u], sizeof p);
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) s[row(u) * LD + col(u) + j] = to_f32(r[u].v[j]) * mult;
+            for (int j = 0; j < kVec; ++j) s[row(u) * LD + col(u) + j] = to_f32(p.v[j]) * mult;
+        }
     }
 };
 
