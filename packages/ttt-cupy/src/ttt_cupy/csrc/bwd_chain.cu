@@ -30,7 +30,9 @@
 // row pass works on each lane's entries (xhat, v, do_pre, dg_loc are read in that layout)
 // and its row sums take three rounds of warp shuffles plus per-warp partials through shared
 // memory (frag_row_sums): {y, y xh}, {dg, dg xh, dg g, u g}, {dxh, dxh xh}. q and k of the
-// previous chunk are loaded into registers one step early, into double-buffered tiles.
+// previous chunk are loaded into registers one step early (16-byte pieces kept raw until
+// used, StagedTile), into double-buffered tiles; q stays unscaled there (its mma operands,
+// like k's, are tf32 values already: tf32_operand) and scale goes to do_pre.
 #include "ttt_common.cuh"
 
 namespace ttt {

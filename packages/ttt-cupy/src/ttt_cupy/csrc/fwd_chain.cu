@@ -27,8 +27,11 @@
 // lane: 2 columns x BT / 4 rows), so the LayerNorm's and g's row sums are warp shuffles plus
 // one exchange of per-warp partials through shared memory (Chan's formula for the variance):
 // three barriers per chunk. xh and r go to xbuf, rbuf from that layout (r by warp 0's lanes
-// g = 0). The next chunk's k and v are loaded into registers at the start of a step and stored
-// into the other half of the double-buffered tiles at its end.
+// g = 0). The next chunk's k and v are loaded into registers at the start of a step (16-byte
+// pieces kept raw until used, StagedTile) and stored into the other half of the
+// double-buffered tiles at its end; the chunk after it is asked into L1 (prefetch_rows), so
+// those loads hit L1. k's mma operands skip the tf32 rounding (bf16 / fp16 values are tf32
+// values already: tf32_operand).
 //
 // FUSE = true (the launcher's choice with many (sequence, head) chains, launcher.FUSED; as the
 // Triton backend's FUSE_OUT): the block also writes each chunk's outputs from the state
