@@ -178,9 +178,10 @@ __device__ __forceinline__ void fwd_chain_tc(
         nk.load(k + o_next, rs, Ln, D, vec);
         nv.load(v + o_next, rs, Ln, D, vec);
         if (i_c + 2 < sq.nc) {  // and the chunk after it into L1 (its loads next step hit L1)
-            prefetch_rows<NT>(k + p_base, row0 + 2 * BT, BT, row_stride, D);
-            prefetch_rows<NT>(v + p_base, row0 + 2 * BT, BT, row_stride, D);
-            if constexpr (FUSE) prefetch_rows<NT>(q + p_base, row0 + 2 * BT, BT, row_stride, D);
+            const int La = (int)min((long long)BT, sq.len - row0 - 2 * BT);  // its valid rows
+            prefetch_rows<NT>(k + p_base, row0 + 2 * BT, La, row_stride, D);
+            prefetch_rows<NT>(v + p_base, row0 + 2 * BT, La, row_stride, D);
+            if constexpr (FUSE) prefetch_rows<NT>(q + p_base, row0 + 2 * BT, La, row_stride, D);
         }
         const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
         float ne[PE];            // FUSE: the next chunk's q and per-row eta likewise
