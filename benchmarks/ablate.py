@@ -28,6 +28,10 @@ from run import make_inputs  # noqa: E402
 
 import ttt  # noqa: E402
 
+# the g row pass of the group kernels' tensor-core instances (fwd_out, bwd_local)
+GROUP_G_ROWS = ("inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, "
+                "p_base, p_ebase,\n" + " " * 44 + "row0, row_stride, L, H, D);")
+
 # name -> (pass, [(old text, new text), ...]); every old text must occur in the pass's source
 # (all occurrences are replaced).
 VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -45,6 +49,29 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     ]),
     "fwd_chain:no-y-sums": ("fwd", [
         ("frag_row_sums<NW, BT, 2>(sums, s_red + 2 * NW * BT);", ""),
+    ]),
+    "fwd_out:no-tile-loads": ("fwd", [
+        ("load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);", ""),
+        ("load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);", ""),
+    ]),
+    "fwd_out:no-g-row-pass": ("fwd", [
+        (GROUP_G_ROWS, ""),
+    ]),
+    "bwd_local:no-tile-loads": ("bwd", [
+        ("load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);", ""),
+        ("load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);", ""),
+        ("load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);", ""),
+    ]),
+    "bwd_local:no-g-row-pass": ("bwd", [
+        (GROUP_G_ROWS, ""),
+    ]),
+    "bwd_grads:no-tile-loads": ("bwd", [
+        ("ttt::load_tile<DA, BT, NT>(s_q, q, p_base + a0, row0, L, row_stride, D - a0, scale);",
+         ""),
+        ("ttt::load_tile<DA, BT, NT>(s_k, k, p_base + a0, row0, L, row_stride, D - a0, 1.f);",
+         ""),
+        ("ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);",
+         ""),
     ]),
     "bwd_chain:no-row-loads": ("bwd", [
         ("load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);", "zero_frag<BT>(xh);"),
