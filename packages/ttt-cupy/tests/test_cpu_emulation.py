@@ -35,7 +35,9 @@ def emu(tmp_path_factory):
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
-    return ctypes.CDLL(str(out))
+    lib = ctypes.CDLL(str(out))
+    lib.emu_prefetches.restype = lib.emu_prefetch_strays.restype = ctypes.c_longlong
+    return lib
 
 
 # ---------------------------------------------------------------- float64 oracle
@@ -77,8 +79,14 @@ def oracle(q, k, v, eta, w, b, h0, hb0, seqs, scale, BT):
 
 
 # ---------------------------------------------------------------- the emulated launcher
+_PASSED: list = []  # the arrays _p handed out since the last launch (prefetch checks)
+
+
 def _p(a):
-    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+    if a is None:
+        return None
+    _PASSED.append(a)
+    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def _cdiv(a, b):
@@ -118,10 +126,20 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     c = dict(H=ctypes.c_int(H), D=ctypes.c_int(D), G=ctypes.c_int(G), T=i64(T),
              scale=fl(scale), eps=fl(EPS))
 
+    prefetches: dict[str, int] = {}  # prefetch hints per kernel (all checked in bounds)
+
     def call(name, grid, *args, fused_instance=False):
         entry = f"emu_{name}{'_fused' if fused_instance else ''}{'_mma' if name in mma else ''}"
+        emu.emu_clear_buffers()
+        for a in _PASSED:  # the arrays of this launch's arguments
+            emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
+        _PASSED.clear()
         rc = getattr(emu, entry)(DP, BT, i64(grid), *args)
         assert rc == 0, f"no emulated {entry} instance for D_PAD={DP}, BT={BT}"
+        strays = emu.emu_prefetch_strays()
+        assert strays == 0, (f"{entry}: {strays} of {emu.emu_prefetches()} prefetch hints "
+                             f"outside the arrays it was given")
+        prefetches[name] = prefetches.get(name, 0) + emu.emu_prefetches()
 
     # ---- forward
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
@@ -164,6 +182,9 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
          _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
          _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
          _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
+    if any(_cdiv(length, BT) > 1 for _, _, length in seqs):
+        # the backward chain asked for the previous chunk's rows: the bounds check saw hints
+        assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g

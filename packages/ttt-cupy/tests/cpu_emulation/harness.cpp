@@ -166,6 +166,33 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsign
 }
 }  // namespace ttt
 
+// Prefetch hints (ttt_common.cuh's prefetch_line): each line a kernel asks for must overlap
+// one of the arrays it was given, registered by emu_add_buffer before the launch; the others
+// are counted as strays (a hint past an array's end: an indexing slip the GPU would not
+// report).
+struct EmuBuffer {
+    unsigned long long lo, hi;
+};
+static std::vector<EmuBuffer> g_buffers;
+static long long g_prefetches = 0, g_prefetch_strays = 0;
+inline void emu_prefetch(unsigned long long line) {
+    ++g_prefetches;
+    for (const EmuBuffer& b : g_buffers)
+        if (line < b.hi && line + 128 > b.lo) return;
+    ++g_prefetch_strays;
+}
+#define TTT_EMU_PREFETCH(line) emu_prefetch(line)
+extern "C" void emu_clear_buffers() {
+    g_buffers.clear();
+    g_prefetches = g_prefetch_strays = 0;
+}
+extern "C" void emu_add_buffer(const void* p, long long bytes) {
+    const unsigned long long lo = reinterpret_cast<unsigned long long>(p);
+    g_buffers.push_back(EmuBuffer{lo, lo + (unsigned long long)bytes});
+}
+extern "C" long long emu_prefetches() { return g_prefetches; }
+extern "C" long long emu_prefetch_strays() { return g_prefetch_strays; }
+
 #include "fwd_chain.cu"
 #include "fwd_out.cu"
 #include "bwd_local.cu"

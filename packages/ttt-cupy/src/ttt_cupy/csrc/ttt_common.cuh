@@ -203,14 +203,27 @@ __device__ __forceinline__ void load_tile(float* s, const S* __restrict__ src, l
     }
 }
 
+// One 128-byte line asked for into L1 (a hint: no effect on results). In the CPU emulation
+// there is no cache: the harness's TTT_EMU_PREFETCH checks instead that the line is part of
+// an array the kernel was given (a hint past an array's end is an indexing slip).
+__device__ __forceinline__ void prefetch_line(unsigned long long line) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
+        reinterpret_cast<const void*>(line))));
+#elif defined(TTT_EMU_PREFETCH)
+    TTT_EMU_PREFETCH(line);
+#else
+    (void)line;
+#endif
+}
+
 // Prefetch into L1 the cache lines of rows row0 .. row0 + L - 1 (rows row_stride elements apart)
 // of `src`, n elements each: the sequential kernels ask for the next chunk's rows one step
 // early, so that its loads hit L1 instead of waiting for device memory on the chain. A hint
-// only (no effect on results; nothing in the CPU emulation).
+// only (prefetch_line).
 template <int NT, typename S>
 __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int L,
                                               long long row_stride, int n) {
-#if defined(__CUDA_ARCH__)
     constexpr int kMaxLines = 4;  // a row of <= 128 fp32 spans at most 5 lines; 4 + the tail
     for (int idx = threadIdx.x; idx < L * (kMaxLines + 1); idx += NT) {
         const int i = idx / (kMaxLines + 1), c = idx % (kMaxLines + 1);
@@ -219,13 +232,8 @@ __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int 
         const unsigned long long last =
             (reinterpret_cast<unsigned long long>(row) + n * sizeof(S) - 1) & ~127ull;
         const unsigned long long line = first + 128ull * c;
-        if (line <= last)
-            asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
-                reinterpret_cast<const void*>(line))));
+        if (line <= last) prefetch_line(line);
     }
-#else
-    (void)src, (void)row0, (void)L, (void)row_stride, (void)n;
-#endif
 }
 
 // s[i] = eta[ebase + (row0 + i) * H] for i < L, zero elsewhere.
