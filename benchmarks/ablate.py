@@ -85,7 +85,12 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
         ("pq.store(s_q + (buf ^ 1) * Tr::kTile, 1.f);", ""),
         ("pk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);", ""),
     ]),
-    "bwd_chain:no-prefetch": ("bwd", [
+    # every prefetch_spans call of a pass (branch cupy-chain-trim: the chains' and, there, the
+    # group kernels' hints)
+    "fwd:no-prefetch-spans": ("fwd", [
+        ("prefetch_spans<NT, kLpr>(spans);", ""),
+    ]),
+    "bwd:no-prefetch-spans": ("bwd", [
         ("prefetch_spans<NT, kLpr>(spans);", ""),
     ]),
     "bwd_chain:no-dg-store": ("bwd", [
