@@ -79,16 +79,6 @@ def oracle(q, k, v, eta, w, b, h0, hb0, seqs, scale, BT):
 
 
 # ---------------------------------------------------------------- the emulated launcher
-_PASSED: list = []  # the arrays _p handed out since the last launch (prefetch checks)
-
-
-def _p(a):
-    if a is None:
-        return None
-    _PASSED.append(a)
-    return a.ctypes.data_as(ctypes.c_void_p)
-
-
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -127,13 +117,20 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
              scale=fl(scale), eps=fl(EPS))
 
     prefetches: dict[str, int] = {}  # prefetch hints per kernel (all checked in bounds)
+    passed = []  # the arrays handed to the next launch: its prefetch hints must stay inside
+
+    def _p(a):
+        if a is None:
+            return None
+        passed.append(a)
+        return a.ctypes.data_as(ctypes.c_void_p)
 
     def call(name, grid, *args, fused_instance=False):
         entry = f"emu_{name}{'_fused' if fused_instance else ''}{'_mma' if name in mma else ''}"
         emu.emu_clear_buffers()
-        for a in _PASSED:  # the arrays of this launch's arguments
+        for a in passed:  # the arrays of this launch's arguments
             emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
-        _PASSED.clear()
+        passed.clear()
         rc = getattr(emu, entry)(DP, BT, i64(grid), *args)
         assert rc == 0, f"no emulated {entry} instance for D_PAD={DP}, BT={BT}"
         strays = emu.emu_prefetch_strays()
