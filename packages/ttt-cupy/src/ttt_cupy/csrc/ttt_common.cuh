@@ -236,6 +236,54 @@ __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int 
     }
 }
 
+// Rows of one array for prefetch_spans: L rows of `bytes` bytes, the first at p, rows `stride`
+// bytes apart.
+struct RowSpan {
+    const void* p;
+    long long stride;
+    int bytes;
+    int L;
+};
+
+// The RowSpan of rows row0 .. row0 + L - 1 of src (rows row_stride elements apart), n elements
+// each (p is only formed, not read, when L = 0).
+template <typename S>
+__device__ __forceinline__ RowSpan row_span(const S* src, long long row0, int L,
+                                            long long row_stride, int n) {
+    return RowSpan{src + row0 * row_stride, row_stride * (long long)sizeof(S),
+                   n * (int)sizeof(S), L};
+}
+
+// prefetch_rows for several arrays at once (a hint only, as there): the block's threads share
+// one flat range over every span's [rows x LPR] line slots, so a thread asks for about
+// (all slots) / NT lines, where one prefetch_rows call per array costs every thread a pass
+// with its own address arithmetic. LPR, line slots per row, must be at least
+// (bytes + 126) / 128 + 1 for every span (a row need not start a 128-byte line); slots past
+// a row's last line ask for nothing.
+template <int NT, int LPR, int N>
+__device__ __forceinline__ void prefetch_spans(const RowSpan (&s)[N]) {
+#if defined(__CUDA_ARCH__)
+    int idx = threadIdx.x;  // this thread's next slot, counted from the current span's start
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int cnt = s[k].L * LPR;
+#pragma unroll 1
+        for (; idx < cnt; idx += NT) {
+            const int i = idx / LPR, c = idx - i * LPR;
+            const unsigned long long row =
+                reinterpret_cast<unsigned long long>(s[k].p) + (unsigned long long)(i * s[k].stride);
+            const unsigned long long line = (row & ~127ull) + 128ull * c;
+            if (line <= ((row + s[k].bytes - 1) & ~127ull))
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
+                    reinterpret_cast<const void*>(line))));
+        }
+        idx -= cnt;
+    }
+#else
+    (void)s;
+#endif
+}
+
 // s[i] = eta[ebase + (row0 + i) * H] for i < L, zero elsewhere.
 template <int BT, int NT>
 __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta, long long ebase,
