@@ -464,7 +464,8 @@ __device__ __forceinline__ void fwd_chain_simt(
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           bool FUSE = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
-                                      : ttt::Traits<D_PAD, BT>::kThreads)
+                                      : ttt::Traits<D_PAD, BT>::kThreads,
+                                  MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
 ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; else unused)
                      const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,   // [B, T, H] fp32

@@ -98,6 +98,11 @@ struct Traits {
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
     // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
+    // the fused forward chain runs when there are many chains (launcher.FUSED): blocks per SM
+    // asked of ptxas for its tensor-core instance (__launch_bounds__) at D_PAD 64, chunk 16, so
+    // that 512 chains fit one wave of 132 SMs x 4 (128 registers a thread; 3 blocks before,
+    // two waves); chunks 32 / 64 would spill, D_PAD <= 32 runs fewer threads and fits anyway
+    static constexpr int kFusedChainBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
