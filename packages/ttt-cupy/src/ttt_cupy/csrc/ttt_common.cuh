@@ -264,10 +264,10 @@ __device__ __forceinline__ RowSpan row_span(const S* src, long long row0, int L,
 // (all slots) / NT lines, where one prefetch_rows call per array costs every thread a pass
 // with its own address arithmetic. LPR, line slots per row, must be at least
 // (bytes + 126) / 128 + 1 for every span (a row need not start a 128-byte line); slots past
-// a row's last line ask for nothing.
+// a row's last line ask for nothing. (The CPU emulation checks every line against the arrays
+// of the launch: prefetch_line.)
 template <int NT, int LPR, int N>
 __device__ __forceinline__ void prefetch_spans(const RowSpan (&s)[N]) {
-#if defined(__CUDA_ARCH__)
     int idx = threadIdx.x;  // this thread's next slot, counted from the current span's start
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -275,18 +275,13 @@ __device__ __forceinline__ void prefetch_spans(const RowSpan (&s)[N]) {
 #pragma unroll 1
         for (; idx < cnt; idx += NT) {
             const int i = idx / LPR, c = idx - i * LPR;
-            const unsigned long long row =
-                reinterpret_cast<unsigned long long>(s[k].p) + (unsigned long long)(i * s[k].stride);
+            const unsigned long long row = reinterpret_cast<unsigned long long>(s[k].p) +
+                                           (unsigned long long)(i * s[k].stride);
             const unsigned long long line = (row & ~127ull) + 128ull * c;
-            if (line <= ((row + s[k].bytes - 1) & ~127ull))
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
-                    reinterpret_cast<const void*>(line))));
+            if (line <= ((row + s[k].bytes - 1) & ~127ull)) prefetch_line(line);
         }
         idx -= cnt;
     }
-#else
-    (void)s;
-#endif
 }
 
 // s[i] = eta[ebase + (row0 + i) * H] for i < L, zero elsewhere.
