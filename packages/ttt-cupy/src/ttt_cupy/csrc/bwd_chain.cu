@@ -67,6 +67,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     const float inv_d = 1.f / (float)D;
     const int rs = H * D;                                // row stride (32-bit in a chunk)
     constexpr bool kExact = is_half_type<T>::value;  // q's, k's tiles hold tf32 values
+    constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row (prefetch_spans)
     // the previous chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
     const bool vec = vec_rows_ok(q, row_stride, D) && vec_rows_ok(k, row_stride, D);
 
@@ -104,14 +105,16 @@ __device__ __forceinline__ void bwd_chain_tc(
         StagedTile<T, D_PAD, BT, NT> pq, pk;
         pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
         pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-        if (i_c > 0) {  // and its other rows into L1
-            prefetch_rows<NT>(v + p_base, row0p, BT, row_stride, D);
-            prefetch_rows<NT>(xbuf + p_base, row0p, BT, row_stride, D);
-            prefetch_rows<NT>(dopbuf + p_base, row0p, BT, row_stride, D);
-            prefetch_rows<NT>(dgbuf + p_base, row0p, BT, row_stride, D);
-            prefetch_rows<NT>(rbuf + p_ebase, row0p, BT, H, 1);
-            prefetch_rows<NT>(eta + p_ebase, row0p + BT - 1, 1, H, 1);
-            prefetch_rows<NT>(deta + p_ebase, row0p + BT - 1, 1, H, 1);
+        if (i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
+            const RowSpan spans[7] = {
+                row_span(v + p_base, row0p, BT, row_stride, D),
+                row_span(xbuf + p_base, row0p, BT, row_stride, D),
+                row_span(dopbuf + p_base, row0p, BT, row_stride, D),
+                row_span(dgbuf + p_base, row0p, BT, row_stride, D),
+                row_span(rbuf + p_ebase, row0p, BT, H, 1),
+                row_span(eta + p_ebase, row0p + BT - 1, 1, H, 1),
+                row_span(deta + p_ebase, row0p + BT - 1, 1, H, 1)};
+            prefetch_spans<NT, kLpr>(spans);
         }
 
         // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),

@@ -32,7 +32,8 @@
 // (e A)^T do_pre and the state step (on g rows scaled by their chunk's eta_l) run on tensor
 // cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh): the same
 // barriers per block as the SIMT instance has per chunk. Shared memory: W, hb, Q, K, DO, G,
-// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). With MMA = false (float inputs, or
+// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). Each block asks for the next block's rows
+// (q, k, do and the stored xh, v, r) into L1 (prefetch_spans). With MMA = false (float inputs, or
 // TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
 // passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
@@ -82,12 +83,27 @@ __device__ __forceinline__ void bwd_local_tc(
     float b_dw[P], b_db[P];                                          // this warp's partials
 #pragma unroll
     for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k, do) and
+    // the g row pass's (xh, v, r); the first block's before the state load, each next block's
+    // a whole block early
+    constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
+    auto ask_rows = [&](long long row0, int L) {
+        const RowSpan spans[6] = {row_span(q + p_base, row0, L, row_stride, D),
+                                  row_span(k + p_base, row0, L, row_stride, D),
+                                  row_span(dout + p_base, row0, L, row_stride, D),
+                                  row_span(xbuf + p_base, row0, L, row_stride, D),
+                                  row_span(v + p_base, row0, L, row_stride, D),
+                                  row_span(rbuf + p_ebase, row0, L, H, 1)};
+        prefetch_spans<NT, kLpr>(spans);
+    };
+    if (rows > 0) ask_rows(g_row0, min(R, rows));
     const long long i_ck = gr.slot * H + i_h;
     load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
     for (int b0 = 0; b0 < rows; b0 += R) {
         const long long row0 = g_row0 + b0;
         const int L = min(R, rows - b0);
+        if (b0 + R < rows) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
         load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);

@@ -178,10 +178,19 @@ __device__ __forceinline__ void fwd_chain_tc(
         nk.load(k + o_next, rs, Ln, D, vec);
         nv.load(v + o_next, rs, Ln, D, vec);
         if (i_c + 2 < sq.nc) {  // and the chunk after it into L1 (its loads next step hit L1)
-            const int La = (int)min((long long)BT, sq.len - row0 - 2 * BT);  // its valid rows
-            prefetch_rows<NT>(k + p_base, row0 + 2 * BT, La, row_stride, D);
-            prefetch_rows<NT>(v + p_base, row0 + 2 * BT, La, row_stride, D);
-            if constexpr (FUSE) prefetch_rows<NT>(q + p_base, row0 + 2 * BT, La, row_stride, D);
+            const long long row0a = row0 + 2 * BT;
+            const int La = (int)min((long long)BT, sq.len - row0a);
+            constexpr int kLpr = (D_PAD * (int)sizeof(T) + 126) / 128 + 1;
+            if constexpr (FUSE) {
+                const RowSpan spans[3] = {row_span(k + p_base, row0a, La, row_stride, D),
+                                          row_span(v + p_base, row0a, La, row_stride, D),
+                                          row_span(q + p_base, row0a, La, row_stride, D)};
+                prefetch_spans<NT, kLpr>(spans);
+            } else {
+                const RowSpan spans[2] = {row_span(k + p_base, row0a, La, row_stride, D),
+                                          row_span(v + p_base, row0a, La, row_stride, D)};
+                prefetch_spans<NT, kLpr>(spans);
+            }
         }
         const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
         float ne[PE];            // FUSE: the next chunk's q and per-row eta likewise
@@ -455,7 +464,8 @@ __device__ __forceinline__ void fwd_chain_simt(
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           bool FUSE = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
-                                      : ttt::Traits<D_PAD, BT>::kThreads)
+                                      : ttt::Traits<D_PAD, BT>::kThreads,
+                                  MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
 ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; else unused)
                      const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,   // [B, T, H] fp32

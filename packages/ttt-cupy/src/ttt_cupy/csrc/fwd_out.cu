@@ -32,9 +32,9 @@
 // ttt_common.cuh), with K = D_PAD or R (R >= 32: the bank-conflict-free k order); four
 // barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta
 // (Traits::kFwdOutTcBytes). The row pass then only adds hb0, does the post
-// norm and scales g's rows by their chunk's eta_l. Each block asks for its stored rows (xh, v,
-// r) into L1 before its tile loads (the first block's before the state load), so that the g
-// row pass after the barrier finds them there. (Loading them into registers instead took
+// norm and scales g's rows by their chunk's eta_l. Each block asks for the next block's rows
+// (q, k and the stored xh, v, r) into L1 (the first block's before the state load), so that
+// its tile loads and the g row pass find them there. (Loading them into registers instead took
 // ptxas from 62 to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps
 // the plain loads: the prefetch cost it 8-16 registers.) With MMA = false (float inputs, or
 // TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
@@ -78,11 +78,17 @@ __device__ __forceinline__ void fwd_out_tc(
     float b_w[P], b_b[P];                                            // [D] per lane
     load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
     load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    // the block's stored rows (xh, v, r) asked for into L1 before its tile loads
+    // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k) and the
+    // g row pass's (xh, v, r); the first block's before the state load, each next block's a
+    // whole block early
+    constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
-        prefetch_rows<NT>(xbuf + p_base, row0, L, row_stride, D);
-        prefetch_rows<NT>(v + p_base, row0, L, row_stride, D);
-        prefetch_rows<NT>(rbuf + p_ebase, row0, L, H, 1);
+        const RowSpan spans[5] = {row_span(q + p_base, row0, L, row_stride, D),
+                                  row_span(k + p_base, row0, L, row_stride, D),
+                                  row_span(xbuf + p_base, row0, L, row_stride, D),
+                                  row_span(v + p_base, row0, L, row_stride, D),
+                                  row_span(rbuf + p_ebase, row0, L, H, 1)};
+        prefetch_spans<NT, kLpr>(spans);
     };
     if (rows > 0) ask_rows(g_row0, min(R, rows));
     const long long i_ck = gr.slot * H + i_h;
@@ -91,7 +97,7 @@ __device__ __forceinline__ void fwd_out_tc(
     for (int b0 = 0; b0 < rows; b0 += R) {
         const long long row0 = g_row0 + b0;
         const int L = min(R, rows - b0);
-        if (b0 > 0) ask_rows(row0, L);  // before the tile loads and the barrier
+        if (b0 + R < rows) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
         load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
         load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);

@@ -98,6 +98,11 @@ struct Traits {
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
     // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
+    // the fused forward chain runs when there are many chains (launcher.FUSED): blocks per SM
+    // asked of ptxas for its tensor-core instance (__launch_bounds__) at D_PAD 64, chunk 16, so
+    // that 512 chains fit one wave of 132 SMs x 4 (128 registers a thread; 3 blocks before,
+    // two waves); chunks 32 / 64 would spill, D_PAD <= 32 runs fewer threads and fits anyway
+    static constexpr int kFusedChainBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
@@ -233,6 +238,49 @@ __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int 
             (reinterpret_cast<unsigned long long>(row) + n * sizeof(S) - 1) & ~127ull;
         const unsigned long long line = first + 128ull * c;
         if (line <= last) prefetch_line(line);
+    }
+}
+
+// Rows of one array for prefetch_spans: L rows of `bytes` bytes, the first at p, rows `stride`
+// bytes apart.
+struct RowSpan {
+    const void* p;
+    long long stride;
+    int bytes;
+    int L;
+};
+
+// The RowSpan of rows row0 .. row0 + L - 1 of src (rows row_stride elements apart), n elements
+// each (p is only formed, not read, when L = 0).
+template <typename S>
+__device__ __forceinline__ RowSpan row_span(const S* src, long long row0, int L,
+                                            long long row_stride, int n) {
+    return RowSpan{src + row0 * row_stride, row_stride * (long long)sizeof(S),
+                   n * (int)sizeof(S), L};
+}
+
+// prefetch_rows for several arrays at once (a hint only, as there): the block's threads share
+// one flat range over every span's [rows x LPR] line slots, so a thread asks for about
+// (all slots) / NT lines, where one prefetch_rows call per array costs every thread a pass
+// with its own address arithmetic. LPR, line slots per row, must be at least
+// (bytes + 126) / 128 + 1 for every span (a row need not start a 128-byte line); slots past
+// a row's last line ask for nothing. (The CPU emulation checks every line against the arrays
+// of the launch: prefetch_line.)
+template <int NT, int LPR, int N>
+__device__ __forceinline__ void prefetch_spans(const RowSpan (&s)[N]) {
+    int idx = threadIdx.x;  // this thread's next slot, counted from the current span's start
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int cnt = s[k].L * LPR;
+#pragma unroll 1
+        for (; idx < cnt; idx += NT) {
+            const int i = idx / LPR, c = idx - i * LPR;
+            const unsigned long long row = reinterpret_cast<unsigned long long>(s[k].p) +
+                                           (unsigned long long)(i * s[k].stride);
+            const unsigned long long line = (row & ~127ull) + 128ull * c;
+            if (line <= ((row + s[k].bytes - 1) & ~127ull)) prefetch_line(line);
+        }
+        idx -= cnt;
     }
 }
 
@@ -1207,7 +1255,7 @@ struct alignas(4 * K) FloatK {
 
 // Row sums over all D_PAD columns of K (2 or 4) quantities for the rows of an accumulator
 // layout (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two
-// columns) and gets the row's total. Warp shuffles, then per-warp partials through red
+// columns) and gets the row's total. Warp shuffles (a reduce-scatter), then per-warp partials through red
 // ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call it; red must
 // not be read by a pending round).
 template <int NW, int BT, int K>
@@ -1215,21 +1263,49 @@ __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* r
     static_assert(K == 2 || K == 4, "K must be 2 or 4");
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, t0 = 2 * (lane & 3);
     FloatK<K>* rows = reinterpret_cast<FloatK<K>*>(red);
+    // Reduce-scatter over the 8 lanes g of a row group (lane bits 2..4): the V values v[f],
+    // f = (2 i + e) K + j, halve at each of the three shuffle rounds (xor 16, 8, 4), each lane
+    // keeping the half its bit picks and adding the partner's copy of it: V / 2 + V / 4 + V / 8
+    // shuffles where a butterfly per value takes 3 V. The lane is left with the warp's sums of
+    // f = b2 V / 2 + b1 V / 4 + b0 V / 8 + m (m < V / 8; b0, b1, b2 = lane bits 2, 3, 4),
+    // which it writes to red.
+    constexpr int V = BT / 8 * 2 * K;
+    static_assert(V % 8 == 0, "frag_row_sums: a multiple of 8 values per lane");
+    float v1[V / 2], v2[V / 4], v3[V / 8];
+    {
+        const bool b = (lane >> 4) & 1;
 #pragma unroll
-    for (int i = 0; i < BT / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            FloatK<K> part;
-#pragma unroll
-            for (int j = 0; j < K; ++j) {
-                float s = p[i][e][j];
-                s += __shfl_xor_sync(0xffffffffu, s, 4);
-                s += __shfl_xor_sync(0xffffffffu, s, 8);
-                s += __shfl_xor_sync(0xffffffffu, s, 16);
-                part.v[j] = s;
-            }
-            if ((lane >> 2) == 0) rows[wid * BT + 8 * i + t0 + e] = part;
+        for (int m = 0; m < V / 2; ++m) {
+            const int lo = m, hi = m + V / 2;  // p[i][e][j] is v[(2 i + e) K + j]
+            const float v_lo = p[lo / (2 * K)][lo / K % 2][lo % K];
+            const float v_hi = p[hi / (2 * K)][hi / K % 2][hi % K];
+            const float keep = b ? v_hi : v_lo, send = b ? v_lo : v_hi;
+            v1[m] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
         }
+    }
+    {
+        const bool b = (lane >> 3) & 1;
+#pragma unroll
+        for (int m = 0; m < V / 4; ++m) {
+            const float keep = b ? v1[m + V / 4] : v1[m], send = b ? v1[m] : v1[m + V / 4];
+            v2[m] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+        }
+    }
+    {
+        const bool b = (lane >> 2) & 1;
+#pragma unroll
+        for (int m = 0; m < V / 8; ++m) {
+            const float keep = b ? v2[m + V / 8] : v2[m], send = b ? v2[m] : v2[m + V / 8];
+            v3[m] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+        }
+    }
+    const int f0 = ((lane >> 4) & 1) * (V / 2) + ((lane >> 3) & 1) * (V / 4) +
+                   ((lane >> 2) & 1) * (V / 8);
+#pragma unroll
+    for (int m = 0; m < V / 8; ++m) {
+        const int f = f0 + m, ie = f / K, j = f % K;  // ie = 2 i + e
+        red[(wid * BT + 8 * (ie >> 1) + t0 + (ie & 1)) * K + j] = v3[m];
+    }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < BT / 8; ++i)
