@@ -172,6 +172,19 @@ def out_rows(dp: int, bt: int) -> int:
     return 32 if dp == 64 and bt < 32 else bt
 
 
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block may use on sm_80 / sm_90
+
+
+def bwd_chain_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_chain's MMA instance for the previous chunk's rows staged
+    by cp.async (Traits::kBwdChainStageFloats): xh, do_pre, dg, v, q, k as [BT, D_PAD + 4]
+    floats each, then r; 0 where it would not fit (Traits::kBwdChainStage: D_PAD 128 with
+    BT 64, which then loads its rows as before)."""
+    base = 4 * bt * (dp + 1) + 12 * (dp // 16) * bt
+    stage = 6 * bt * (dp + 4) + bt
+    return stage if 4 * (base + stage) <= SMEM_LIMIT else 0
+
+
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
@@ -202,8 +215,10 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r)
     if mma and kernel in REGISTER_STATE_KERNELS:
         # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
-        # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each
-        return 4 * (4 * tile + {"fwd_chain": 4, "bwd_chain": 12}[kernel] * (dp // 16) * bt)
+        # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each; bwd: the staged rows
+        stage = bwd_chain_stage_floats(dp, bt) if kernel == "bwd_chain" else 0
+        return 4 * (4 * tile + {"fwd_chain": 4, "bwd_chain": 12}[kernel] * (dp // 16) * bt
+                    + stage)
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
