@@ -84,24 +84,36 @@ struct Traits {
     static constexpr int kTcWarps = D_PAD / 16;
     static constexpr int kTcThreads = 32 * kTcWarps;
     static constexpr int kFwdChainTcFloats = 4 * kTile + 4 * kTcWarps * BT;
-    static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
+    // The chains' MMA instances stage the rows of their next step in shared memory through
+    // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
+    // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
+    // kStageLimit, the A100's 163 KiB (so staging takes no shape off a GPU); elsewhere they
+    // load those rows as before. fwd_chain: the next chunk's k, v
+    static constexpr unsigned long long kStageLimit = 163ull * 1024;
+    static constexpr int kStageTile = BT * (D_PAD + 4);
+    static constexpr int kFwdChainStageFloats = 2 * kStageTile;
+    static constexpr bool kFwdChainStage =
+        4ull * (kFwdChainTcFloats + kFwdChainStageFloats) <= kStageLimit;
+    static constexpr unsigned long long kFwdChainTcBytes =
+        4ull * (kFwdChainTcFloats + (kFwdChainStage ? kFwdChainStageFloats : 0));
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
-    // ... and, where it fits (kBwdChainStage: all but D_PAD 128 with BT 64), the previous
-    // chunk's rows staged by cp.async (StagedRows): xh, do_pre, dg, then v, q, k raw (each a
-    // [BT, D_PAD + 4]-float region: rows of D_PAD + 16 / sizeof(T) elements fit in it), r
-    static constexpr int kStageTile = BT * (D_PAD + 4);
+    // ... and staged (kStageLimit above) the previous chunk's xh, do_pre, dg, v, q, k, r
     static constexpr int kBwdChainStageFloats = 6 * kStageTile + BT;
     static constexpr bool kBwdChainStage =
-        4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= 227ull * 1024;
+        4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
     static constexpr unsigned long long kBwdChainTcBytes =
         4ull * (kBwdChainTcFloats + (kBwdChainStage ? kBwdChainStageFloats : 0));
     // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
     // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
     // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
+    // (its stage: the next chunk's k, v, q; past those)
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
+    static constexpr int kFwdChainFusedStageFloats = 3 * kStageTile;
+    static constexpr bool kFwdChainFusedStage =
+        4ull * (kFwdChainFusedTcFloats + kFwdChainFusedStageFloats) <= kStageLimit;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
@@ -121,7 +133,8 @@ struct Traits {
         kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
-    static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
+    static constexpr unsigned long long kFwdChainFusedTcBytes =
+        4ull * (kFwdChainFusedTcFloats + (kFwdChainFusedStage ? kFwdChainFusedStageFloats : 0));
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
@@ -373,8 +386,8 @@ __device__ __forceinline__ bool vec_rows_ok(const T* p, long long rs, int D) {
 // cp.async (sm_80+): BYTES (4 or 16) from global src into shared dst without passing through
 // registers, so that no instruction waits for the data before cp_async_wait_all(); with
 // !full the bytes are zero-filled and src is not read. A copy is complete for its own thread
-// after cp_async_wait_all() and for the block after a barrier that follows it. 16-byte copies
-// bypass L1 (.cg). The CPU emulation's harness (TTT_EMU_CP_ASYNC) holds each copy back until
+// after cp_async_wait_all() and for the block after a barrier that follows it. The copies go
+// through L1 (.ca), where prefetch hints may have put their lines. The CPU emulation's harness (TTT_EMU_CP_ASYNC) holds each copy back until
 // its thread's cp_async_wait_all(), so that a read before the wait sees the emulation's
 // poisoned shared memory, and checks every full copy against the launch's arrays.
 template <int BYTES>
@@ -384,12 +397,9 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) 
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     const unsigned long long s = __cvta_generic_to_global(src);
     const int n = full ? BYTES : 0;
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s), "r"(n)
-                     : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(s), "r"(n)
-                     : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(s),
+                 "n"(BYTES), "r"(n)
+                 : "memory");
 #elif defined(__CUDA_ARCH__)
     __trap();  // the host launches the instances that stage rows on sm_80+ only
 #elif defined(TTT_EMU_CP_ASYNC)
