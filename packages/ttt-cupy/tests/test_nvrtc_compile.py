@@ -49,7 +49,7 @@ def test_name_expressions_and_smem_formula():
     from ttt_cupy.compile import (
         KERNELS,
         PASSES,
-        chain_stage_floats,
+        bwd_chain_stage_floats,
         d_pad,
         grads_split,
         kernel_name,
@@ -73,33 +73,23 @@ def test_name_expressions_and_smem_formula():
     assert traits_field("fwd_chain", True, fused=True) == "kFwdChainFusedTcBytes"
     assert traits_field("fwd_chain", fused=True) == "kFwdChainFusedBytes"
     # the fused forward chain: SIMT with fwd_out's tiles; MMA the unfused one's + Q (double),
-    # A, eta (double), one more round of per-warp statistics (each with its own stage)
+    # A, eta (double), one more round of per-warp statistics
     for dp, bt in ((16, 16), (64, 16), (128, 64)):
         assert smem_bytes("fwd_chain", dp, bt, fused=True) == smem_bytes("fwd_out", dp, bt)
         tile, square = bt * (dp + 1), bt * (bt + 1)
-        fused_stage = 4 * chain_stage_floats("fwd_chain", dp, bt, fused=True)
-        stage = 4 * chain_stage_floats("fwd_chain", dp, bt)
-        assert smem_bytes("fwd_chain", dp, bt, True, fused=True) - fused_stage == smem_bytes(
-            "fwd_chain", dp, bt, True) - stage + 4 * (2 * tile + square + 2 * bt
-                                                      + 2 * (dp // 16) * bt)
+        assert smem_bytes("fwd_chain", dp, bt, True, fused=True) == smem_bytes(
+            "fwd_chain", dp, bt, True) + 4 * (2 * tile + square + 2 * bt + 2 * (dp // 16) * bt)
     assert smem_bytes("fwd_chain", 128, 64, True, fused=True) == 227584
-    # the chains' stages (cp.async rows): [BT, D_PAD + 4] floats per array, only where the block
-    # stays within an A100's 163 KiB; chunk 16 stages at every head dim
+    # the backward chain's stage (cp.async rows): [BT, D_PAD + 4] floats for each of 6 arrays
+    # and r, only where the block stays within an A100's 163 KiB; chunk 16 at every head dim
     a100 = 163 * 1024
-    assert chain_stage_floats("fwd_chain", 64, 16) == 2 * 16 * 68
-    assert chain_stage_floats("fwd_chain", 64, 16, fused=True) == 3 * 16 * 68
-    assert chain_stage_floats("bwd_chain", 64, 16) == 6 * 16 * 68 + 16
-    assert chain_stage_floats("bwd_chain", 128, 64) == 0
-    assert chain_stage_floats("fwd_chain", 128, 64, fused=True) == 0
-    for dp in (16, 32, 64, 128):
-        assert all(chain_stage_floats(k, dp, 16, f) > 0 for k, f in
-                   (("fwd_chain", False), ("fwd_chain", True), ("bwd_chain", False)))
-        for bt in (16, 32, 64):
-            for k, f in (("fwd_chain", False), ("fwd_chain", True), ("bwd_chain", False)):
-                if chain_stage_floats(k, dp, bt, f):
-                    assert smem_bytes(k, dp, bt, True, fused=f) <= a100
-    with pytest.raises(ValueError, match="kernel"):
-        chain_stage_floats("fwd_out", 64, 16)
+    assert bwd_chain_stage_floats(64, 16) == 6 * 16 * 68 + 16
+    assert smem_bytes("bwd_chain", 64, 16, True) == 4 * (4 * 16 * 65 + 12 * 4 * 16
+                                                         + 6 * 16 * 68 + 16)
+    staged = [(dp, bt) for dp in (16, 32, 64, 128) for bt in (16, 32, 64)
+              if bwd_chain_stage_floats(dp, bt)]
+    assert len(staged) == 9 and all(bt < 64 or dp < 64 for dp, bt in staged)
+    assert all(smem_bytes("bwd_chain", dp, bt, True) <= a100 for dp, bt in staged)
     with pytest.raises(ValueError, match="fused"):
         smem_bytes("fwd_out", 64, 16, fused=True)
     h200, a100 = 227 * 1024, 163 * 1024

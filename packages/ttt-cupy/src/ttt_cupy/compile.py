@@ -185,18 +185,15 @@ def _chain_tc_floats(kernel: str, dp: int, bt: int, fused: bool) -> int:
     return base + (2 * tile + square + 2 * bt + 2 * warps * bt if fused else 0)
 
 
-def chain_stage_floats(kernel: str, dp: int, bt: int, fused: bool = False) -> int:
-    """Shared memory (floats) of a chain's MMA instance for the rows of its next step staged by
-    cp.async (Traits::k*StageFloats): [BT, D_PAD + 4] floats per array (fwd_chain: k, v, and
-    q when fused; bwd_chain: xh, do_pre, dg, v, q, k, then r's [BT]); 0 where the whole block
-    would pass :data:`STAGE_SMEM_LIMIT` (Traits::k*Stage false: those instances load the rows
-    as before)."""
-    if kernel not in REGISTER_STATE_KERNELS:
-        raise ValueError(f"kernel: expected one of {REGISTER_STATE_KERNELS}, got {kernel!r}")
-    _check_fused(kernel, fused)
-    arrays = 6 if kernel == "bwd_chain" else (3 if fused else 2)
-    stage = arrays * bt * (dp + 4) + (bt if kernel == "bwd_chain" else 0)
-    base = _chain_tc_floats(kernel, dp, bt, fused)
+def bwd_chain_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_chain's MMA instance for the previous chunk's rows staged
+    by cp.async (Traits::kBwdChainStageFloats): xh, do_pre, dg, v, q, k as [BT, D_PAD + 4]
+    floats each, then r's [BT]; 0 where the whole block would pass :data:`STAGE_SMEM_LIMIT`
+    (Traits::kBwdChainStage false: (64, 64), (128, 32), (128, 64) load those rows as before).
+    The forward chain keeps its register-staged loads: the same staging made it slower on an
+    H200 (docs/benchmarks.md)."""
+    stage = 6 * bt * (dp + 4) + bt
+    base = _chain_tc_floats("bwd_chain", dp, bt, False)
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
@@ -218,9 +215,9 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     if mma and kernel in REGISTER_STATE_KERNELS:
         # fwd: K, V double-buffered, 2 rounds of per-warp statistics; fused: then Q
         # double-buffered, A, eta double-buffered, one more round (o_pre's rows). bwd: Q, K
-        # double-buffered, 3 rounds of (up to) 4 per-warp row sums. Then the stage, if any
-        return 4 * (_chain_tc_floats(kernel, dp, bt, fused)
-                    + chain_stage_floats(kernel, dp, bt, fused))
+        # double-buffered, 3 rounds of (up to) 4 per-warp row sums, then its stage (if any)
+        stage = bwd_chain_stage_floats(dp, bt) if kernel == "bwd_chain" else 0
+        return 4 * (_chain_tc_floats(kernel, dp, bt, fused) + stage)
     if fused:
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
     if mma and kernel in BLOCK_ROWS_KERNELS:

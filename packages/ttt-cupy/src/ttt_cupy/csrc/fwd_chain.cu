@@ -79,13 +79,6 @@ __device__ __forceinline__ void fwd_chain_tc(
     float* s_A = s_q + 2 * Tr::kTile;     // [BT, LA]     -e_t (q_t . k_j + 1) for j <= t < L
     float* s_e = s_A + Tr::kSquare;       // [2][BT]      per-row eta, double-buffered
     float* s_ost = s_e + 2 * BT;          // [NW][BT][2]  per-warp statistics of o_pre's rows
-    // kStage: the next chunk's k, v (FUSE: q) raw, staged by cp.async (StagedRows), past the rest
-    constexpr bool kStage = FUSE ? Tr::kFwdChainFusedStage : Tr::kFwdChainStage;
-    using RowsT = StagedRows<T, D_PAD, BT, NT>;
-    float* s_stage = FUSE ? s_ost + 2 * NW * BT : s_red + 4 * NW * BT;
-    T* s_nk = reinterpret_cast<T*>(s_stage);                        // [BT, RowsT::kLd]
-    T* s_nv = reinterpret_cast<T*>(s_stage + Tr::kStageTile);       // [BT, RowsT::kLd]
-    T* s_nq = reinterpret_cast<T*>(s_stage + 2 * Tr::kStageTile);   // [BT, RowsT::kLd] FUSE
     // a forward without backward (FUSE, ck null) stores no slots, xh or r
     const bool save = !FUSE || ck != nullptr;
 
@@ -181,21 +174,9 @@ __device__ __forceinline__ void fwd_chain_tc(
         // and its eta_l
         const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
         const long long o_next = p_base + (row0 + BT) * row_stride;
-        StagedTile<T, D_PAD, BT, NT> nk, nv, nq;  // nq: FUSE only (all: without kStage)
-        if constexpr (kStage) {  // (FUSE: its eta straight into the other half of s_e)
-            if (Ln > 0) {
-                RowsT::copy(s_nk, k + o_next, rs, Ln, D, vec);
-                RowsT::copy(s_nv, v + o_next, rs, Ln, D, vec);
-                if constexpr (FUSE) {
-                    RowsT::copy(s_nq, q + o_next, rs, Ln, D, vec);
-                    stage_scalars<BT, NT>(s_e + (buf ^ 1) * BT, eta + p_ebase + (row0 + BT) * H,
-                                          H, Ln);
-                }
-            }
-        } else {
-            nk.load(k + o_next, rs, Ln, D, vec);
-            nv.load(v + o_next, rs, Ln, D, vec);
-        }
+        StagedTile<T, D_PAD, BT, NT> nk, nv, nq;  // nq: FUSE only
+        nk.load(k + o_next, rs, Ln, D, vec);
+        nv.load(v + o_next, rs, Ln, D, vec);
         if (i_c + 2 < sq.nc) {  // and the chunk after it into L1 (its loads next step hit L1)
             const long long row0a = row0 + 2 * BT;
             const int La = (int)min((long long)BT, sq.len - row0a);
@@ -212,8 +193,8 @@ __device__ __forceinline__ void fwd_chain_tc(
             }
         }
         const float e_l_next = Ln > 0 ? eta[p_ebase + (row0 + BT + Ln - 1) * H] : 0.f;
-        float ne[PE];            // FUSE without kStage: the next chunk's q and per-row eta
-        if constexpr (FUSE && !kStage) {
+        float ne[PE];            // FUSE: the next chunk's q and per-row eta likewise
+        if constexpr (FUSE) {
             nq.load(q + o_next, rs, Ln, D, vec);
 #pragma unroll
             for (int u = 0; u < PE; ++u) {
@@ -359,23 +340,13 @@ __device__ __forceinline__ void fwd_chain_tc(
         }
         e_l = e_l_next;
 
-        if constexpr (kStage) {
-            cp_async_wait_all();  // then k, v (q) from the pieces this thread staged
-            if (Ln > 0) {
-                RowsT::to_tile(s_k + (buf ^ 1) * Tr::kTile, s_nk, 1.f);
-                RowsT::to_tile(s_v + (buf ^ 1) * Tr::kTile, s_nv, 1.f);
-                if constexpr (FUSE) RowsT::to_tile(s_q + (buf ^ 1) * Tr::kTile, s_nq, scale);
-            }
-        } else {
-            nk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
-            nv.store(s_v + (buf ^ 1) * Tr::kTile, 1.f);
-            if constexpr (FUSE) {
-                nq.store(s_q + (buf ^ 1) * Tr::kTile, scale);
+        nk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
+        nv.store(s_v + (buf ^ 1) * Tr::kTile, 1.f);
+        if constexpr (FUSE) {
+            nq.store(s_q + (buf ^ 1) * Tr::kTile, scale);
 #pragma unroll
-                for (int u = 0; u < PE; ++u)
-                    if (threadIdx.x + NT * u < BT)
-                        s_e[(buf ^ 1) * BT + threadIdx.x + NT * u] = ne[u];
-            }
+            for (int u = 0; u < PE; ++u)
+                if (threadIdx.x + NT * u < BT) s_e[(buf ^ 1) * BT + threadIdx.x + NT * u] = ne[u];
         }
         __syncthreads();
     }

@@ -84,21 +84,16 @@ struct Traits {
     static constexpr int kTcWarps = D_PAD / 16;
     static constexpr int kTcThreads = 32 * kTcWarps;
     static constexpr int kFwdChainTcFloats = 4 * kTile + 4 * kTcWarps * BT;
-    // The chains' MMA instances stage the rows of their next step in shared memory through
-    // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
-    // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
-    // kStageLimit, the A100's 163 KiB (so staging takes no shape off a GPU); elsewhere they
-    // load those rows as before. fwd_chain: the next chunk's k, v
-    static constexpr unsigned long long kStageLimit = 163ull * 1024;
-    static constexpr int kStageTile = BT * (D_PAD + 4);
-    static constexpr int kFwdChainStageFloats = 2 * kStageTile;
-    static constexpr bool kFwdChainStage =
-        4ull * (kFwdChainTcFloats + kFwdChainStageFloats) <= kStageLimit;
-    static constexpr unsigned long long kFwdChainTcBytes =
-        4ull * (kFwdChainTcFloats + (kFwdChainStage ? kFwdChainStageFloats : 0));
+    static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
-    // ... and staged (kStageLimit above) the previous chunk's xh, do_pre, dg, v, q, k, r
+    // ... and the previous chunk's xh, do_pre, dg, v, q, k, r staged in shared memory through
+    // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
+    // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
+    // kStageLimit, the A100's 163 KiB, so that staging takes no shape off a GPU (chunk 16 at
+    // every head dim; not (64, 64), (128, 32), (128, 64), which load those rows as before)
+    static constexpr unsigned long long kStageLimit = 163ull * 1024;
+    static constexpr int kStageTile = BT * (D_PAD + 4);
     static constexpr int kBwdChainStageFloats = 6 * kStageTile + BT;
     static constexpr bool kBwdChainStage =
         4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
@@ -108,12 +103,8 @@ struct Traits {
     // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
     // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
-    // (its stage: the next chunk's k, v, q; past those)
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
-    static constexpr int kFwdChainFusedStageFloats = 3 * kStageTile;
-    static constexpr bool kFwdChainFusedStage =
-        4ull * (kFwdChainFusedTcFloats + kFwdChainFusedStageFloats) <= kStageLimit;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
@@ -133,8 +124,7 @@ struct Traits {
         kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
-    static constexpr unsigned long long kFwdChainFusedTcBytes =
-        4ull * (kFwdChainFusedTcFloats + (kFwdChainFusedStage ? kFwdChainFusedStageFloats : 0));
+    static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
     static constexpr unsigned long long kFwdChainBytes = 4ull * kFwdChainFloats;
     static constexpr unsigned long long kFwdOutBytes = 4ull * kFwdOutFloats;
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
