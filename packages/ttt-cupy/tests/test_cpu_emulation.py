@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ttt_cupy.compile import grads_split
+from ttt_cupy.compile import bwd_chain_stage_floats, grads_split
 
 np = pytest.importorskip("numpy")
 
@@ -36,7 +36,9 @@ def emu(tmp_path_factory):
     if res.returncode != 0:
         pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
     lib = ctypes.CDLL(str(out))
-    lib.emu_prefetches.restype = lib.emu_prefetch_strays.restype = ctypes.c_longlong
+    for name in ("emu_prefetches", "emu_prefetch_strays", "emu_async_copies",
+                 "emu_async_strays", "emu_async_leftovers"):
+        getattr(lib, name).restype = ctypes.c_longlong
     return lib
 
 
@@ -117,6 +119,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
              scale=fl(scale), eps=fl(EPS))
 
     prefetches: dict[str, int] = {}  # prefetch hints per kernel (all checked in bounds)
+    copies: dict[str, int] = {}  # cp.async copies per kernel (checked likewise)
     passed = []  # the arrays handed to the next launch: its prefetch hints must stay inside
 
     def _p(a):
@@ -137,6 +140,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
         assert strays == 0, (f"{entry}: {strays} of {emu.emu_prefetches()} prefetch hints "
                              f"outside the arrays it was given")
         prefetches[name] = prefetches.get(name, 0) + emu.emu_prefetches()
+        strays, left = emu.emu_async_strays(), emu.emu_async_leftovers()
+        assert strays == 0, (f"{entry}: {strays} of {emu.emu_async_copies()} asynchronous "
+                             f"copies read outside the arrays it was given")
+        assert left == 0, f"{entry}: {left} asynchronous copies never waited for"
+        copies[name] = copies.get(name, 0) + emu.emu_async_copies()
 
     # ---- forward
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
@@ -153,6 +161,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
         call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr),
              _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
+    multi_chunk = any(_cdiv(length, BT) > 1 for _, _, length in seqs)
     if grads is None:
         return (o, ht, hbt), None
 
@@ -179,9 +188,12 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
          _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
          _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
          _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
-    if any(_cdiv(length, BT) > 1 for _, _, length in seqs):
+    if multi_chunk:
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
         assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"
+    if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:
+        # its rows came through cp.async: the copies' bounds and waits were checked
+        assert copies.get("bwd_chain", 0) > 0, "no asynchronous copy reached the checks"
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g

@@ -49,6 +49,7 @@ def test_name_expressions_and_smem_formula():
     from ttt_cupy.compile import (
         KERNELS,
         PASSES,
+        bwd_chain_stage_floats,
         d_pad,
         grads_split,
         kernel_name,
@@ -79,6 +80,16 @@ def test_name_expressions_and_smem_formula():
         assert smem_bytes("fwd_chain", dp, bt, True, fused=True) == smem_bytes(
             "fwd_chain", dp, bt, True) + 4 * (2 * tile + square + 2 * bt + 2 * (dp // 16) * bt)
     assert smem_bytes("fwd_chain", 128, 64, True, fused=True) == 227584
+    # the backward chain's stage (cp.async rows): [BT, D_PAD + 4] floats for each of 6 arrays
+    # and r, only where the block stays within an A100's 163 KiB; chunk 16 at every head dim
+    a100 = 163 * 1024
+    assert bwd_chain_stage_floats(64, 16) == 6 * 16 * 68 + 16
+    assert smem_bytes("bwd_chain", 64, 16, True) == 4 * (4 * 16 * 65 + 12 * 4 * 16
+                                                         + 6 * 16 * 68 + 16)
+    staged = [(dp, bt) for dp in (16, 32, 64, 128) for bt in (16, 32, 64)
+              if bwd_chain_stage_floats(dp, bt)]
+    assert len(staged) == 9 and all(bt < 64 or dp < 64 for dp, bt in staged)
+    assert all(smem_bytes("bwd_chain", dp, bt, True) <= a100 for dp, bt in staged)
     with pytest.raises(ValueError, match="fused"):
         smem_bytes("fwd_out", 64, 16, fused=True)
     h200, a100 = 227 * 1024, 163 * 1024

@@ -172,6 +172,31 @@ def out_rows(dp: int, bt: int) -> int:
     return 32 if dp == 64 and bt < 32 else bt
 
 
+STAGE_SMEM_LIMIT = 163 * 1024  # the A100's opt-in shared memory per block (Traits::kStageLimit)
+
+
+def _chain_tc_floats(kernel: str, dp: int, bt: int, fused: bool) -> int:
+    """Shared memory (floats) of a chain's MMA instance without its stage."""
+    tile, square, warps = bt * (dp + 1), bt * (bt + 1), dp // 16
+    if kernel == "bwd_chain":
+        return 4 * tile + 12 * warps * bt      # Q, K double-buffered; 3 rounds of row sums
+    base = 4 * tile + 4 * warps * bt           # K, V double-buffered; 2 rounds of statistics
+    # fused: Q double-buffered, A, eta double-buffered, one more round (o_pre's rows)
+    return base + (2 * tile + square + 2 * bt + 2 * warps * bt if fused else 0)
+
+
+def bwd_chain_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_chain's MMA instance for the previous chunk's rows staged
+    by cp.async (Traits::kBwdChainStageFloats): xh, do_pre, dg, v, q, k as [BT, D_PAD + 4]
+    floats each, then r's [BT]; 0 where the whole block would pass :data:`STAGE_SMEM_LIMIT`
+    (Traits::kBwdChainStage false: (64, 64), (128, 32), (128, 64) load those rows as before).
+    The forward chain keeps its register-staged loads: the same staging made it slower on an
+    H200 (docs/benchmarks.md)."""
+    stage = 6 * bt * (dp + 4) + bt
+    base = _chain_tc_floats("bwd_chain", dp, bt, False)
+    return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
+
+
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
@@ -187,11 +212,12 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     _check_fused(kernel, fused)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
     rows = dp // grads_split(dp, bt)     # bwd_grads' state rows (and q, k columns) per block
-    if fused and mma:
-        # the unfused instance's, then Q double-buffered, A, eta double-buffered and one more
-        # round of per-warp statistics (o_pre's rows)
-        return smem_bytes(kernel, dp, bt, True) + 4 * (2 * tile + square + 2 * bt
-                                                       + 2 * (dp // 16) * bt)
+    if mma and kernel in REGISTER_STATE_KERNELS:
+        # fwd: K, V double-buffered, 2 rounds of per-warp statistics; fused: then Q
+        # double-buffered, A, eta double-buffered, one more round (o_pre's rows). bwd: Q, K
+        # double-buffered, 3 rounds of (up to) 4 per-warp row sums, then its stage (if any)
+        stage = bwd_chain_stage_floats(dp, bt) if kernel == "bwd_chain" else 0
+        return 4 * (_chain_tc_floats(kernel, dp, bt, fused) + stage)
     if fused:
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
     if mma and kernel in BLOCK_ROWS_KERNELS:
@@ -200,10 +226,6 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         r = out_rows(dp, bt)
         tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
         return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r)
-    if mma and kernel in REGISTER_STATE_KERNELS:
-        # two double-buffered tiles (fwd: K, V; bwd: Q, K), then per-warp row sums: fwd 2
-        # rounds of 2, bwd 3 rounds of (up to) 4, [warps][BT] each
-        return 4 * (4 * tile + {"fwd_chain": 4, "bwd_chain": 12}[kernel] * (dp // 16) * bt)
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta

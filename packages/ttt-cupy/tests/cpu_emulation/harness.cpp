@@ -182,10 +182,50 @@ inline void emu_prefetch(unsigned long long line) {
     ++g_prefetch_strays;
 }
 #define TTT_EMU_PREFETCH(line) emu_prefetch(line)
+
+// Asynchronous copies (ttt_common.cuh's cp_async): each is held back until its thread's
+// cp_async_wait_all, so that a read of the shared memory it fills before the wait (and the
+// barrier after it, for other threads) sees what was there before (NaN poison or an older
+// chunk). Every full copy's source must lie inside one of the launch's arrays (strays are
+// counted), and a block must wait for all its copies before it ends (leftovers are counted).
+struct EmuCopy {
+    void* dst;
+    const void* src;
+    int bytes;
+    bool full;
+};
+static std::vector<EmuCopy> g_copies[1024];  // per thread of the running block
+static long long g_copy_count = 0, g_copy_strays = 0, g_copy_leftovers = 0;
+inline void emu_cp_async(void* dst, const void* src, int bytes, bool full) {
+    ++g_copy_count;
+    if (full) {
+        const unsigned long long lo = reinterpret_cast<unsigned long long>(src);
+        bool inside = false;
+        for (const EmuBuffer& b : g_buffers) inside |= lo >= b.lo && lo + bytes <= b.hi;
+        g_copy_strays += !inside;
+    }
+    g_copies[threadIdx.x].push_back(EmuCopy{dst, src, bytes, full});
+}
+inline void emu_cp_async_wait() {
+    for (const EmuCopy& c : g_copies[threadIdx.x]) {
+        if (c.full)
+            std::memcpy(c.dst, c.src, c.bytes);
+        else
+            std::memset(c.dst, 0, c.bytes);
+    }
+    g_copies[threadIdx.x].clear();
+}
+#define TTT_EMU_CP_ASYNC(dst, src, bytes, full) emu_cp_async(dst, src, bytes, full)
+#define TTT_EMU_CP_ASYNC_WAIT() emu_cp_async_wait()
+
 extern "C" void emu_clear_buffers() {
     g_buffers.clear();
     g_prefetches = g_prefetch_strays = 0;
+    g_copy_count = g_copy_strays = g_copy_leftovers = 0;
 }
+extern "C" long long emu_async_copies() { return g_copy_count; }
+extern "C" long long emu_async_strays() { return g_copy_strays; }
+extern "C" long long emu_async_leftovers() { return g_copy_leftovers; }
 extern "C" void emu_add_buffer(const void* p, long long bytes) {
     const unsigned long long lo = reinterpret_cast<unsigned long long>(p);
     g_buffers.push_back(EmuBuffer{lo, lo + (unsigned long long)bytes});
@@ -209,6 +249,10 @@ static void launch(long long grid, int nt, const std::function<void()>& body) {
         std::fill(std::begin(smem), std::end(smem), std::nanf(""));
         blockIdx.x = (unsigned)b;
         fiber::run(nt, body);
+        for (int t = 0; t < nt; ++t) {  // copies the block never waited for
+            g_copy_leftovers += (long long)g_copies[t].size();
+            g_copies[t].clear();
+        }
     }
 }
 

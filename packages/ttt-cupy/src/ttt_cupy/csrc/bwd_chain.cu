@@ -53,6 +53,17 @@ __device__ __forceinline__ void bwd_chain_tc(
     float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
     float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
     float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
+    // kStage: the rows of the chunk the next step works on, staged by cp.async (StagedRows)
+    constexpr bool kStage = Tr::kBwdChainStage;
+    using RowsF = StagedRows<float, D_PAD, BT, NT>;
+    using RowsT = StagedRows<T, D_PAD, BT, NT>;
+    float* s_xh = s_red + 12 * NW * BT;   // [BT, D_PAD + 4] xh
+    float* s_dop = s_xh + Tr::kStageTile; // [BT, D_PAD + 4] do_pre
+    float* s_dg = s_dop + Tr::kStageTile; // [BT, D_PAD + 4] dg_loc
+    T* s_v = reinterpret_cast<T*>(s_dg + Tr::kStageTile);       // [BT, RowsT::kLd] v
+    T* s_pq = reinterpret_cast<T*>(s_dg + 2 * Tr::kStageTile);  // [BT, RowsT::kLd] q
+    T* s_pk = reinterpret_cast<T*>(s_dg + 3 * Tr::kStageTile);  // [BT, RowsT::kLd] k
+    float* s_r = s_dg + 4 * Tr::kStageTile;                      // [BT] r
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, tq = lane & 3;
     const int n0 = 16 * wid + (lane >> 2);              // this lane's columns n0, n0 + 8
@@ -70,6 +81,18 @@ __device__ __forceinline__ void bwd_chain_tc(
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row (prefetch_spans)
     // the previous chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
     const bool vec = vec_rows_ok(q, row_stride, D) && vec_rows_ok(k, row_stride, D);
+    const bool vec_v = vec_rows_ok(v, row_stride, D);
+    const bool vec_f = vec_rows_ok(xbuf, row_stride, D) && vec_rows_ok(dopbuf, row_stride, D) &&
+                       vec_rows_ok(dgbuf, row_stride, D);
+    // kStage: the copies of rows r0 .. r0 + Lr - 1 of xh, do_pre, dg_loc, v, r into the stage
+    auto stage_rows = [&](long long r0, int Lr) {
+        const long long o = p_base + r0 * row_stride;
+        RowsF::copy(s_xh, xbuf + o, rs, Lr, D, vec_f);
+        RowsF::copy(s_dop, dopbuf + o, rs, Lr, D, vec_f);
+        RowsF::copy(s_dg, dgbuf + o, rs, Lr, D, vec_f);
+        RowsT::copy(s_v, v + o, rs, Lr, D, vec_v);
+        stage_scalars<BT, NT>(s_r, rbuf + p_ebase + r0 * H, H, Lr);
+    };
 
     float dW[D_PAD / 8][4], dhb[2], lw[2], lb[2];
     bool col_ok[2];
@@ -85,6 +108,10 @@ __device__ __forceinline__ void bwd_chain_tc(
         const int L = (int)(sq.len - row0);
         load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, 1.f);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        if constexpr (kStage) {
+            stage_rows(row0, L);
+            cp_async_wait_all();
+        }
     }
     __syncthreads();
 
@@ -102,10 +129,20 @@ __device__ __forceinline__ void bwd_chain_tc(
         // the previous chunk's q, k (a full chunk) into registers, stored at the step's end
         const long long row0p = row0 - BT;
         const long long o_prev = p_base + row0p * row_stride;
-        StagedTile<T, D_PAD, BT, NT> pq, pk;
-        pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-        pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-        if (i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
+        StagedTile<T, D_PAD, BT, NT> pq, pk;  // (without kStage)
+        if constexpr (kStage) {  // (the copies stay in flight until the step's end)
+            if (i_c > 0) {
+                RowsT::copy(s_pq, q + o_prev, rs, BT, D, vec);
+                RowsT::copy(s_pk, k + o_prev, rs, BT, D, vec);
+                const RowSpan spans[2] = {row_span(eta + p_ebase, row0p + BT - 1, 1, H, 1),
+                                          row_span(deta + p_ebase, row0p + BT - 1, 1, H, 1)};
+                prefetch_spans<NT, kLpr>(spans);
+            }
+        } else {
+            pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
+            pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
+        }
+        if (!kStage && i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
             const RowSpan spans[7] = {
                 row_span(v + p_base, row0p, BT, row_stride, D),
                 row_span(xbuf + p_base, row0p, BT, row_stride, D),
@@ -121,18 +158,29 @@ __device__ __forceinline__ void bwd_chain_tc(
         // column n0 + 8 (c >> 1)
         float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2];
         const long long o_rows = p_base + row0 * row_stride;
-        load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
-        load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
-        load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
-        load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
-        const float* r_rows = rbuf + p_ebase + row0 * H;
+        if constexpr (kStage) {  // staged by the step before (zero past L rows, D columns)
+            frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);
+            frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);
+            frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);
+            frag_rows_from_smem<BT, RowsF::kLd>(dg, s_dg);
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
+            for (int i = 0; i < NR; ++i)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                r[i][e] = t < L ? r_rows[t * H] : 0.f;
-            }
+                for (int e = 0; e < 2; ++e) r[i][e] = s_r[8 * i + 2 * tq + e];
+        } else {
+            load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
+            load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
+            load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
+            load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
+            const float* r_rows = rbuf + p_ebase + row0 * H;
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int t = 8 * i + 2 * tq + e;
+                    r[i][e] = t < L ? r_rows[t * H] : 0.f;
+                }
+        }
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
         float u[NR][4], y[NR][4], s1[NR][2][2];
@@ -155,6 +203,8 @@ __device__ __forceinline__ void bwd_chain_tc(
                 }
             }
         frag_row_sums<NW, BT, 2>(s1, s_red);
+        // past its barrier every thread has read the stage: the previous chunk's rows go in
+        if (kStage && i_c > 0) stage_rows(row0p, BT);
 
         // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g
         float gg[NR][4], s2[NR][2][4];
@@ -240,8 +290,16 @@ __device__ __forceinline__ void bwd_chain_tc(
         }
         if (threadIdx.x == 0) deta[o_last] = deta_l - us;
 
-        pq.store(s_q + (buf ^ 1) * Tr::kTile, 1.f);
-        pk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
+        if constexpr (kStage) {
+            cp_async_wait_all();  // then q, k from the pieces this thread staged
+            if (i_c > 0) {
+                RowsT::to_tile(s_q + (buf ^ 1) * Tr::kTile, s_pq, 1.f);
+                RowsT::to_tile(s_k + (buf ^ 1) * Tr::kTile, s_pk, 1.f);
+            }
+        } else {
+            pq.store(s_q + (buf ^ 1) * Tr::kTile, 1.f);
+            pk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);
+        }
         __syncthreads();
         if (in_group == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;

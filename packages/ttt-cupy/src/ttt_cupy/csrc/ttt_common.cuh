@@ -87,7 +87,18 @@ struct Traits {
     static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
-    static constexpr unsigned long long kBwdChainTcBytes = 4ull * kBwdChainTcFloats;
+    // ... and the previous chunk's xh, do_pre, dg, v, q, k, r staged in shared memory through
+    // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
+    // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
+    // kStageLimit, the A100's 163 KiB, so that staging takes no shape off a GPU (chunk 16 at
+    // every head dim; not (64, 64), (128, 32), (128, 64), which load those rows as before)
+    static constexpr unsigned long long kStageLimit = 163ull * 1024;
+    static constexpr int kStageTile = BT * (D_PAD + 4);
+    static constexpr int kBwdChainStageFloats = 6 * kStageTile + BT;
+    static constexpr bool kBwdChainStage =
+        4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
+    static constexpr unsigned long long kBwdChainTcBytes =
+        4ull * (kBwdChainTcFloats + (kBwdChainStage ? kBwdChainStageFloats : 0));
     // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
     // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
     // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
@@ -359,6 +370,110 @@ __device__ __forceinline__ bool vec_rows_ok(const T* p, long long rs, int D) {
     constexpr int kVec = 16 / (int)sizeof(T);
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0 && rs % kVec == 0 &&
            D % kVec == 0;
+}
+
+// ---------------------------------------------------------------- asynchronous copies
+// cp.async (sm_80+): BYTES (4 or 16) from global src into shared dst without passing through
+// registers, so that no instruction waits for the data before cp_async_wait_all(); with
+// !full the bytes are zero-filled and src is not read. A copy is complete for its own thread
+// after cp_async_wait_all() and for the block after a barrier that follows it. The copies go
+// through L1 (.ca), where prefetch hints may have put their lines. The CPU emulation's harness (TTT_EMU_CP_ASYNC) holds each copy back until
+// its thread's cp_async_wait_all(), so that a read before the wait sees the emulation's
+// poisoned shared memory, and checks every full copy against the launch's arrays.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) {
+    static_assert(BYTES == 4 || BYTES == 16, "cp_async: 4 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const unsigned long long s = __cvta_generic_to_global(src);
+    const int n = full ? BYTES : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(s),
+                 "n"(BYTES), "r"(n)
+                 : "memory");
+#elif defined(__CUDA_ARCH__)
+    __trap();  // the host launches the instances that stage rows on sm_80+ only
+#elif defined(TTT_EMU_CP_ASYNC)
+    TTT_EMU_CP_ASYNC(dst, src, BYTES, full);
+#else
+    if (full)
+        memcpy(dst, src, BYTES);
+    else
+        memset(dst, 0, BYTES);
+#endif
+}
+
+// Waits for this thread's cp_async copies (cp.async.wait_all).
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif !defined(__CUDA_ARCH__) && defined(TTT_EMU_CP_ASYNC_WAIT)
+    TTT_EMU_CP_ASYNC_WAIT();
+#endif
+}
+
+// A [BT, D_PAD] tile of rows staged in shared memory by cp_async: copy() issues the copies of
+// rows 0 .. L - 1 of src (row i at src + i * rs, n elements), zero past L rows and n columns,
+// into s ([BT, kLd] elements of S: rows 16 bytes apart, kLd = D_PAD + kVec, which also keeps
+// the mma accumulator layout's reads of 4 rows x 8 columns free of bank conflicts for 4-byte
+// S). Thread x stages pieces x, x + NT, ... of kVec = 16 / sizeof(S) consecutive columns
+// (row-major over [BT, D_PAD / kVec]): with `vec` (vec_rows_ok) one 16-byte copy each, else
+// element by element (4-byte copies; 2-byte types by plain loads and stores, a slower path
+// for unaligned rows). to_tile() converts the same pieces, so after cp_async_wait_all() a
+// thread may convert what it staged without a barrier.
+template <typename S, int D_PAD, int BT, int NT>
+struct StagedRows {
+    static constexpr int kVec = 16 / (int)sizeof(S);
+    static constexpr int kLd = D_PAD + kVec;
+    static constexpr int kPieces = D_PAD / kVec;  // per row
+    static constexpr int kChunks = (BT * kPieces + NT - 1) / NT;
+    static_assert(D_PAD % kVec == 0, "StagedRows: whole pieces per row");
+
+    __device__ __forceinline__ static void copy(S* s, const S* __restrict__ src, int rs, int L,
+                                                int n, bool vec) {
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+            const int idx = threadIdx.x + NT * u;
+            if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
+            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+            S* d = s + i * kLd + c0;
+            if (vec) {
+                const bool ok = i < L && c0 < n;
+                cp_async<16>(d, ok ? src + i * rs + c0 : src, ok);
+            } else {
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) {
+                    const bool ok = i < L && c0 + j < n;
+                    if constexpr (sizeof(S) == 4)
+                        cp_async<4>(d + j, ok ? src + i * rs + c0 + j : src, ok);
+                    else
+                        d[j] = ok ? src[i * rs + c0 + j] : from_f32<S>(0.f);
+                }
+            }
+        }
+    }
+    // out[i, c] = mult * s[i, c] for this thread's pieces, into a [BT, D_PAD + 1] fp32 tile
+    __device__ __forceinline__ static void to_tile(float* out, const S* s, float mult) {
+        constexpr int LD = D_PAD + 1;
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+            const int idx = threadIdx.x + NT * u;
+            if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
+            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+#pragma unroll
+            for (int j = 0; j < kVec; ++j)
+                out[i * LD + c0 + j] = to_f32(s[i * kLd + c0 + j]) * mult;
+        }
+    }
+};
+
+// s[i] = src[i * stride] for i < L, zero for L <= i < BT, by the block's NT threads
+// (cp_async).
+template <int BT, int NT>
+__device__ __forceinline__ void stage_scalars(float* s, const float* __restrict__ src,
+                                              long long stride, int L) {
+#pragma unroll
+    for (int i = threadIdx.x; i < BT; i += NT)
+        cp_async<4>(s + i, i < L ? src + i * stride : src, i < L);
 }
 
 // M rows of a state: sW[a, d] = src[a * D + d] for a < rows, d < D (zero elsewhere or when src
@@ -1337,6 +1452,19 @@ __device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* _
             const int t = 8 * i + t0 + (c & 1), n = n0 + 8 * (c >> 1);
             x[i][c] = (t < L && n < D) ? to_f32(rows[t * rs + n]) : 0.f;
         }
+}
+
+// load_frag_rows from a tile staged in shared memory (StagedRows: [BT, LDS], zero past the
+// rows and columns it was given): x[i][c] = s[t * LDS + n] at this lane's entries.
+template <int BT, int LDS, typename S>
+__device__ __forceinline__ void frag_rows_from_smem(float (&x)[BT / 8][4], const S* s) {
+    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            x[i][c] = to_f32(s[(8 * i + t0 + (c & 1)) * LDS + n0 + 8 * (c >> 1)]);
 }
 
 // Sum over this warp's 16 state columns (the lanes sharing t) of x0 + x1.
