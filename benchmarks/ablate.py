@@ -73,20 +73,24 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
         ("ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);",
          ""),
     ]),
-    "bwd_chain:no-row-loads": ("bwd", [
-        ("load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);", "zero_frag<BT>(xh);"),
-        ("load_frag_rows<BT>(vv, v + o_rows, rs, L, D);", "zero_frag<BT>(vv);"),
-        ("load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);", "zero_frag<BT>(dop);"),
-        ("load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);", "zero_frag<BT>(dg);"),
+    # the staged instance (Traits::kBwdChainStage, chunk 16): the 7th session's ablation of the
+    # register loads found 1.57 ms (rows) and 0.94 ms (q, k) of a 6.6 ms chain; staged since
+    "bwd_chain:no-row-stage": ("bwd", [
+        ("if (kStage && i_c > 0) stage_rows(row0p, BT);", ""),
     ]),
-    "bwd_chain:no-prev-loads": ("bwd", [
-        ("pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);", ""),
-        ("pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);", ""),
-        ("pq.store(s_q + (buf ^ 1) * Tr::kTile, 1.f);", ""),
-        ("pk.store(s_k + (buf ^ 1) * Tr::kTile, 1.f);", ""),
+    "bwd_chain:no-row-reads": ("bwd", [
+        ("frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);", "zero_frag<BT>(xh);"),
+        ("frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);", "zero_frag<BT>(vv);"),
+        ("frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);", "zero_frag<BT>(dop);"),
+        ("frag_rows_from_smem<BT, RowsF::kLd>(dg, s_dg);", "zero_frag<BT>(dg);"),
     ]),
-    # every prefetch_spans call of a pass (branch cupy-chain-trim: the chains' and, there, the
-    # group kernels' hints)
+    "bwd_chain:no-prev-qk": ("bwd", [
+        ("RowsT::copy(s_pq, q + o_prev, rs, BT, D, vec);", ""),
+        ("RowsT::copy(s_pk, k + o_prev, rs, BT, D, vec);", ""),
+        ("RowsT::to_tile(s_q + (buf ^ 1) * Tr::kTile, s_pq, 1.f);", ""),
+        ("RowsT::to_tile(s_k + (buf ^ 1) * Tr::kTile, s_pk, 1.f);", ""),
+    ]),
+    # every prefetch_spans call of a pass (the chains' and the group kernels' hints)
     "fwd:no-prefetch-spans": ("fwd", [
         ("prefetch_spans<NT, kLpr>(spans);", ""),
     ]),
