@@ -28,9 +28,12 @@ dim3_ threadIdx, blockIdx, blockDim;   // threadIdx: the running fiber's, set by
 
 namespace fiber {
 constexpr std::size_t kStackBytes = 256 << 10;
+struct Barrier;
 struct Fiber {
     ucontext_t ctx;
     bool done;
+    const Barrier* block_wait;  // the block barrier it waits at (null: none) ...
+    unsigned block_phase;       // ... in this phase of it
 };
 static ucontext_t g_scheduler;
 static std::vector<Fiber> g_fibers;
@@ -41,9 +44,11 @@ static const std::function<void()>* g_body = nullptr;
 // Back to the scheduler; it resumes this fiber on a later round.
 inline void yield() { swapcontext(&g_fibers[threadIdx.x].ctx, &g_scheduler); }
 
-// std::barrier's contract for fibers: arrive, then wait until all n have arrived.
+// std::barrier's contract for fibers: arrive, then wait until all n have arrived. A block
+// barrier (block = true) tells the scheduler which fibers wait at it.
 struct Barrier {
     unsigned n = 0, count = 0, phase = 0;
+    bool block = false;
     void arrive_and_wait() {
         const unsigned phase0 = phase;
         if (++count == n) {
@@ -51,9 +56,18 @@ struct Barrier {
             ++phase;
             return;
         }
+        Fiber& f = g_fibers[threadIdx.x];
+        if (block) f.block_wait = this, f.block_phase = phase0;
         while (phase == phase0) yield();
+        f.block_wait = nullptr;
     }
 };
+
+// Whether fiber t can go on: not finished and not waiting at a block barrier still closed.
+inline bool runnable(int t) {
+    const Fiber& f = g_fibers[t];
+    return !f.done && !(f.block_wait != nullptr && f.block_wait->phase == f.block_phase);
+}
 
 static void entry() {
     (*g_body)();
@@ -76,18 +90,35 @@ static void run(int nt, const std::function<void()>& body) {
         f.ctx.uc_link = &g_scheduler;
         makecontext(&f.ctx, entry, 0);
     }
-    // Rounds alternate between ascending and descending thread order, so that a read of
-    // another thread's write with no barrier between them runs before that write in one of
-    // the two orders (and reads NaN-poisoned or stale shared memory).
+    // Each round runs the warps one after the other, each until all its threads have ended
+    // or wait at a block barrier (threads of a warp in turn, from warp barrier to warp
+    // barrier), so that one warp gets as far ahead of the others as a GPU may let it. Rounds
+    // alternate between ascending and descending order (of warps, and of threads in a warp),
+    // so that a read of another thread's write with no barrier between them runs before that
+    // write in one of the two orders (and reads NaN-poisoned or stale shared memory), and a
+    // write (or an asynchronous copy) into memory another warp still reads runs before it.
+    const int nw = (nt + 31) / 32;
     for (int live = nt, round = 0; live > 0; ++round) {
-        live = 0;
-        for (int i = 0; i < nt; ++i) {
-            const int t = round % 2 ? nt - 1 - i : i;
-            if (g_fibers[t].done) continue;
-            threadIdx.x = t;
-            swapcontext(&g_scheduler, &g_fibers[t].ctx);
-            live += !g_fibers[t].done;
+        const bool down = round % 2;
+        for (int j = 0; j < nw; ++j) {
+            const int w = down ? nw - 1 - j : j, lo = 32 * w, hi = std::min(nt, lo + 32);
+            for (long long pass = 0, again = 1; again; ++pass) {
+                if (pass > (1ll << 24)) {
+                    std::fprintf(stderr, "emulation: warp %d makes no progress\n", w);
+                    std::abort();
+                }
+                again = 0;
+                for (int i = lo; i < hi; ++i) {
+                    const int t = down ? hi - 1 - (i - lo) : i;
+                    if (!runnable(t)) continue;
+                    threadIdx.x = t;
+                    swapcontext(&g_scheduler, &g_fibers[t].ctx);
+                    again = 1;
+                }
+            }
         }
+        live = 0;
+        for (int t = 0; t < nt; ++t) live += !g_fibers[t].done;
     }
 }
 }  // namespace fiber
@@ -183,11 +214,13 @@ inline void emu_prefetch(unsigned long long line) {
 }
 #define TTT_EMU_PREFETCH(line) emu_prefetch(line)
 
-// Asynchronous copies (ttt_common.cuh's cp_async): each is held back until its thread's
-// cp_async_wait_all, so that a read of the shared memory it fills before the wait (and the
-// barrier after it, for other threads) sees what was there before (NaN poison or an older
-// chunk). Every full copy's source must lie inside one of the launch's arrays (strays are
-// counted), and a block must wait for all its copies before it ends (leftovers are counted).
+// Asynchronous copies (ttt_common.cuh's cp_async): on the GPU the bytes land at some time
+// between the copy and its thread's cp_async_wait_all. Here the destination turns to NaN at
+// the copy (a thread still reading what was there, with no barrier between, sees NaN) and
+// gets its data only at the wait (a read before the wait, or before the barrier after it for
+// other threads, sees NaN too). Every full copy's source must lie inside one of the launch's
+// arrays (strays are counted), and a block must wait for all its copies before it ends
+// (leftovers are counted).
 struct EmuCopy {
     void* dst;
     const void* src;
@@ -204,6 +237,7 @@ inline void emu_cp_async(void* dst, const void* src, int bytes, bool full) {
         for (const EmuBuffer& b : g_buffers) inside |= lo >= b.lo && lo + bytes <= b.hi;
         g_copy_strays += !inside;
     }
+    std::memset(dst, 0xff, bytes);  // all-ones words: NaN as float
     g_copies[threadIdx.x].push_back(EmuCopy{dst, src, bytes, full});
 }
 inline void emu_cp_async_wait() {
@@ -244,6 +278,7 @@ static void launch(long long grid, int nt, const std::function<void()>& body) {
     blockDim.x = nt;
     for (long long b = 0; b < grid; ++b) {
         g_block_barrier = fiber::Barrier{(unsigned)nt};
+        g_block_barrier.block = true;
         for (int w = 0; w < (nt + 31) / 32; ++w) g_warp_barriers[w] = fiber::Barrier{32};
         // poison shared memory: a kernel reading what it did not write sees NaNs
         std::fill(std::begin(smem), std::end(smem), std::nanf(""));

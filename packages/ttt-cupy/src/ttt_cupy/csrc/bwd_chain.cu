@@ -138,7 +138,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         const float e_l = eta[o_last];
         const float deta_l = threadIdx.x == 0 ? deta[o_last] : 0.f;  // used last
 
-        // the previous chunk's q, k (a full chunk) into registers, stored at the step's end
+        // the previous chunk's q, k (a full chunk): staged (kStage) or into registers, both
+        // stored into the other tile half at the step's end
         const long long row0p = row0 - BT;
         const long long o_prev = p_base + row0p * row_stride;
         StagedTile<T, D_PAD, BT, NT> pq, pk;  // (without kStage)
