@@ -78,6 +78,10 @@ def _dense_cases() -> list[Case]:
                 cases.append(Case(2, 40, 2, 32, 16, dtype, states, eta_tensor))
     cases.append(Case(2, 40, 2, 32, 16, F32, final_state=False))
     cases.append(Case(1, 24, 2, 16, 16, F64))
+    # a head dim that is no multiple of 4: no row of any dtype is 16-byte aligned (the
+    # kernels' element-wise paths, e.g. cupy's 4-byte staged row copies)
+    for dtype in (F32, BF16):
+        cases.append(Case(1, 40, 2, 50, 16, dtype))
     return cases
 
 
