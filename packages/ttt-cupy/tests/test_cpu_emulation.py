@@ -161,7 +161,6 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
         call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr),
              _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
-    multi_chunk = any(_cdiv(length, BT) > 1 for _, _, length in seqs)
     if grads is None:
         return (o, ht, hbt), None
 
@@ -188,7 +187,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
          _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
          _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
          _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
-    if multi_chunk:
+    if any(_cdiv(length, BT) > 1 for _, _, length in seqs):
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
         assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"
     if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:

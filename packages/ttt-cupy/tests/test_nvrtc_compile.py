@@ -82,7 +82,7 @@ def test_name_expressions_and_smem_formula():
     assert smem_bytes("fwd_chain", 128, 64, True, fused=True) == 227584
     # the backward chain's stage (cp.async rows): [BT, D_PAD + 4] floats for each of 6 arrays
     # and r, only where the block stays within an A100's 163 KiB; chunk 16 at every head dim
-    a100 = 163 * 1024
+    h200, a100 = 227 * 1024, 163 * 1024
     assert bwd_chain_stage_floats(64, 16) == 6 * 16 * 68 + 16
     assert smem_bytes("bwd_chain", 64, 16, True) == 4 * (4 * 16 * 65 + 12 * 4 * 16
                                                          + 6 * 16 * 68 + 16)
@@ -92,7 +92,6 @@ def test_name_expressions_and_smem_formula():
     assert all(smem_bytes("bwd_chain", dp, bt, True) <= a100 for dp, bt in staged)
     with pytest.raises(ValueError, match="fused"):
         smem_bytes("fwd_out", 64, 16, fused=True)
-    h200, a100 = 227 * 1024, 163 * 1024
     # an H100/H200 takes every (D_PAD, BT) both ways; an A100 no backward at D_PAD 128 and no
     # forward at (128, 64)
     for dp in (16, 32, 64, 128):

@@ -154,17 +154,17 @@ __device__ __forceinline__ void bwd_chain_tc(
         } else {
             pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
             pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-        }
-        if (!kStage && i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
-            const RowSpan spans[7] = {
-                row_span(v + p_base, row0p, BT, row_stride, D),
-                row_span(xbuf + p_base, row0p, BT, row_stride, D),
-                row_span(dopbuf + p_base, row0p, BT, row_stride, D),
-                row_span(dgbuf + p_base, row0p, BT, row_stride, D),
-                row_span(rbuf + p_ebase, row0p, BT, H, 1),
-                row_span(eta + p_ebase, row0p + BT - 1, 1, H, 1),
-                row_span(deta + p_ebase, row0p + BT - 1, 1, H, 1)};
-            prefetch_spans<NT, kLpr>(spans);
+            if (i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
+                const RowSpan spans[7] = {
+                    row_span(v + p_base, row0p, BT, row_stride, D),
+                    row_span(xbuf + p_base, row0p, BT, row_stride, D),
+                    row_span(dopbuf + p_base, row0p, BT, row_stride, D),
+                    row_span(dgbuf + p_base, row0p, BT, row_stride, D),
+                    row_span(rbuf + p_ebase, row0p, BT, H, 1),
+                    row_span(eta + p_ebase, row0p + BT - 1, 1, H, 1),
+                    row_span(deta + p_ebase, row0p + BT - 1, 1, H, 1)};
+                prefetch_spans<NT, kLpr>(spans);
+            }
         }
 
         // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),

@@ -105,15 +105,15 @@ struct Traits {
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
-    // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
-    // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
-    // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
-    // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
     // the fused forward chain runs when there are many chains (launcher.FUSED): blocks per SM
     // asked of ptxas for its tensor-core instance (__launch_bounds__) at D_PAD 64, chunk 16, so
     // that 512 chains fit one wave of 132 SMs x 4 (128 registers a thread; 3 blocks before,
     // two waves); chunks 32 / 64 would spill, D_PAD <= 32 runs fewer threads and fits anyway
     static constexpr int kFusedChainBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
+    // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
+    // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
+    // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
+    // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
@@ -377,9 +377,10 @@ __device__ __forceinline__ bool vec_rows_ok(const T* p, long long rs, int D) {
 // registers, so that no instruction waits for the data before cp_async_wait_all(); with
 // !full the bytes are zero-filled and src is not read. A copy is complete for its own thread
 // after cp_async_wait_all() and for the block after a barrier that follows it. The copies go
-// through L1 (.ca), where prefetch hints may have put their lines. The CPU emulation's harness (TTT_EMU_CP_ASYNC) holds each copy back until
-// its thread's cp_async_wait_all(), so that a read before the wait sees the emulation's
-// poisoned shared memory, and checks every full copy against the launch's arrays.
+// through L1 (.ca), where prefetch hints may have put their lines. In the CPU emulation the
+// harness's TTT_EMU_CP_ASYNC / TTT_EMU_CP_ASYNC_WAIT stand in for both (its destination
+// turns to NaN at the copy and gets its data at the wait; sources are checked against the
+// launch's arrays).
 template <int BYTES>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) {
     static_assert(BYTES == 4 || BYTES == 16, "cp_async: 4 or 16 bytes");
@@ -392,13 +393,8 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) 
                  : "memory");
 #elif defined(__CUDA_ARCH__)
     __trap();  // the host launches the instances that stage rows on sm_80+ only
-#elif defined(TTT_EMU_CP_ASYNC)
-    TTT_EMU_CP_ASYNC(dst, src, BYTES, full);
 #else
-    if (full)
-        memcpy(dst, src, BYTES);
-    else
-        memset(dst, 0, BYTES);
+    TTT_EMU_CP_ASYNC(dst, src, BYTES, full);
 #endif
 }
 
@@ -406,7 +402,7 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) 
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-#elif !defined(__CUDA_ARCH__) && defined(TTT_EMU_CP_ASYNC_WAIT)
+#elif !defined(__CUDA_ARCH__)
     TTT_EMU_CP_ASYNC_WAIT();
 #endif
 }
@@ -1370,9 +1366,9 @@ struct alignas(4 * K) FloatK {
 
 // Row sums over all D_PAD columns of K (2 or 4) quantities for the rows of an accumulator
 // layout (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two
-// columns) and gets the row's total. Warp shuffles (a reduce-scatter), then per-warp partials through red
-// ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call it; red must
-// not be read by a pending round).
+// columns) and gets the row's total. Warp shuffles (a reduce-scatter), then per-warp partials
+// through red ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call
+// it; red must not be read by a pending round).
 template <int NW, int BT, int K>
 __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* red) {
     static_assert(K == 2 || K == 4, "K must be 2 or 4");
