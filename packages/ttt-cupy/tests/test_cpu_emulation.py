@@ -187,6 +187,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
          _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
          _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
          _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
+    # bwd_grads asks for every group's last chunk before its state loads
+    assert prefetches.get("bwd_grads", 0) > 0, "no bwd_grads prefetch hint reached the check"
     if any(_cdiv(length, BT) > 1 for _, _, length in seqs):
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
         assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"

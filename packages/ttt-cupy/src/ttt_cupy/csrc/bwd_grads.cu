@@ -19,7 +19,9 @@
 // bwd_chain.cu). The group's FIRST chunk takes its state from its own exact slot: stepping the
 // state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
 // eps^-1/2 there). dy w stays in registers between the two row passes (each warp keeps its
-// rows). Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta (Traits::kBwdGradsBytes).
+// rows). Each step asks for the next chunk's rows (of the reverse walk) into L1 in one pass
+// (prefetch_spans), so that its tile and row loads hit L1. Shared memory: W, dW, Q, K, DOP,
+// G, DKH, S, eta (Traits::kBwdGradsBytes).
 //
 // Split state rows (Traits::kGradsSplit: 2 at D_PAD 128 with BT 64, else 1). Everything above
 // is row-local in the state: row a of W and of dW gives column a of dk and needs column a of q
@@ -93,18 +95,38 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float b_dw[P], b_db[P];                                          // this warp's partials
 #pragma unroll
     for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    const long long row_stride = (long long)H * D;
+    const long long p_base = (gr.seq.bos * H + i_h) * D;
+    const long long p_ebase = gr.seq.bos * H + i_h;
+    // a chunk's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k, do_pre,
+    // eta) and the row pass's (xh, v, dg, r); the group's last chunk's before the state loads,
+    // each earlier one's a whole step early
+    constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
+    auto ask_rows = [&](long long r0, int Lr) {
+        const ttt::RowSpan spans[8] = {ttt::row_span(q + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(k + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(dopbuf + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(xbuf + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(v + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(dgbuf + p_base, r0, Lr, row_stride, D),
+                                       ttt::row_span(rbuf + p_ebase, r0, Lr, H, 1),
+                                       ttt::row_span(eta + p_ebase, r0, Lr, H, 1)};
+        ttt::prefetch_spans<NT, kLpr>(spans);
+    };
+    if (gr.nc > 0) {
+        const long long row0 = (gr.c0 + gr.nc - 1) * BT;
+        ask_rows(row0, (int)min((long long)BT, gr.seq.len - row0));
+    }
     const long long i_ck0 = gr.slot * H + i_h;   // the state before the group
     const long long i_ck1 = i_ck0 + H;           // the slot after the group
     const long long o_a0 = (long long)a0 * D;   // the block's first state row
     ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck1 * DD + o_a0, rows, D);
     ttt::load_state_rows<D_PAD, DA, NT>(s_dW, dck + i_ck1 * DD + o_a0, rows, D);
 
-    const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
     for (int j = gr.nc - 1; j >= 0; --j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
+        if (j > 0) ask_rows(row0 - BT, BT);  // the next chunk of the walk (a full one)
         ttt::load_tile<DA, BT, NT>(s_q, q, p_base + a0, row0, L, row_stride, D - a0, scale);
         ttt::load_tile<DA, BT, NT>(s_k, k, p_base + a0, row0, L, row_stride, D - a0, 1.f);
         ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
