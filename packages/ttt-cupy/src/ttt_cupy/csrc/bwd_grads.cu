@@ -42,7 +42,8 @@
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  ttt::Traits<D_PAD, BT>::kGradsBlocks)
 ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,     // [B, T, H] fp32
                      const float* __restrict__ lnw,     // [H, D] fp32

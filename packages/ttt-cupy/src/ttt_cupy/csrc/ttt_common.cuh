@@ -110,6 +110,9 @@ struct Traits {
     // that 512 chains fit one wave of 132 SMs x 4 (128 registers a thread; 3 blocks before,
     // two waves); chunks 32 / 64 would spill, D_PAD <= 32 runs fewer threads and fits anyway
     static constexpr int kFusedChainBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
+    // bwd_grads' blocks per SM asked of ptxas at D_PAD 64, chunk 16 (3 x 256 threads: at most
+    // 85 registers; 80 with 32 bytes of spill, where it would take 100 and fit 2 blocks)
+    static constexpr int kGradsBlocks = D_PAD == 64 && BT == 16 ? 3 : 1;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
