@@ -67,6 +67,11 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
     constexpr int SPLIT = Tr::kGradsSplit, DA = Tr::kGradsRows, LDH = Tr::kLdH;
+    // the row passes: LPR lanes a row (MMA: Traits::kRowLanes, a warp's rows in one pass;
+    // SIMT: one warp a row), RPP rows per warp pass, PL row elements per lane
+    constexpr int LPR = MMA ? Tr::template kRowLanes<BT> : 32, RPP = 32 / LPR;
+    constexpr int PL = (D_PAD + LPR - 1) / LPR, NPASS = RW / RPP;
+    static_assert(RW % RPP == 0, "bwd_grads: whole row passes");
     if (smem_bytes < Tr::kBwdGradsBytes || blockDim.x != NT || D > D_PAD || G < 1) __trap();
 
     extern __shared__ float smem[];
@@ -80,7 +85,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float* s_S = s_dkh + Tr::kTile;    // [BT, LA]     S = g do_pre^T (upper triangle)
     float* s_e = s_S + Tr::kSquare;    // [BT]         eta (zero past the end)
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, sub = lane / LPR;
     const unsigned i_b = blockIdx.x / SPLIT;                // (group, head) of the block
     const int a0 = (int)(blockIdx.x % SPLIT) * DA;          // its first state row / dk column
     const int rows = D - a0;                                // its valid rows (with a < DA)
@@ -90,12 +95,12 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
     const long long DD = (long long)D * D;
 
-    float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    float b_dw[P], b_db[P];                                          // this warp's partials
+    float b_w[PL], b_b[PL];                                          // [D] per lane
+    ttt::load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    ttt::load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    float b_dw[PL], b_db[PL];                                        // this lane's partials
 #pragma unroll
-    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
     const long long p_ebase = gr.seq.bos * H + i_h;
@@ -135,43 +140,41 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
         __syncthreads();
         const float e_l = s_e[L - 1];
 
-        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials
-        float b_dyw[RW][P];                                          // [rows of this warp, D]
+        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials. Pass u
+        // gives lane group `sub` row warp + NW (sub + RPP u); rows >= L run on zeros (every
+        // lane takes part in the row sums): r = 0 makes g, dkh and dy zero there
+        float b_dyw[NPASS][PL];                                      // [passes, D] per lane
 #pragma unroll
-        for (int ii = 0; ii < RW; ++ii) {
-            const int i = warp + ii * NW;
-#pragma unroll
-            for (int e = 0; e < P; ++e) b_dyw[ii][e] = 0.f;
-            if (i >= L) {
-                ttt::zero_row<D_PAD>(s_g + i * LD);
-                ttt::zero_row<D_PAD>(s_dkh + i * LD);
-                continue;
-            }
-            const long long o_r = p_base + (row0 + i) * row_stride;
-            float b_xh[P], b_k[P], b_v[P], b_g[P], b_y[P], b_dg[P], b_dkh[P], b_dy[P];
-            const float r = rbuf[p_ebase + (row0 + i) * H];
-            ttt::load_row<D_PAD>(b_xh, xbuf + o_r, D, 1.f);
+        for (int u = 0; u < NPASS; ++u) {
+            const int i = warp + NW * (sub + RPP * u);
+            const bool ok = i < L;
+            const int n = ok ? D : 0;
+            const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
+            float b_xh[PL], b_k[PL], b_v[PL], b_g[PL], b_y[PL], b_dg[PL], b_dkh[PL], b_dy[PL];
+            const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+            ttt::load_row<D_PAD, LPR>(b_xh, xbuf + o_r, n, 1.f);
             if constexpr (SPLIT == 1)
-                ttt::load_row<D_PAD>(b_k, s_k + i * LD, D, 1.f);
+                ttt::load_row<D_PAD, LPR>(b_k, s_k + i * LD, n, 1.f);
             else  // s_k holds the block's columns only
-                ttt::load_row<D_PAD>(b_k, k + o_r, D, 1.f);
-            ttt::load_row<D_PAD>(b_v, v + o_r, D, 1.f);
-            ttt::load_row<D_PAD>(b_dg, dgbuf + o_r, D, 1.f);
-            ttt::inner_grad_row(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
-            ttt::inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
-            ttt::put_row<D_PAD>(s_g + i * LD, b_g);
-            ttt::put_row<D_PAD>(s_dkh + i * LD, b_dkh);
+                ttt::load_row<D_PAD, LPR>(b_k, k + o_r, n, 1.f);
+            ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
+            ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
+            ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
+            ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
 #pragma unroll
-            for (int e = 0; e < P; ++e) {
-                b_dyw[ii][e] = b_dy[e] * b_w[e];
+            for (int e = 0; e < PL; ++e) {
+                b_dyw[u][e] = b_dy[e] * b_w[e];
                 b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
-                b_db[e] += b_dyw[ii][e];
-                b_dy[e] = -b_dyw[ii][e];
+                b_db[e] += b_dyw[u][e];
+                b_dy[e] = -b_dyw[u][e];
             }
+            if (!ok) continue;
             if constexpr (SPLIT == 1)
-                ttt::store_row<D_PAD>(dv + o_r, b_dy, D);
+                ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
             else
-                ttt::store_row_part<D_PAD>(dv + o_r, b_dy, a0, d1);
+                ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
         }
         __syncthreads();
 
@@ -204,70 +207,70 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
             // row pass: dk = dy w + the products; dW <- dW + q^T do_pre + k^T dkh meanwhile
 #pragma unroll
+            for (int u = 0; u < NPASS; ++u) {
+                const int i = warp + NW * (sub + RPP * u);
+                if (i >= L) continue;
+                float b_a[PL];
+                if constexpr (SPLIT == 1)
+                    ttt::load_row<D_PAD, LPR>(b_a, s_g + i * LD, D_PAD, 1.f);
+                else
+                    ttt::load_row_part<D_PAD, DA, LPR>(b_a, s_g + i * LD, a0);
+#pragma unroll
+                for (int e = 0; e < PL; ++e) b_a[e] += b_dyw[u][e];
+                if constexpr (SPLIT == 1)
+                    ttt::store_row<D_PAD, LPR>(dk + p_base + (row0 + i) * row_stride, b_a, D);
+                else
+                    ttt::store_row_part<D_PAD, LPR>(dk + p_base + (row0 + i) * row_stride, b_a,
+                                                    a0, d1);
+            }
+            ttt::state_rows_update_mma<D_PAD, BT, NW, DA, LDH>(s_dW, 1.f, s_q, s_dop, s_k,
+                                                               s_dkh, rows, D);
+            __syncthreads();
+        } else {  // SIMT (LPR = 32: one warp a row, b_dyw[ii] is row warp + ii NW's)
+            // the state before the chunk; S = g do_pre^T (j >= i)
+            if (j == 0) {
+                ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck0 * DD + o_a0, rows, D);
+            } else {
+                ttt::state_rows_axpy<D_PAD, BT, NT, DA, LDH>(s_W, e_l, s_k, s_g, rows, D);
+            }
+            ttt::tri_dots<D_PAD, BT, NT, false>(s_S, s_g, s_dop, L, 0.f);
+            __syncthreads();
+
+            // row pass: dk = dy w - sum_{j >= i} e_j S_ij q_j + dkh W^T - eta_l g dW^T
+#pragma unroll
             for (int ii = 0; ii < RW; ++ii) {
                 const int i = warp + ii * NW;
                 if (i >= L) continue;
-                float b_a[P];
-                if constexpr (SPLIT == 1)
-                    ttt::load_row<D_PAD>(b_a, s_g + i * LD, D_PAD, 1.f);
-                else
-                    ttt::load_row_part<D_PAD, DA>(b_a, s_g + i * LD, a0);
+                float b_a[P], b_c[P];
+                ttt::row_times_state_rows_t<D_PAD, DA>(b_a, s_dkh + i * LD, s_W, a0);
+                ttt::row_times_state_rows_t<D_PAD, DA>(b_c, s_g + i * LD, s_dW, a0);
 #pragma unroll
-                for (int e = 0; e < P; ++e) b_a[e] += b_dyw[ii][e];
+                for (int e = 0; e < P; ++e) {
+                    const int d = lane + 32 * e, dl = d - a0;  // dl: its column in s_q
+                    float acc = 0.f;
+                    if (d < D && (SPLIT == 1 || (dl >= 0 && dl < DA))) {
+                        for (int jj = i; jj < L; ++jj)
+                            acc += s_e[jj] * s_S[i * LA + jj] * s_q[jj * LDH + dl];
+                    }
+                    b_a[e] += b_dyw[ii][e] - acc - e_l * b_c[e];
+                }
                 if constexpr (SPLIT == 1)
                     ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
                 else
                     ttt::store_row_part<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, a0,
                                                d1);
             }
-            ttt::state_rows_update_mma<D_PAD, BT, NW, DA, LDH>(s_dW, 1.f, s_q, s_dop, s_k,
-                                                               s_dkh, rows, D);
             __syncthreads();
-            continue;
-        }
 
-        // the state before the chunk; S = g do_pre^T (j >= i)
-        if (j == 0) {
-            ttt::load_state_rows<D_PAD, DA, NT>(s_W, ck + i_ck0 * DD + o_a0, rows, D);
-        } else {
-            ttt::state_rows_axpy<D_PAD, BT, NT, DA, LDH>(s_W, e_l, s_k, s_g, rows, D);
+            // dW <- dW + q^T do_pre + k^T dkh
+            ttt::state_rows_add2<D_PAD, BT, NT, DA, LDH>(s_dW, s_q, s_dop, s_k, s_dkh, rows, D);
+            __syncthreads();
         }
-        ttt::tri_dots<D_PAD, BT, NT, false>(s_S, s_g, s_dop, L, 0.f);
-        __syncthreads();
-
-        // row pass: dk = dy w - sum_{j >= i} e_j S_ij q_j + dkh W^T - eta_l g dW^T
-#pragma unroll
-        for (int ii = 0; ii < RW; ++ii) {
-            const int i = warp + ii * NW;
-            if (i >= L) continue;
-            float b_a[P], b_c[P];
-            ttt::row_times_state_rows_t<D_PAD, DA>(b_a, s_dkh + i * LD, s_W, a0);
-            ttt::row_times_state_rows_t<D_PAD, DA>(b_c, s_g + i * LD, s_dW, a0);
-#pragma unroll
-            for (int e = 0; e < P; ++e) {
-                const int d = lane + 32 * e, dl = d - a0;  // dl: its column in s_q
-                float acc = 0.f;
-                if (d < D && (SPLIT == 1 || (dl >= 0 && dl < DA))) {
-                    for (int jj = i; jj < L; ++jj)
-                        acc += s_e[jj] * s_S[i * LA + jj] * s_q[jj * LDH + dl];
-                }
-                b_a[e] += b_dyw[ii][e] - acc - e_l * b_c[e];
-            }
-            if constexpr (SPLIT == 1)
-                ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
-            else
-                ttt::store_row_part<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, a0, d1);
-        }
-        __syncthreads();
-
-        // dW <- dW + q^T do_pre + k^T dkh
-        ttt::state_rows_add2<D_PAD, BT, NT, DA, LDH>(s_dW, s_q, s_dop, s_k, s_dkh, rows, D);
-        __syncthreads();
     }
 
     // dw, db of the block's columns: the warps' partials summed in a fixed order (s_q, s_k
     // reused as [NW, LD]; NW * LD <= BT * LDH)
     static_assert(NW * LD <= BT * LDH, "the partials need [NW, LD] of s_q and s_k");
-    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, a0,
-                                       d1);
+    ttt::store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D,
+                                            a0, d1);
 }

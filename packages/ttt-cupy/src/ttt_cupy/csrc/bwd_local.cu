@@ -55,6 +55,11 @@ __device__ __forceinline__ void bwd_local_tc(
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = R + 1;
     static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
+    // the row passes: LPR lanes a row (Traits::kRowLanes: a warp's rows in one pass where the
+    // head dim allows), RPP rows per warp pass, PL row elements per lane
+    constexpr int LPR = Tr::template kRowLanes<R>, RPP = 32 / LPR;
+    constexpr int PL = (D_PAD + LPR - 1) / LPR;
+    static_assert(R % (NW * RPP) == 0, "bwd_local: whole row passes");
     float* s_W = smem;                 // [D_PAD, LD]  state before the block
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
     float* s_q = s_hb + D_PAD;         // [R, LD]      q * scale -> q W0 - M g
@@ -66,7 +71,7 @@ __device__ __forceinline__ void bwd_local_tc(
     float* s_e = s_P + R * LA;         // [R]          eta (zero past the end)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g4 = lane >> 2, t4 = lane & 3;
+    const int g4 = lane >> 2, t4 = lane & 3, sub = lane / LPR;
     const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
     const Group gr = group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
@@ -77,12 +82,12 @@ __device__ __forceinline__ void bwd_local_tc(
     const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
-    float b_w[P], b_b[P];                                            // [D] per lane
-    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    float b_dw[P], b_db[P];                                          // this warp's partials
+    float b_w[PL], b_b[PL];                                          // [D] per lane
+    load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    float b_dw[PL], b_db[PL];                                        // this lane's partials
 #pragma unroll
-    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
     // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k, do) and
     // the g row pass's (xh, v, r); the first block's before the state load, each next block's
     // a whole block early
@@ -112,22 +117,32 @@ __device__ __forceinline__ void bwd_local_tc(
 
         // A -> s_A, M -> s_P (tensor cores); row pass: g from xh, r, k, v -> s_g
         block_dots_mma<D_PAD, R, BT, NW>(s_P, s_q, s_k, L, s_e, s_A);
-        inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
-                                            row0, row_stride, L, H, D);
+        inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                 p_ebase, row0, row_stride, L, H, D);
         __syncthreads();
 
         // q W0 - M g -> s_q (after every warp's products: they read q)
         out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_P, s_g, nullptr);
         __syncthreads();
 
-        // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
-        for (int i = warp; i < L; i += NW) {
-            float b_o[P], b_do[P];
-            out_pre_row<D_PAD, R, true>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-            load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-            post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
-            put_row<D_PAD>(s_do + i * LD, b_do);
-            store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
+        // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db.
+        // Lane group `sub` takes row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros
+        // (o = do = 0: they add nothing to dw, db) and store nothing
+        for (int i0 = warp; i0 < R; i0 += NW * RPP) {
+            const int i = i0 + NW * sub;
+            const bool ok = i < L;
+            float b_o[PL], b_do[PL];
+            if (ok) {
+                out_pre_row<D_PAD, R, true, LPR>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+                load_row<D_PAD, LPR>(b_do, s_do + i * LD, D, 1.f);
+            } else {
+#pragma unroll
+                for (int e = 0; e < PL; ++e) b_o[e] = b_do[e] = 0.f;
+            }
+            post_norm_bwd_row<LPR>(b_o, b_do, b_w, b_dw, b_db, D, eps);
+            if (!ok) continue;
+            put_row<D_PAD, LPR>(s_do + i * LD, b_do);
+            store_row<D_PAD, LPR>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
         }
         __syncthreads();
 
@@ -183,7 +198,8 @@ __device__ __forceinline__ void bwd_local_tc(
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0, D);
+    store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
+                                       D);
 }
 
 }  // namespace ttt

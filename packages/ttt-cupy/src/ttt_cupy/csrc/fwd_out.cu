@@ -75,9 +75,15 @@ __device__ __forceinline__ void fwd_out_tc(
     const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
-    float b_w[P], b_b[P];                                            // [D] per lane
-    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    // the row passes: LPR lanes a row (Traits::kRowLanes: a warp's rows in one pass where the
+    // head dim allows), RPP rows per warp pass, PL row elements per lane
+    constexpr int LPR = Tr::template kRowLanes<R>, RPP = 32 / LPR;
+    constexpr int PL = (D_PAD + LPR - 1) / LPR;
+    static_assert(R % (NW * RPP) == 0, "fwd_out: whole row passes");
+    const int sub = lane / LPR;
+    float b_w[PL], b_b[PL];                                          // [D] per lane
+    load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
     // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k) and the
     // g row pass's (xh, v, r); the first block's before the state load, each next block's a
     // whole block early
@@ -105,21 +111,31 @@ __device__ __forceinline__ void fwd_out_tc(
 
         // M -> s_M (tensor cores); row pass: g from xh, r, k, v -> s_g (zero past L)
         block_dots_mma<D_PAD, R, BT, NW>(s_M, s_q, s_k, L, s_e);
-        inner_grad_rows_saved<D_PAD, R, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
-                                            row0, row_stride, L, H, D);
+        inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                 p_ebase, row0, row_stride, L, H, D);
         __syncthreads();
         // q W0 - M g -> s_q (after every warp's products: they read q)
         out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_M, s_g, nullptr);
         __syncthreads();
 
-        // row pass: o_pre = (q W0 - M g) + hb0, the post norm-residual -> o; g's row *= eta_l
-        for (int i = warp; i < L; i += NW) {
-            float b_o[P];
-            out_pre_row<D_PAD, R, true>(b_o, i, s_q, s_W, s_M, s_g, s_hb, s_e, D);
-            post_norm_row(b_o, b_w, b_b, D, eps);
-            store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+        // row pass: o_pre = (q W0 - M g) + hb0, the post norm-residual -> o; g's row *= eta_l.
+        // Lane group `sub` takes row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros
+        // and store nothing
+        for (int i0 = warp; i0 < R; i0 += NW * RPP) {
+            const int i = i0 + NW * sub;
+            const bool ok = i < L;
+            float b_o[PL];
+            if (ok) {
+                out_pre_row<D_PAD, R, true, LPR>(b_o, i, s_q, s_W, s_M, s_g, s_hb, s_e, D);
+            } else {
+#pragma unroll
+                for (int e = 0; e < PL; ++e) b_o[e] = 0.f;
+            }
+            post_norm_row<LPR>(b_o, b_w, b_b, D, eps);
+            if (!ok) continue;
+            store_row<D_PAD, LPR>(o + p_base + (row0 + i) * row_stride, b_o, D);
             const float el = chunk_eta_l<BT>(s_e, i, L);
-            for (int d = lane; d < D_PAD; d += 32) s_g[i * LD + d] *= el;
+            for (int d = row_col<LPR>(0); d < D_PAD; d += LPR) s_g[i * LD + d] *= el;
         }
         __syncthreads();
 

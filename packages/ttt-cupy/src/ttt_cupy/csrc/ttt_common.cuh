@@ -134,6 +134,12 @@ struct Traits {
     static constexpr unsigned long long kBwdChainBytes = 4ull * kBwdChainFloats;
     static constexpr unsigned long long kBwdGradsBytes = 4ull * kBwdGradsFloats;
     static_assert(BT % kWarps == 0, "BT must be a multiple of the warp count");
+    // Lanes per row of the group kernels' MMA row passes over ROWS rows (row_col): 32 / (rows
+    // per warp), so that a warp takes all its rows in one pass, but at least D_PAD / 4 (at
+    // most 4 elements of a row per lane, as 32 lanes hold at D_PAD 128: registers)
+    template <int ROWS>
+    static constexpr int kRowLanes = 32 / (ROWS / kWarps) > D_PAD / 4 ? 32 / (ROWS / kWarps)
+                                                                      : D_PAD / 4;
 };
 
 // ---------------------------------------------------------------- conversions
@@ -148,11 +154,16 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(x);
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// The sum of x over a group of LPR consecutive lanes (LPR a power of two <= 32), in every lane
+// of the group; every lane of the warp must call it (the xor shuffles stay inside the group).
+template <int LPR = 32>
+__device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
-    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    for (int m = LPR / 2; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
     return x;
 }
+
+__device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
 
 // ---------------------------------------------------------------- coordinates
 struct Seq {
@@ -589,87 +600,93 @@ __device__ __forceinline__ void tri_dots(float* sOut, const float* sX, const flo
     }
 }
 
-// ---------------------------------------------------------------- row passes (one warp a row)
-// Lane l holds columns d = l + 32 e, e < P = kPerLane; columns >= D hold zero.
+// ---------------------------------------------------------------- row passes (LPR lanes a row)
+// A row is held by a group of LPR consecutive lanes (LPR = 32 unless given: one warp a row;
+// Traits::kRowLanes for the group kernels' MMA instances, where a warp takes 32 / LPR rows at
+// once): lane l of its group (l = lane % LPR) holds columns d = l + LPR e, e < P =
+// cdiv(D_PAD, LPR); columns >= D hold zero. Every lane of a warp must call the helpers that
+// sum over a row (row_sum, row_dot and the passes built on them).
+
+// This lane's column for element e of a row (see above).
+template <int LPR = 32>
+__device__ __forceinline__ int row_col(int e) {
+    return (int)(threadIdx.x & (LPR - 1)) + LPR * e;
+}
 
 // x[e] = src[d] * mult for d < D, zero elsewhere (src: global or shared memory).
-template <int D_PAD, typename S>
-__device__ __forceinline__ void load_row(float (&x)[(D_PAD + 31) / 32], const S* src, int D,
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void load_row(float (&x)[(D_PAD + LPR - 1) / LPR], const S* src, int D,
                                          float mult) {
-    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
         x[e] = d < D ? to_f32(src[d]) * mult : 0.f;
     }
 }
 
 // dst[d] = x[e] for d < D.
-template <int D_PAD, typename S>
-__device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + 31) / 32], int D) {
-    const int lane = threadIdx.x & 31;
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
+                                          int D) {
 #pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
         if (d < D) dst[d] = from_f32<S>(x[e]);
     }
 }
 
 // x[e] = srow[d - a0] for the lane's columns d in [a0, a0 + M), zero elsewhere (a row of a
 // [BT, M] part of a tile holding columns a0 .. a0 + M - 1).
-template <int D_PAD, int M>
-__device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + 31) / 32], const float* srow,
-                                              int a0) {
-    const int lane = threadIdx.x & 31;
+template <int D_PAD, int M, int LPR = 32>
+__device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + LPR - 1) / LPR],
+                                              const float* srow, int a0) {
 #pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int dl = lane + 32 * e - a0;
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int dl = row_col<LPR>(e) - a0;
         x[e] = dl >= 0 && dl < M ? srow[dl] : 0.f;
     }
 }
 
 // dst[d] = x[e] for d in [d0, d1) (store_row for a range of columns).
-template <int D_PAD, typename S>
-__device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD + 31) / 32],
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
                                                int d0, int d1) {
-    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
         if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
     }
 }
 
 // A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
-template <int D_PAD>
-__device__ __forceinline__ void put_row(float* srow, const float (&x)[(D_PAD + 31) / 32]) {
-    const int lane = threadIdx.x & 31;
+template <int D_PAD, int LPR = 32>
+__device__ __forceinline__ void put_row(float* srow, const float (&x)[(D_PAD + LPR - 1) / LPR]) {
 #pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
         if (d < D_PAD) srow[d] = x[e];
     }
 }
 
-template <int D_PAD>
+template <int D_PAD, int LPR = 32>
 __device__ __forceinline__ void zero_row(float* srow) {
-    for (int d = threadIdx.x & 31; d < D_PAD; d += 32) srow[d] = 0.f;
+    for (int d = row_col<LPR>(0); d < D_PAD; d += LPR) srow[d] = 0.f;
 }
 
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ float row_dot(const float (&x)[P], const float (&y)[P]) {
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < P; ++e) s += x[e] * y[e];
-    return warp_sum(s);
+    return group_sum<LPR>(s);
 }
 
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ float row_sum(const float (&x)[P]) {
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < P; ++e) s += x[e];
-    return warp_sum(s);
+    return group_sum<LPR>(s);
 }
 
 // out[d] = sum_a arow[a] M[a, d]   (arow: a shared row; M: a [D_PAD, D_PAD + 1] state)
@@ -729,36 +746,36 @@ __device__ __forceinline__ void row_times_state_rows_t(float (&out)[(D_PAD + 31)
 }
 
 // In place: x <- LN(x) over the D valid columns (no affine); returns r = 1 / sqrt(var + eps).
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ float layer_norm_row(float (&x)[P], int D, float eps) {
-    const int lane = threadIdx.x & 31;
-    const float mean = row_sum(x) / (float)D;
+    const float inv_d = 1.f / (float)D;
+    const float mean = row_sum<LPR>(x) * inv_d;
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < P; ++e) {
-        x[e] = lane + 32 * e < D ? x[e] - mean : 0.f;
+        x[e] = row_col<LPR>(e) < D ? x[e] - mean : 0.f;
         s += x[e] * x[e];
     }
-    const float r = 1.f / sqrtf(warp_sum(s) / (float)D + eps);
+    const float r = 1.f / sqrtf(group_sum<LPR>(s) * inv_d + eps);
 #pragma unroll
     for (int e = 0; e < P; ++e) x[e] *= r;
     return r;
 }
 
 // g and y of a row from xh and r: y = (xh w + b - v + k) w, g = r (y - mean(y) - xh mean(y xh)).
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], const float (&xh)[P],
                                                float r, const float (&k)[P], const float (&v)[P],
                                                const float (&w)[P], const float (&b)[P], int D) {
-    const int lane = threadIdx.x & 31;
+    const float inv_d = 1.f / (float)D;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        y[e] = lane + 32 * e < D ? (xh[e] * w[e] + b[e] - v[e] + k[e]) * w[e] : 0.f;
-    const float ym = row_sum(y) / (float)D;
-    const float yx = row_dot(y, xh) / (float)D;
+        y[e] = row_col<LPR>(e) < D ? (xh[e] * w[e] + b[e] - v[e] + k[e]) * w[e] : 0.f;
+    const float ym = row_sum<LPR>(y) * inv_d;
+    const float yx = row_dot<LPR>(y, xh) * inv_d;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        g[e] = lane + 32 * e < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
+        g[e] = row_col<LPR>(e) < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
 }
 
 // The row pass of the inner loss over one chunk (fwd_chain's SIMT instance): warp w takes rows
@@ -804,12 +821,14 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
 }
 
 // g of a chunk's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
-// no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT; g_i = inner_grad_row(xh_i,
-// r_i, k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
-// inner_grad_rows); rows >= L are zeroed. Row-local: no barrier between the rows. (Unrolling
-// the rows, so that all their loads are in flight together, made ptxas spill more in
-// bwd_local's and fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
-template <int D_PAD, int BT, int NW, typename T, int P>
+// no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT, 32 / LPR of them at once
+// (row w + NW s + 32 / LPR NW u to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
+// k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
+// inner_grad_rows); rows >= L are zeroed (they run the pass on zeros: every lane takes part
+// in the row sums). Row-local: no barrier between the rows. (Unrolling the passes, so that
+// all their loads are in flight together, made ptxas spill more in bwd_local's and fwd_out's
+// MMA instances at D_PAD 64 / 128, BT 16: not done.)
+template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
                                                       const T* __restrict__ v,
                                                       const float* __restrict__ xbuf,
@@ -819,39 +838,41 @@ __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK
                                                       long long p_ebase, long long row0,
                                                       long long row_stride, int L, int H,
                                                       int D) {
-    constexpr int LD = D_PAD + 1;
-    for (int i = threadIdx.x >> 5; i < BT; i += NW) {
-        if (i >= L) {
-            zero_row<D_PAD>(sG + i * LD);
-            continue;
-        }
-        const long long o_r = p_base + (row0 + i) * row_stride;
+    constexpr int LD = D_PAD + 1, RPP = 32 / LPR;  // rows per warp pass
+    static_assert(BT % (NW * RPP) == 0, "inner_grad_rows_saved: whole passes");
+    const int sub = (threadIdx.x & 31) / LPR;
+    for (int i0 = threadIdx.x >> 5; i0 < BT; i0 += NW * RPP) {
+        const int i = i0 + NW * sub;
+        const bool ok = i < L;
+        const int n = ok ? D : 0;  // rows past L load nothing: zeros, r = 0, so g = 0
+        const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
         float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-        const float r = rbuf[p_ebase + (row0 + i) * H];
-        load_row<D_PAD>(b_x, xbuf + o_r, D, 1.f);
-        load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
-        load_row<D_PAD>(b_v, v + o_r, D, 1.f);
-        inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
-        put_row<D_PAD>(sG + i * LD, b_g);
+        const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+        load_row<D_PAD, LPR>(b_x, xbuf + o_r, n, 1.f);
+        load_row<D_PAD, LPR>(b_k, sK + i * LD, n, 1.f);
+        load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
+        inner_grad_row<LPR>(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD, LPR>(sG + i * LD, b_g);
     }
 }
 
 // o_pre of row i of a chunk (fwd_out, bwd_local), per lane: q_i W + hb - e_i sum_{j <= i}
 // A_ij g_j, zero past D. MMA: q W - e (A g) was left in sQ's row by out_pre_mma, so only hb
 // is added; else SIMT products (sA [BT, BT + 1] is the masked A, sE the per-row eta).
-template <int D_PAD, int BT, bool MMA, int P>
+// (LPR: the row layout; SIMT takes one warp a row.)
+template <int D_PAD, int BT, bool MMA, int LPR = 32, int P>
 __device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* sQ,
                                             const float* sW, const float* sA, const float* sG,
                                             const float* sHb, const float* sE, int D) {
     constexpr int LD = D_PAD + 1, LA = BT + 1;
-    const int lane = threadIdx.x & 31;
+    static_assert(MMA || LPR == 32, "the SIMT products take one warp a row");
     if constexpr (MMA)
-        load_row<D_PAD>(o, sQ + i * LD, D_PAD, 1.f);
+        load_row<D_PAD, LPR>(o, sQ + i * LD, D_PAD, 1.f);
     else
         row_times_state<D_PAD>(o, sQ + i * LD, sW);
 #pragma unroll
     for (int e = 0; e < P; ++e) {
-        const int d = lane + 32 * e;
+        const int d = row_col<LPR>(e);
         if (d >= D) {
             o[e] = 0.f;
             continue;
@@ -866,13 +887,13 @@ __device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* s
 }
 
 // The fused post norm-residual for one row (fwd_out): o <- o + LN(o) w + b.
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P],
                                               const float (&b)[P], int D, float eps) {
     float n[P];
 #pragma unroll
     for (int e = 0; e < P; ++e) n[e] = o[e];
-    layer_norm_row(n, D, eps);
+    layer_norm_row<LPR>(n, D, eps);
 #pragma unroll
     for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
 }
@@ -880,12 +901,12 @@ __device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P]
 // The post norm-residual's backward for one row (bwd_local): o (o_pre in) becomes oh =
 // LN(o_pre), dout (do in) becomes do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)),
 // and the row's parts of dw (do oh) and db (do) are added to dw, db. Zero past D.
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P],
                                                   const float (&w)[P], float (&dw)[P],
                                                   float (&db)[P], int D, float eps) {
-    const int lane = threadIdx.x & 31;
-    const float ro = layer_norm_row(o, D, eps);      // o <- oh
+    const float inv_d = 1.f / (float)D;
+    const float ro = layer_norm_row<LPR>(o, D, eps);      // o <- oh
     float doh[P];
 #pragma unroll
     for (int e = 0; e < P; ++e) {
@@ -893,37 +914,37 @@ __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P
         dw[e] += dout[e] * o[e];
         db[e] += dout[e];
     }
-    const float m1 = row_sum(doh) / (float)D;
-    const float m2 = row_dot(doh, o) / (float)D;
+    const float m1 = row_sum<LPR>(doh) * inv_d;
+    const float m2 = row_dot<LPR>(doh, o) * inv_d;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        dout[e] = lane + 32 * e < D ? dout[e] + ro * (doh[e] - m1 - o[e] * m2) : 0.f;
+        dout[e] = row_col<LPR>(e) < D ? dout[e] + ro * (doh[e] - m1 - o[e] * m2) : 0.f;
 }
 
 // Backward of g(kh) for the cotangent dg: dkh and dy (see the top of this file).
-template <int P>
+template <int LPR = 32, int P>
 __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
                                                    const float (&dg)[P], const float (&xh)[P],
                                                    float r, const float (&y)[P],
                                                    const float (&g)[P], const float (&w)[P],
                                                    int D) {
-    const int lane = threadIdx.x & 31;
-    const float a1 = row_sum(dg) / (float)D;
-    const float a2 = row_dot(dg, xh) / (float)D;
-    const float a3 = row_dot(xh, y) / (float)D;
-    const float dr = row_dot(dg, g) * r / (float)D;  // dr r^2 / D with dr = sum(dg g) / r
+    const float inv_d = 1.f / (float)D;
+    const float a1 = row_sum<LPR>(dg) * inv_d;
+    const float a2 = row_dot<LPR>(dg, xh) * inv_d;
+    const float a3 = row_dot<LPR>(xh, y) * inv_d;
+    const float dr = row_dot<LPR>(dg, g) * r * inv_d;  // dr r^2 / D with dr = sum(dg g) / r
     float dxh[P];
 #pragma unroll
     for (int e = 0; e < P; ++e) {
-        const bool m = lane + 32 * e < D;
+        const bool m = row_col<LPR>(e) < D;
         dy[e] = m ? r * (dg[e] - a1 - xh[e] * a2) : 0.f;
         dxh[e] = m ? -r * (dg[e] * a3 + y[e] * a2) + dy[e] * (w[e] * w[e]) : 0.f;
     }
-    const float c1 = row_sum(dxh) / (float)D;
-    const float c2 = row_dot(dxh, xh) / (float)D;
+    const float c1 = row_sum<LPR>(dxh) * inv_d;
+    const float c2 = row_dot<LPR>(dxh, xh) * inv_d;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        dkh[e] = lane + 32 * e < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+        dkh[e] = row_col<LPR>(e) < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
 }
 
 
@@ -1185,18 +1206,31 @@ __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const fl
         [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
 }
 
-// The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db) summed over the
-// warps in a fixed order (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of
-// shared memory), written to dwp[o_p + d], dbp[o_p + d] for d in [d0, d1). Every thread must
-// call it.
-template <int D_PAD, int NW, int NT, int P>
+// The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db, in the row layout
+// of LPR lanes: its lane groups' sums are added first) summed over the warps in a fixed order
+// (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of shared memory), written to
+// dwp[o_p + d], dbp[o_p + d] for d in [d0, d1). Every thread must call it.
+template <int D_PAD, int NW, int NT, int LPR = 32, int P>
 __device__ __forceinline__ void store_partials(float* sA, float* sB, const float (&b_dw)[P],
                                                const float (&b_db)[P], float* dwp, float* dbp,
                                                long long o_p, int d0, int d1) {
     constexpr int LD = D_PAD + 1;
     const int warp = threadIdx.x >> 5;
-    put_row<D_PAD>(sA + warp * LD, b_dw);
-    put_row<D_PAD>(sB + warp * LD, b_db);
+    float w_dw[P], w_db[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        w_dw[e] = b_dw[e];
+        w_db[e] = b_db[e];
+#pragma unroll
+        for (int m = 16; m >= LPR; m >>= 1) {  // the lane groups' sums, in a fixed order
+            w_dw[e] += __shfl_xor_sync(0xffffffffu, w_dw[e], m);
+            w_db[e] += __shfl_xor_sync(0xffffffffu, w_db[e], m);
+        }
+    }
+    if ((threadIdx.x & 31) < LPR) {
+        put_row<D_PAD, LPR>(sA + warp * LD, w_dw);
+        put_row<D_PAD, LPR>(sB + warp * LD, w_db);
+    }
     __syncthreads();
     for (int d = d0 + threadIdx.x; d < d1; d += NT) {
         float sw = 0.f, sb = 0.f;
