@@ -172,21 +172,23 @@ __device__ __forceinline__ void bwd_local_tc(
         __syncthreads();
 
         // dq = scale (do_pre W0^T + dP' k);  dg_loc = -(e A)^T do_pre   (tensor cores)
-        mma_tiles<R, D_PAD, NW>(
-            [&](float (&acc)[4], int m0, int n0) {
-                float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_tile_acc(acc, s_do, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
-                mma_tile_acc(acc, s_P, LA, 1, s_k, LD, 1, m0, n0, 0, m0 + 16);
-                mma_tile_acc(acc2, s_A, 1, LA, s_do, LD, 1, m0, n0, m0, R);
+        mma_blocks<R, D_PAD, NW, 2>(  // pairs of tiles: one A read for two products
+            [&](float (&acc)[2][4], int m0, int n0) {
+                float acc2[2][4] = {};
+                mma_tiles_acc<2>(acc, s_do, LD, 1, s_W, 1, LD, m0, n0, 0, D_PAD);
+                mma_tiles_acc<2>(acc, s_P, LA, 1, s_k, LD, 1, m0, n0, 0, m0 + 16);
+                mma_tiles_acc<2>(acc2, s_A, 1, LA, s_do, LD, 1, m0, n0, m0, R);
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 2 * t4 + (r & 1);
-                    if (i < L && d < D) {
-                        const long long o_x = p_base + (row0 + i) * row_stride + d;
-                        dq[o_x] = from_f32<T>(scale * acc[r]);
-                        dgbuf[o_x] = -acc2[r];
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 8 * j + 2 * t4 + (r & 1);
+                        if (i < L && d < D) {
+                            const long long o_x = p_base + (row0 + i) * row_stride + d;
+                            dq[o_x] = from_f32<T>(scale * acc[j][r]);
+                            dgbuf[o_x] = -acc2[j][r];
+                        }
                     }
-                }
             },
             [](float (&)[4], int, int) {});
         __syncthreads();

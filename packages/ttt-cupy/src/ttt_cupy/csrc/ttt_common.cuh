@@ -1038,6 +1038,76 @@ __device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, in
         mma_kblock<16>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk);
 }
 
+// mma_tile_acc for NB tiles side by side: acc[j] += the 16 x 8 output tile at (m0, n0 + 8 j),
+// j < NB. Each k step reads the A fragment once for the NB products (NB times fewer A reads
+// from shared memory than NB mma_tile_acc calls). Same k order as mma_kblock.
+template <int KB, int NB>
+__device__ __forceinline__ void mma_kblock_n(float (&acc)[NB][4], const float* x0, int xm,
+                                             int xk, const float* y0, int yk, int ystep) {
+#pragma unroll
+    for (int j = 0; j < KB / 8; ++j) {
+        const int ka = j, kb = KB / 8 + j;
+        const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
+                               to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const unsigned b[2] = {to_tf32(y0[nb * ystep + ka * yk]),
+                                   to_tf32(y0[nb * ystep + kb * yk])};
+            mma_m16n8k8_tf32(acc[nb], a, b);
+        }
+    }
+}
+
+template <int NB>
+__device__ __forceinline__ void mma_tiles_acc(float (&acc)[NB][4], const float* x, int xm,
+                                              int xk, const float* y, int yk, int yn, int m0,
+                                              int n0, int kbeg, int kend) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* xr = x + (m0 + g) * xm;
+    const float* yc = y + (n0 + g) * yn;
+    int k = kbeg;
+#pragma unroll 1
+    for (; k + 32 <= kend; k += 32)
+        mma_kblock_n<32, NB>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk,
+                             8 * yn);
+    if (k < kend)  // kend - k == 16
+        mma_kblock_n<16, NB>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk,
+                             8 * yn);
+}
+
+// Four 16 x 8 accumulators side by side (a 16 x 32 block, acc[j] at columns 8 j ..) regrouped
+// within each quad of lanes: lane (g, t) gets out[h][c] = block[g + 8 h][8 t + c] (h < 2,
+// c < 8), which lane (g, c / 2) held as acc[t][2 h + c % 2]. Per (h, c % 2) a 4 x 4 transpose
+// over the quad's lanes in two xor-shuffle rounds (lane bit 2, then bit 1). A row-major
+// store of out then puts lane (g, t) on bank g + 8 t + c of rows 1 mod 32 apart: no bank
+// conflicts, where the accumulator layout's stores are 4-way conflicted.
+__device__ __forceinline__ void quad_transpose_4x4(float (&out)[2][8], const float (&acc)[4][4]) {
+    const int t = threadIdx.x & 3;
+    const bool hi2 = (t & 2) != 0, hi1 = (t & 1) != 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // r = 2 h + e: the entries acc[j][r], j < 4, of this lane
+        // round 1 (xor 2): keep the columns j with bit 1 = t's, swap the others: then this
+        // lane holds M[t][j], M[t ^ 2][j] for j in {t & 2, (t & 2) + 1}
+        const float s0 = hi2 ? acc[0][r] : acc[2][r], s1 = hi2 ? acc[1][r] : acc[3][r];
+        const float k0 = hi2 ? acc[2][r] : acc[0][r], k1 = hi2 ? acc[3][r] : acc[1][r];
+        const float p0 = __shfl_xor_sync(0xffffffffu, s0, 2);  // M[t ^ 2][j0]
+        const float p1 = __shfl_xor_sync(0xffffffffu, s1, 2);  // M[t ^ 2][j0 + 1]
+        // round 2 (xor 1): column t stays, column t ^ 1 goes to lane t ^ 1
+        const float own_t = hi1 ? k1 : k0, own_o = hi1 ? k0 : k1;    // M[t][t], M[t][t ^ 1]
+        const float par_t = hi1 ? p1 : p0, par_o = hi1 ? p0 : p1;    // M[t ^ 2][t], [t ^ 1]
+        const float q0 = __shfl_xor_sync(0xffffffffu, own_o, 1);     // M[t ^ 1][t]
+        const float q1 = __shfl_xor_sync(0xffffffffu, par_o, 1);     // M[t ^ 3][t]
+        // M[t'][t] for t' = t, t ^ 1, t ^ 2, t ^ 3 -> out[h][2 t' + e]
+        const int h = r >> 1, e = r & 1;
+        const float m_t[4] = {own_t, q0, par_t, q1};  // by t' ^ t = 0, 1, 2, 3
+#pragma unroll
+        for (int tp = 0; tp < 4; ++tp) {               // tp = t', x = t' ^ t
+            const int x = tp ^ t;
+            out[h][2 * tp + e] = x == 0 ? m_t[0] : x == 1 ? m_t[1] : x == 2 ? m_t[2] : m_t[3];
+        }
+    }
+}
+
 // Writes one m16n8 accumulator into the fp32 tile s (row stride LD) at (m0, n0), in the C/D
 // fragment layout above: lane (g, t) holds C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
 template <int LD>
@@ -1083,6 +1153,43 @@ __device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
     for (int v = 0; v < TPW; ++v) {
         const int u = warp + v * NW;
         if (u < TILES) epi(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+}
+
+// mma_tiles over blocks of NB tiles side by side: block u (16 x 8 NB at (m0, n0)) to warp
+// u % NW; body(acc, m0, n0) fills acc[j], the tile at (m0, n0 + 8 j) (mma_tiles_acc calls:
+// one A fragment read per k step for the NB products), then epi(acc[j], m0, n0 + 8 j) per tile.
+// SYNCED: the epilogues run after a __syncthreads (every thread must call it), as in
+// mma_tiles_synced.
+template <int M, int N, int NW, int NB, bool SYNCED = false, typename Body, typename Epi>
+__device__ __forceinline__ void mma_blocks(Body body, Epi epi) {
+    static_assert(N % (8 * NB) == 0, "mma_blocks: whole blocks");
+    constexpr int NBN = N / (8 * NB), BLOCKS = (M / 16) * NBN;
+    constexpr int BPW = SYNCED ? (BLOCKS + NW - 1) / NW : 1;  // blocks held per warp
+    const int warp = threadIdx.x >> 5;
+    if constexpr (SYNCED) {
+        float acc[BPW][NB][4] = {};
+#pragma unroll
+        for (int v = 0; v < BPW; ++v) {
+            const int u = warp + v * NW;
+            if (u < BLOCKS) body(acc[v], (u / NBN) * 16, (u % NBN) * 8 * NB);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int v = 0; v < BPW; ++v) {
+            const int u = warp + v * NW;
+            if (u >= BLOCKS) continue;
+#pragma unroll
+            for (int j = 0; j < NB; ++j) epi(acc[v][j], (u / NBN) * 16, (u % NBN) * 8 * NB + 8 * j);
+        }
+    } else {
+        for (int u = warp; u < BLOCKS; u += NW) {
+            const int m0 = (u / NBN) * 16, n0 = (u % NBN) * 8 * NB;
+            float acc[NB][4] = {};
+            body(acc, m0, n0);
+#pragma unroll
+            for (int j = 0; j < NB; ++j) epi(acc[j], m0, n0 + 8 * j);
+        }
     }
 }
 
@@ -1158,19 +1265,44 @@ __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const 
                                                       const float* sY2, int rows, int D) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    mma_tiles<M, D_PAD, NW>(
-        [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LDX + a]
-            mma_tile_acc(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
+    if constexpr (D_PAD % 32 == 0) {
+        // 16 x 32 blocks, block u to warp u % NW: each k step reads X^T's fragment once for
+        // four products (mma_tiles_acc), and the sums go into W through quad_transpose_4x4's
+        // layout (row-major, free of bank conflicts) instead of the accumulators'
+        constexpr int BN = D_PAD / 32, BLOCKS = (M / 16) * BN;
+        for (int u = threadIdx.x >> 5; u < BLOCKS; u += NW) {
+            const int m0 = (u / BN) * 16, n0 = (u % BN) * 32;
+            float acc[4][4] = {};
+            mma_tiles_acc<4>(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
             if (sX2 != nullptr)  // uniform over the block
-                mma_tile_acc(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
-        },
-        [&](float (&acc)[4], int m0, int n0) {
+                mma_tiles_acc<4>(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
+            float out[2][8];
+            quad_transpose_4x4(out, acc);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
-                if (a < rows && d < D) sW[a * LD + d] += c * acc[r];
+            for (int h = 0; h < 2; ++h) {
+                const int a = m0 + g + 8 * h;
+#pragma unroll
+                for (int cc = 0; cc < 8; ++cc) {
+                    const int d = n0 + 8 * t + cc;
+                    if (a < rows && d < D) sW[a * LD + d] += c * out[h][cc];
+                }
             }
-        });
+        }
+    } else {
+        mma_tiles<M, D_PAD, NW>(
+            [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LDX + a]
+                mma_tile_acc(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
+                if (sX2 != nullptr)  // uniform over the block
+                    mma_tile_acc(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
+            },
+            [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
+                    if (a < rows && d < D) sW[a * LD + d] += c * acc[r];
+                }
+            });
+    }
 }
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
@@ -1194,14 +1326,16 @@ __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const fl
                                             const float* sG, const float* sE) {
     constexpr int LD = D_PAD + 1, LA = BT + 1;
     const int g = (threadIdx.x & 31) >> 2;
-    mma_tiles_synced<BT, D_PAD, NW>(
-        [&](float (&acc)[4], int m0, int n0) {
-            float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_tile_acc(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
-            mma_tile_acc(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
+    mma_blocks<BT, D_PAD, NW, 2, true>(  // pairs of tiles: one A read for two products
+        [&](float (&acc)[2][4], int m0, int n0) {
+            float acc2[2][4] = {};
+            mma_tiles_acc<2>(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
+            mma_tiles_acc<2>(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                acc[r] -= (ROW_SCALE ? sE[m0 + g + 8 * (r >> 1)] : 1.f) * acc2[r];
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    acc[j][r] -= (ROW_SCALE ? sE[m0 + g + 8 * (r >> 1)] : 1.f) * acc2[j][r];
         },
         [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
 }
