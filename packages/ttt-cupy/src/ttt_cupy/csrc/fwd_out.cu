@@ -149,7 +149,8 @@ __device__ __forceinline__ void fwd_out_tc(
 }  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
 ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const float* __restrict__ eta,    // [B, T, H] fp32
                    const float* __restrict__ lnw,    // [H, D] fp32

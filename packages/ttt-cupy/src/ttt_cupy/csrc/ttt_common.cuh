@@ -113,6 +113,10 @@ struct Traits {
     // bwd_grads' blocks per SM asked of ptxas at D_PAD 64, chunk 16 (3 x 256 threads: at most
     // 85 registers; 80 with 32 bytes of spill, where it would take 100 and fit 2 blocks)
     static constexpr int kGradsBlocks = D_PAD == 64 && BT == 16 ? 3 : 1;
+    // fwd_out's MMA instance likewise: 4 x 256 threads per SM at D_PAD 64, chunk 16 (64
+    // registers; ptxas took 76 to 128 unasked, 3 or 2 blocks per SM, and the forward at
+    // 4,4096 was 10% slower)
+    static constexpr int kOutBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
@@ -1258,14 +1262,16 @@ __device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const
 
 // M rows of W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a < rows, d < D (sW [M, D_PAD + 1];
 // X* [BT, M] tiles of row stride LDX, Y* [BT, D_PAD] tiles, zero past the valid rows; X2 / Y2
-// may be null). Tiles: (M / 16) x (D_PAD / 8), K = BT (or 2 BT).
-template <int D_PAD, int BT, int NW, int M, int LDX>
+// may be null). Tiles: (M / 16) x (D_PAD / 8), K = BT (or 2 BT). BLOCKS (at D_PAD >= 32): in
+// 16 x 32 blocks, below; else one 16 x 8 tile at a time, with fewer registers (fwd_out: 64
+// instead of 128 at D_PAD 64, chunk 16).
+template <int D_PAD, int BT, int NW, int M, int LDX, bool BLOCKS = true>
 __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const float* sX1,
                                                       const float* sY1, const float* sX2,
                                                       const float* sY2, int rows, int D) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    if constexpr (D_PAD % 32 == 0) {
+    if constexpr (BLOCKS && D_PAD % 32 == 0) {
         // 16 x 32 blocks, block u to warp u % NW: each k step reads X^T's fragment once for
         // four products (mma_tiles_acc), and the sums go into W through quad_transpose_4x4's
         // layout (row-major, free of bank conflicts) instead of the accumulators'
@@ -1307,11 +1313,12 @@ __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const 
 
 // W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
 // the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
-template <int D_PAD, int BT, int NW>
+template <int D_PAD, int BT, int NW, bool BLOCKS = true>
 __device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
                                                  const float* sY1, const float* sX2,
                                                  const float* sY2, int D) {
-    state_rows_update_mma<D_PAD, BT, NW, D_PAD, D_PAD + 1>(sW, c, sX1, sY1, sX2, sY2, D, D);
+    state_rows_update_mma<D_PAD, BT, NW, D_PAD, D_PAD + 1, BLOCKS>(sW, c, sX1, sY1, sX2, sY2, D,
+                                                                   D);
 }
 
 // sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
@@ -1321,18 +1328,18 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
 //
 // ROW_SCALE false: sA already holds e (and any other per-entry factor): sQ <- q W - A g, sE
 // unused.
-template <int D_PAD, int BT, int NW, bool ROW_SCALE = true>
+template <int D_PAD, int BT, int NW, bool ROW_SCALE = true, int NB = 2>
 __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const float* sA,
                                             const float* sG, const float* sE) {
     constexpr int LD = D_PAD + 1, LA = BT + 1;
     const int g = (threadIdx.x & 31) >> 2;
-    mma_blocks<BT, D_PAD, NW, 2, true>(  // pairs of tiles: one A read for two products
-        [&](float (&acc)[2][4], int m0, int n0) {
-            float acc2[2][4] = {};
-            mma_tiles_acc<2>(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
-            mma_tiles_acc<2>(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
+    mma_blocks<BT, D_PAD, NW, NB, true>(  // NB tiles side by side: one A read for NB products
+        [&](float (&acc)[NB][4], int m0, int n0) {
+            float acc2[NB][4] = {};
+            mma_tiles_acc<NB>(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
+            mma_tiles_acc<NB>(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
+            for (int j = 0; j < NB; ++j)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
                     acc[j][r] -= (ROW_SCALE ? sE[m0 + g + 8 * (r >> 1)] : 1.f) * acc2[j][r];
