@@ -1275,8 +1275,8 @@ __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const 
         // 16 x 32 blocks, block u to warp u % NW: each k step reads X^T's fragment once for
         // four products (mma_tiles_acc), and the sums go into W through quad_transpose_4x4's
         // layout (row-major, free of bank conflicts) instead of the accumulators'
-        constexpr int BN = D_PAD / 32, BLOCKS = (M / 16) * BN;
-        for (int u = threadIdx.x >> 5; u < BLOCKS; u += NW) {
+        constexpr int BN = D_PAD / 32, NBLOCKS = (M / 16) * BN;
+        for (int u = threadIdx.x >> 5; u < NBLOCKS; u += NW) {
             const int m0 = (u / BN) * 16, n0 = (u % BN) * 32;
             float acc[4][4] = {};
             mma_tiles_acc<4>(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
