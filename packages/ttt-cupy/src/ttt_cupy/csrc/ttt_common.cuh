@@ -32,8 +32,10 @@
 // [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
 //
 // Thread mappings: "row passes" give one warp a row (lane l holds columns l, l + 32, ...,
-// kPerLane of them, in registers); "tile passes" give one thread an output element, or, in
-// the MMA instances, one warp a 16 x 8 output tile (mma_tiles, at the end of this file).
+// kPerLane of them, in registers), or in the group kernels' MMA instances a group of
+// Traits::kRowLanes lanes a row (row_col); "tile passes" give one thread an output element,
+// or, in the MMA instances, one warp a 16 x 8 output tile or a block of them (mma_tiles,
+// mma_blocks, at the end of this file).
 // Shared-memory tiles are fp32 with rows padded by one float (no bank conflicts when lanes
 // walk down a column). Per-kernel shared memory: Traits<D_PAD, BT>::k*Bytes, mirrored by
 // ttt_cupy.compile.smem_bytes (checked against each other by ttt_cupy.nvrtc_check).
