@@ -52,7 +52,7 @@ __device__ __forceinline__ void bwd_local_tc(
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
     float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
-    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd, LA = R + 1;
     static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
     // the row passes: LPR lanes a row (Traits::kRowLanes: a warp's rows in one pass where the
@@ -253,7 +253,7 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float* s_P = s_A + Tr::kSquare;    // [BT, LA]     dS -> dP
     float* s_e = s_P + Tr::kSquare;    // [BT]         eta (zero past the end)
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
     const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);

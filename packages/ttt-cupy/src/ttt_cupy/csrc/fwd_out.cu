@@ -53,7 +53,7 @@ __device__ __forceinline__ void fwd_out_tc(
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
     float eps, long long T_len, int H, int D, int G) {
     using Tr = Traits<D_PAD, BT>;
-    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
+    constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd;
     static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
     float* s_W = smem;                 // [D_PAD, LD]  state before the block
@@ -168,7 +168,6 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
-    constexpr int LD = Tr::kLd;
     if (smem_bytes < (MMA ? Tr::kFwdOutTcBytes : Tr::kFwdOutBytes) || blockDim.x != NT ||
         D > D_PAD || G < 1)
         __trap();
