@@ -18,8 +18,8 @@
 // starting from the slots at the group's end (state from fwd_chain.cu, cotangent from
 // bwd_chain.cu). The group's FIRST chunk takes its state from its own exact slot: stepping the
 // state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
-// eps^-1/2 there). dy w stays in registers between the two row passes (each warp keeps its
-// rows). Each step asks for the next chunk's rows (of the reverse walk) into L1 in one pass
+// eps^-1/2 there). dy w stays in registers between the two row passes (each lane group keeps
+// its rows: LPR lanes a row, Traits::kRowLanes in the MMA instance). Each step asks for the next chunk's rows (of the reverse walk) into L1 in one pass
 // (prefetch_spans), so that its tile and row loads hit L1. Shared memory: W, dW, Q, K, DOP,
 // G, DKH, S, eta (Traits::kBwdGradsBytes).
 //

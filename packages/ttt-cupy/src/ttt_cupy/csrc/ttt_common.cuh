@@ -828,7 +828,7 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
 
 // g of a chunk's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
 // no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT, 32 / LPR of them at once
-// (row w + NW s + 32 / LPR NW u to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
+// (row w + NW (s + 32 / LPR u) to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
 // k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
 // inner_grad_rows); rows >= L are zeroed (they run the pass on zeros: every lane takes part
 // in the row sums). Row-local: no barrier between the rows. (Unrolling the passes, so that
