@@ -19,9 +19,10 @@
 // bwd_chain.cu). The group's FIRST chunk takes its state from its own exact slot: stepping the
 // state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
 // eps^-1/2 there). dy w stays in registers between the two row passes (each lane group keeps
-// its rows: LPR lanes a row, Traits::kRowLanes in the MMA instance). Each step asks for the next chunk's rows (of the reverse walk) into L1 in one pass
-// (prefetch_spans), so that its tile and row loads hit L1. Shared memory: W, dW, Q, K, DOP,
-// G, DKH, S, eta (Traits::kBwdGradsBytes).
+// its rows: LPR lanes a row, Traits::kRowLanes in the MMA instance). Each step asks for the
+// next chunk's rows (of the reverse walk) into L1 in one pass (prefetch_spans), so that its
+// tile and row loads hit L1. Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta
+// (Traits::kBwdGradsBytes).
 //
 // Split state rows (Traits::kGradsSplit: 2 at D_PAD 128 with BT 64, else 1). Everything above
 // is row-local in the state: row a of W and of dW gives column a of dk and needs column a of q
