@@ -197,6 +197,19 @@ def bwd_chain_stage_floats(dp: int, bt: int) -> int:
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
+def bwd_local_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
+    by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
+    from a 16-byte aligned offset, then eta's [R]; 0 at D_PAD 128 (where the stage would take
+    the block from 2 to 1 per SM on an H200: D 128 fwd+bwd 5.28 -> 5.58 ms) and where the
+    whole block would pass :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load
+    their tiles as before)."""
+    r = out_rows(dp, bt)
+    base = dp * (dp + 1) + dp + 4 * r * (dp + 1) + 2 * r * (r + 1) + r
+    stage = (-base) % 4 + 3 * r * (dp + 4) + r
+    return stage if dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
+
+
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
@@ -225,7 +238,8 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         # eta; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta
         r = out_rows(dp, bt)
         tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
-        return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r)
+        base = state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r
+        return 4 * (base + (bwd_local_stage_floats(dp, bt) if kernel == "bwd_local" else 0))
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta

@@ -129,8 +129,19 @@ struct Traits {
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
     // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
     // eta
-    static constexpr int kBwdLocalTcFloats =
+    static constexpr int kBwdLocalTcBaseFloats =
         kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
+    // ... and it stages the next block's q, k, do ([kOutRows, D_PAD + 4]-float regions from a
+    // 16-byte aligned offset) and eta ([kOutRows]) through cp.async (the chains' StagedRows),
+    // at D_PAD <= 64 where the block stays within kStageLimit (at D_PAD 128 the stage would
+    // take the block from 2 to 1 per SM on an H200)
+    static constexpr int kLocalStageOffset = (kBwdLocalTcBaseFloats + 3) / 4 * 4;
+    static constexpr int kLocalStageFloats =
+        kLocalStageOffset - kBwdLocalTcBaseFloats + 3 * kOutRows * (D_PAD + 4) + kOutRows;
+    static constexpr bool kLocalStage =
+        D_PAD <= 64 && 4ull * (kBwdLocalTcBaseFloats + kLocalStageFloats) <= kStageLimit;
+    static constexpr int kBwdLocalTcFloats =
+        kBwdLocalTcBaseFloats + (kLocalStage ? kLocalStageFloats : 0);
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
