@@ -197,6 +197,16 @@ def bwd_chain_stage_floats(dp: int, bt: int) -> int:
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
+def bwd_grads_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_grads' stage (Traits::kGradsStageFloats): the next chunk's
+    do_pre as [BT, D_PAD + 4] floats from a 16-byte aligned offset, then eta's [BT]; 0 where
+    bwd_grads splits the state's rows or the whole block would pass :data:`STAGE_SMEM_LIMIT`
+    (Traits::kGradsStage false: those load their tiles as before)."""
+    rows = dp // grads_split(dp, bt)
+    base = 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * bt * (dp + 1) + bt * (bt + 1) + bt
+    stage = (-base) % 4 + bt * (dp + 4) + bt
+    fits = grads_split(dp, bt) == 1 and 4 * (base + stage) <= STAGE_SMEM_LIMIT
+    return stage if fits else 0
 def bwd_local_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
     by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
@@ -245,8 +255,9 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
         "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
         "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
-        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta
-        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt,
+        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta, then its stage (if any)
+        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt
+        + bwd_grads_stage_floats(dp, bt),
     }[kernel]
     return 4 * floats
 
