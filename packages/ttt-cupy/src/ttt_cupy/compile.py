@@ -197,6 +197,29 @@ def bwd_chain_stage_floats(dp: int, bt: int) -> int:
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
+def bwd_grads_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_grads' stage (Traits::kGradsStageFloats): the next chunk's
+    do_pre as [BT, D_PAD + 4] floats from a 16-byte aligned offset, then eta's [BT]; 0 where
+    bwd_grads splits the state's rows or the whole block would pass :data:`STAGE_SMEM_LIMIT`
+    (Traits::kGradsStage false: those load their tiles as before)."""
+    rows = dp // grads_split(dp, bt)
+    base = 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * bt * (dp + 1) + bt * (bt + 1) + bt
+    stage = (-base) % 4 + bt * (dp + 4) + bt
+    fits = grads_split(dp, bt) == 1 and 4 * (base + stage) <= STAGE_SMEM_LIMIT
+    return stage if fits else 0
+def bwd_local_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
+    by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
+    from a 16-byte aligned offset, then eta's [R]; 0 at D_PAD 128 (where the stage would take
+    the block from 2 to 1 per SM on an H200: D 128 fwd+bwd 5.28 -> 5.58 ms) and where the
+    whole block would pass :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load
+    their tiles as before)."""
+    r = out_rows(dp, bt)
+    base = dp * (dp + 1) + dp + 4 * r * (dp + 1) + 2 * r * (r + 1) + r
+    stage = (-base) % 4 + 3 * r * (dp + 4) + r
+    return stage if dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
+
+
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
@@ -225,14 +248,16 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         # eta; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta
         r = out_rows(dp, bt)
         tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
-        return 4 * (state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r)
+        base = state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r
+        return 4 * (base + (bwd_local_stage_floats(dp, bt) if kernel == "bwd_local" else 0))
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
         "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
         "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
-        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta
-        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt,
+        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta, then its stage (if any)
+        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt
+        + bwd_grads_stage_floats(dp, bt),
     }[kernel]
     return 4 * floats
 

@@ -85,6 +85,11 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float* s_dkh = s_g + Tr::kTile;    // [BT, LD]     dkh
     float* s_S = s_dkh + Tr::kTile;    // [BT, LA]     S = g do_pre^T (upper triangle)
     float* s_e = s_S + Tr::kSquare;    // [BT]         eta (zero past the end)
+    // the stage (Tr::kGradsStage): the next chunk's do_pre and eta by cp.async
+    constexpr bool STAGE = Tr::kGradsStage;
+    float* s_stdop = smem + Tr::kGradsStageOffset;  // [BT, D_PAD + 4]
+    float* s_ste = s_stdop + Tr::kStageTile;       // [BT]
+    using StagedF = ttt::StagedRows<float, D_PAD, BT, NT>;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, sub = lane / LPR;
     const unsigned i_b = blockIdx.x / SPLIT;                // (group, head) of the block
@@ -105,24 +110,39 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
     const long long p_ebase = gr.seq.bos * H + i_h;
-    // a chunk's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k, do_pre,
-    // eta) and the row pass's (xh, v, dg, r); the group's last chunk's before the state loads,
-    // each earlier one's a whole step early
+    // a chunk's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k and,
+    // without the stage, do_pre, eta) and the row pass's (xh, v, dg, r); the group's last
+    // chunk's before the state loads, each earlier one's a whole step early. With the stage,
+    // the next chunk's do_pre and eta go into shared memory by cp.async (stage_tiles)
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long r0, int Lr) {
-        const ttt::RowSpan spans[8] = {ttt::row_span(q + p_base, r0, Lr, row_stride, D),
+        const ttt::RowSpan rows6[6] = {ttt::row_span(q + p_base, r0, Lr, row_stride, D),
                                        ttt::row_span(k + p_base, r0, Lr, row_stride, D),
-                                       ttt::row_span(dopbuf + p_base, r0, Lr, row_stride, D),
                                        ttt::row_span(xbuf + p_base, r0, Lr, row_stride, D),
                                        ttt::row_span(v + p_base, r0, Lr, row_stride, D),
                                        ttt::row_span(dgbuf + p_base, r0, Lr, row_stride, D),
-                                       ttt::row_span(rbuf + p_ebase, r0, Lr, H, 1),
-                                       ttt::row_span(eta + p_ebase, r0, Lr, H, 1)};
-        ttt::prefetch_spans<NT, kLpr>(spans);
+                                       ttt::row_span(rbuf + p_ebase, r0, Lr, H, 1)};
+        if constexpr (STAGE) {
+            ttt::prefetch_spans<NT, kLpr>(rows6);
+        } else {
+            const ttt::RowSpan spans[8] = {rows6[0], rows6[1], rows6[2], rows6[3], rows6[4],
+                                           rows6[5],
+                                           ttt::row_span(dopbuf + p_base, r0, Lr, row_stride, D),
+                                           ttt::row_span(eta + p_ebase, r0, Lr, H, 1)};
+            ttt::prefetch_spans<NT, kLpr>(spans);
+        }
+    };
+    auto stage_tiles = [&](long long r0, int Lr) {  // chunk rows r0 .. r0 + Lr - 1
+        const long long o = p_base + r0 * row_stride;
+        StagedF::copy(s_stdop, dopbuf + o, (int)row_stride, Lr, D,  // H D < 2^31
+                      ttt::vec_rows_ok(dopbuf + p_base, row_stride, D));
+        ttt::stage_scalars<BT, NT>(s_ste, eta + p_ebase + r0 * H, H, Lr);
     };
     if (gr.nc > 0) {
         const long long row0 = (gr.c0 + gr.nc - 1) * BT;
-        ask_rows(row0, (int)min((long long)BT, gr.seq.len - row0));
+        const int L = (int)min((long long)BT, gr.seq.len - row0);
+        ask_rows(row0, L);
+        if constexpr (STAGE) stage_tiles(row0, L);
     }
     const long long i_ck0 = gr.slot * H + i_h;   // the state before the group
     const long long i_ck1 = i_ck0 + H;           // the slot after the group
@@ -136,8 +156,17 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (j > 0) ask_rows(row0 - BT, BT);  // the next chunk of the walk (a full one)
         ttt::load_tile<DA, BT, NT>(s_q, q, p_base + a0, row0, L, row_stride, D - a0, scale);
         ttt::load_tile<DA, BT, NT>(s_k, k, p_base + a0, row0, L, row_stride, D - a0, 1.f);
-        ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        if constexpr (STAGE) {
+            // this chunk's staged pieces -> the tiles, each thread its own (no barrier between),
+            // then the next chunk's copies into the same pieces
+            ttt::cp_async_wait_all();
+            StagedF::to_tile(s_dop, s_stdop, 1.f);
+            for (int i = tid; i < BT; i += NT) s_e[i] = s_ste[i];
+            if (j > 0) stage_tiles(row0 - BT, BT);
+        } else {
+            ttt::load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
+            ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        }
         __syncthreads();
         const float e_l = s_e[L - 1];
 

@@ -66,6 +66,13 @@ __device__ __forceinline__ void bwd_local_tc(
     float* s_k = s_q + R * LD;         // [R, LD]      k
     float* s_do = s_k + R * LD;        // [R, LD]      do -> do_pre
     float* s_g = s_do + R * LD;        // [R, LD]      g -> eta_l g
+    // the stage (Tr::kLocalStage): the next block's q, k, do (raw T) and eta by cp.async
+    constexpr bool STAGE = Tr::kLocalStage;
+    float* s_stq = smem + Tr::kLocalStageOffset;  // [R, D_PAD + 4] floats each
+    float* s_stk = s_stq + R * (D_PAD + 4);
+    float* s_stdo = s_stk + R * (D_PAD + 4);
+    float* s_ste = s_stdo + R * (D_PAD + 4);      // [R]
+    using Staged = StagedRows<T, D_PAD, R, NT>;
     float* s_A = s_g + R * LD;         // [R, LA]      q k^T + 1 (j <= t) -> e A within chunks
     float* s_P = s_A + R * LA;         // [R, LA]      M -> dS -> dP'
     float* s_e = s_P + R * LA;         // [R]          eta (zero past the end)
@@ -93,15 +100,34 @@ __device__ __forceinline__ void bwd_local_tc(
     // a whole block early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
-        const RowSpan spans[6] = {row_span(q + p_base, row0, L, row_stride, D),
-                                  row_span(k + p_base, row0, L, row_stride, D),
-                                  row_span(dout + p_base, row0, L, row_stride, D),
-                                  row_span(xbuf + p_base, row0, L, row_stride, D),
+        const RowSpan rows3[3] = {row_span(xbuf + p_base, row0, L, row_stride, D),
                                   row_span(v + p_base, row0, L, row_stride, D),
                                   row_span(rbuf + p_ebase, row0, L, H, 1)};
-        prefetch_spans<NT, kLpr>(spans);
+        if constexpr (STAGE) {  // the tiles' rows come by cp.async (stage_tiles)
+            prefetch_spans<NT, kLpr>(rows3);
+        } else {
+            const RowSpan spans[6] = {rows3[0], rows3[1], rows3[2],
+                                      row_span(q + p_base, row0, L, row_stride, D),
+                                      row_span(k + p_base, row0, L, row_stride, D),
+                                      row_span(dout + p_base, row0, L, row_stride, D)};
+            prefetch_spans<NT, kLpr>(spans);
+        }
     };
-    if (rows > 0) ask_rows(g_row0, min(R, rows));
+    auto stage_tiles = [&](long long row0, int L) {  // block rows row0 .. row0 + L - 1
+        const long long o = p_base + row0 * row_stride;
+        const int rs = (int)row_stride;  // H D < 2^31
+        Staged::copy(reinterpret_cast<T*>(s_stq), q + o, rs, L, D,
+                     vec_rows_ok(q + p_base, row_stride, D));
+        Staged::copy(reinterpret_cast<T*>(s_stk), k + o, rs, L, D,
+                     vec_rows_ok(k + p_base, row_stride, D));
+        Staged::copy(reinterpret_cast<T*>(s_stdo), dout + o, rs, L, D,
+                     vec_rows_ok(dout + p_base, row_stride, D));
+        stage_scalars<R, NT>(s_ste, eta + p_ebase + row0 * H, H, L);
+    };
+    if (rows > 0) {
+        ask_rows(g_row0, min(R, rows));
+        if constexpr (STAGE) stage_tiles(g_row0, min(R, rows));
+    }
     const long long i_ck = gr.slot * H + i_h;
     load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
@@ -109,10 +135,21 @@ __device__ __forceinline__ void bwd_local_tc(
         const long long row0 = g_row0 + b0;
         const int L = min(R, rows - b0);
         if (b0 + R < rows) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
-        load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
-        load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        if constexpr (STAGE) {
+            // this block's staged pieces -> the tiles, each thread its own (no barrier
+            // between), then the next block's copies into the same pieces
+            cp_async_wait_all();
+            Staged::to_tile(s_q, reinterpret_cast<const T*>(s_stq), scale);
+            Staged::to_tile(s_k, reinterpret_cast<const T*>(s_stk), 1.f);
+            Staged::to_tile(s_do, reinterpret_cast<const T*>(s_stdo), 1.f);
+            for (int i = tid; i < R; i += NT) s_e[i] = s_ste[i];
+            if (b0 + R < rows) stage_tiles(row0 + R, min(R, rows - b0 - R));
+        } else {
+            load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+            load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+            load_tile<D_PAD, R, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
+            load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        }
         __syncthreads();
 
         // A -> s_A, M -> s_P (tensor cores); row pass: g from xh, r, k, v -> s_g

@@ -79,7 +79,7 @@ struct Traits {
     static constexpr int kGradsSplit = (D_PAD == 128 && BT == 64) ? 2 : 1;
     static constexpr int kGradsRows = D_PAD / kGradsSplit;
     static constexpr int kLdH = kGradsRows + 1;          // row stride of the [BT, kGradsRows] tiles
-    static constexpr int kBwdGradsFloats =
+    static constexpr int kBwdGradsBaseFloats =
         2 * kGradsRows * kLd + 2 * BT * kLdH + 3 * kTile + kSquare + BT;
     // the chains' register-resident tensor-core instances (fwd_chain_tc below): one warp per
     // 16 columns of the state; fwd_chain's MMA instance: K, V double-buffered, row statistics
@@ -101,6 +101,16 @@ struct Traits {
         4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
     static constexpr unsigned long long kBwdChainTcBytes =
         4ull * (kBwdChainTcFloats + (kBwdChainStage ? kBwdChainStageFloats : 0));
+    // bwd_grads stages the next chunk's do_pre (a [BT, D_PAD + 4]-float region from a
+    // 16-byte aligned offset) and eta ([BT]) through cp.async, under the same rule (whole rows
+    // only: kGradsSplit 1). (q and k staged too spilled 84 bytes under the 3-blocks bound.)
+    static constexpr int kGradsStageOffset = (kBwdGradsBaseFloats + 3) / 4 * 4;
+    static constexpr int kGradsStageFloats =
+        kGradsStageOffset - kBwdGradsBaseFloats + kStageTile + BT;
+    static constexpr bool kGradsStage =
+        kGradsSplit == 1 && 4ull * (kBwdGradsBaseFloats + kGradsStageFloats) <= kStageLimit;
+    static constexpr int kBwdGradsFloats =
+        kBwdGradsBaseFloats + (kGradsStage ? kGradsStageFloats : 0);
     // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
     // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
     // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
@@ -129,8 +139,19 @@ struct Traits {
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
     // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
     // eta
-    static constexpr int kBwdLocalTcFloats =
+    static constexpr int kBwdLocalTcBaseFloats =
         kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
+    // ... and it stages the next block's q, k, do ([kOutRows, D_PAD + 4]-float regions from a
+    // 16-byte aligned offset) and eta ([kOutRows]) through cp.async (the chains' StagedRows),
+    // at D_PAD <= 64 where the block stays within kStageLimit (at D_PAD 128 the stage would
+    // take the block from 2 to 1 per SM on an H200)
+    static constexpr int kLocalStageOffset = (kBwdLocalTcBaseFloats + 3) / 4 * 4;
+    static constexpr int kLocalStageFloats =
+        kLocalStageOffset - kBwdLocalTcBaseFloats + 3 * kOutRows * (D_PAD + 4) + kOutRows;
+    static constexpr bool kLocalStage =
+        D_PAD <= 64 && 4ull * (kBwdLocalTcBaseFloats + kLocalStageFloats) <= kStageLimit;
+    static constexpr int kBwdLocalTcFloats =
+        kBwdLocalTcBaseFloats + (kLocalStage ? kLocalStageFloats : 0);
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
