@@ -44,15 +44,15 @@ CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
 group-parallel kernels replay one group each from its slot."""
 
-FUSED = {"forward_inference": 256, "forward_training": 256}
+FUSED = {"forward_inference": 128, "forward_training": 256}
 """The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
 instance writes the outputs itself and fwd_out is not launched; for a forward without backward
 (``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
 (``forward_training``) it stores them as before. Fusing puts fwd_out's work on the chains'
 critical path, which pays only when enough chains run at once (the Triton backend's
-``FUSED`` has 96 for inference: on an H200 the fused forward took 0.535 ms at 8 x 2048 x 12
-heads, D 64 (96 chains) where fwd_chain + fwd_out took 0.450). :data:`FUSE_ENV` overrides
-the rule."""
+``FUSED`` has 96 for inference; on an H200, forward without backward, D 64, fused / not:
+0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
+(192 chains)). :data:`FUSE_ENV` overrides the rule."""
 
 SEGMENTS = 8
 """Launches per chain pass when segmented (:func:`segment_plan`)."""
@@ -152,12 +152,48 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
     return [(g, min(g + per, groups_max)) for g in range(0, groups_max, per)]
 
 
+GROUP_STREAMS = 8
+"""Side streams for the group-parallel kernels of segmented passes (round robin over the
+segments): a segment's kernel has few blocks and each runs G chunks in order, so it takes
+about one block's time whatever its size; on one stream the segments' kernels would queue
+behind each other and take longer than the chain."""
+
+
 @functools.cache
 def _chain_stream(index: int) -> torch.cuda.Stream:
     """The side stream of device ``index`` that runs the chain kernels of segmented passes,
-    at the highest priority: when a segment ends, the next one's blocks are placed before
-    any waiting block of the group-parallel kernels."""
+    at high priority: when a segment ends, the next one's blocks are placed before any
+    waiting block of the group-parallel kernels."""
     return torch.cuda.Stream(device=index, priority=-1)  # torch: lower is higher, -1 high
+
+
+@functools.cache
+def _group_streams(index: int) -> tuple[torch.cuda.Stream, ...]:
+    """:data:`GROUP_STREAMS` side streams of device ``index`` for the group-parallel kernels
+    of segmented passes."""
+    return tuple(torch.cuda.Stream(device=index) for _ in range(GROUP_STREAMS))
+
+
+class _Fork:
+    """The streams of a segmented pass: the chain stream and the group streams start after
+    the work queued so far on torch's current stream ``here`` (:meth:`__init__`), and
+    ``here`` goes on only after all of theirs (:meth:`join`), so every buffer used on them
+    goes back to torch's caching allocator ordered after that work."""
+
+    def __init__(self, here: torch.cuda.Stream, index: int):
+        self.here = here
+        self.chain = _chain_stream(index)
+        self.groups = _group_streams(index)
+        start = here.record_event()
+        for stream in (self.chain, *self.groups):
+            stream.wait_event(start)
+
+    def group(self, i: int) -> torch.cuda.Stream:
+        return self.groups[i % len(self.groups)]
+
+    def join(self) -> None:
+        for stream in (self.chain, *self.groups):
+            self.here.wait_event(stream.record_event())
 
 
 @dataclass
@@ -269,11 +305,9 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    split = len(plan) > 1
-    chain_stream = _chain_stream(_index(dev)) if split else here
-    if split:
-        chain_stream.wait_stream(here)
-    for g_lo, g_hi in plan:
+    fork = _Fork(here, _index(dev)) if len(plan) > 1 else None
+    chain_stream = here if fork is None else fork.chain
+    for i, (g_lo, g_hi) in enumerate(plan):
         seg = (np.int64(g_lo), np.int64(g_hi))
         _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
                 threads(dp, "fwd_chain", mma), chain_smem, (
@@ -285,18 +319,18 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         if fuse:
             break
         # this segment's outputs, beside the chain's next segment
-        if split:
-            here.wait_stream(chain_stream)
+        out_stream = here
+        if fork is not None:
+            out_stream = fork.group(i)
+            out_stream.wait_event(chain_stream.record_event())
         blocks = grp.count if g_hi <= g_lo else N * (g_hi - g_lo)
         _launch(kern["fwd_out"], dev, blocks * H, nt, out_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
             _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
             np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
-            np.int32(G), *seg, np.uint64(out_smem)))
-    # the caller's stream waits for the last chain launch (ht, hbt): every buffer used on the
-    # side stream goes back to torch's caching allocator ordered after it
-    if split:
-        here.wait_stream(chain_stream)
+            np.int32(G), *seg, np.uint64(out_smem)), stream=out_stream)
+    if fork is not None:
+        fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
@@ -349,14 +383,14 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         g_lo, g_hi = seg
         return (grp.count if g_hi <= g_lo else N * (g_hi - g_lo)) * H
 
-    def local(seg):
+    def local(seg, stream=None):
         _launch(kern["bwd_local"], dev, blocks(seg), nt, local_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
             _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
             _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
             _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
             np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int64(seg[0]),
-            np.int64(seg[1]), np.uint64(local_smem)))
+            np.int64(seg[1]), np.uint64(local_smem)), stream=stream)
 
     def chain(seg, stream):
         _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), chain_smem, (
@@ -366,13 +400,13 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
             np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
             np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream=stream)
 
-    def grads(seg):  # grads_split blocks per (group, head), each with a part of the state's rows
+    def grads(seg, stream=None):  # grads_split blocks per (group, head), each a part of W's rows
         _launch(kern["bwd_grads"], dev, blocks(seg) * split_rows, nt, grads_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
             _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
             _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
             np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)))
+            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)), stream=stream)
 
     plan = segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
@@ -381,21 +415,19 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         chain(plan[0], here)
         grads(plan[0])
     else:
-        # segments last to first. On torch's stream: bwd_local of a segment, then bwd_grads of
-        # the one after it (once its chain is done), so that the chain (side stream) finds the
-        # next segment's do_pre, dg_loc ready while bwd_grads runs beside it
-        chain_stream = _chain_stream(_index(dev))
-        pending = None  # (segment, the event after its chain launch)
-        for seg in reversed(plan):
-            local(seg)
-            chain_stream.wait_stream(here)       # (this bwd_local and all before it)
-            chain(seg, chain_stream)
-            if pending is not None:
-                here.wait_event(pending[1])
-                grads(pending[0])
-            pending = (seg, chain_stream.record_event())
-        # the last chain launch (dh0, dhb0) before the caller's stream goes on: every buffer
-        # used on the side stream goes back to torch's caching allocator ordered after it
-        here.wait_event(pending[1])
-        grads(pending[0])
+        # segments last to first. bwd_local needs no chain: every segment's goes out at once,
+        # each on a group stream; the chain (its own stream) takes a segment once that
+        # segment's bwd_local is done, and bwd_grads (the same group stream) follows the chain
+        fork = _Fork(here, _index(dev))
+        order = list(reversed(plan))
+        local_done = []
+        for i, seg in enumerate(order):
+            local(seg, fork.group(i))
+            local_done.append(fork.group(i).record_event())
+        for i, seg in enumerate(order):
+            fork.chain.wait_event(local_done[i])
+            chain(seg, fork.chain)
+            fork.group(i).wait_event(fork.chain.record_event())
+            grads(seg, fork.group(i))
+        fork.join()
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
