@@ -206,16 +206,24 @@ def test_segment_plan(monkeypatch):
     the count."""
     from types import SimpleNamespace
 
-    from ttt_cupy.launcher import SEGMENT_ENV, SEGMENT_MAX_CHAINS, SEGMENTS, segment_plan
+    from ttt_cupy.launcher import (
+        SEGMENT_ENV,
+        SEGMENT_MAX_CHAINS,
+        SEGMENT_MIN_GROUPS,
+        SEGMENTS,
+        segment_plan,
+    )
 
     monkeypatch.delenv(SEGMENT_ENV, raising=False)
     few, many = SimpleNamespace(N=1, H=16), SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1)
-    for groups in (2, 7, SEGMENTS, 128, 1000):
+    for groups in (2 * SEGMENT_MIN_GROUPS, 3 * SEGMENT_MIN_GROUPS + 5, 128, 1000):
         plan = segment_plan(few, groups)
-        assert len(plan) == min(SEGMENTS, groups)
+        assert len(plan) == min(SEGMENTS, groups // SEGMENT_MIN_GROUPS)
         assert plan[0][0] == 0 and plan[-1][1] == groups
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
-    assert segment_plan(few, 1) == [(0, 0)]
+        assert all(b - a >= SEGMENT_MIN_GROUPS for a, b in plan)
+    for groups in (1, 7, 2 * SEGMENT_MIN_GROUPS - 1):
+        assert segment_plan(few, groups) == [(0, 0)]
     assert segment_plan(many, 128) == [(0, 0)]
     monkeypatch.setenv(SEGMENT_ENV, "3")
     assert segment_plan(many, 128) == [(0, 43), (43, 86), (86, 128)]

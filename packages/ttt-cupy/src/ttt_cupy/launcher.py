@@ -62,6 +62,12 @@ SEGMENT_MAX_CHAINS = 128
 than the GPU has SMs, the chain kernels leave most of it idle, and the group-parallel kernels
 of finished segments fill it; with many chains the chain kernels fill it themselves."""
 
+SEGMENT_MIN_GROUPS = 16
+"""Segment only into segments of at least this many groups (G chunks each) per sequence:
+each segment costs five launches and a few events on the host, which a short segment's chain
+does not cover (an H200, 8 segments: fwd+bwd 1.6 -> 4.2 ms at 8 x 2048 x 12 heads, 8 groups
+per sequence; 12.3 -> 11.6 ms at 1 x 32768 x 16 heads, 128 groups)."""
+
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
 """``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
 empty: :func:`segment_plan`'s rule); read at every call, for A/B runs."""
@@ -135,8 +141,8 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
     their segment's chain (or, for bwd_local, nothing) is done: they run beside the chain's
     next segment instead of after the whole chain. The arithmetic is the same either way
     (bitwise: tests/test_cpu_emulation.py). Rule: :data:`SEGMENTS` segments with at most
-    :data:`SEGMENT_MAX_CHAINS` chains and at least two groups per sequence;
-    :data:`SEGMENT_ENV` overrides it."""
+    :data:`SEGMENT_MAX_CHAINS` chains, fewer where a segment would get less than
+    :data:`SEGMENT_MIN_GROUPS` groups; :data:`SEGMENT_ENV` overrides it."""
     value = os.environ.get(SEGMENT_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
@@ -145,6 +151,7 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
         segments = int(value)
     else:
         segments = SEGMENTS if problem.N * problem.H <= SEGMENT_MAX_CHAINS else 1
+        segments = min(segments, groups_max // SEGMENT_MIN_GROUPS)
     segments = min(segments, groups_max)
     if segments < 2:
         return [(0, 0)]
@@ -231,13 +238,21 @@ class _StreamHandle:
         return (0, self._ptr)
 
 
-def _cupy_stream(cupy, ptr: int, index: int):
-    """CuPy's view of torch's stream ``ptr``: ``Stream.from_external`` where CuPy has it
-    (CuPy 14 deprecates ``ExternalStream``), else ``ExternalStream``."""
+@functools.lru_cache(maxsize=256)
+def _cupy_stream(ptr: int, index: int):
+    """CuPy's view of torch's stream ``ptr`` (kept per stream: a segmented pass launches on
+    several streams, many times): ``Stream.from_external`` where CuPy has it (CuPy 14
+    deprecates ``ExternalStream``), else ``ExternalStream``."""
+    import cupy
+
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
     return cupy.cuda.ExternalStream(ptr, index)
+
+
+_smem_opted: dict = {}
+"""The dynamic shared memory each kernel was opted in to (asked once, not at every launch)."""
 
 
 def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple,
@@ -254,11 +269,13 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
         if smem > limit:
             raise RuntimeError(f"the cupy kernel needs {smem} bytes of shared memory; the "
                                f"device allows {limit} per block")
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
+        if smem > _smem_opted.get(kernel, 0):
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            _smem_opted[kernel] = smem
         if stream is None:
             stream = torch.cuda.current_stream(device)
-        with _cupy_stream(cupy, stream.cuda_stream, index):
+        with _cupy_stream(stream.cuda_stream, index):
             kernel((grid,), (block,), args, shared_mem=smem)
 
 
