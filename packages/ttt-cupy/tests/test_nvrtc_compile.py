@@ -215,18 +215,21 @@ def test_segment_plan(monkeypatch):
     )
 
     monkeypatch.delenv(SEGMENT_ENV, raising=False)
-    few, many = SimpleNamespace(N=1, H=16), SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1)
-    for groups in (2 * SEGMENT_MIN_GROUPS, 3 * SEGMENT_MIN_GROUPS + 5, 128, 1000):
-        plan = segment_plan(few, groups)
-        assert len(plan) == min(SEGMENTS, groups // SEGMENT_MIN_GROUPS)
-        assert plan[0][0] == 0 and plan[-1][1] == groups
-        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
-        assert all(b - a >= SEGMENT_MIN_GROUPS for a, b in plan)
-    for groups in (1, 7, 2 * SEGMENT_MIN_GROUPS - 1):
-        assert segment_plan(few, groups) == [(0, 0)]
+    many = SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1, D=64)
+    for D, least in ((50, SEGMENT_MIN_GROUPS[64]), (100, SEGMENT_MIN_GROUPS[128])):
+        few = SimpleNamespace(N=1, H=16, D=D)
+        for groups in (2 * least, 3 * least + 1, 128, 1000):
+            plan = segment_plan(few, groups)
+            assert len(plan) == min(SEGMENTS, groups // least)
+            assert plan[0][0] == 0 and plan[-1][1] == groups
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
+            assert all(b - a >= least for a, b in plan)
+        for groups in (1, 2 * least - 1):
+            assert segment_plan(few, groups) == [(0, 0)]
+    few = SimpleNamespace(N=1, H=16, D=64)
     assert segment_plan(many, 128) == [(0, 0)]
     monkeypatch.setenv(SEGMENT_ENV, "3")
-    assert segment_plan(many, 128) == [(0, 43), (43, 86), (86, 128)]
+    assert segment_plan(many, 128) == [(0, 42), (42, 85), (85, 128)]
     monkeypatch.setenv(SEGMENT_ENV, "1")
     assert segment_plan(few, 128) == [(0, 0)]
     for bad in ("0", "two", "-2"):

@@ -54,19 +54,21 @@ critical path, which pays only when enough chains run at once (the Triton backen
 0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
 (192 chains)). :data:`FUSE_ENV` overrides the rule."""
 
-SEGMENTS = 8
-"""Launches per chain pass when segmented (:func:`segment_plan`)."""
+SEGMENTS = 16
+"""The most launches per chain pass when segmented (:func:`segment_plan`)."""
 
 SEGMENT_MAX_CHAINS = 128
 """Segment the passes only with at most this many (sequence, head) chains: with fewer chains
 than the GPU has SMs, the chain kernels leave most of it idle, and the group-parallel kernels
 of finished segments fill it; with many chains the chain kernels fill it themselves."""
 
-SEGMENT_MIN_GROUPS = 16
-"""Segment only into segments of at least this many groups (G chunks each) per sequence:
-each segment costs five launches and a few events on the host, which a short segment's chain
-does not cover (an H200, 8 segments: fwd+bwd 1.6 -> 4.2 ms at 8 x 2048 x 12 heads, 8 groups
-per sequence; 12.3 -> 11.6 ms at 1 x 32768 x 16 heads, 128 groups)."""
+SEGMENT_MIN_GROUPS = {64: 8, 128: 2}
+"""Segment only into segments of at least this many groups (G chunks each) per sequence, by
+padded head dim (64: every D_PAD up to 64): each segment costs five launches and a few events
+on the host (about 0.1 ms on the GPU runner), which a short segment's chain does not cover.
+An H200, bf16, fwd+bwd ms, one launch / segmented: 8 x 2048 x 12 heads, D 64 (8 groups) 1.62
+/ 2.80 (8 segments); 4 x 4096 x 16, D 64 (16 groups) 2.48 / 3.09 (8); 4 x 4096 x 8, D 128
+(16 groups) 5.33 / 4.82 (8); 1 x 32768 x 16, D 64 (128 groups) 12.3 / 11.1 (16)."""
 
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
 """``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
@@ -151,12 +153,12 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
         segments = int(value)
     else:
         segments = SEGMENTS if problem.N * problem.H <= SEGMENT_MAX_CHAINS else 1
-        segments = min(segments, groups_max // SEGMENT_MIN_GROUPS)
+        segments = min(segments, groups_max // SEGMENT_MIN_GROUPS[64 if problem.D <= 64 else 128])
     segments = min(segments, groups_max)
     if segments < 2:
         return [(0, 0)]
-    per = -(-groups_max // segments)
-    return [(g, min(g + per, groups_max)) for g in range(0, groups_max, per)]
+    edges = [i * groups_max // segments for i in range(segments + 1)]  # sizes differ by <= 1
+    return list(zip(edges[:-1], edges[1:]))
 
 
 GROUP_STREAMS = 8
