@@ -216,15 +216,15 @@ def test_segment_plan(monkeypatch):
 
     monkeypatch.delenv(SEGMENT_ENV, raising=False)
     many = SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1, D=64)
-    for D, least in ((50, SEGMENT_MIN_GROUPS[64]), (100, SEGMENT_MIN_GROUPS[128])):
+    for D, (at_least, least) in ((50, SEGMENT_MIN_GROUPS[64]), (100, SEGMENT_MIN_GROUPS[128])):
         few = SimpleNamespace(N=1, H=16, D=D)
-        for groups in (2 * least, 3 * least + 1, 128, 1000):
+        for groups in (at_least, at_least + 2 * least + 1, 128, 1000):
             plan = segment_plan(few, groups)
             assert len(plan) == min(SEGMENTS, groups // least)
             assert plan[0][0] == 0 and plan[-1][1] == groups
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
             assert all(b - a >= least for a, b in plan)
-        for groups in (1, 2 * least - 1):
+        for groups in (1, 2 * least - 1, at_least - 1):
             assert segment_plan(few, groups) == [(0, 0)]
     few = SimpleNamespace(N=1, H=16, D=64)
     assert segment_plan(many, 128) == [(0, 0)]

@@ -62,13 +62,15 @@ SEGMENT_MAX_CHAINS = 128
 than the GPU has SMs, the chain kernels leave most of it idle, and the group-parallel kernels
 of finished segments fill it; with many chains the chain kernels fill it themselves."""
 
-SEGMENT_MIN_GROUPS = {64: 8, 128: 2}
-"""Segment only into segments of at least this many groups (G chunks each) per sequence, by
-padded head dim (64: every D_PAD up to 64): each segment costs five launches and a few events
-on the host (about 0.1 ms on the GPU runner), which a short segment's chain does not cover.
-An H200, bf16, fwd+bwd ms, one launch / segmented: 8 x 2048 x 12 heads, D 64 (8 groups) 1.62
-/ 2.80 (8 segments); 4 x 4096 x 16, D 64 (16 groups) 2.48 / 3.09 (8); 4 x 4096 x 8, D 128
-(16 groups) 5.33 / 4.82 (8); 1 x 32768 x 16, D 64 (128 groups) 12.3 / 11.1 (16)."""
+SEGMENT_MIN_GROUPS = {64: (32, 8), 128: (16, 2)}
+"""By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
+sequences of at least that many groups (G chunks each), into segments of at least that many.
+Each segment costs five launches and a few events on the host (about 0.1 ms on the GPU
+runner), which a short segment's chain does not cover. An H200, bf16, fwd+bwd ms, one launch
+/ segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups) 1.62 / 2.80 (8); 4 x 4096 x 16,
+D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16, D 64 (32 groups) 3.72 / 3.61 (4);
+1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16); 4 x 4096 x 8, D 128 (16 groups) 5.34 /
+4.78 (8)."""
 
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
 """``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
@@ -153,7 +155,10 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
         segments = int(value)
     else:
         segments = SEGMENTS if problem.N * problem.H <= SEGMENT_MAX_CHAINS else 1
-        segments = min(segments, groups_max // SEGMENT_MIN_GROUPS[64 if problem.D <= 64 else 128])
+        least_groups, least_per_segment = SEGMENT_MIN_GROUPS[64 if problem.D <= 64 else 128]
+        if groups_max < least_groups:
+            segments = 1
+        segments = min(segments, groups_max // least_per_segment)
     segments = min(segments, groups_max)
     if segments < 2:
         return [(0, 0)]
