@@ -94,13 +94,16 @@ CHAIN_KERNELS = ("fwd_chain", "bwd_chain")
 GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
 
 
-def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False):
+def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False,
+                seg=0):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
     everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
     that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
     ``fused``: fwd_chain's fused instance writes o and fwd_out is skipped; ``grads`` None then
     means a forward without backward (no slots, xhat or r: null pointers) and returns
-    (o, ht, hbt), None."""
+    (o, ht, hbt), None. ``seg`` > 0: the segmented launch order (launcher.segment_plan), seg
+    groups per segment: each segment's chain, then its group kernels; the backward's segments
+    in reverse."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -117,6 +120,13 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     fl, i64 = ctypes.c_float, ctypes.c_longlong
     c = dict(H=ctypes.c_int(H), D=ctypes.c_int(D), G=ctypes.c_int(G), T=i64(T),
              scale=fl(scale), eps=fl(EPS))
+    ng_max = max(b - a for a, b in zip(offs[:-1], offs[1:]))
+    # (g_lo, g_hi) per launch; (0, 0): one launch over every group
+    segs = ([(g, min(g + seg, ng_max)) for g in range(0, ng_max, seg)] if seg > 0 and ng_max > 0
+            else [(0, 0)])
+
+    def span(lo, hi):  # the group kernels' blocks per head of a launch
+        return count if hi <= lo else N * (hi - lo)
 
     prefetches: dict[str, int] = {}  # prefetch hints per kernel (all checked in bounds)
     copies: dict[str, int] = {}  # cp.async copies per kernel (checked likewise)
@@ -153,14 +163,17 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if fused and grads is None:
         ck = ckb = xbuf = rbuf = None
     o = _empty(B, T, H, D)
-    call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
-         _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
-         _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(cu_arr), _p(go),
-         c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], fused_instance=fused)
-    if not fused:
-        call("fwd_out", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-             _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr),
-             _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
+    for lo, hi in segs:
+        sg = (i64(lo), i64(hi))
+        call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
+             _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
+             _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(cu_arr), _p(go),
+             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, fused_instance=fused)
+        if not fused:
+            call("fwd_out", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]),
+                 _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf),
+                 _p(o), _p(cu_arr), _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"],
+                 c["D"], c["G"], *sg)
     if grads is None:
         return (o, ht, hbt), None
 
@@ -170,26 +183,29 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     dopbuf, dgbuf = _empty(B, T, H, D), _empty(B, T, H, D)
     g = {n: _empty(*f[n].shape) for n in ("q", "k", "v", "eta")}
     dwp, dbp = _empty(2, count, H, D), _empty(2, count, H, D)
-    call("bwd_local", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-         _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
-         _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
-         _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"])
     dh0 = dhb0 = None
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
-    dck = _empty(slots, H, D, D)
-    call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
-         _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]), _p(dht),
-         _p(dhbt), _p(dck), _p(dh0), _p(dhb0), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"],
-         c["D"], c["G"])
-    # grads_split blocks per (group, head), as the launcher
-    call("bwd_grads", count * H * grads_split(DP, BT), _p(f["q"]), _p(f["k"]), _p(f["v"]),
-         _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf),
-         _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr),
-         _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"])
+    dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
+    for lo, hi in reversed(segs):
+        sg = (i64(lo), i64(hi))
+        call("bwd_local", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+             _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
+             _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
+             _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg)
+        call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+             _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
+             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(cu_arr), _p(go),
+             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg)
+        # grads_split blocks per (group, head), as the launcher
+        call("bwd_grads", span(lo, hi) * H * grads_split(DP, BT), _p(f["q"]), _p(f["k"]),
+             _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf),
+             _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]),
+             _p(cu_arr), _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg)
     # bwd_grads asks for every group's last chunk before its state loads
     assert prefetches.get("bwd_grads", 0) > 0, "no bwd_grads prefetch hint reached the check"
-    if any(_cdiv(length, BT) > 1 for _, _, length in seqs):
+    per_launch = seg * G if seg > 0 else None  # chunks of a sequence per chain launch
+    if any(min(_cdiv(length, BT), per_launch or length) > 1 for _, _, length in seqs):
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
         assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"
     if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:
@@ -371,3 +387,24 @@ def test_fused_mma_instance_matches_simt(emu, case, tf32, backward):
     finally:
         emu.emu_set_tf32_round(0)
     _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)
+
+
+@pytest.mark.parametrize("seg", [1, 2], ids=["seg1", "seg2"])
+@pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_segments_match_one_launch(emu, case, mma, seg):
+    """The segmented launch order (launcher.segment_plan: every pass split into launches over
+    ``seg`` groups of each sequence; a segment's chain starts from the slot its predecessor
+    stored, the backward chain's from the slot cotangents dck, dckb) against one launch per
+    kernel: the same arithmetic in the same order, so every output and gradient is bitwise
+    the same, and every entry is written (no NaN poison left)."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
+    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                             seg=seg)
+    _assert_close(got, ref, got_g, ref_g, 1e-30)
+    for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
+            (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
+        assert np.array_equal(a, r), f"{name}: segmented launches differ from one launch"

@@ -183,10 +183,10 @@ def test_fused_forward_rule(monkeypatch):
 
     from ttt_cupy.launcher import FUSE_ENV, FUSED, fused_forward
 
-    assert FUSED == {"forward_inference": 96, "forward_training": 256}
+    assert FUSED == {"forward_inference": 128, "forward_training": 256}
     monkeypatch.delenv(FUSE_ENV, raising=False)
-    assert fused_forward(SimpleNamespace(N=8, H=12), False)         # 96 chains, inference
-    assert not fused_forward(SimpleNamespace(N=8, H=11), False)
+    assert fused_forward(SimpleNamespace(N=8, H=16), False)         # 128 chains, inference
+    assert not fused_forward(SimpleNamespace(N=8, H=12), False)
     assert not fused_forward(SimpleNamespace(N=8, H=12), True)      # training: from 256
     assert fused_forward(SimpleNamespace(N=32, H=16), True)
     for value, on in (("1", True), (" 0 ", False)):
@@ -198,3 +198,41 @@ def test_fused_forward_rule(monkeypatch):
     monkeypatch.setenv(FUSE_ENV, "yes")
     with pytest.raises(ValueError, match=FUSE_ENV):
         fused_forward(SimpleNamespace(N=2, H=2), False)
+
+
+def test_segment_plan(monkeypatch):
+    """No GPU needed: the group ranges of a segmented pass (launcher.segment_plan) cover every
+    group once, in order; one launch with many chains or one group; TTT_CUPY_SEGMENTS forces
+    the count."""
+    from types import SimpleNamespace
+
+    from ttt_cupy.launcher import (
+        SEGMENT_ENV,
+        SEGMENT_MAX_CHAINS,
+        SEGMENT_MIN_GROUPS,
+        SEGMENTS,
+        segment_plan,
+    )
+
+    monkeypatch.delenv(SEGMENT_ENV, raising=False)
+    many = SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1, D=64)
+    for D, (at_least, least) in ((50, SEGMENT_MIN_GROUPS[64]), (100, SEGMENT_MIN_GROUPS[128])):
+        few = SimpleNamespace(N=1, H=16, D=D)
+        for groups in (at_least, at_least + 2 * least + 1, 128, 1000):
+            plan = segment_plan(few, groups)
+            assert len(plan) == min(SEGMENTS, groups // least)
+            assert plan[0][0] == 0 and plan[-1][1] == groups
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
+            assert all(b - a >= least for a, b in plan)
+        for groups in (1, 2 * least - 1, at_least - 1):
+            assert segment_plan(few, groups) == [(0, 0)]
+    few = SimpleNamespace(N=1, H=16, D=64)
+    assert segment_plan(many, 128) == [(0, 0)]
+    monkeypatch.setenv(SEGMENT_ENV, "3")
+    assert segment_plan(many, 128) == [(0, 42), (42, 85), (85, 128)]
+    monkeypatch.setenv(SEGMENT_ENV, "1")
+    assert segment_plan(few, 128) == [(0, 0)]
+    for bad in ("0", "two", "-2"):
+        monkeypatch.setenv(SEGMENT_ENV, bad)
+        with pytest.raises(ValueError, match=SEGMENT_ENV):
+            segment_plan(few, 128)

@@ -44,13 +44,37 @@ CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
 group-parallel kernels replay one group each from its slot."""
 
-FUSED = {"forward_inference": 96, "forward_training": 256}
+FUSED = {"forward_inference": 128, "forward_training": 256}
 """The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
 instance writes the outputs itself and fwd_out is not launched; for a forward without backward
 (``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
 (``forward_training``) it stores them as before. Fusing puts fwd_out's work on the chains'
 critical path, which pays only when enough chains run at once (the Triton backend's
-``FUSED``, same thresholds). :data:`FUSE_ENV` overrides the rule."""
+``FUSED`` has 96 for inference; on an H200, forward without backward, D 64, fused / not:
+0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
+(192 chains)). :data:`FUSE_ENV` overrides the rule."""
+
+SEGMENTS = 16
+"""The most launches per chain pass when segmented (:func:`segment_plan`)."""
+
+SEGMENT_MAX_CHAINS = 128
+"""Segment the passes only with at most this many (sequence, head) chains: with fewer chains
+than the GPU has SMs, the chain kernels leave most of it idle, and the group-parallel kernels
+of finished segments fill it; with many chains the chain kernels fill it themselves."""
+
+SEGMENT_MIN_GROUPS = {64: (32, 8), 128: (16, 2)}
+"""By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
+sequences of at least that many groups (G chunks each), into segments of at least that many.
+Each segment costs five launches and a few events on the host (about 0.1 ms on the GPU
+runner), which a short segment's chain does not cover. An H200, bf16, fwd+bwd ms, one launch
+/ segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups) 1.62 / 2.80 (8); 4 x 4096 x 16,
+D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16, D 64 (32 groups) 3.72 / 3.61 (4);
+1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16); 4 x 4096 x 8, D 128 (16 groups) 5.34 /
+4.78 (8)."""
+
+SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
+"""``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
+empty: :func:`segment_plan`'s rule); read at every call, for A/B runs."""
 
 FUSE_ENV = "TTT_CUPY_FUSE"
 """``TTT_CUPY_FUSE=1`` forces the fused forward on, ``0`` off (unset or empty: :data:`FUSED`);
@@ -111,6 +135,81 @@ def fused_forward(problem: Problem, save_for_backward: bool) -> bool:
     return problem.N * problem.H >= FUSED[key]
 
 
+def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
+    """The group ranges [g_lo, g_hi) of each sequence that the passes launch one after the
+    other; [(0, 0)]: one launch per kernel over every group.
+
+    Segmented, a pass runs its chain kernel once per segment on a high-priority side stream
+    (:func:`_chain_stream`; a segment starts from the state its predecessor left in the
+    checkpoint slots) and the group-parallel kernels of a segment on torch's stream as soon as
+    their segment's chain (or, for bwd_local, nothing) is done: they run beside the chain's
+    next segment instead of after the whole chain. The arithmetic is the same either way
+    (bitwise: tests/test_cpu_emulation.py). Rule: :data:`SEGMENTS` segments with at most
+    :data:`SEGMENT_MAX_CHAINS` chains, fewer where a segment would get less than
+    :data:`SEGMENT_MIN_GROUPS` groups; :data:`SEGMENT_ENV` overrides it."""
+    value = os.environ.get(SEGMENT_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{SEGMENT_ENV}: expected a positive integer or unset, "
+                             f"got {value!r}")
+        segments = int(value)
+    else:
+        segments = SEGMENTS if problem.N * problem.H <= SEGMENT_MAX_CHAINS else 1
+        least_groups, least_per_segment = SEGMENT_MIN_GROUPS[64 if problem.D <= 64 else 128]
+        if groups_max < least_groups:
+            segments = 1
+        segments = min(segments, groups_max // least_per_segment)
+    segments = min(segments, groups_max)
+    if segments < 2:
+        return [(0, 0)]
+    edges = [i * groups_max // segments for i in range(segments + 1)]  # sizes differ by <= 1
+    return list(zip(edges[:-1], edges[1:]))
+
+
+GROUP_STREAMS = 8
+"""Side streams for the group-parallel kernels of segmented passes (round robin over the
+segments): a segment's kernel has few blocks and each runs G chunks in order, so it takes
+about one block's time whatever its size; on one stream the segments' kernels would queue
+behind each other and take longer than the chain."""
+
+
+@functools.cache
+def _chain_stream(index: int) -> torch.cuda.Stream:
+    """The side stream of device ``index`` that runs the chain kernels of segmented passes,
+    at high priority: when a segment ends, the next one's blocks are placed before any
+    waiting block of the group-parallel kernels."""
+    return torch.cuda.Stream(device=index, priority=-1)  # torch: lower is higher, -1 high
+
+
+@functools.cache
+def _group_streams(index: int) -> tuple[torch.cuda.Stream, ...]:
+    """:data:`GROUP_STREAMS` side streams of device ``index`` for the group-parallel kernels
+    of segmented passes."""
+    return tuple(torch.cuda.Stream(device=index) for _ in range(GROUP_STREAMS))
+
+
+class _Fork:
+    """The streams of a segmented pass: the chain stream and the group streams start after
+    the work queued so far on torch's current stream ``here`` (:meth:`__init__`), and
+    ``here`` goes on only after all of theirs (:meth:`join`), so every buffer used on them
+    goes back to torch's caching allocator ordered after that work."""
+
+    def __init__(self, here: torch.cuda.Stream, index: int):
+        self.here = here
+        self.chain = _chain_stream(index)
+        self.groups = _group_streams(index)
+        start = here.record_event()
+        for stream in (self.chain, *self.groups):
+            stream.wait_event(start)
+
+    def group(self, i: int) -> torch.cuda.Stream:
+        return self.groups[i % len(self.groups)]
+
+    def join(self) -> None:
+        for stream in (self.chain, *self.groups):
+            self.here.wait_event(stream.record_event())
+
+
 @dataclass
 class Saved:
     """What the forward keeps for the backward: the fp32 state slots, the LayerNorm's xhat and
@@ -146,18 +245,27 @@ class _StreamHandle:
         return (0, self._ptr)
 
 
-def _cupy_stream(cupy, ptr: int, index: int):
-    """CuPy's view of torch's stream ``ptr``: ``Stream.from_external`` where CuPy has it
-    (CuPy 14 deprecates ``ExternalStream``), else ``ExternalStream``."""
+@functools.lru_cache(maxsize=256)
+def _cupy_stream(ptr: int, index: int):
+    """CuPy's view of torch's stream ``ptr`` (kept per stream: a segmented pass launches on
+    several streams, many times): ``Stream.from_external`` where CuPy has it (CuPy 14
+    deprecates ``ExternalStream``), else ``ExternalStream``."""
+    import cupy
+
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple) -> None:
-    """Launch ``kernel`` on torch's current stream of ``device`` with ``smem`` bytes of dynamic
-    shared memory (opting in above 48 KiB)."""
+_smem_opted: dict = {}
+"""The dynamic shared memory each kernel was opted in to (asked once, not at every launch)."""
+
+
+def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple,
+            stream: torch.cuda.Stream | None = None) -> None:
+    """Launch ``kernel`` on ``stream`` (default: torch's current stream of ``device``) with
+    ``smem`` bytes of dynamic shared memory (opting in above 48 KiB)."""
     import cupy
 
     if grid == 0:
@@ -168,9 +276,13 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
         if smem > limit:
             raise RuntimeError(f"the cupy kernel needs {smem} bytes of shared memory; the "
                                f"device allows {limit} per block")
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-        with _cupy_stream(cupy, torch.cuda.current_stream(device).cuda_stream, index):
+        if smem > _smem_opted.get(kernel, 0):
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            _smem_opted[kernel] = smem
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
+        with _cupy_stream(stream.cuda_stream, index):
             kernel((grid,), (block,), args, shared_mem=smem)
 
 
@@ -213,25 +325,37 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, _index(dev))
-    smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
-    _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
-            threads(dp, "fwd_chain", mma), smem, (
-                _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
-                _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf),
-                _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale),
-                np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-                np.uint64(smem)))
+    plan = [(0, 0)] if fuse else segment_plan(p, grp.groups_max)
+    chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
+    out_smem = smem_bytes("fwd_out", dp, BT, mma)
+    here = torch.cuda.current_stream(dev)
+    fork = _Fork(here, _index(dev)) if len(plan) > 1 else None
+    chain_stream = here if fork is None else fork.chain
+    for i, (g_lo, g_hi) in enumerate(plan):
+        seg = (np.int64(g_lo), np.int64(g_hi))
+        _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
+                threads(dp, "fwd_chain", mma), chain_smem, (
+                    _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
+                    _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf),
+                    _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale),
+                    np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G), *seg,
+                    np.uint64(chain_smem)), stream=chain_stream)
+        if fuse:
+            break
+        # this segment's outputs, beside the chain's next segment
+        out_stream = here
+        if fork is not None:
+            out_stream = fork.group(i)
+            out_stream.wait_event(chain_stream.record_event())
+        blocks = grp.count if g_hi <= g_lo else N * (g_hi - g_lo)
+        _launch(kern["fwd_out"], dev, blocks * H, nt, out_smem, (
+            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
+            _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
+            np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
+            np.int32(G), *seg, np.uint64(out_smem)), stream=out_stream)
+    if fork is not None:
+        fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
-    if fuse:
-        return o, ht, hbt, saved
-    smem = smem_bytes("fwd_out", dp, BT, mma)
-    _launch(kern["fwd_out"], dev, grp.count * H, nt, smem, (
-        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
-        _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
-        np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
-        np.int32(G), np.uint64(smem)))
-    # without a backward, xbuf / rbuf go back to torch's caching allocator here (stream-ordered
-    # after fwd_out)
     return o, ht, hbt, saved
 
 
@@ -266,34 +390,68 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dwp = torch.empty(2, grp.count, H, D, **f32)
     dbp = torch.empty(2, grp.count, H, D, **f32)
     mma = kernels_use_mma(dtype_name, _index(dev))
-    smem = smem_bytes("bwd_local", dp, BT, mma)
-    _launch(kern["bwd_local"], dev, grp.count * H, nt, smem, (
-        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
-        _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
-        _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
-        _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
-        np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.uint64(smem)))
-
     dh0 = dhb0 = None
     if want_dh0:
         dh0 = torch.empty(N, H, D, D, **f32)
         dhb0 = torch.empty(N, H, 1, D, **f32)
-    dck = torch.empty_like(saved.ck)
-    smem = smem_bytes("bwd_chain", dp, BT, mma)
-    _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), smem, (
-        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf), _ptr(rbuf),
-        _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck), _ptr(dh0),
-        _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale), np.int64(T),
-        np.int32(H), np.int32(D), np.int32(G), np.uint64(smem)))
-
+    dck = torch.empty_like(saved.ck)         # the slots' cotangents (bwd_chain -> bwd_grads)
+    dckb = torch.empty_like(saved.ckb)       # (of hb: a segment's start, bwd_chain only)
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
-    smem = smem_bytes("bwd_grads", dp, BT)
-    # grads_split blocks per (group, head), each with a part of the state's rows
-    _launch(kern["bwd_grads"], dev, grp.count * H * grads_split(dp, BT), nt, smem, (
-        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
-        _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
-        _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
-        np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-        np.uint64(smem)))
+    local_smem = smem_bytes("bwd_local", dp, BT, mma)
+    chain_smem = smem_bytes("bwd_chain", dp, BT, mma)
+    grads_smem = smem_bytes("bwd_grads", dp, BT)
+    split_rows = grads_split(dp, BT)
+
+    def blocks(seg):  # (group, head) blocks of a group-parallel launch
+        g_lo, g_hi = seg
+        return (grp.count if g_hi <= g_lo else N * (g_hi - g_lo)) * H
+
+    def local(seg, stream=None):
+        _launch(kern["bwd_local"], dev, blocks(seg), nt, local_smem, (
+            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
+            _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
+            _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
+            _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
+            np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int64(seg[0]),
+            np.int64(seg[1]), np.uint64(local_smem)), stream=stream)
+
+    def chain(seg, stream):
+        _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), chain_smem, (
+            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf),
+            _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck),
+            _ptr(dckb), _ptr(dh0), _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets),
+            np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+            np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream=stream)
+
+    def grads(seg, stream=None):  # grads_split blocks per (group, head), each a part of W's rows
+        _launch(kern["bwd_grads"], dev, blocks(seg) * split_rows, nt, grads_smem, (
+            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
+            _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
+            _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
+            np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)), stream=stream)
+
+    plan = segment_plan(p, grp.groups_max)
+    here = torch.cuda.current_stream(dev)
+    if len(plan) == 1:
+        local(plan[0])
+        chain(plan[0], here)
+        grads(plan[0])
+    else:
+        # segments last to first. bwd_local needs no chain: every segment's goes out at once,
+        # each on a group stream; the chain (its own stream) takes a segment once that
+        # segment's bwd_local is done, and bwd_grads (the same group stream) follows the chain
+        fork = _Fork(here, _index(dev))
+        order = list(reversed(plan))
+        local_done = []
+        for i, seg in enumerate(order):
+            local(seg, fork.group(i))
+            local_done.append(fork.group(i).record_event())
+        for i, seg in enumerate(order):
+            fork.chain.wait_event(local_done[i])
+            chain(seg, fork.chain)
+            fork.group(i).wait_event(fork.chain.record_event())
+            grads(seg, fork.group(i))
+        fork.join()
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0

@@ -316,44 +316,46 @@ using ci64 = const long long*;
 
 #define FWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, \
     float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, ci64 cu, ci64 go, \
-    float scale, float eps, i64 T, int H, int D, int G
+    float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
 #define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, cu, go, \
-    scale, eps, T, H, D, G
+    scale, eps, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
 ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
 
 #define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
-    float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G
+    float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
+    i64 g_lo, i64 g_hi
 #define FWD_OUT_ARGS q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu, go, gs, scale, eps, T, H, D, \
-    G
+    G, g_lo, g_hi
 #define DISPATCH_ONE_fwd_out(DP, BT) \
     if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
 ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
 
 #define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
     cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
-    float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G
+    float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
+    i64 g_lo, i64 g_hi
 #define BWD_LOCAL_ARGS q, k, v, eta, w, b, dout, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, \
-    dwp, dbp, cu, go, gs, scale, eps, T, H, D, G
+    dwp, dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_local(DP, BT) \
     if (dp == DP && bt == BT) return bwd_local_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
 ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS))
 
 #define BWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf xbuf, cf rbuf, cf dopbuf, \
-    float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dh0, float* dhb0, ci64 cu, \
-    ci64 go, float scale, i64 T, int H, int D, int G
-#define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dh0, \
-    dhb0, cu, go, scale, T, H, D, G
+    float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dckb, float* dh0, \
+    float* dhb0, ci64 cu, ci64 go, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
+#define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, \
+    dh0, dhb0, cu, go, scale, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
 ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS))
 
 #define BWD_GRADS_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf dck, cf xbuf, cf rbuf, \
     cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, ci64 cu, ci64 go, \
-    const int* gs, float scale, i64 T, int H, int D, int G
+    const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
 #define BWD_GRADS_ARGS q, k, v, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dk, dv, dwp, dbp, \
-    cu, go, gs, scale, T, H, D, G
+    cu, go, gs, scale, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_grads(DP, BT) \
     if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS))
@@ -375,7 +377,7 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
         ttt_linear_fwd_chain<__half, DP, BT, true, FUSE>(qh, kh, vh, eta, w, b, h0, hb0, ht, hbt,
                                                          ck, ckb, xbuf, rbuf, oh, cu, go, scale,
-                                                         eps, T, H, D, G, bytes);
+                                                         eps, T, H, D, G, g_lo, g_hi, bytes);
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \
@@ -417,8 +419,9 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
         ttt_linear_bwd_chain<__half, DP, BT, true>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
-                                                   dgbuf, deta, dht, dhbt, dck, dh0, dhb0, cu,
-                                                   go, scale, T, H, D, G, Tr::kBwdChainTcBytes);
+                                                   dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
+                                                   cu, go, scale, T, H, D, G, g_lo, g_hi,
+                                                   Tr::kBwdChainTcBytes);
     });
 }
 #define DISPATCH_MMA_bwd_chain(DP, BT) \
@@ -440,8 +443,8 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     static_assert(Tr::kFwdOutTcBytes <= sizeof(smem), "the emulated shared memory is too small");
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, ckb, xbuf, rbuf, oh,
-                                                 cu, go, gs, scale, eps, T, H, D, G,
-                                                 Tr::kFwdOutTcBytes);
+                                                 cu, go, gs, scale, eps, T, H, D, G, g_lo,
+                                                 g_hi, Tr::kFwdOutTcBytes);
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \
@@ -462,7 +465,7 @@ static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_bwd_local<__half, DP, BT, true>(qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf,
                                                    rbuf, dopbuf, dgbuf, dqh, deta, dwp, dbp, cu,
-                                                   go, gs, scale, eps, T, H, D, G,
+                                                   go, gs, scale, eps, T, H, D, G, g_lo, g_hi,
                                                    Tr::kBwdLocalTcBytes);
     });
 }
@@ -484,7 +487,8 @@ static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_bwd_grads<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf,
                                                    dopbuf, dgbuf, dkh, dvh, dwp, dbp, cu, go, gs,
-                                                   scale, T, H, D, G, Tr::kBwdGradsBytes);
+                                                   scale, T, H, D, G, g_lo, g_hi,
+                                                   Tr::kBwdGradsBytes);
     });
 }
 #define DISPATCH_MMA_bwd_grads(DP, BT) \

@@ -112,6 +112,7 @@ class ChunkGroups:
     slots: int                          # checkpoint slots: count + N
     offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
     seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
+    groups_max: int = 0                 # the most groups of one sequence
 
     @classmethod
     def of(cls, p: Problem, G: int) -> ChunkGroups:
@@ -125,7 +126,8 @@ class ChunkGroups:
             counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
             seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
             seq = seq.to(dev, non_blocking=True)
-        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq)
+        groups_max = max((b - a for a, b in zip(offs[:-1], offs[1:])), default=0)
+        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq, groups_max)
 
 
 @dataclass

@@ -57,9 +57,9 @@ __device__ __forceinline__ void bwd_chain_tc(
     const float* __restrict__ xbuf, const float* __restrict__ rbuf,
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G) {
+    int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
@@ -106,18 +106,27 @@ __device__ __forceinline__ void bwd_chain_tc(
         stage_scalars<BT, NT>(s_r, rbuf + p_ebase + r0 * H, H, Lr);
     };
 
+    // this launch's chunks [c_lo, c_hi), in reverse (a segment, or all): the segment with the
+    // sequence's end starts from dht, dhbt (and stores them as the final slot's cotangent),
+    // a segment before it from the slot its successor stored last
+    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
+    if (cr.skip) return;  // the sequence ended in an earlier segment
+    const long long c_lo = cr.lo, c_hi = cr.hi;
+    const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
+
     float dW[D_PAD / 8][4], dhb[2], lw[2], lb[2];
     bool col_ok[2];
-    load_state_frag<D_PAD>(dW, dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
-                           dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
-    state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
-    {
-        const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-        store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);
+    if (c_hi < sq.nc) {
+        load_state_frag<D_PAD>(dW, dhb, dck + i_end * DD, dckb + i_end * D, D);
+    } else {
+        load_state_frag<D_PAD>(dW, dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
+                               dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
+        store_state_frag<D_PAD>(dck + i_end * DD, dckb + i_end * D, dW, dhb, D);
     }
-    if (sq.nc > 0) {
-        const long long row0 = (sq.nc - 1) * BT;
-        const int L = (int)(sq.len - row0);
+    state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
+    if (c_hi > c_lo) {
+        const long long row0 = (c_hi - 1) * BT;
+        const int L = (int)min((long long)BT, sq.len - row0);
         load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, 1.f);
         load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
         if constexpr (kStage) {
@@ -127,9 +136,9 @@ __device__ __forceinline__ void bwd_chain_tc(
     }
     __syncthreads();
 
-    int in_group = sq.nc > 0 ? (int)((sq.nc - 1) % G) : 0;  // i_c % G, counted down
-    for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
-        const int buf = (int)((sq.nc - 1 - i_c) & 1);
+    int in_group = c_hi > c_lo ? (int)((c_hi - 1) % G) : 0;  // i_c % G, counted down
+    for (long long i_c = c_hi - 1; i_c >= c_lo; --i_c) {
+        const int buf = (int)((c_hi - 1 - i_c) & 1);
         const float* sqt = s_q + buf * Tr::kTile;
         const float* skt = s_k + buf * Tr::kTile;
         const long long row0 = i_c * BT;
@@ -144,7 +153,7 @@ __device__ __forceinline__ void bwd_chain_tc(
         const long long o_prev = p_base + row0p * row_stride;
         StagedTile<T, D_PAD, BT, NT> pq, pk;  // (without kStage)
         if constexpr (kStage) {  // (the copies stay in flight until the step's end)
-            if (i_c > 0) {
+            if (i_c > c_lo) {
                 RowsT::copy(s_pq, q + o_prev, rs, BT, D, vec);
                 RowsT::copy(s_pk, k + o_prev, rs, BT, D, vec);
                 const RowSpan spans[2] = {row_span(eta + p_ebase, row0p + BT - 1, 1, H, 1),
@@ -152,9 +161,9 @@ __device__ __forceinline__ void bwd_chain_tc(
                 prefetch_spans<NT, kLpr>(spans);
             }
         } else {
-            pq.load(q + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-            pk.load(k + o_prev, rs, i_c > 0 ? BT : 0, D, vec);
-            if (i_c > 0) {  // and its other rows into L1, in one pass (prefetch_spans)
+            pq.load(q + o_prev, rs, i_c > c_lo ? BT : 0, D, vec);
+            pk.load(k + o_prev, rs, i_c > c_lo ? BT : 0, D, vec);
+            if (i_c > c_lo) {  // and its other rows into L1, in one pass (prefetch_spans)
                 const RowSpan spans[7] = {
                     row_span(v + p_base, row0p, BT, row_stride, D),
                     row_span(xbuf + p_base, row0p, BT, row_stride, D),
@@ -217,7 +226,7 @@ __device__ __forceinline__ void bwd_chain_tc(
             }
         frag_row_sums<NW, BT, 2>(s1, s_red);
         // past its barrier every thread has read the stage: the previous chunk's rows go in
-        if (kStage && i_c > 0) stage_rows(row0p, BT);
+        if (kStage && i_c > c_lo) stage_rows(row0p, BT);
 
         // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g
         float gg[NR][4], s2[NR][2][4];
@@ -305,7 +314,7 @@ __device__ __forceinline__ void bwd_chain_tc(
 
         if constexpr (kStage) {
             cp_async_wait_all();  // then q, k from the pieces this thread staged
-            if (i_c > 0) {
+            if (i_c > c_lo) {
                 RowsT::to_tile(s_q + (buf ^ 1) * Tr::kTile, s_pq, 1.f);
                 RowsT::to_tile(s_k + (buf ^ 1) * Tr::kTile, s_pk, 1.f);
             }
@@ -316,13 +325,13 @@ __device__ __forceinline__ void bwd_chain_tc(
         __syncthreads();
         if (in_group == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
-            store_state_frag<D_PAD>(dck + i_ck * DD, nullptr, dW, dhb, D);
+            store_state_frag<D_PAD>(dck + i_ck * DD, dckb + i_ck * D, dW, dhb, D);
             in_group = G;
         }
         --in_group;
     }
 
-    if (dh0 != nullptr)
+    if (dh0 != nullptr && c_lo == 0)
         store_state_frag<D_PAD>(dh0 + i_nh * DD, dhb0 + i_nh * D, dW, dhb, D);
 }
 
@@ -334,9 +343,9 @@ __device__ __forceinline__ void bwd_chain_simt(
     const float* __restrict__ xbuf, const float* __restrict__ rbuf,
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G) {
+    int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
@@ -354,21 +363,29 @@ __device__ __forceinline__ void bwd_chain_simt(
     const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
 
+    // this launch's chunks [c_lo, c_hi), in reverse (as the MMA instance above)
+    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
+    if (cr.skip) return;  // the sequence ended in an earlier segment
+    const long long c_lo = cr.lo, c_hi = cr.hi;
+    const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
+
     float b_w[P], b_b[P];                                            // [D] per lane
     load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
     load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    load_state<D_PAD, NT>(s_dW, s_dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
-                               dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
-    __syncthreads();
-    {
-        const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
-        store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
+    if (c_hi < sq.nc) {
+        load_state<D_PAD, NT>(s_dW, s_dhb, dck + i_end * DD, dckb + i_end * D, D);
+        __syncthreads();
+    } else {
+        load_state<D_PAD, NT>(s_dW, s_dhb, dht != nullptr ? dht + i_nh * DD : nullptr,
+                              dhbt != nullptr ? dhbt + i_nh * D : nullptr, D);
+        __syncthreads();
+        store_state<D_PAD, NT>(dck + i_end * DD, dckb + i_end * D, s_dW, s_dhb, D);
     }
 
     const long long row_stride = (long long)H * D;
     const long long p_base = (sq.bos * H + i_h) * D;
     const long long p_ebase = sq.bos * H + i_h;
-    for (long long i_c = sq.nc - 1; i_c >= 0; --i_c) {
+    for (long long i_c = c_hi - 1; i_c >= c_lo; --i_c) {
         const long long row0 = i_c * BT;
         const int L = (int)min((long long)BT, sq.len - row0);
         load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
@@ -376,7 +393,7 @@ __device__ __forceinline__ void bwd_chain_simt(
         load_tile<D_PAD, BT, NT>(s_dop, dopbuf, p_base, row0, L, row_stride, D, 1.f);
         const float e_l = eta[p_ebase + (row0 + L - 1) * H];
         const float deta_l = tid == 0 ? deta[p_ebase + (row0 + L - 1) * H] : 0.f;  // used last
-        if (i_c > 0) {  // the previous chunk's rows into L1 while this one computes
+        if (i_c > c_lo) {  // the previous chunk's rows into L1 while this one computes
             const long long row0p = row0 - BT;  // a full chunk
             prefetch_rows<NT>(q + p_base, row0p, BT, row_stride, D);
             prefetch_rows<NT>(k + p_base, row0p, BT, row_stride, D);
@@ -435,11 +452,11 @@ __device__ __forceinline__ void bwd_chain_simt(
         __syncthreads();
         if (i_c % G == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
-            store_state<D_PAD, NT>(dck + i_ck * DD, nullptr, s_dW, nullptr, D);
+            store_state<D_PAD, NT>(dck + i_ck * DD, dckb + i_ck * D, s_dW, s_dhb, D);
         }
     }
 
-    if (dh0 != nullptr)
+    if (dh0 != nullptr && c_lo == 0)
         store_state<D_PAD, NT>(dh0 + i_nh * DD, dhb0 + i_nh * D, s_dW, s_dhb, D);
 }
 
@@ -460,12 +477,13 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const float* __restrict__ dht,     // [N, H, D, D] or null
                      const float* __restrict__ dhbt,    // [N, H, D] or null
                      float* __restrict__ dck,           // [slots, H, D, D] slot cotangents
+                     float* __restrict__ dckb,          // [slots, H, D] (of hb)
                      float* __restrict__ dh0,           // [N, H, D, D] or null
                      float* __restrict__ dhb0,          // [N, H, D] or null (with dh0)
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
-                     unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
@@ -474,13 +492,13 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
             G < 1)
             __trap();
         ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
-                                        deta, dht, dhbt, dck, dh0, dhb0, cu_seqlens, grp_offsets,
-                                        scale, T_len, H, D, G);
+                                        deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens, grp_offsets,
+                                        scale, T_len, H, D, G, g_lo, g_hi);
     } else {
         if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
         ttt::bwd_chain_simt<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                          dgbuf, deta, dht, dhbt, dck, dh0, dhb0, cu_seqlens,
-                                          grp_offsets, scale, T_len, H, D, G);
+                                          dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
+                                          grp_offsets, scale, T_len, H, D, G, g_lo, g_hi);
     }
 }

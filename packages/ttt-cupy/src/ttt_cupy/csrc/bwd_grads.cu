@@ -62,7 +62,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
-                     unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
@@ -96,9 +96,11 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int a0 = (int)(blockIdx.x % SPLIT) * DA;          // its first state row / dk column
     const int rows = D - a0;                                // its valid rows (with a < DA)
     const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)
-    const long long gid = i_b / H;
     const int i_h = (int)(i_b % H);
-    const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const ttt::Group gr = ttt::group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                              grp_seq, g_lo, g_hi);
+    if (gr.nc <= 0) return;  // a segment past the end of this sequence
+    const long long gid = gr.gid;
     const long long DD = (long long)D * D;
 
     float b_w[PL], b_b[PL];                                          // [D] per lane

@@ -50,7 +50,7 @@ __device__ __forceinline__ void bwd_local_tc(
     float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,
     float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
-    float eps, long long T_len, int H, int D, int G) {
+    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd, LA = R + 1;
@@ -79,9 +79,11 @@ __device__ __forceinline__ void bwd_local_tc(
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g4 = lane >> 2, t4 = lane & 3, sub = lane / LPR;
-    const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
-    const Group gr = group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                              grp_seq, g_lo, g_hi);
+    if (gr.nc <= 0) return;  // a segment past the end of this sequence
+    const long long gid = gr.gid;
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -264,7 +266,7 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                      float scale, float eps, long long T_len, int H, int D, int G,
-                     unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
@@ -277,7 +279,8 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     if constexpr (MMA) {
         ttt::bwd_local_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf, rbuf,
                                         dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
-                                        grp_offsets, grp_seq, scale, eps, T_len, H, D, G);
+                                        grp_offsets, grp_seq, scale, eps, T_len, H, D, G, g_lo,
+                                        g_hi);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -291,9 +294,11 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float* s_e = s_P + Tr::kSquare;    // [BT]         eta (zero past the end)
 
     const int tid = threadIdx.x, warp = tid >> 5;
-    const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                              grp_seq, g_lo, g_hi);
+    if (gr.nc <= 0) return;  // a segment past the end of this sequence
+    const long long gid = gr.gid;
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane

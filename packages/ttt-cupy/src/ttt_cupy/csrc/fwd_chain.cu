@@ -66,7 +66,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
     float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G) {
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, LA = Tr::kLdA;
     constexpr int NR = BT / 8;
@@ -93,10 +93,20 @@ __device__ __forceinline__ void fwd_chain_tc(
     const long long p_base = (sq.bos * H + i_h) * D;
     const long long p_ebase = sq.bos * H + i_h;
 
+    // this launch's chunks [c_lo, c_hi) (a segment, or all); a later segment starts from the
+    // slot its predecessor stored last
+    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
+    if (cr.skip) return;  // the sequence ended in an earlier segment
+    const long long c_lo = cr.lo, c_hi = cr.hi;
+    const long long i_start = (sq.slot_base + c_lo / G) * H + i_h;
+
     float W[D_PAD / 8][4], hb[2], lw[2], lb[2];
     bool col_ok[2];
-    load_state_frag<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
-                           hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+    if (c_lo > 0)
+        load_state_frag<D_PAD>(W, hb, ck + i_start * DD, ckb + i_start * D, D);
+    else
+        load_state_frag<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
+                               hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
     state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
     const int rs = H * D;                                // row stride (32-bit in a chunk)
     const float inv_d = 1.f / (float)D;
@@ -110,16 +120,17 @@ __device__ __forceinline__ void fwd_chain_tc(
     const bool vec = vec_rows_ok(k, row_stride, D) && vec_rows_ok(v, row_stride, D) &&
                      (!FUSE || vec_rows_ok(q, row_stride, D));
 
-    if (sq.nc > 0) {
-        const int L0 = (int)min((long long)BT, sq.len);
-        load_tile<D_PAD, BT, NT>(s_k, k, p_base, 0, L0, row_stride, D, 1.f);
-        load_tile<D_PAD, BT, NT>(s_v, v, p_base, 0, L0, row_stride, D, 1.f);
+    const long long row_lo = c_lo * BT;
+    const int L0 = c_hi > c_lo ? (int)min((long long)BT, sq.len - row_lo) : 0;
+    if (c_hi > c_lo) {
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row_lo, L0, row_stride, D, 1.f);
+        load_tile<D_PAD, BT, NT>(s_v, v, p_base, row_lo, L0, row_stride, D, 1.f);
         if constexpr (FUSE) {
-            load_tile<D_PAD, BT, NT>(s_q, q, p_base, 0, L0, row_stride, D, scale);
-            load_eta<BT, NT>(s_e, eta, p_ebase, 0, L0, H);
+            load_tile<D_PAD, BT, NT>(s_q, q, p_base, row_lo, L0, row_stride, D, scale);
+            load_eta<BT, NT>(s_e, eta, p_ebase, row_lo, L0, H);
         }
     }
-    float e_l = sq.nc > 0 ? eta[p_ebase + (min((long long)BT, sq.len) - 1) * H] : 0.f;
+    float e_l = c_hi > c_lo ? eta[p_ebase + (row_lo + L0 - 1) * H] : 0.f;
     __syncthreads();
     // FUSE: o_pre of the previous chunk (rows row0_o .., L_o of them) in the accumulator layout
     // of kh, finished at the start of the next step once its row statistics are in s_ost
@@ -156,15 +167,16 @@ __device__ __forceinline__ void fwd_chain_tc(
                 }
             }
     };
-    long long i_slot = sq.slot_base * H + i_h;           // the next slot to write
+    long long i_slot = i_start;                          // the next slot to write
     int in_group = 0;                                    // i_c % G, without a 64-bit modulo
-    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
-        if (in_group == 0) {
-            if (save) store_state_frag<D_PAD>(ck + i_slot * DD, ckb + i_slot * D, W, hb, D);
+    for (long long i_c = c_lo; i_c < c_hi; ++i_c) {
+        if (in_group == 0) {  // (a later segment's first slot holds this state already)
+            if (save && !(i_c == c_lo && c_lo > 0))
+                store_state_frag<D_PAD>(ck + i_slot * DD, ckb + i_slot * D, W, hb, D);
             i_slot += H;
         }
         in_group = in_group + 1 == G ? 0 : in_group + 1;
-        const int buf = (int)(i_c & 1);
+        const int buf = (int)((i_c - c_lo) & 1);
         const float* sk = s_k + buf * Tr::kTile;
         const float* sv = s_v + buf * Tr::kTile;
         const long long row0 = i_c * BT;
@@ -172,12 +184,12 @@ __device__ __forceinline__ void fwd_chain_tc(
 
         // the next chunk's k, v (zero past the end) into registers, stored at the step's end,
         // and its eta_l
-        const int Ln = i_c + 1 < sq.nc ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
+        const int Ln = i_c + 1 < c_hi ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
         const long long o_next = p_base + (row0 + BT) * row_stride;
         StagedTile<T, D_PAD, BT, NT> nk, nv, nq;  // nq: FUSE only
         nk.load(k + o_next, rs, Ln, D, vec);
         nv.load(v + o_next, rs, Ln, D, vec);
-        if (i_c + 2 < sq.nc) {  // and the chunk after it into L1 (its loads next step hit L1)
+        if (i_c + 2 < c_hi) {  // and the chunk after it into L1 (its loads next step hit L1)
             const long long row0a = row0 + 2 * BT;
             const int La = (int)min((long long)BT, sq.len - row0a);
             constexpr int kLpr = (D_PAD * (int)sizeof(T) + 126) / 128 + 1;
@@ -210,7 +222,7 @@ __device__ __forceinline__ void fwd_chain_tc(
         if constexpr (FUSE) {
             // the previous chunk's o (its statistics crossed the last barrier); then this
             // chunk's o_pre = q W + hb (same layout as kh) and -e A -> s_A (tensor cores)
-            if (i_c > 0) finish_out();
+            if (i_c > c_lo) finish_out();
             const float* sqt = s_q + buf * Tr::kTile;
             tile_times_state_frag<D_PAD, BT>(ob, W, sqt);
 #pragma unroll
@@ -351,12 +363,15 @@ __device__ __forceinline__ void fwd_chain_tc(
         __syncthreads();
     }
     if constexpr (FUSE) {
-        if (sq.nc > 0) finish_out();  // the last chunk's statistics crossed its last barrier
+        if (c_hi > c_lo) finish_out();  // the last chunk's statistics crossed its last barrier
     }
 
-    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+    // the state after the range: the sequence's final slot (and ht), or the next segment's
+    // first slot
+    const long long i_ck = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
     if (save) store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
-    if (ht != nullptr) store_state_frag<D_PAD>(ht + i_nh * DD, hbt + i_nh * D, W, hb, D);
+    if (ht != nullptr && c_hi == sq.nc)
+        store_state_frag<D_PAD>(ht + i_nh * DD, hbt + i_nh * D, W, hb, D);
 }
 
 // The SIMT instance of the forward chain (MMA = false; see the top of this file).
@@ -369,7 +384,7 @@ __device__ __forceinline__ void fwd_chain_simt(
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
     float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G) {
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state
@@ -389,18 +404,30 @@ __device__ __forceinline__ void fwd_chain_simt(
     const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
 
+    // this launch's chunks [c_lo, c_hi) (a segment, or all); a later segment starts from the
+    // slot its predecessor stored last
+    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
+    if (cr.skip) return;  // the sequence ended in an earlier segment
+    const long long c_lo = cr.lo, c_hi = cr.hi;
+
     float b_w[P], b_b[P];                                            // [D] per lane
     load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
     load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    load_state<D_PAD, NT>(s_W, s_hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
-                          hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+    if (c_lo > 0) {
+        const long long i_ck = (sq.slot_base + c_lo / G) * H + i_h;
+        load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    } else {
+        load_state<D_PAD, NT>(s_W, s_hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
+                              hb0 != nullptr ? hb0 + i_nh * D : nullptr, D);
+    }
     __syncthreads();
 
     const long long row_stride = (long long)H * D;       // rows are H * D apart
     const long long p_base = (sq.bos * H + i_h) * D;     // row 0 of this (sequence, head)
     const long long p_ebase = sq.bos * H + i_h;          // eta rows are H apart
-    for (long long i_c = 0; i_c < sq.nc; ++i_c) {
-        if (save && i_c % G == 0) {
+    for (long long i_c = c_lo; i_c < c_hi; ++i_c) {
+        // (a later segment's first slot holds this state already)
+        if (save && i_c % G == 0 && !(i_c == c_lo && c_lo > 0)) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
         }
@@ -412,7 +439,7 @@ __device__ __forceinline__ void fwd_chain_simt(
             load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
             load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         }
-        if (i_c + 1 < sq.nc) {  // the next chunk's rows into L1 while this one computes
+        if (i_c + 1 < c_hi) {  // the next chunk's rows into L1 while this one computes
             const long long row0n = row0 + BT;
             const int Ln = (int)min((long long)BT, sq.len - row0n);
             prefetch_rows<NT>(k + p_base, row0n, Ln, row_stride, D);
@@ -454,9 +481,12 @@ __device__ __forceinline__ void fwd_chain_simt(
         __syncthreads();
     }
 
-    const long long i_ck = (sq.slot_base + (sq.nc + G - 1) / G) * H + i_h;
+    // the state after the range: the sequence's final slot (and ht), or the next segment's
+    // first slot
+    const long long i_ck = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
     if (save) store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
-    if (ht != nullptr) store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
+    if (ht != nullptr && c_hi == sq.nc)
+        store_state<D_PAD, NT>(ht + i_nh * DD, hbt + i_nh * D, s_W, s_hb, D);
 }
 
 }  // namespace ttt
@@ -483,7 +513,7 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, float eps, long long T_len, int H, int D, int G,
-                     unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
@@ -495,7 +525,7 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
             __trap();
         ttt::fwd_chain_tc<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck,
                                               ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets, scale,
-                                              eps, T_len, H, D, G);
+                                              eps, T_len, H, D, G, g_lo, g_hi);
     } else {
         constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
                                                    : Tr::kFwdChainBytes;
@@ -503,6 +533,6 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
             __trap();
         ttt::fwd_chain_simt<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt,
                                                 ck, ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets,
-                                                scale, eps, T_len, H, D, G);
+                                                scale, eps, T_len, H, D, G, g_lo, g_hi);
     }
 }

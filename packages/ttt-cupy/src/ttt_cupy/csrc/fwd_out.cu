@@ -51,7 +51,7 @@ __device__ __forceinline__ void fwd_out_tc(
     const float* __restrict__ ck, const float* __restrict__ ckb, const float* __restrict__ xbuf,
     const float* __restrict__ rbuf, T* __restrict__ o, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
-    float eps, long long T_len, int H, int D, int G) {
+    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd;
@@ -65,9 +65,10 @@ __device__ __forceinline__ void fwd_out_tc(
     float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
-    const Group gr = group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                              grp_seq, g_lo, g_hi);
+    if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -164,7 +165,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                    float scale, float eps, long long T_len, int H, int D, int G,
-                   unsigned long long smem_bytes) {
+                   long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
@@ -176,7 +177,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     if constexpr (MMA) {
         ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
                                       cu_seqlens, grp_offsets, grp_seq, scale, eps, T_len, H, D,
-                                      G);
+                                      G, g_lo, g_hi);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -188,9 +189,10 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
 
     const int warp = threadIdx.x >> 5;
-    const long long gid = blockIdx.x / H;
     const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(gid, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq);
+    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                              grp_seq, g_lo, g_hi);
+    if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane

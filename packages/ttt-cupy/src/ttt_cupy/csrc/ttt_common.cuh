@@ -217,30 +217,60 @@ __device__ __forceinline__ Seq seq_coords(long long i_n, long long T_len, int BT
     return s;
 }
 
+// Segments: the launcher may split a pass into launches over a range of groups [g_lo, g_hi)
+// of every sequence (chunks [g_lo G, g_hi G)), so that the group-parallel kernels of one
+// segment run beside the chain's next segment (launcher.segment_plan). g_hi <= g_lo means
+// the whole sequence (one launch).
+struct ChunkRange {
+    long long lo, hi;  // chunks [lo, hi) of the sequence
+    bool skip;         // a segment after the sequence's end (the first segment, g_lo = 0,
+                       // keeps an empty sequence: its final slot and state)
+};
+
+__device__ __forceinline__ ChunkRange chunk_range(const Seq& s, int G, long long g_lo,
+                                                  long long g_hi) {
+    if (g_hi <= g_lo) return ChunkRange{0, s.nc, false};
+    const long long ng = (s.nc + G - 1) / G;
+    const long long lo = g_lo >= ng ? s.nc : g_lo * G;
+    const long long hi = g_hi >= ng ? s.nc : g_hi * G;
+    return ChunkRange{lo, hi, g_lo > 0 && g_lo >= ng};
+}
+
 struct Group {
     Seq seq;
+    long long gid;   // index over the batch's groups (slot - sequence index); nc <= 0: none
     long long c0;    // first chunk of the group (in its sequence)
-    int nc;          // chunks in the group (1 .. G)
+    int nc;          // chunks in the group (1 .. G); 0: the block has no group (a segment's
+                     // range past the end of its sequence)
     long long slot;  // slot of the state before chunk c0; slot + 1 is the state after the group
 };
 
-__device__ __forceinline__ Group group_coords(long long gid, long long T_len, int BT, int G,
+// The group of a group-parallel block; x = its (group, head) index / H. One launch over every
+// group (g_hi <= g_lo): x is the group's index over the batch. A segment [g_lo, g_hi): x =
+// i_n (g_hi - g_lo) + (j - g_lo) for group j of sequence i_n, and nc = 0 where the sequence
+// has no group j.
+__device__ __forceinline__ Group group_coords(long long x, long long T_len, int BT, int G,
                                               const long long* __restrict__ cu_seqlens,
                                               const long long* __restrict__ grp_offsets,
-                                              const int* __restrict__ grp_seq) {
+                                              const int* __restrict__ grp_seq, long long g_lo,
+                                              long long g_hi) {
     long long i_n, j;
-    if (cu_seqlens != nullptr) {
-        i_n = grp_seq[gid];
-        j = gid - grp_offsets[i_n];
+    const long long ng_fixed = ((T_len + BT - 1) / BT + G - 1) / G;  // (not varlen)
+    if (g_hi > g_lo) {
+        i_n = x / (g_hi - g_lo);
+        j = g_lo + x % (g_hi - g_lo);
+    } else if (cu_seqlens != nullptr) {
+        i_n = grp_seq[x];
+        j = x - grp_offsets[i_n];
     } else {
-        const long long ng = ((T_len + BT - 1) / BT + G - 1) / G;
-        i_n = gid / ng;
-        j = gid % ng;
+        i_n = x / ng_fixed;
+        j = x % ng_fixed;
     }
     Group g;
     g.seq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    g.gid = (cu_seqlens != nullptr ? grp_offsets[i_n] : i_n * ng_fixed) + j;
     g.c0 = j * G;
-    g.nc = (int)min((long long)G, g.seq.nc - g.c0);
+    g.nc = (int)max(0LL, min((long long)G, g.seq.nc - g.c0));
     g.slot = g.seq.slot_base + j;
     return g;
 }
