@@ -9,9 +9,14 @@ per (group of G chunks, head): the outputs, g derived row-locally from xhat and 
 many chains (:data:`FUSED`), fwd_chain's fused instance alone, writing the outputs itself; the
 backward is bwd_local (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group,
 reverse; :func:`~ttt_cupy.compile.grads_split` blocks per group at D_PAD 128 with chunk 64),
-all reading the saved xhat and r (no recomputed k W or LayerNorm). Tunables live in
-:data:`CKPT_INTERVAL` and :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off /
-on). For half inputs all five kernels are their tensor-core (tf32 mma.sync) instances on
+all reading the saved xhat and r (no recomputed k W or LayerNorm). With few long chains
+(:func:`segment_plan`) each pass is split into segments of whole groups: the chain kernel
+runs once per segment on a high-priority side stream, and a segment's group-parallel kernels
+run on their own side streams as soon as it is done, beside the chain's next segment (the
+backward: every bwd_local at once, then per segment bwd_chain, bwd_grads). Tunables live in
+:data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off /
+on) and :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
+(``TTT_CUPY_SEGMENTS=K`` forces K segments). For half inputs all five kernels are their tensor-core (tf32 mma.sync) instances on
 sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
 :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """

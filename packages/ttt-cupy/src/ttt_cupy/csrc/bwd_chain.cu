@@ -19,6 +19,12 @@
 // deta's last row early, so that no load from device memory waits on the chain.
 // Shared memory (SIMT): dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
 //
+// Segments (g_lo < g_hi; launcher.segment_plan, launched last to first): the block runs only
+// chunks [g_lo G, g_hi G) of its sequence, in reverse. The segment with the sequence's end
+// starts from dht / dhbt (and stores them as the final slot's cotangent); one before it from
+// the slot cotangent its successor stored last, dck and dckb (the cotangent of hb, kept for
+// this only). dh0 / dhb0 only in the first segment. g_hi <= g_lo: the whole sequence.
+//
 // MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kBwdChainBytes):
 // bwd_chain_simt below, every product SIMT fp32, the cotangent in shared memory.
 //

@@ -1,6 +1,7 @@
 // Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT>. Everything that needs the
 // forward state but not the state's cotangent; one block per (group of G chunks, head),
-// replaying its group from its checkpoint slot (notation in ttt_common.cuh):
+// replaying its group from its checkpoint slot (a segmented launch: the groups g_lo .. g_hi - 1
+// of every sequence, as fwd_out.cu; notation in ttt_common.cuh):
 //
 //   y = (xh w + b - v + k) w,  g = r (y - mean(y) - xh mean(y xh))   (xh, r from fwd_chain.cu)
 //   o_pre = q W + hb - e (A g)
