@@ -70,8 +70,8 @@ of finished segments fill it; with many chains the chain kernels fill it themsel
 SEGMENT_MIN_GROUPS = {64: (32, 8), 128: (16, 2)}
 """By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
 sequences of at least that many groups (G chunks each), into segments of at least that many.
-Each segment costs five launches and a few events on the host (about 0.1 ms on the GPU
-runner), which a short segment's chain does not cover. An H200, bf16, fwd+bwd ms, one launch
+Each segment costs five launches and a few events on the host (about 0.17 ms for forward and
+backward on the GPU runner), which a short segment's chain does not cover. An H200, bf16, fwd+bwd ms, one launch
 / segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups) 1.62 / 2.80 (8); 4 x 4096 x 16,
 D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16, D 64 (32 groups) 3.72 / 3.61 (4);
 1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16); 4 x 4096 x 8, D 128 (16 groups) 5.34 /
