@@ -16,9 +16,9 @@ run on their own side streams as soon as it is done, beside the chain's next seg
 backward: every bwd_local at once, then per segment bwd_chain, bwd_grads). Tunables live in
 :data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off /
 on) and :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
-(``TTT_CUPY_SEGMENTS=K`` forces K segments). For half inputs all five kernels are their tensor-core (tf32 mma.sync) instances on
-sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
-:func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
+(``TTT_CUPY_SEGMENTS=K`` forces K segments). For half inputs all five kernels are their
+tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at
+every launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ of finished segments fill it; with many chains the chain kernels fill it themsel
 SEGMENT_MIN_GROUPS = {64: (32, 8), 128: (16, 2)}
 """By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
 sequences of at least that many groups (G chunks each), into segments of at least that many.
-Each segment costs five launches and a few events on the host (about 0.17 ms for forward and
-backward on the GPU runner), which a short segment's chain does not cover. An H200, bf16, fwd+bwd ms, one launch
-/ segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups) 1.62 / 2.80 (8); 4 x 4096 x 16,
-D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16, D 64 (32 groups) 3.72 / 3.61 (4);
-1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16); 4 x 4096 x 8, D 128 (16 groups) 5.34 /
-4.78 (8)."""
+Each segment costs five launches and a few events on the host (about 0.17 ms for forward
+and backward on the GPU runner), which a short segment's chain does not cover. An H200,
+bf16, fwd+bwd ms, one launch / segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups)
+1.62 / 2.80 (8); 4 x 4096 x 16, D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16,
+D 64 (32 groups) 3.72 / 3.61 (4); 1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16);
+4 x 4096 x 8, D 128 (16 groups) 5.34 / 4.78 (8)."""
 
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
 """``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
@@ -146,12 +146,13 @@ def segment_plan(problem: Problem, groups_max: int) -> list[tuple[int, int]]:
 
     Segmented, a pass runs its chain kernel once per segment on a high-priority side stream
     (:func:`_chain_stream`; a segment starts from the state its predecessor left in the
-    checkpoint slots) and the group-parallel kernels of a segment on torch's stream as soon as
-    their segment's chain (or, for bwd_local, nothing) is done: they run beside the chain's
-    next segment instead of after the whole chain. The arithmetic is the same either way
-    (bitwise: tests/test_cpu_emulation.py). Rule: :data:`SEGMENTS` segments with at most
-    :data:`SEGMENT_MAX_CHAINS` chains, fewer where a segment would get less than
-    :data:`SEGMENT_MIN_GROUPS` groups; :data:`SEGMENT_ENV` overrides it."""
+    checkpoint slots) and the group-parallel kernels of a segment on a side stream of their
+    own (:func:`_group_streams`) as soon as their segment's chain (or, for bwd_local,
+    nothing) is done: they run beside the chain's next segment instead of after the whole
+    chain. The arithmetic is the same either way (bitwise: tests/test_cpu_emulation.py).
+    Rule: with at most :data:`SEGMENT_MAX_CHAINS` chains and sequences of at least
+    :data:`SEGMENT_MIN_GROUPS`'s groups, up to :data:`SEGMENTS` segments of at least its
+    groups per segment (sizes differ by at most one); :data:`SEGMENT_ENV` overrides it."""
     value = os.environ.get(SEGMENT_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
