@@ -334,8 +334,8 @@ ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
 
 #define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
     cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
-    float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
-    i64 g_lo, i64 g_hi
+    float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, \
+    int G, i64 g_lo, i64 g_hi
 #define BWD_LOCAL_ARGS q, k, v, eta, w, b, dout, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, \
     dwp, dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_local(DP, BT) \

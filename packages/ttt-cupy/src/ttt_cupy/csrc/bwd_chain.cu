@@ -63,7 +63,8 @@ __device__ __forceinline__ void bwd_chain_tc(
     const float* __restrict__ xbuf, const float* __restrict__ rbuf,
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
+    const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
@@ -349,7 +350,8 @@ __device__ __forceinline__ void bwd_chain_simt(
     const float* __restrict__ xbuf, const float* __restrict__ rbuf,
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0, const long long* __restrict__ cu_seqlens,
+    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
+    const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi) {
     using Tr = Traits<D_PAD, BT>;
@@ -498,7 +500,8 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
             G < 1)
             __trap();
         ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
-                                        deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens, grp_offsets,
+                                        deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
+                                        grp_offsets,
                                         scale, T_len, H, D, G, g_lo, g_hi);
     } else {
         if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)

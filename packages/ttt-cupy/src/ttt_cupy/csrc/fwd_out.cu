@@ -10,13 +10,13 @@
 //   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
 //
-// Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs
-// there are. A segmented launch (g_lo < g_hi; launcher.segment_plan) has a block per
-// (sequence, group g_lo .. g_hi - 1, head) instead of one per group of the batch
-// (group_coords); blocks past their sequence's end return at once. The SIMT instance walks chunk by chunk (blocks of BT rows): in SIMT arithmetic
-// that is the cheapest block (per row 2 D^2 + BT D multiply-adds); larger row blocks only pay
-// with tensor cores (the MMA instance below). The g row pass shares its phase with q k^T (no
-// barrier of its own). Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
+// Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
+// are. A segmented launch (g_lo < g_hi; launcher.segment_plan) has a block per (sequence, group
+// g_lo .. g_hi - 1, head) instead of one per group of the batch (group_coords); blocks past their
+// sequence's end return at once. The SIMT instance walks chunk by chunk (blocks of BT rows): in
+// SIMT arithmetic that is the cheapest block (per row 2 D^2 + BT D multiply-adds); larger row
+// blocks only pay with tensor cores (the MMA instance below). The g row pass shares its phase with
+// q k^T (no barrier of its own). Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): fwd_out_tc below.
 // It walks the group in blocks of R = Traits::kOutRows rows (R / BT chunks; R = BT at D_PAD
