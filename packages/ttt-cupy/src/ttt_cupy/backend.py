@@ -49,8 +49,11 @@ class CupyBackend(Backend):
             "half inputs: tf32 tensor-core dots in every kernel (TTT_CUPY_MMA=0: SIMT)",
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
-            "fused forward from 96 (sequence, head) chains (256 with a backward): the chain "
+            "fused forward from 128 (sequence, head) chains (256 with a backward): the chain "
             "writes the outputs, no fwd_out (launcher.FUSED; TTT_CUPY_FUSE=0/1 forces it)",
+            "few long sequences: each pass in segments of whole groups, the chain on a side "
+            "stream and each segment's group kernels beside its next segment; bitwise the "
+            "results of one launch (launcher.segment_plan; TTT_CUPY_SEGMENTS=K forces K)",
             "shared memory bounds (chunk_size, head dim): every supported shape fits an "
             "H100/H200 (227 KiB per block; at head dim > 64 with chunk_size 64 bwd_grads "
             "runs two blocks per group, each with half of the state); a smaller device "
