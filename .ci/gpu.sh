@@ -4,6 +4,7 @@
 # or nox is missing there): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
 #   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy cupy_fused
+#                                   cupy_segments
 #                                   tune bench
 #                                   (default: info ref triton bench)
 set -uo pipefail
@@ -46,6 +47,11 @@ for stage in $stages; do
                   # suite's shapes are below its thresholds)
       timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_FUSE=1 python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-fused.log" \
+        | tail -40 ;;
+    cupy_segments)   # the same with every pass in 3 segments (launcher.segment_plan: the
+                     # suite's sequences are below its thresholds)
+      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_SEGMENTS=3 python3 -m nox --no-venv \
+        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-segments.log" \
         | tail -40 ;;
     tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
       for t in ${TUNE:-"S_out=64,S_grads=32" "S_out=32,S_grads=32" "S_out=64,S_grads=64"}; do
