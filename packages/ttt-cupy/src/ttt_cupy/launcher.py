@@ -264,10 +264,6 @@ def _cupy_stream(ptr: int, index: int):
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-_smem_opted: dict = {}
-"""The dynamic shared memory each kernel was opted in to (asked once, not at every launch)."""
-
-
 def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple,
             stream: torch.cuda.Stream | None = None) -> None:
     """Launch ``kernel`` on ``stream`` (default: torch's current stream of ``device``) with
@@ -282,10 +278,10 @@ def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args
         if smem > limit:
             raise RuntimeError(f"the cupy kernel needs {smem} bytes of shared memory; the "
                                f"device allows {limit} per block")
-        if smem > _smem_opted.get(kernel, 0):
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
-            _smem_opted[kernel] = smem
+        # (asked at every launch: compile.get_kernels hands out new RawKernel objects each
+        # call, so a table keyed by them would grow without bound)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
         if stream is None:
             stream = torch.cuda.current_stream(device)
         with _cupy_stream(stream.cuda_stream, index):
