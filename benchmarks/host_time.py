@@ -1,0 +1,73 @@
+"""How long one call keeps the host busy, next to the GPU time of the same calls.
+
+    python benchmarks/host_time.py [--backends cupy triton] [--shapes 8,2048,12,64 ...]
+
+Per backend and anchor shape: the Python side of one forward and of one backward (the time
+until the call returns, without synchronising), and the wall time per fwd+bwd of the same
+calls between two CUDA events. Where the host time is near the wall time, the host's launch
+work, not the GPU, sets the pace (the cupy backend's segmented passes at short sequences,
+docs/benchmarks.md). Environment variables of the backends (``TTT_CUPY_SEGMENTS``, ...) apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import SHAPES, make_inputs, parse_shape  # noqa: E402
+
+import ttt  # noqa: E402
+
+
+def host_times(backend: str, shape, iters: int, warmup: int) -> tuple[float, float, float]:
+    """(host ms per forward, host ms per backward, wall ms per fwd+bwd) on CUDA, bf16."""
+    device = torch.device("cuda")
+    xs = [x.detach().requires_grad_() for x in make_inputs(shape, torch.bfloat16, device, 0)]
+    do = torch.randn_like(xs[0])
+    fwd = bwd = 0.0
+    with ttt.set_backend(backend):
+        for _ in range(warmup):
+            o, _, _ = ttt.chunk_ttt_linear(*xs)
+            torch.autograd.grad(o, xs, do)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            o, _, _ = ttt.chunk_ttt_linear(*xs)
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, xs, do)
+            fwd += t1 - t0
+            bwd += time.perf_counter() - t1
+        end.record()
+        torch.cuda.synchronize()
+    return 1e3 * fwd / iters, 1e3 * bwd / iters, start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backends", nargs="+", default=["cupy"])
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                        metavar="B,T,H,D")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| backend | B, T, H, D | host fwd ms | host bwd ms | wall fwd+bwd ms |")
+    print("|---|---|---|---|---|")
+    for backend in args.backends:
+        for shape in args.shapes or SHAPES:
+            fwd, bwd, wall = host_times(backend, shape, args.iters, args.warmup)
+            print(f"| {backend} | {', '.join(map(str, shape))} | {fwd:.3f} | {bwd:.3f} "
+                  f"| {wall:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
