@@ -224,12 +224,16 @@ def test_segment_plan(monkeypatch):
             assert plan[0][0] == 0 and plan[-1][1] == groups
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
             assert all(b - a >= least for a, b in plan)
+            forward = segment_plan(few, groups, backward=False)
+            assert len(forward) == max(2, len(plan) // 2)
+            assert forward[0][0] == 0 and forward[-1][1] == groups
         for groups in (1, 2 * least - 1, at_least - 1):
             assert segment_plan(few, groups) == [(0, 0)]
     few = SimpleNamespace(N=1, H=16, D=64)
     assert segment_plan(many, 128) == [(0, 0)]
     monkeypatch.setenv(SEGMENT_ENV, "3")
     assert segment_plan(many, 128) == [(0, 42), (42, 85), (85, 128)]
+    assert segment_plan(many, 128, backward=False) == segment_plan(many, 128)
     monkeypatch.setenv(SEGMENT_ENV, "1")
     assert segment_plan(few, 128) == [(0, 0)]
     for bad in ("0", "two", "-2"):
