@@ -197,16 +197,33 @@ def bwd_chain_stage_floats(dp: int, bt: int) -> int:
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
+def _bwd_grads_base_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of a bwd_grads block without its stage: W, dW (its rows), Q, K
+    (their columns), DOP, G, DKH, S, eta."""
+    rows = dp // grads_split(dp, bt)     # the block's state rows (and q, k columns)
+    return 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * bt * (dp + 1) + bt * (bt + 1) + bt
+
+
+def _block_rows_floats(kernel: str, dp: int, bt: int) -> int:
+    """Shared memory (floats) of the MMA instance of a :data:`BLOCK_ROWS_KERNELS` kernel
+    without its stage, in blocks of R = :func:`out_rows` rows: fwd_out W, hb, Q, K, G
+    ([R, D_PAD + 1]), M ([R, R + 1]), eta; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta."""
+    r = out_rows(dp, bt)
+    tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
+    return dp * (dp + 1) + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r
+
+
 def bwd_grads_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_grads' stage (Traits::kGradsStageFloats): the next chunk's
     do_pre as [BT, D_PAD + 4] floats from a 16-byte aligned offset, then eta's [BT]; 0 where
     bwd_grads splits the state's rows or the whole block would pass :data:`STAGE_SMEM_LIMIT`
     (Traits::kGradsStage false: those load their tiles as before)."""
-    rows = dp // grads_split(dp, bt)
-    base = 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * bt * (dp + 1) + bt * (bt + 1) + bt
+    base = _bwd_grads_base_floats(dp, bt)
     stage = (-base) % 4 + bt * (dp + 4) + bt
     fits = grads_split(dp, bt) == 1 and 4 * (base + stage) <= STAGE_SMEM_LIMIT
     return stage if fits else 0
+
+
 def bwd_local_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
     by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
@@ -215,7 +232,7 @@ def bwd_local_stage_floats(dp: int, bt: int) -> int:
     whole block would pass :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load
     their tiles as before)."""
     r = out_rows(dp, bt)
-    base = dp * (dp + 1) + dp + 4 * r * (dp + 1) + 2 * r * (r + 1) + r
+    base = _block_rows_floats("bwd_local", dp, bt)
     stage = (-base) % 4 + 3 * r * (dp + 4) + r
     return stage if dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
@@ -234,7 +251,6 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     _check_kernel(kernel)
     _check_fused(kernel, fused)
     tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
-    rows = dp // grads_split(dp, bt)     # bwd_grads' state rows (and q, k columns) per block
     if mma and kernel in REGISTER_STATE_KERNELS:
         # fwd: K, V double-buffered, 2 rounds of per-warp statistics; fused: then Q
         # double-buffered, A, eta double-buffered, one more round (o_pre's rows). bwd: Q, K
@@ -243,21 +259,16 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         return 4 * (_chain_tc_floats(kernel, dp, bt, fused) + stage)
     if fused:
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
-    if mma and kernel in BLOCK_ROWS_KERNELS:
-        # blocks of out_rows rows: fwd_out W, hb, Q, K, G ([R, D_PAD + 1]), M ([R, R + 1]),
-        # eta; bwd_local W, hb, Q, K, DO, G, A, M / dS / dP', eta
-        r = out_rows(dp, bt)
-        tiles, squares = {"fwd_out": (3, 1), "bwd_local": (4, 2)}[kernel]
-        base = state + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r
-        return 4 * (base + (bwd_local_stage_floats(dp, bt) if kernel == "bwd_local" else 0))
+    if mma and kernel in BLOCK_ROWS_KERNELS:  # blocks of out_rows rows, then bwd_local's stage
+        stage = bwd_local_stage_floats(dp, bt) if kernel == "bwd_local" else 0
+        return 4 * (_block_rows_floats(kernel, dp, bt) + stage)
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G
         "fwd_out": state + dp + 3 * tile + square + bt,           # W, hb, Q, K, G, A, eta
         "bwd_local": state + dp + 4 * tile + 2 * square + bt,     # W, hb, Q, K, DO, G, A, dS
         "bwd_chain": state + dp + 4 * tile + bt,                  # dW, dhb, Q, K, DOP, DKH
-        # W, dW (its rows), Q, K (their columns), DOP, G, DKH, S, eta, then its stage (if any)
-        "bwd_grads": 2 * rows * (dp + 1) + 2 * bt * (rows + 1) + 3 * tile + square + bt
-        + bwd_grads_stage_floats(dp, bt),
+        # its rows of W, dW, ..., then its stage (if any)
+        "bwd_grads": _bwd_grads_base_floats(dp, bt) + bwd_grads_stage_floats(dp, bt),
     }[kernel]
     return 4 * floats
 
