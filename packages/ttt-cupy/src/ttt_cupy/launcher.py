@@ -203,15 +203,16 @@ def _group_streams(index: int) -> tuple[torch.cuda.Stream, ...]:
 
 
 class _Fork:
-    """The streams of a segmented pass: the chain stream and the group streams start after
-    the work queued so far on torch's current stream ``here`` (:meth:`__init__`), and
-    ``here`` goes on only after all of theirs (:meth:`join`), so every buffer used on them
-    goes back to torch's caching allocator ordered after that work."""
+    """The streams of a segmented pass of ``segments`` segments: the chain stream and the
+    group streams it uses start after the work queued so far on torch's current stream
+    ``here`` (:meth:`__init__`), and ``here`` goes on only after all of theirs (:meth:`join`),
+    so every buffer used on them goes back to torch's caching allocator ordered after that
+    work."""
 
-    def __init__(self, here: torch.cuda.Stream, index: int):
+    def __init__(self, here: torch.cuda.Stream, index: int, segments: int):
         self.here = here
         self.chain = _chain_stream(index)
-        self.groups = _group_streams(index)
+        self.groups = _group_streams(index)[:segments]  # (no events on streams left idle)
         start = here.record_event()
         for stream in (self.chain, *self.groups):
             stream.wait_event(start)
@@ -222,6 +223,13 @@ class _Fork:
     def join(self) -> None:
         for stream in (self.chain, *self.groups):
             self.here.wait_event(stream.record_event())
+
+
+def _group_blocks(grp: ChunkGroups, N: int, segment: tuple[int, int]) -> int:
+    """(group, head) blocks per head of a group-parallel launch over ``segment`` (group_coords:
+    every group of the batch, or N sequences' groups g_lo .. g_hi - 1)."""
+    g_lo, g_hi = segment
+    return grp.count if g_hi <= g_lo else N * (g_hi - g_lo)
 
 
 @dataclass
@@ -339,7 +347,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    fork = _Fork(here, _index(dev)) if len(plan) > 1 else None
+    fork = _Fork(here, _index(dev), len(plan)) if len(plan) > 1 else None
     chain_stream = here if fork is None else fork.chain
     for i, (g_lo, g_hi) in enumerate(plan):
         seg = (np.int64(g_lo), np.int64(g_hi))
@@ -357,8 +365,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         if fork is not None:
             out_stream = fork.group(i)
             out_stream.wait_event(chain_stream.record_event())
-        blocks = grp.count if g_hi <= g_lo else N * (g_hi - g_lo)
-        _launch(kern["fwd_out"], dev, blocks * H, nt, out_smem, (
+        _launch(kern["fwd_out"], dev, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt, out_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
             _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
             np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
@@ -413,12 +420,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     grads_smem = smem_bytes("bwd_grads", dp, BT)
     split_rows = grads_split(dp, BT)
 
-    def blocks(seg):  # (group, head) blocks of a group-parallel launch
-        g_lo, g_hi = seg
-        return (grp.count if g_hi <= g_lo else N * (g_hi - g_lo)) * H
-
     def local(seg, stream=None):
-        _launch(kern["bwd_local"], dev, blocks(seg), nt, local_smem, (
+        _launch(kern["bwd_local"], dev, _group_blocks(grp, N, seg) * H, nt, local_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
             _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
             _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
@@ -435,7 +438,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
             np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream=stream)
 
     def grads(seg, stream=None):  # grads_split blocks per (group, head), each a part of W's rows
-        _launch(kern["bwd_grads"], dev, blocks(seg) * split_rows, nt, grads_smem, (
+        _launch(kern["bwd_grads"], dev, _group_blocks(grp, N, seg) * H * split_rows, nt,
+                grads_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
             _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
             _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
@@ -452,7 +456,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         # segments last to first. bwd_local needs no chain: every segment's goes out at once,
         # each on a group stream; the chain (its own stream) takes a segment once that
         # segment's bwd_local is done, and bwd_grads (the same group stream) follows the chain
-        fork = _Fork(here, _index(dev))
+        fork = _Fork(here, _index(dev), len(plan))
         order = list(reversed(plan))
         local_done = []
         for i, seg in enumerate(order):
