@@ -501,8 +501,7 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
             __trap();
         ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
                                         deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
-                                        grp_offsets,
-                                        scale, T_len, H, D, G, g_lo, g_hi);
+                                        grp_offsets, scale, T_len, H, D, G, g_lo, g_hi);
     } else {
         if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();

@@ -99,7 +99,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)
     const int i_h = (int)(i_b % H);
     const ttt::Group gr = ttt::group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                              grp_seq, g_lo, g_hi);
+                                            grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long gid = gr.gid;
     const long long DD = (long long)D * D;

@@ -82,7 +82,7 @@ __device__ __forceinline__ void bwd_local_tc(
     const int g4 = lane >> 2, t4 = lane & 3, sub = lane / LPR;
     const int i_h = (int)(blockIdx.x % H);
     const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                              grp_seq, g_lo, g_hi);
+                                  grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long gid = gr.gid;
     const long long DD = (long long)D * D;
@@ -296,8 +296,8 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     const int tid = threadIdx.x, warp = tid >> 5;
     const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                              grp_seq, g_lo, g_hi);
+    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens,
+                                            grp_offsets, grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long gid = gr.gid;
     const long long DD = (long long)D * D;

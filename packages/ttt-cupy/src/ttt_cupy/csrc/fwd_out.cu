@@ -69,7 +69,7 @@ __device__ __forceinline__ void fwd_out_tc(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i_h = (int)(blockIdx.x % H);
     const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                              grp_seq, g_lo, g_hi);
+                                  grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
@@ -192,8 +192,8 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     const int warp = threadIdx.x >> 5;
     const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                              grp_seq, g_lo, g_hi);
+    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens,
+                                            grp_offsets, grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
 
