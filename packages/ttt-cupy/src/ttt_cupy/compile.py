@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -237,6 +239,7 @@ def bwd_local_stage_floats(dp: int, bt: int) -> int:
     return stage if dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
 
 
+@functools.cache
 def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
     """Dynamic shared memory of one block of ``kernel`` in bytes (Traits::k*Bytes).
 
@@ -377,13 +380,13 @@ def kernels_use_mma(dtype_name: str, device_index: int) -> bool:
 
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
-                device_index: int) -> dict[str, Any]:
+                device_index: int) -> Mapping[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
-    dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after.
+    dtype, D_PAD and BT, on device ``device_index``; compiled on first use, cached after (the
+    same read-only table, and the same kernel objects, at every call: CuPy's
+    ``RawModule.get_function`` builds a new RawKernel each time it is asked).
     The kernels are the tensor-core instances when :func:`use_mma` says so (half
     inputs, ``TTT_CUPY_MMA`` not ``0``, sm_80+), else the SIMT fp32 ones."""
-    import cupy
-
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -393,8 +396,15 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int,
         raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
     ctype = CTYPES[dtype_name]
     arch = device_arch(device_index)
-    mma = use_mma(ctype, arch)
+    return _kernel_table(pass_, ctype, dp, bt, device_index, arch, use_mma(ctype, arch))
+
+
+@functools.cache
+def _kernel_table(pass_: str, ctype: str, dp: int, bt: int, device_index: int, arch: str,
+                  mma: bool) -> Mapping[str, Any]:
+    import cupy
+
     with cupy.cuda.Device(device_index):
         module = _module(pass_, ctype, dp, bt, arch, mma)
-        return {k: module.get_function(name)
-                for k, name in pass_names(pass_, ctype, dp, bt, mma).items()}
+        return MappingProxyType({k: module.get_function(name)
+                                 for k, name in pass_names(pass_, ctype, dp, bt, mma).items()})

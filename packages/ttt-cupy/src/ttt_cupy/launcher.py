@@ -280,28 +280,41 @@ def _cupy_stream(ptr: int, index: int):
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-def _launch(kernel, device: torch.device, grid: int, block: int, smem: int, args: tuple,
-            stream: torch.cuda.Stream | None = None) -> None:
-    """Launch ``kernel`` on ``stream`` (default: torch's current stream of ``device``) with
-    ``smem`` bytes of dynamic shared memory (opting in above 48 KiB)."""
+@functools.cache
+def _function(kernel, index: int, smem: int):
+    """``kernel``'s CUDA function on device ``index`` (CuPy's ``Function``, launched
+    directly: a RawKernel call looks the device and its function up again every time), opted
+    in to ``smem`` bytes of dynamic shared memory (above 48 KiB) once. Keyed by the kernel
+    object: :func:`~ttt_cupy.compile.get_kernels` hands out the same ones at every call, so
+    this holds one entry per (instance, device, size) ever launched."""
     import cupy
 
-    if grid == 0:
-        return
-    index = _index(device)
     with cupy.cuda.Device(index):
         limit = _device_smem_limit(index)
         if smem > limit:
             raise RuntimeError(f"the cupy kernel needs {smem} bytes of shared memory; the "
                                f"device allows {limit} per block")
-        # (asked at every launch: compile.get_kernels hands out new RawKernel objects each
-        # call, so a table keyed by them would grow without bound)
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
-        if stream is None:
-            stream = torch.cuda.current_stream(device)
-        with _cupy_stream(stream.cuda_stream, index):
-            kernel((grid,), (block,), args, shared_mem=smem)
+        return kernel.kernel
+
+
+def _launch(kernel, index: int, grid: int, block: int, smem: int, args: tuple,
+            stream: torch.cuda.Stream) -> None:
+    """Launch ``kernel`` on ``stream`` of device ``index`` (the caller holds that device
+    current: :func:`_on_device`) with ``smem`` bytes of dynamic shared memory."""
+    if grid == 0:
+        return
+    _function(kernel, index, smem)((grid,), (block,), args, shared_mem=smem,
+                                   stream=_cupy_stream(stream.cuda_stream, index))
+
+
+def _on_device(index: int):
+    """CuPy's current device set to ``index`` for a pass's launches (a kernel's function
+    belongs to its device's context)."""
+    import cupy
+
+    return cupy.cuda.Device(index)
 
 
 def _check_dtype(q: torch.Tensor) -> str:
@@ -338,38 +351,42 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
         rbuf = torch.empty(B, T, H, **f32)   # r
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
     h0, hb0 = _f32(p.initial_state), _f32(p.initial_state_bias)
-    kern = get_kernels("fwd", dtype_name, dp, BT, _index(dev))
+    index = _index(dev)
+    kern = get_kernels("fwd", dtype_name, dp, BT, index)
     nt = threads(dp)
     o = torch.empty_like(q)
 
-    mma = kernels_use_mma(dtype_name, _index(dev))
+    mma = kernels_use_mma(dtype_name, index)
     plan = [(0, 0)] if fuse else segment_plan(p, grp.groups_max, backward=False)
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    fork = _Fork(here, _index(dev), len(plan)) if len(plan) > 1 else None
+    fork = _Fork(here, index, len(plan)) if len(plan) > 1 else None
     chain_stream = here if fork is None else fork.chain
-    for i, (g_lo, g_hi) in enumerate(plan):
-        seg = (np.int64(g_lo), np.int64(g_hi))
-        _launch(kern[FUSED_NAME if fuse else "fwd_chain"], dev, N * H,
-                threads(dp, "fwd_chain", mma), chain_smem, (
-                    _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
-                    _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf),
-                    _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale),
-                    np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G), *seg,
-                    np.uint64(chain_smem)), stream=chain_stream)
-        if fuse:
-            break
-        # this segment's outputs, beside the chain's next segment
-        out_stream = here
-        if fork is not None:
-            out_stream = fork.group(i)
-            out_stream.wait_event(chain_stream.record_event())
-        _launch(kern["fwd_out"], dev, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt, out_smem, (
-            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck), _ptr(ckb),
-            _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
-            np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
-            np.int32(G), *seg, np.uint64(out_smem)), stream=out_stream)
+    with _on_device(index):
+        for i, (g_lo, g_hi) in enumerate(plan):
+            seg = (np.int64(g_lo), np.int64(g_hi))
+            _launch(kern[FUSED_NAME if fuse else "fwd_chain"], index, N * H,
+                    threads(dp, "fwd_chain", mma), chain_smem, (
+                        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
+                        _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf),
+                        _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets),
+                        np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H),
+                        np.int32(D), np.int32(G), *seg, np.uint64(chain_smem)), chain_stream)
+            if fuse:
+                break
+            # this segment's outputs, beside the chain's next segment
+            out_stream = here
+            if fork is not None:
+                out_stream = fork.group(i)
+                out_stream.wait_event(chain_stream.record_event())
+            _launch(kern["fwd_out"], index, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt,
+                    out_smem, (
+                        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck),
+                        _ptr(ckb), _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens),
+                        _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
+                        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
+                        *seg, np.uint64(out_smem)), out_stream)
     if fork is not None:
         fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
@@ -396,7 +413,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     do = do.contiguous()
     eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
     dht, dhbt = _f32(dht), _f32(dhbt)
-    kern = get_kernels("bwd", dtype_name, dp, BT, _index(dev))
+    index = _index(dev)
+    kern = get_kernels("bwd", dtype_name, dp, BT, index)
     nt = threads(dp)
 
     xbuf, rbuf = saved.xbuf, saved.rbuf      # xhat, r (fwd_chain)
@@ -406,7 +424,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     deta = torch.empty(B, T, H, 1, **f32)
     dwp = torch.empty(2, grp.count, H, D, **f32)
     dbp = torch.empty(2, grp.count, H, D, **f32)
-    mma = kernels_use_mma(dtype_name, _index(dev))
+    mma = kernels_use_mma(dtype_name, index)
     dh0 = dhb0 = None
     if want_dh0:
         dh0 = torch.empty(N, H, D, D, **f32)
@@ -420,52 +438,54 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     grads_smem = smem_bytes("bwd_grads", dp, BT)
     split_rows = grads_split(dp, BT)
 
-    def local(seg, stream=None):
-        _launch(kern["bwd_local"], dev, _group_blocks(grp, N, seg) * H, nt, local_smem, (
+    def local(seg, stream):
+        _launch(kern["bwd_local"], index, _group_blocks(grp, N, seg) * H, nt, local_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
             _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
             _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
             _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
             np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int64(seg[0]),
-            np.int64(seg[1]), np.uint64(local_smem)), stream=stream)
+            np.int64(seg[1]), np.uint64(local_smem)), stream)
 
     def chain(seg, stream):
-        _launch(kern["bwd_chain"], dev, N * H, threads(dp, "bwd_chain", mma), chain_smem, (
+        _launch(kern["bwd_chain"], index, N * H, threads(dp, "bwd_chain", mma), chain_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf),
             _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck),
             _ptr(dckb), _ptr(dh0), _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets),
             np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-            np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream=stream)
+            np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream)
 
-    def grads(seg, stream=None):  # grads_split blocks per (group, head), each a part of W's rows
-        _launch(kern["bwd_grads"], dev, _group_blocks(grp, N, seg) * H * split_rows, nt,
+    def grads(seg, stream):  # grads_split blocks per (group, head), each a part of W's rows
+        _launch(kern["bwd_grads"], index, _group_blocks(grp, N, seg) * H * split_rows, nt,
                 grads_smem, (
             _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
             _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
             _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
             np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)), stream=stream)
+            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)), stream)
 
     plan = segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
-    if len(plan) == 1:
-        local(plan[0])
-        chain(plan[0], here)
-        grads(plan[0])
-    else:
-        # segments last to first. bwd_local needs no chain: every segment's goes out at once,
-        # each on a group stream; the chain (its own stream) takes a segment once that
-        # segment's bwd_local is done, and bwd_grads (the same group stream) follows the chain
-        fork = _Fork(here, _index(dev), len(plan))
-        order = list(reversed(plan))
-        local_done = []
-        for i, seg in enumerate(order):
-            local(seg, fork.group(i))
-            local_done.append(fork.group(i).record_event())
-        for i, seg in enumerate(order):
-            fork.chain.wait_event(local_done[i])
-            chain(seg, fork.chain)
-            fork.group(i).wait_event(fork.chain.record_event())
-            grads(seg, fork.group(i))
-        fork.join()
+    with _on_device(index):
+        if len(plan) == 1:
+            local(plan[0], here)
+            chain(plan[0], here)
+            grads(plan[0], here)
+        else:
+            # segments last to first. bwd_local needs no chain: every segment's goes out at
+            # once, each on a group stream; the chain (its own stream) takes a segment once
+            # that segment's bwd_local is done, and bwd_grads (the same group stream) follows
+            # the chain
+            fork = _Fork(here, index, len(plan))
+            order = list(reversed(plan))
+            local_done = []
+            for i, seg in enumerate(order):
+                local(seg, fork.group(i))
+                local_done.append(fork.group(i).record_event())
+            for i, seg in enumerate(order):
+                fork.chain.wait_event(local_done[i])
+                chain(seg, fork.chain)
+                fork.group(i).wait_event(fork.chain.record_event())
+                grads(seg, fork.group(i))
+            fork.join()
     return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
