@@ -242,6 +242,7 @@ class Saved:
     xbuf: torch.Tensor        # [B, T, H, D] fp32 xhat
     rbuf: torch.Tensor        # [B, T, H] fp32 r
     groups: ChunkGroups
+    f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
 
 
 @functools.cache
@@ -389,7 +390,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                         *seg, np.uint64(out_smem)), out_stream)
     if fork is not None:
         fork.join()
-    saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
+    saved = Saved(ck, ckb, xbuf, rbuf, grp, (eta32, w32, b32)) if save_for_backward else None
     return o, ht, hbt, saved
 
 
@@ -397,7 +398,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
     fp32, dh0/dhb0 None without initial states."""
     p = problem
-    q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
+    q, k, v, cu_seqlens = p.q, p.k, p.v, p.cu_seqlens
     want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
@@ -411,7 +412,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
     do = do.contiguous()
-    eta32, w32, b32 = _f32(eta), _f32(w), _f32(b)
+    eta32, w32, b32 = saved.f32              # (the forward's casts)
     dht, dhbt = _f32(dht), _f32(dhbt)
     index = _index(dev)
     kern = get_kernels("bwd", dtype_name, dp, BT, index)
@@ -422,8 +423,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dgbuf = torch.empty(q.shape, **f32)      # dg_loc, then the full dg
     dq = torch.empty_like(q)
     deta = torch.empty(B, T, H, 1, **f32)
-    dwp = torch.empty(2, grp.count, H, D, **f32)
-    dbp = torch.empty(2, grp.count, H, D, **f32)
+    dwbp = torch.empty(2, 2, grp.count, H, D, **f32)  # per-group partials of dw, db
+    dwp, dbp = dwbp[0], dwbp[1]              # [0]: bwd_local's, [1]: bwd_grads'
     mma = kernels_use_mma(dtype_name, index)
     dh0 = dhb0 = None
     if want_dh0:
@@ -488,4 +489,5 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                 fork.group(i).wait_event(fork.chain.record_event())
                 grads(seg, fork.group(i))
             fork.join()
-    return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
+    dw, db = dwbp.sum((1, 2)).unbind(0)       # (one reduction for both)
+    return dq, dk, dv, dw, db, deta, dh0, dhb0
