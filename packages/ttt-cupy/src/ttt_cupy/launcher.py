@@ -71,15 +71,16 @@ SEGMENT_MAX_CHAINS = 128
 than the GPU has SMs, the chain kernels leave most of it idle, and the group-parallel kernels
 of finished segments fill it; with many chains the chain kernels fill it themselves."""
 
-SEGMENT_MIN_GROUPS = {64: (32, 8), 128: (16, 2)}
+SEGMENT_MIN_GROUPS = {64: (16, 8), 128: (16, 2)}
 """By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
 sequences of at least that many groups (G chunks each), into segments of at least that many.
-Each segment costs five launches and a few events on the host (about 0.17 ms for forward
-and backward on the GPU runner), which a short segment's chain does not cover. An H200,
-bf16, fwd+bwd ms, one launch / segmented (segments): 8 x 2048 x 12 heads, D 64 (8 groups)
-1.62 / 2.80 (8); 4 x 4096 x 16, D 64 (16 groups) 2.47 / 2.62 (2), 3.09 (8); 2 x 8192 x 16,
-D 64 (32 groups) 3.72 / 3.61 (4); 1 x 32768 x 16, D 64 (128 groups) 12.4 / 11.2 (16);
-4 x 4096 x 8, D 128 (16 groups) 5.34 / 4.78 (8)."""
+Each segment costs a few launches and events on the host, which a short segment's chain does
+not cover. An H200, bf16, fwd / fwd+bwd ms, one launch against forced segments (same call,
+the eleventh session's launcher): 8 x 2048 x 12 heads, D 64 (8 groups) 0.457 / 1.60 against
+0.752 / 2.03 (2); 4 x 4096 x 16, D 64 (16 groups) 0.724 / 2.46 against 0.670 / 2.37 (2),
+0.898 / 2.76 (4); 1 x 32768 x 16, D 64 (128 groups) 4.34 / 12.3 against 4.05 (8) / 11.2
+(16); 4 x 4096 x 8, D 128 (16 groups) 1.44 / 5.32 against 1.21 (2) / 4.74 (8). With
+many chains it gains little: 32 x 2048 x 16 (512 chains) fwd+bwd 5.81 against 5.73 (2)."""
 
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
 """``TTT_CUPY_SEGMENTS=K`` forces K segments per pass (``1``: one launch per kernel; unset or
