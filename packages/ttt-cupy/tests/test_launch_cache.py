@@ -1,0 +1,118 @@
+"""No GPU needed: the host-side caches of the cupy backend, with a stand-in ``cupy`` module.
+
+``compile.get_kernels`` must hand out one table per (pass, dtype, D_PAD, BT, device, mma), the
+same kernel objects at every call: CuPy's ``RawModule.get_function`` builds a new RawKernel
+each time it is asked, and ``launcher._function`` (the launch path's CUDA function, opted in to
+its shared memory once) is keyed by the kernel object, so new objects per call would grow it
+without bound over a training run (a leak the tenth session introduced and reverted).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from ttt_cupy import compile as cc
+from ttt_cupy import launcher
+
+
+class _Kernel:
+    """A RawKernel stand-in: counts the shared-memory opt-ins."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.kernel = ("function", name)
+        self.optins: list[int] = []
+        self._max = 48 * 1024
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        self.optins.append(value)
+        self._max = value
+
+
+class _Device:
+    compute_capability = "90"
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in ``cupy`` whose RawModule builds a new kernel object at every get_function
+    (as CuPy's does); the compile caches are emptied before and after."""
+    built: list[str] = []
+
+    class RawModule:
+        def __init__(self, **kwargs):
+            self.names = kwargs["name_expressions"]
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            assert name in self.names
+            built.append(name)
+            return _Kernel(name)
+
+    runtime = types.SimpleNamespace(cudaDevAttrMaxSharedMemoryPerBlockOptin=97,
+                                    deviceGetAttribute=lambda attr, index: 227 * 1024)
+    cuda = types.SimpleNamespace(Device=_Device, runtime=runtime,
+                                 compiler=types.SimpleNamespace(CompileException=RuntimeError))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
+                                                                    cuda=cuda))
+    monkeypatch.delenv(cc.MMA_ENV, raising=False)
+    caches = (cc._module, cc._kernel_table, cc.device_arch, launcher._function,
+              launcher._device_smem_limit)
+    for cache in caches:
+        cache.cache_clear()
+    yield built
+    for cache in caches:  # nothing of the stand-in outlives the test
+        cache.cache_clear()
+
+
+def test_kernel_table_is_built_once(fake_cupy, monkeypatch):
+    first = cc.get_kernels("bwd", "bfloat16", 64, 16, 0)
+    assert set(first) == set(cc.PASSES["bwd"])
+    assert len(fake_cupy) == 3
+    for _ in range(5):
+        again = cc.get_kernels("bwd", "bfloat16", 64, 16, 0)
+        assert again is first and again["bwd_chain"] is first["bwd_chain"]
+    assert len(fake_cupy) == 3                          # no kernel object built per call
+    with pytest.raises(TypeError):
+        first["bwd_chain"] = None                        # read-only: one table for everyone
+    # the tensor-core instances for half inputs; TTT_CUPY_MMA=0 (read at every call) gives
+    # another table, of the SIMT instances
+    assert first["bwd_chain"].name == cc.kernel_name("bwd_chain", "__nv_bfloat16", 64, 16, True)
+    monkeypatch.setenv(cc.MMA_ENV, "0")
+    simt = cc.get_kernels("bwd", "bfloat16", 64, 16, 0)
+    assert simt is not first
+    assert simt["bwd_chain"].name == cc.kernel_name("bwd_chain", "__nv_bfloat16", 64, 16, False)
+    forward = cc.get_kernels("fwd", "float32", 32, 16, 1)    # another pass and device
+    assert set(forward) == {*cc.PASSES["fwd"], cc.FUSED_NAME}
+    assert cc.get_kernels("fwd", "float32", 32, 16, 1) is forward
+
+
+def test_function_opts_in_once(fake_cupy):
+    kernel = cc.get_kernels("fwd", "bfloat16", 64, 16, 0)["fwd_out"]
+    for _ in range(3):
+        assert launcher._function(kernel, 0, 100_000) == kernel.kernel
+    assert kernel.optins == [100_000]                   # asked once, not at every launch
+    launcher._function(kernel, 0, 1024)                  # below the opt-in: nothing to ask
+    assert kernel.optins == [100_000]
+    with pytest.raises(RuntimeError, match="shared memory"):
+        launcher._function(kernel, 0, 228 * 1024)        # above the device's 227 KiB
+    assert launcher._function.cache_info().currsize == 2
