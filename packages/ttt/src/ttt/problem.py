@@ -119,15 +119,15 @@ class ChunkGroups:
         """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
         ``p``'s device (non-blocking copies)."""
         offs = p.group_offsets(G)
+        counts = [b - a for a, b in zip(offs[:-1], offs[1:])]   # groups per sequence
         offsets = seq = None
         if p.is_varlen:
             dev = p.device
             offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
-            counts = torch.tensor([b - a for a, b in zip(offs[:-1], offs[1:])])
-            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32), counts)
+            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32),
+                                          torch.tensor(counts))
             seq = seq.to(dev, non_blocking=True)
-        groups_max = max((b - a for a, b in zip(offs[:-1], offs[1:])), default=0)
-        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq, groups_max)
+        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq, max(counts, default=0))
 
 
 @dataclass
