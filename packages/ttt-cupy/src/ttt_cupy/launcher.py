@@ -365,16 +365,21 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     here = torch.cuda.current_stream(dev)
     fork = _Fork(here, index, len(plan)) if len(plan) > 1 else None
     chain_stream = here if fork is None else fork.chain
+    # the launches' arguments but the segment and the shared memory size, built once per pass
+    chain_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
+                  _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf), _ptr(rbuf),
+                  _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale),
+                  np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G))
+    out_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck),
+                _ptr(ckb), _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets),
+                _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps), np.int64(T),
+                np.int32(H), np.int32(D), np.int32(G))
     with _on_device(index):
         for i, (g_lo, g_hi) in enumerate(plan):
             seg = (np.int64(g_lo), np.int64(g_hi))
             _launch(kern[FUSED_NAME if fuse else "fwd_chain"], index, N * H,
-                    threads(dp, "fwd_chain", mma), chain_smem, (
-                        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
-                        _ptr(hb0), _ptr(ht), _ptr(hbt), _ptr(ck), _ptr(ckb), _ptr(xbuf),
-                        _ptr(rbuf), _ptr(o), _ptr(cu_seqlens), _ptr(grp.offsets),
-                        np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H),
-                        np.int32(D), np.int32(G), *seg, np.uint64(chain_smem)), chain_stream)
+                    threads(dp, "fwd_chain", mma), chain_smem,
+                    (*chain_args, *seg, np.uint64(chain_smem)), chain_stream)
             if fuse:
                 break
             # this segment's outputs, beside the chain's next segment
@@ -383,12 +388,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                 out_stream = fork.group(i)
                 out_stream.wait_event(chain_stream.record_event())
             _launch(kern["fwd_out"], index, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt,
-                    out_smem, (
-                        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(ck),
-                        _ptr(ckb), _ptr(xbuf), _ptr(rbuf), _ptr(o), _ptr(cu_seqlens),
-                        _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
-                        np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-                        *seg, np.uint64(out_smem)), out_stream)
+                    out_smem, (*out_args, *seg, np.uint64(out_smem)), out_stream)
     if fork is not None:
         fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp, (eta32, w32, b32)) if save_for_backward else None
@@ -440,31 +440,38 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     grads_smem = smem_bytes("bwd_grads", dp, BT)
     split_rows = grads_split(dp, BT)
 
+    # the launches' arguments but the segment and the shared memory size, built once per pass
+    local_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
+                  _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf),
+                  _ptr(dgbuf), _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]),
+                  _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
+                  np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G))
+    chain_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf),
+                  _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt),
+                  _ptr(dck), _ptr(dckb), _ptr(dh0), _ptr(dhb0), _ptr(cu_seqlens),
+                  _ptr(grp.offsets), np.float32(p.scale), np.int64(T), np.int32(H),
+                  np.int32(D), np.int32(G))
+    grads_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
+                  _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk),
+                  _ptr(dv), _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets),
+                  _ptr(grp.seq), np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D),
+                  np.int32(G))
+
     def local(seg, stream):
-        _launch(kern["bwd_local"], index, _group_blocks(grp, N, seg) * H, nt, local_smem, (
-            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
-            _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf),
-            _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]), _ptr(cu_seqlens),
-            _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps),
-            np.int64(T), np.int32(H), np.int32(D), np.int32(G), np.int64(seg[0]),
-            np.int64(seg[1]), np.uint64(local_smem)), stream)
+        _launch(kern["bwd_local"], index, _group_blocks(grp, N, seg) * H, nt, local_smem,
+                (*local_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(local_smem)),
+                stream)
 
     def chain(seg, stream):
-        _launch(kern["bwd_chain"], index, N * H, threads(dp, "bwd_chain", mma), chain_smem, (
-            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf),
-            _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt), _ptr(dck),
-            _ptr(dckb), _ptr(dh0), _ptr(dhb0), _ptr(cu_seqlens), _ptr(grp.offsets),
-            np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-            np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)), stream)
+        _launch(kern["bwd_chain"], index, N * H, threads(dp, "bwd_chain", mma), chain_smem,
+                (*chain_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)),
+                stream)
 
     def grads(seg, stream):  # grads_split blocks per (group, head), each a part of W's rows
         _launch(kern["bwd_grads"], index, _group_blocks(grp, N, seg) * H * split_rows, nt,
-                grads_smem, (
-            _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
-            _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv),
-            _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq),
-            np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D), np.int32(G),
-            np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)), stream)
+                grads_smem,
+                (*grads_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)),
+                stream)
 
     plan = segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
