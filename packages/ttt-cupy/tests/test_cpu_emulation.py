@@ -95,7 +95,7 @@ GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
 
 
 def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False,
-                seg=0):
+                seg=0, fuse_grads=False):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
     everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
     that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
@@ -103,7 +103,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     means a forward without backward (no slots, xhat or r: null pointers) and returns
     (o, ht, hbt), None. ``seg`` > 0: the segmented launch order (launcher.segment_plan), seg
     groups per segment: each segment's chain, then its group kernels; the backward's segments
-    in reverse."""
+    in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
+    writes dk, dv and per-chain dw, db partials, and bwd_grads is skipped."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -187,12 +188,22 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
+    dwc, dbc = np.zeros((N, H, D), np.float32), np.zeros((N, H, D), np.float32)
+    if fuse_grads:
+        dwp[1] = dbp[1] = 0.0   # (no bwd_grads)
     for lo, hi in reversed(segs):
         sg = (i64(lo), i64(hi))
         call("bwd_local", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
              _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
              _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg)
+        if fuse_grads:  # the chain does bwd_grads' work: dk, dv, dw / db per chain
+            call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+                 _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
+                 _p(g["eta"]), _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0),
+                 _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(ck),
+                 _p(g["k"]), _p(g["v"]), _p(dwc), _p(dbc), fused_instance=True)
+            continue
         call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
              _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(cu_arr), _p(go),
@@ -203,7 +214,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
              _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]),
              _p(cu_arr), _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg)
     # bwd_grads asks for every group's last chunk before its state loads
-    assert prefetches.get("bwd_grads", 0) > 0, "no bwd_grads prefetch hint reached the check"
+    assert fuse_grads or prefetches.get("bwd_grads", 0) > 0, \
+        "no bwd_grads prefetch hint reached the check"
     per_launch = seg * G if seg > 0 else None  # chunks of a sequence per chain launch
     if any(min(_cdiv(length, BT), per_launch or length) > 1 for _, _, length in seqs):
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
@@ -211,7 +223,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:
         # its rows came through cp.async: the copies' bounds and waits were checked
         assert copies.get("bwd_chain", 0) > 0, "no asynchronous copy reached the checks"
-    g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
+    g["w"], g["b"] = dwp.sum((0, 1)) + dwc.sum(0), dbp.sum((0, 1)) + dbc.sum(0)
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g
 
@@ -408,3 +420,30 @@ def test_segments_match_one_launch(emu, case, mma, seg):
     for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
             (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
         assert np.array_equal(a, r), f"{name}: segmented launches differ from one launch"
+
+
+FUSE_GRADS_CASES = [c for c in CASES if c[4] <= 64]
+
+
+@pytest.mark.parametrize("seg", [0, 1], ids=["one-launch", "seg1"])
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32-operands", "tf32-operands"])
+@pytest.mark.parametrize("case", FUSE_GRADS_CASES, ids=_id)
+def test_fused_backward_chain_matches_unfused(emu, case, tf32, seg):
+    """bwd_chain's fused instance (bwd_grads' work done per chunk in the chain: the state
+    before each chunk stepped back in shared memory, dk, dv and the dw, db partials written by
+    the chain) against the unfused sequence on the same tensor-core instances: every output
+    and gradient, and every entry written (no NaN poison). Segmented too (a segment's W from
+    the slot at its end, the partials added to)."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    mma = CHAIN_KERNELS + GROUP_KERNELS
+    emu.emu_set_tf32_round(int(tf32))
+    try:
+        ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                                 seg=seg)
+        got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                                 seg=seg, fuse_grads=True)
+    finally:
+        emu.emu_set_tf32_round(0)
+    _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)

@@ -36,11 +36,12 @@ def test_every_instance_compiles_for_sm80_and_sm90():
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
     # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0), + the fused
-    # forward chain per dtype (and its SIMT instance for the half types)
+    # forward chain per dtype (and its SIMT instance for the half types), + the fused backward
+    # chain for the two half types at D_PAD <= 64
     assert MMA_KERNELS == KERNELS
     expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
-        * len(BLOCK_TS)
-    assert expected == 360
+        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS)
+    assert expected == 378
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
@@ -155,7 +156,14 @@ def test_mma_instances_and_switch(monkeypatch):
     with pytest.raises(ValueError, match="fused"):
         kernel_name("fwd_out", "__half", 64, 16, fused=True)
     assert not any(is_mma_instance(n) for n in program_names("bwd", "float", 16, 16))
-    assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 6
+    # + the fused backward chain (tensor cores, D_PAD <= 64)
+    assert len(program_names("bwd", "__nv_bfloat16", 16, 16)) == 7
+    assert len(program_names("bwd", "__nv_bfloat16", 128, 16)) == 6
+    assert pass_names("bwd", "__half", 64, 32, True)["bwd_chain_fused"] == (
+        "ttt_linear_bwd_chain_fused<__half, 64, 32, true>")
+    assert is_mma_instance(pass_names("bwd", "__half", 64, 32, True)["bwd_chain_fused"])
+    assert "bwd_chain_fused" not in pass_names("bwd", "__half", 64, 16, False)
+    assert "bwd_chain_fused" not in pass_names("bwd", "__half", 128, 16, True)
 
 
 def test_smem_reason_names_the_kernel():
@@ -183,7 +191,7 @@ def test_fused_forward_rule(monkeypatch):
 
     from ttt_cupy.launcher import FUSE_ENV, FUSED, fused_forward
 
-    assert FUSED == {"forward_inference": 128, "forward_training": 256}
+    assert FUSED == {"forward_inference": 128, "forward_training": 256, "backward": 256}
     monkeypatch.delenv(FUSE_ENV, raising=False)
     assert fused_forward(SimpleNamespace(N=8, H=16), False)         # 128 chains, inference
     assert not fused_forward(SimpleNamespace(N=8, H=12), False)

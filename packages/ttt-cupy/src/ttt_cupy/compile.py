@@ -55,6 +55,16 @@ FUSED_NAME = "fwd_chain_fused"
 """The key of :data:`FUSED_KERNEL`'s FUSE instance in :func:`pass_names` and
 :func:`get_kernels` (forward pass)."""
 
+FUSED_BWD_NAME = "bwd_chain_fused"
+"""The key of the fused backward chain (``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true>``,
+bwd_chain.cu: bwd_grads' work done in the chain) in :func:`pass_names` and
+:func:`get_kernels` (backward pass): tensor-core instances of the half types at D_PAD <=
+:data:`FUSED_BWD_MAX_D_PAD` only."""
+
+FUSED_BWD_MAX_D_PAD = 64
+"""The widest padded head dim with a fused backward chain (two [D_PAD, D_PAD] tiles in its
+shared memory besides the MMA chain's)."""
+
 MMA_ENV = "TTT_CUPY_MMA"
 """``TTT_CUPY_MMA=0`` makes half inputs run the SIMT fp32 instances of :data:`MMA_KERNELS`
 too (default: tensor cores for half inputs on sm_80+). Read at every launch."""
@@ -134,6 +144,8 @@ def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool) -> dict[str,
     names = {k: kernel_name(k, ctype, dp, bt, mma) for k in PASSES[pass_]}
     if FUSED_KERNEL in PASSES[pass_]:
         names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True)
+    if pass_ == "bwd" and mma and dp <= FUSED_BWD_MAX_D_PAD:
+        names[FUSED_BWD_NAME] = f"ttt_linear_bwd_chain_fused<{ctype}, {dp}, {bt}, true>"
     return names
 
 
@@ -274,6 +286,17 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         "bwd_grads": _bwd_grads_base_floats(dp, bt) + bwd_grads_stage_floats(dp, bt),
     }[kernel]
     return 4 * floats
+
+
+def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
+    """Dynamic shared memory of the fused backward chain (Traits::kBwdChainFusedTcBytes): the
+    MMA chain's, then g, dkh, do_pre tiles ([BT, D_PAD + 1]), dW and W ([D_PAD, D_PAD + 1]),
+    S ([BT, BT + 1]) and eta ([BT])."""
+    if dp > FUSED_BWD_MAX_D_PAD:
+        raise ValueError(f"D_PAD: the fused backward chain needs at most {FUSED_BWD_MAX_D_PAD}, "
+                         f"got {dp}")
+    tile, state, square = bt * (dp + 1), dp * (dp + 1), bt * (bt + 1)
+    return smem_bytes("bwd_chain", dp, bt, True) + 4 * (3 * tile + 2 * state + square + bt)
 
 
 def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:

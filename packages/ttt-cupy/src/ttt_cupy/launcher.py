@@ -1,24 +1,25 @@
-"""Launchers: allocate outputs and work buffers with torch, launch the CUDA kernels through
-CuPy (zero copy).
+"""Launchers: allocate outputs and work buffers with torch, launch the CUDA kernels through CuPy
+(zero copy).
 
 Kernels get raw ``data_ptr()`` addresses and run on torch's current stream of the inputs'
 device; nothing is copied to the host. The split follows the Triton backend: the forward is
 fwd_chain (one block per (sequence, head): the state chain, the checkpoint slots and the
-LayerNorm's xhat [B, T, H, D] and r [B, T, H] of every row, fp32) then fwd_out (one block
-per (group of G chunks, head): the outputs, g derived row-locally from xhat and r), or, with
-many chains (:data:`FUSED`), fwd_chain's fused instance alone, writing the outputs itself; the
+LayerNorm's xhat [B, T, H, D] and r [B, T, H] of every row, fp32) then fwd_out (one block per
+(group of G chunks, head): the outputs, g derived row-locally from xhat and r), or, with many
+chains (:data:`FUSED`), fwd_chain's fused instance alone, writing the outputs itself; the
 backward is bwd_local (per group), bwd_chain (per sequence, reverse) and bwd_grads (per group,
 reverse; :func:`~ttt_cupy.compile.grads_split` blocks per group at D_PAD 128 with chunk 64),
-all reading the saved xhat and r (no recomputed k W or LayerNorm). With few long chains
-(:func:`segment_plan`) each pass is split into segments of whole groups: the chain kernel
-runs once per segment on a high-priority side stream, and a segment's group-parallel kernels
-run on their own side streams as soon as it is done, beside the chain's next segment (the
-backward: every bwd_local at once, then per segment bwd_chain, bwd_grads). Tunables live in
-:data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off /
-on) and :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
+all reading the saved xhat and r (no recomputed k W or LayerNorm); with many chains
+(:func:`fused_backward`) the backward chain's fused instance does bwd_grads' work itself. With
+few long chains (:func:`segment_plan`) each pass is split into segments of whole groups: the
+chain kernel runs once per segment on a high-priority side stream, and a segment's
+group-parallel kernels run on their own side streams as soon as it is done, beside the chain's
+next segment (the backward: every bwd_local at once, then per segment bwd_chain, bwd_grads).
+Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused
+forward off / on) and :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
 (``TTT_CUPY_SEGMENTS=K`` forces K segments). For half inputs all five kernels are their
-tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at
-every launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
+tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every
+launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from ttt.problem import ChunkGroups
 
 from .compile import (
     BLOCK_TS,
+    FUSED_BWD_MAX_D_PAD,
+    FUSED_BWD_NAME,
     FUSED_NAME,
+    bwd_chain_fused_smem_bytes,
     d_pad,
     get_kernels,
     grads_split,
@@ -49,7 +53,7 @@ CKPT_INTERVAL = 16
 """G: chunks per group. fwd_chain stores the fp32 state every G chunks (slots); the
 group-parallel kernels replay one group each from its slot."""
 
-FUSED = {"forward_inference": 128, "forward_training": 256}
+FUSED = {"forward_inference": 128, "forward_training": 256, "backward": 256}
 """The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
 instance writes the outputs itself and fwd_out is not launched; for a forward without backward
 (``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
@@ -89,6 +93,11 @@ empty: :func:`segment_plan`'s rule); read at every call, for A/B runs."""
 FUSE_ENV = "TTT_CUPY_FUSE"
 """``TTT_CUPY_FUSE=1`` forces the fused forward on, ``0`` off (unset or empty: :data:`FUSED`);
 read at every call, for A/B runs of both paths."""
+
+FUSE_GRADS_ENV = "TTT_CUPY_FUSE_GRADS"
+"""``TTT_CUPY_FUSE_GRADS=1`` forces the fused backward chain (bwd_chain.cu's
+``ttt_linear_bwd_chain_fused``: bwd_grads' work in the chain) on where it exists, ``0`` off
+(unset or empty: :data:`FUSED`'s ``backward``); read at every call."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -143,6 +152,24 @@ def fused_forward(problem: Problem, save_for_backward: bool) -> bool:
         raise ValueError(f"{FUSE_ENV}: expected 0, 1 or unset, got {value!r}")
     key = "forward_training" if save_for_backward else "forward_inference"
     return problem.N * problem.H >= FUSED[key]
+
+
+def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
+    """Whether the backward runs the fused chain (no bwd_grads): tensor-core kernels, D_PAD <=
+    :data:`~ttt_cupy.compile.FUSED_BWD_MAX_D_PAD`, its shared memory within the device's, and
+    at least :data:`FUSED`'s ``backward`` chains (:data:`FUSE_GRADS_ENV` overrides the
+    count)."""
+    dp, bt = d_pad(problem.D), problem.chunk_size
+    if not mma or dp > FUSED_BWD_MAX_D_PAD:
+        return False
+    if bwd_chain_fused_smem_bytes(dp, bt) > _device_smem_limit(index):
+        return False
+    value = os.environ.get(FUSE_GRADS_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"{FUSE_GRADS_ENV}: expected 0, 1 or unset, got {value!r}")
+    return problem.N * problem.H >= FUSED["backward"]
 
 
 def segment_plan(problem: Problem, groups_max: int,
@@ -424,9 +451,15 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dgbuf = torch.empty(q.shape, **f32)      # dg_loc, then the full dg
     dq = torch.empty_like(q)
     deta = torch.empty(B, T, H, 1, **f32)
-    dwbp = torch.empty(2, 2, grp.count, H, D, **f32)  # per-group partials of dw, db
-    dwp, dbp = dwbp[0], dwbp[1]              # [0]: bwd_local's, [1]: bwd_grads'
     mma = kernels_use_mma(dtype_name, index)
+    fuse = fused_backward(p, mma, index)
+    if fuse:  # [0]: bwd_local's per-group partials of dw, db; [1]: the fused chain's, per chain
+        dwbp = torch.empty(2, grp.count, H, D, **f32)
+        dwbc = torch.zeros(2, N, H, D, **f32)
+        dwp, dbp = dwbp[0:1], dwbp[1:2]
+    else:
+        dwbp = torch.empty(2, 2, grp.count, H, D, **f32)  # per-group partials of dw, db
+        dwp, dbp = dwbp[0], dwbp[1]              # [0]: bwd_local's, [1]: bwd_grads'
     dh0 = dhb0 = None
     if want_dh0:
         dh0 = torch.empty(N, H, D, D, **f32)
@@ -436,11 +469,15 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     dk = torch.empty_like(q)
     dv = torch.empty_like(q)
     local_smem = smem_bytes("bwd_local", dp, BT, mma)
-    chain_smem = smem_bytes("bwd_chain", dp, BT, mma)
+    chain_smem = bwd_chain_fused_smem_bytes(dp, BT) if fuse else smem_bytes("bwd_chain", dp,
+                                                                               BT, mma)
     grads_smem = smem_bytes("bwd_grads", dp, BT)
     split_rows = grads_split(dp, BT)
 
     # the launches' arguments but the segment and the shared memory size, built once per pass
+    # (the fused chain's: also the slots, dk, dv and the per-chain dw, db partials)
+    fused_args = ((_ptr(saved.ck), _ptr(dk), _ptr(dv), _ptr(dwbc[0]), _ptr(dwbc[1]))
+                  if fuse else ())
     local_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
                   _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf),
                   _ptr(dgbuf), _ptr(dq), _ptr(deta), _ptr(dwp[0]), _ptr(dbp[0]),
@@ -448,9 +485,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                   np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D), np.int32(G))
     chain_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(xbuf),
                   _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(deta), _ptr(dht), _ptr(dhbt),
-                  _ptr(dck), _ptr(dckb), _ptr(dh0), _ptr(dhb0), _ptr(cu_seqlens),
-                  _ptr(grp.offsets), np.float32(p.scale), np.int64(T), np.int32(H),
-                  np.int32(D), np.int32(G))
+                  _ptr(dck), _ptr(dckb), _ptr(dh0), _ptr(dhb0), *fused_args,
+                  _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale), np.int64(T),
+                  np.int32(H), np.int32(D), np.int32(G))
     grads_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
                   _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk),
                   _ptr(dv), _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets),
@@ -462,8 +499,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                 (*local_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(local_smem)),
                 stream)
 
-    def chain(seg, stream):
-        _launch(kern["bwd_chain"], index, N * H, threads(dp, "bwd_chain", mma), chain_smem,
+    def chain(seg, stream):  # fused: also dk, dv and the per-chain dw, db partials
+        _launch(kern[FUSED_BWD_NAME if fuse else "bwd_chain"], index, N * H,
+                threads(dp, "bwd_chain", mma), chain_smem,
                 (*chain_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)),
                 stream)
 
@@ -479,7 +517,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
         if len(plan) == 1:
             local(plan[0], here)
             chain(plan[0], here)
-            grads(plan[0], here)
+            if not fuse:
+                grads(plan[0], here)
         else:
             # segments last to first. bwd_local needs no chain: every segment's goes out at
             # once, each on a group stream; the chain (its own stream) takes a segment once
@@ -494,8 +533,12 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
             for i, seg in enumerate(order):
                 fork.chain.wait_event(local_done[i])
                 chain(seg, fork.chain)
-                fork.group(i).wait_event(fork.chain.record_event())
-                grads(seg, fork.group(i))
+                if not fuse:
+                    fork.group(i).wait_event(fork.chain.record_event())
+                    grads(seg, fork.group(i))
             fork.join()
-    dw, db = dwbp.sum((1, 2)).unbind(0)       # (one reduction for both)
+    if fuse:
+        dw, db = (dwbp.sum(1) + dwbc.sum(1)).unbind(0)
+    else:
+        dw, db = dwbp.sum((1, 2)).unbind(0)   # (one reduction for both)
     return dq, dk, dv, dw, db, deta, dh0, dhb0

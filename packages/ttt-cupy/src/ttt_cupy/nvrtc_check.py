@@ -33,11 +33,13 @@ from .compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
+    FUSED_BWD_MAX_D_PAD,
     FUSED_KERNEL,
     KERNELS,
     NVRTC_OPTIONS,
     PASSES,
     REGISTER_STATE_KERNELS,
+    bwd_chain_fused_smem_bytes,
     cuda_include_dir,
     grads_split,
     include_options,
@@ -135,6 +137,9 @@ def smem_asserts() -> str:
                 if kernel in REGISTER_STATE_KERNELS:
                     check(dp, bt, "kTcThreads", threads(dp, kernel, True),
                           f"threads({dp}, '{kernel}', True)")
+            if dp <= FUSED_BWD_MAX_D_PAD:
+                check(dp, bt, "kBwdChainFusedTcBytes", bwd_chain_fused_smem_bytes(dp, bt),
+                      f"bwd_chain_fused_smem_bytes({dp}, {bt})")
             check(dp, bt, "kGradsSplit", grads_split(dp, bt), f"grads_split({dp}, {bt})")
     return "\n" + "\n".join(lines) + "\n"
 

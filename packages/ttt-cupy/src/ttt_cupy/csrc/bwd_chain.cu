@@ -55,8 +55,9 @@
 
 namespace ttt {
 
-// The MMA instance of the backward chain (see the top of this file).
-template <typename T, int D_PAD, int BT>
+// The MMA instance of the backward chain (see the top of this file); FUSE: the fused instance
+// (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-chain dw, db partials.
+template <typename T, int D_PAD, int BT, bool FUSE = false>
 __device__ __forceinline__ void bwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
@@ -66,9 +67,12 @@ __device__ __forceinline__ void bwd_chain_tc(
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
     const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G, long long g_lo, long long g_hi) {
+    int G, long long g_lo, long long g_hi, const float* __restrict__ ck = nullptr,
+    T* __restrict__ dk = nullptr, T* __restrict__ dv = nullptr, float* __restrict__ dwc = nullptr,
+    float* __restrict__ dbc = nullptr) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
+    constexpr int LA = Tr::kLdA;
     float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
     float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
     float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
@@ -83,6 +87,15 @@ __device__ __forceinline__ void bwd_chain_tc(
     T* s_pq = reinterpret_cast<T*>(s_dg + 2 * Tr::kStageTile);  // [BT, RowsT::kLd] q
     T* s_pk = reinterpret_cast<T*>(s_dg + 3 * Tr::kStageTile);  // [BT, RowsT::kLd] k
     float* s_r = s_dg + 4 * Tr::kStageTile;                      // [BT] r
+    // FUSE only, past the unfused instance's shared memory (its stage included, if any)
+    float* s_g = s_xh + (kStage ? Tr::kBwdChainStageFloats : 0);  // [BT, LD]  g
+    float* s_dkh = s_g + Tr::kTile;       // [BT, LD]      dkh
+    float* s_out = s_dkh + Tr::kTile;     // [BT, LD]      do_pre, then dk - dy w
+    float* s_dWs = s_out + Tr::kTile;     // [D_PAD, LD]   dW (after the chunk)
+    float* s_W = s_dWs + Tr::kState;      // [D_PAD, LD]   W (the state before the chunk)
+    float* s_S = s_W + Tr::kState;        // [BT, LA]      -scale e_j g_i . do_pre_j (j >= i)
+    float* s_e = s_S + Tr::kSquare;       // [BT]          per-row eta
+    float dwa[2] = {0.f, 0.f}, dba[2] = {0.f, 0.f};  // FUSE: this lane's dw, db partials
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, tq = lane & 3;
     const int n0 = 16 * wid + (lane >> 2);              // this lane's columns n0, n0 + 8
@@ -131,6 +144,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         store_state_frag<D_PAD>(dck + i_end * DD, dckb + i_end * D, dW, dhb, D);
     }
     state_cols_ln(col_ok, lw, lb, lnw, lnb, i_h, D);
+    if constexpr (FUSE)  // W after the launch's last chunk: the slot at its end
+        load_state_rows<D_PAD, D_PAD, NT>(s_W, ck + i_end * DD, D, D);
     if (c_hi > c_lo) {
         const long long row0 = (c_hi - 1) * BT;
         const int L = (int)min((long long)BT, sq.len - row0);
@@ -210,6 +225,23 @@ __device__ __forceinline__ void bwd_chain_tc(
                     r[i][e] = t < L ? r_rows[t * H] : 0.f;
                 }
         }
+        if constexpr (FUSE) {
+            // dW (after the chunk) and do_pre as tiles, the per-row eta; at a group start W
+            // (before the chunk) from its slot, else stepped back below. (The step before
+            // ended with a barrier: nobody reads these tiles any more.)
+            for_each_state_entry<D_PAD>(
+                [&](int J, int c, int a, int n) { s_dWs[a * LD + n] = dW[J][c]; });
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    s_out[(8 * i + 2 * tq + (c & 1)) * LD + n0 + 8 * (c >> 1)] = dop[i][c];
+            for (int j = threadIdx.x; j < BT; j += NT)
+                s_e[j] = j < L ? eta[p_ebase + (row0 + j) * H] : 0.f;
+            if (in_group == 0)
+                load_state_rows<D_PAD, D_PAD, NT>(
+                    s_W, ck + ((sq.slot_base + i_c / G) * H + i_h) * DD, D, D);
+        }
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
         float u[NR][4], y[NR][4], s1[NR][2][2];
@@ -249,6 +281,7 @@ __device__ __forceinline__ void bwd_chain_tc(
                     const int c = e + 2 * h;
                     const bool ok = col_ok[h] && t < L;
                     gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
+                    if constexpr (FUSE) s_g[t * LD + n0 + 8 * h] = gg[i][c];
                     dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
                     s2[i][e][0] += dg[i][c];
                     s2[i][e][1] += dg[i][c] * xh[i][c];
@@ -257,9 +290,12 @@ __device__ __forceinline__ void bwd_chain_tc(
                 }
             }
         frag_row_sums<NW, BT, 4>(s2, s_red + 4 * NW * BT);
+        if constexpr (FUSE)  // (g, do_pre, eta are in: round 2's barrier)
+            tri_dots_mma<D_PAD, BT, NW, false>(s_S, s_g, s_out, L, 0.f, s_e, -scale);
 
-        // dy, dxh (inner_grad_bwd_row); round 3: sums of dxh, dxh xh
-        float dxh[NR][4], s3[NR][2][2];
+        // dy, dxh (inner_grad_bwd_row); round 3: sums of dxh, dxh xh. FUSE: dy w (kept for
+        // dk), dv = -dy w, and the dw, db partials (sum_i dy (2 xh w + b - v + k), sum_i dy w)
+        float dxh[NR][4], s3[NR][2][2], dyw[NR][4];
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -273,6 +309,14 @@ __device__ __forceinline__ void bwd_chain_tc(
                     const int c = e + 2 * h;
                     const bool ok = col_ok[h] && t < L;
                     const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
+                    if constexpr (FUSE) {
+                        const int n = n0 + 8 * h;
+                        dyw[i][c] = dy * lw[h];
+                        if (ok) dv[o_rows + t * rs + n] = from_f32<T>(-dyw[i][c]);
+                        dwa[h] += dy * (2.f * xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                        skt[t * LD + n]);
+                        dba[h] += dyw[i][c];
+                    }
                     dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
                                          dy * (lw[h] * lw[h])
                                    : 0.f;
@@ -298,9 +342,39 @@ __device__ __forceinline__ void bwd_chain_tc(
                     const bool ok = col_ok[h] && t < L;
                     u[i][c] = ok ? r[i][e] * (dxh[i][c] - c1 - xh[i][c] * c2) - dr * xh[i][c]
                                  : 0.f;
-                    if (ok) dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
+                    if constexpr (FUSE)
+                        s_dkh[t * LD + n0 + 8 * h] = u[i][c];
+                    else if (ok)
+                        dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
                 }
             }
+
+        if constexpr (FUSE) {
+            // W before the chunk: W + eta_l k^T g, unless it came from its slot; then
+            // dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads)
+            if (in_group != 0)
+                state_update_mma<D_PAD, BT, NW>(s_W, e_l, skt, s_g, nullptr, nullptr, D);
+            __syncthreads();
+            mma_tiles<BT, D_PAD, NW>(
+                [&](float (&acc)[4], int m0, int n1) {
+                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma_tile_acc(acc, s_S, LA, 1, sqt, LD, 1, m0, n1, m0, BT);
+                    mma_tile_acc(acc, s_dkh, LD, 1, s_W, 1, LD, m0, n1, 0, D_PAD);
+                    mma_tile_acc(acc2, s_g, LD, 1, s_dWs, 1, LD, m0, n1, 0, D_PAD);
+#pragma unroll
+                    for (int q4 = 0; q4 < 4; ++q4) acc[q4] -= e_l * acc2[q4];
+                },
+                [&](float (&acc)[4], int m0, int n1) { store_acc_tile<LD>(s_out, acc, m0, n1); });
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int t = 8 * i + 2 * tq + (c & 1), n = n0 + 8 * (c >> 1);
+                    if (t < L && col_ok[c >> 1])
+                        dk[o_rows + t * rs + n] = from_f32<T>(s_out[t * LD + n] + dyw[i][c]);
+                }
+        }
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i (do_pre_i + dkh_i)
         state_update_frag<D_PAD, BT, kExact>(dW, dop, scale, sqt);  // (q scale)^T do_pre
@@ -340,6 +414,20 @@ __device__ __forceinline__ void bwd_chain_tc(
 
     if (dh0 != nullptr && c_lo == 0)
         store_state_frag<D_PAD>(dh0 + i_nh * DD, dhb0 + i_nh * D, dW, dhb, D);
+    if constexpr (FUSE) {  // the chain's dw, db partials: sums over the lanes of a column
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int m = 1; m <= 2; m <<= 1) {
+                dwa[h] += __shfl_xor_sync(0xffffffffu, dwa[h], m);
+                dba[h] += __shfl_xor_sync(0xffffffffu, dba[h], m);
+            }
+            if (tq == 0 && col_ok[h]) {  // (segments of a chain run one after the other)
+                dwc[i_nh * D + n0 + 8 * h] += dwa[h];
+                dbc[i_nh * D + n0 + 8 * h] += dba[h];
+            }
+        }
+    }
 }
 
 // The SIMT instance of the backward chain (MMA = false; see the top of this file).
@@ -509,4 +597,49 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                                           dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
                                           grp_offsets, scale, T_len, H, D, G, g_lo, g_hi);
     }
+}
+
+// The fused backward chain (launcher: many chains at D_PAD <= 64, half inputs): the MMA
+// instance above with bwd_grads.cu's work done per chunk, as the Triton backend's FUSE_GRADS.
+// With W the state before the chunk (its slot at a group start, else stepped back from the
+// state after it, W + eta_l k^T g, in shared memory) and dW the cotangent after it:
+//
+//   dk = dy w + dkh W^T - eta_l g dW^T + C_q (q scale),  (C_q)_ij = -[j >= i] e_j g_i . do_pre_j
+//   dv = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
+//
+// dk, dv are final; dw, db go into dwc, dbc [N, H, D] (added to: segments of a chain run one
+// after the other; zero them first). The full dg is not stored (nothing reads it); the slot
+// cotangents are (a segment starts from them). Shared memory: the MMA instance's, then g, dkh,
+// do_pre (later dk - dy w) tiles, dW and W as [D_PAD, D_PAD + 1], S, eta
+// (Traits::kBwdChainFusedTcBytes).
+template <typename T, int D_PAD, int BT, bool MMA = true>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
+ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, const float* __restrict__ eta,
+                           const float* __restrict__ lnw, const float* __restrict__ lnb,
+                           const float* __restrict__ xbuf, const float* __restrict__ rbuf,
+                           const float* __restrict__ dopbuf, float* __restrict__ dgbuf,
+                           float* __restrict__ deta, const float* __restrict__ dht,
+                           const float* __restrict__ dhbt, float* __restrict__ dck,
+                           float* __restrict__ dckb, float* __restrict__ dh0,
+                           float* __restrict__ dhb0,
+                           const float* __restrict__ ck,      // [slots, H, D, D] state slots
+                           T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
+                           float* __restrict__ dwc,           // [N, H, D] += dw partials
+                           float* __restrict__ dbc,           // [N, H, D] += db partials
+                           const long long* __restrict__ cu_seqlens,
+                           const long long* __restrict__ grp_offsets, float scale,
+                           long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
+                           unsigned long long smem_bytes) {
+    static_assert(MMA && ttt::is_half_type<T>::value, "only the tensor-core instance fuses");
+    static_assert(D_PAD <= 64, "D_PAD 128 would hold two [D_PAD, D_PAD] tiles per block");
+    using Tr = ttt::Traits<D_PAD, BT>;
+    extern __shared__ float smem[];
+    if (smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
+        G < 1)
+        __trap();
+    ttt::bwd_chain_tc<T, D_PAD, BT, true>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
+                                          dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
+                                          cu_seqlens, grp_offsets, scale, T_len, H, D, G, g_lo,
+                                          g_hi, ck, dk, dv, dwc, dbc);
 }

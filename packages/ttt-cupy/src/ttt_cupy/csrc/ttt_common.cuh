@@ -101,6 +101,11 @@ struct Traits {
         4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
     static constexpr unsigned long long kBwdChainTcBytes =
         4ull * (kBwdChainTcFloats + (kBwdChainStage ? kBwdChainStageFloats : 0));
+    // bwd_chain's fused instance (ttt_linear_bwd_chain_fused, D_PAD <= 64): then g, dkh and
+    // do_pre tiles, dW and W as [D_PAD, D_PAD + 1], S [BT, BT + 1], eta [BT]
+    static constexpr int kBwdChainFusedFloats = 3 * kTile + 2 * kState + kSquare + BT;
+    static constexpr unsigned long long kBwdChainFusedTcBytes =
+        kBwdChainTcBytes + 4ull * kBwdChainFusedFloats;
     // bwd_grads stages the next chunk's do_pre (a [BT, D_PAD + 4]-float region from a
     // 16-byte aligned offset) and eta ([BT]) through cp.async, under the same rule (whole rows
     // only: kGradsSplit 1). (q and k staged too spilled 84 bytes under the 3-blocks bound.)
