@@ -488,11 +488,11 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                   _ptr(dck), _ptr(dckb), _ptr(dh0), _ptr(dhb0), *fused_args,
                   _ptr(cu_seqlens), _ptr(grp.offsets), np.float32(p.scale), np.int64(T),
                   np.int32(H), np.int32(D), np.int32(G))
-    grads_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck),
-                  _ptr(dck), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk),
-                  _ptr(dv), _ptr(dwp[1]), _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets),
-                  _ptr(grp.seq), np.float32(p.scale), np.int64(T), np.int32(H), np.int32(D),
-                  np.int32(G))
+    grads_args = () if fuse else (
+        _ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(saved.ck), _ptr(dck),
+        _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf), _ptr(dgbuf), _ptr(dk), _ptr(dv), _ptr(dwp[1]),
+        _ptr(dbp[1]), _ptr(cu_seqlens), _ptr(grp.offsets), _ptr(grp.seq), np.float32(p.scale),
+        np.int64(T), np.int32(H), np.int32(D), np.int32(G))
 
     def local(seg, stream):
         _launch(kern["bwd_local"], index, _group_blocks(grp, N, seg) * H, nt, local_smem,
