@@ -104,7 +104,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     (o, ht, hbt), None. ``seg`` > 0: the segmented launch order (launcher.segment_plan), seg
     groups per segment: each segment's chain, then its group kernels; the backward's segments
     in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
-    writes dk, dv and per-chain dw, db partials, and bwd_grads is skipped."""
+    writes dk, dv and per-group dw, db partials (where bwd_grads puts its), and bwd_grads
+    is skipped."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -188,21 +189,18 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
-    dwc, dbc = np.zeros((N, H, D), np.float32), np.zeros((N, H, D), np.float32)
-    if fuse_grads:
-        dwp[1] = dbp[1] = 0.0   # (no bwd_grads)
     for lo, hi in reversed(segs):
         sg = (i64(lo), i64(hi))
         call("bwd_local", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
              _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
              _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg)
-        if fuse_grads:  # the chain does bwd_grads' work: dk, dv, dw / db per chain
+        if fuse_grads:  # the chain does bwd_grads' work: dk, dv, dw / db per group
             call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
                  _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
                  _p(g["eta"]), _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0),
                  _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(ck),
-                 _p(g["k"]), _p(g["v"]), _p(dwc), _p(dbc), fused_instance=True)
+                 _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), fused_instance=True)
             continue
         call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
@@ -223,7 +221,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:
         # its rows came through cp.async: the copies' bounds and waits were checked
         assert copies.get("bwd_chain", 0) > 0, "no asynchronous copy reached the checks"
-    g["w"], g["b"] = dwp.sum((0, 1)) + dwc.sum(0), dbp.sum((0, 1)) + dbc.sum(0)
+    g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
     return (o, ht, hbt), g
 
@@ -433,7 +431,8 @@ def test_fused_backward_chain_matches_unfused(emu, case, tf32, seg):
     before each chunk stepped back in shared memory, dk, dv and the dw, db partials written by
     the chain) against the unfused sequence on the same tensor-core instances: every output
     and gradient, and every entry written (no NaN poison). Segmented too (a segment's W from
-    the slot at its end, the partials added to)."""
+    the slot at its end); the fused segmented run is bitwise the fused one-launch run (the
+    dw, db partials are per group, not per launch)."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
     x, seqs, cu, scale, cot, _ = _inputs(case)
     grads_in = cot if with_dht else (cot[0], None, None)
@@ -444,6 +443,13 @@ def test_fused_backward_chain_matches_unfused(emu, case, tf32, seg):
                                  seg=seg)
         got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
                                  seg=seg, fuse_grads=True)
+        one = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                          fuse_grads=True)[1] if seg else got_g
     finally:
         emu.emu_set_tf32_round(0)
     _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)
+    for name in got_g:
+        if got_g[name] is not None:
+            assert np.array_equal(got_g[name], one[name]), \
+                f"d{name}: the fused chain's segmented launches differ from one launch"
+

@@ -453,13 +453,9 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     deta = torch.empty(B, T, H, 1, **f32)
     mma = kernels_use_mma(dtype_name, index)
     fuse = fused_backward(p, mma, index)
-    if fuse:  # [0]: bwd_local's per-group partials of dw, db; [1]: the fused chain's, per chain
-        dwbp = torch.empty(2, grp.count, H, D, **f32)
-        dwbc = torch.zeros(2, N, H, D, **f32)
-        dwp, dbp = dwbp[0:1], dwbp[1:2]
-    else:
-        dwbp = torch.empty(2, 2, grp.count, H, D, **f32)  # per-group partials of dw, db
-        dwp, dbp = dwbp[0], dwbp[1]              # [0]: bwd_local's, [1]: bwd_grads'
+    dwbp = torch.empty(2, 2, grp.count, H, D, **f32)  # per-group partials of dw, db
+    dwp, dbp = dwbp[0], dwbp[1]              # [0]: bwd_local's, [1]: bwd_grads' (or the fused
+    #                                          chain's)
     dh0 = dhb0 = None
     if want_dh0:
         dh0 = torch.empty(N, H, D, D, **f32)
@@ -475,8 +471,8 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     split_rows = grads_split(dp, BT)
 
     # the launches' arguments but the segment and the shared memory size, built once per pass
-    # (the fused chain's: also the slots, dk, dv and the per-chain dw, db partials)
-    fused_args = ((_ptr(saved.ck), _ptr(dk), _ptr(dv), _ptr(dwbc[0]), _ptr(dwbc[1]))
+    # (the fused chain's: also the slots, dk, dv and the per-group dw, db partials)
+    fused_args = ((_ptr(saved.ck), _ptr(dk), _ptr(dv), _ptr(dwp[1]), _ptr(dbp[1]))
                   if fuse else ())
     local_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(do),
                   _ptr(saved.ck), _ptr(saved.ckb), _ptr(xbuf), _ptr(rbuf), _ptr(dopbuf),
@@ -499,7 +495,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                 (*local_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(local_smem)),
                 stream)
 
-    def chain(seg, stream):  # fused: also dk, dv and the per-chain dw, db partials
+    def chain(seg, stream):  # fused: also dk, dv and the per-group dw, db partials
         _launch(kern[FUSED_BWD_NAME if fuse else "bwd_chain"], index, N * H,
                 threads(dp, "bwd_chain", mma), chain_smem,
                 (*chain_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)),
@@ -537,8 +533,5 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                     fork.group(i).wait_event(fork.chain.record_event())
                     grads(seg, fork.group(i))
             fork.join()
-    if fuse:
-        dw, db = (dwbp.sum(1) + dwbc.sum(1)).unbind(0)
-    else:
-        dw, db = dwbp.sum((1, 2)).unbind(0)   # (one reduction for both)
+    dw, db = dwbp.sum((1, 2)).unbind(0)       # (one reduction for both)
     return dq, dk, dv, dw, db, deta, dh0, dhb0

@@ -499,11 +499,11 @@ extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
 }
 
 // bwd_chain's fused instance (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; T = the
-// fake __half, MMA only, D_PAD <= 64): the chain's arguments, then ck, dk, dv, dwc, dbc.
+// fake __half, MMA only, D_PAD <= 64): the chain's arguments, then ck, dk, dv, dwp, dbp.
 #define INSTANCES_D64(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32)
 template <int DP, int BT>
 static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, float* dv,
-                                  float* dwc, float* dbc) {
+                                  float* dwp, float* dbp) {
     using Tr = ttt::Traits<DP, BT>;
     static_assert(Tr::kBwdChainFusedTcBytes <= sizeof(smem),
                   "the emulated shared memory is too small");
@@ -515,15 +515,15 @@ static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, 
     launch(grid, Tr::kTcThreads, [&] {
         ttt_linear_bwd_chain_fused<__half, DP, BT>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
                                                    dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                                   ck, dkh, dvh, dwc, dbc, cu, go, scale, T, H,
+                                                   ck, dkh, dvh, dwp, dbp, cu, go, scale, T, H,
                                                    D, G, g_lo, g_hi, Tr::kBwdChainFusedTcBytes);
     });
 }
 #define DISPATCH_FUSED_MMA_bwd_chain(DP, BT)                                                 \
     if (dp == DP && bt == BT)                                                                \
-        return bwd_chain_fused_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS, ck, dk, dv, dwc, dbc), 0;
+        return bwd_chain_fused_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS, ck, dk, dv, dwp, dbp), 0;
 extern "C" int emu_bwd_chain_fused_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS, cf ck,
-                                       float* dk, float* dv, float* dwc, float* dbc) {
+                                       float* dk, float* dv, float* dwp, float* dbp) {
     INSTANCES_D64(DISPATCH_FUSED_MMA_bwd_chain)
     return 1;
 }

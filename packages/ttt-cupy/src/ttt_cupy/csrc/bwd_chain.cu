@@ -56,7 +56,7 @@
 namespace ttt {
 
 // The MMA instance of the backward chain (see the top of this file); FUSE: the fused instance
-// (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-chain dw, db partials.
+// (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-group dw, db partials.
 template <typename T, int D_PAD, int BT, bool FUSE = false>
 __device__ __forceinline__ void bwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -68,8 +68,8 @@ __device__ __forceinline__ void bwd_chain_tc(
     const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi, const float* __restrict__ ck = nullptr,
-    T* __restrict__ dk = nullptr, T* __restrict__ dv = nullptr, float* __restrict__ dwc = nullptr,
-    float* __restrict__ dbc = nullptr) {
+    T* __restrict__ dk = nullptr, T* __restrict__ dv = nullptr, float* __restrict__ dwp = nullptr,
+    float* __restrict__ dbp = nullptr) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     constexpr int LA = Tr::kLdA;
@@ -95,7 +95,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     float* s_W = s_dWs + Tr::kState;      // [D_PAD, LD]   W (the state before the chunk)
     float* s_S = s_W + Tr::kState;        // [BT, LA]      -scale e_j g_i . do_pre_j (j >= i)
     float* s_e = s_S + Tr::kSquare;       // [BT]          per-row eta
-    float dwa[2] = {0.f, 0.f}, dba[2] = {0.f, 0.f};  // FUSE: this lane's dw, db partials
+    float dwa[2] = {0.f, 0.f}, dba[2] = {0.f, 0.f};  // FUSE: this lane's dw, db (this group)
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, tq = lane & 3;
     const int n0 = 16 * wid + (lane >> 2);              // this lane's columns n0, n0 + 8
@@ -407,6 +407,24 @@ __device__ __forceinline__ void bwd_chain_tc(
         if (in_group == 0) {
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state_frag<D_PAD>(dck + i_ck * DD, dckb + i_ck * D, dW, dhb, D);
+            if constexpr (FUSE) {  // the group's dw, db partials: sums over a column's lanes,
+                // at the partial index of bwd_grads' (group index: slot - sequence index), so
+                // that the sums do not depend on how the launcher splits the chain
+                const long long i_p = ((sq.slot_base - i_n + i_c / G) * H + i_h) * D;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int m = 1; m <= 2; m <<= 1) {
+                        dwa[h] += __shfl_xor_sync(0xffffffffu, dwa[h], m);
+                        dba[h] += __shfl_xor_sync(0xffffffffu, dba[h], m);
+                    }
+                    if (tq == 0 && col_ok[h]) {
+                        dwp[i_p + n0 + 8 * h] = dwa[h];
+                        dbp[i_p + n0 + 8 * h] = dba[h];
+                    }
+                    dwa[h] = dba[h] = 0.f;
+                }
+            }
             in_group = G;
         }
         --in_group;
@@ -414,20 +432,6 @@ __device__ __forceinline__ void bwd_chain_tc(
 
     if (dh0 != nullptr && c_lo == 0)
         store_state_frag<D_PAD>(dh0 + i_nh * DD, dhb0 + i_nh * D, dW, dhb, D);
-    if constexpr (FUSE) {  // the chain's dw, db partials: sums over the lanes of a column
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int m = 1; m <= 2; m <<= 1) {
-                dwa[h] += __shfl_xor_sync(0xffffffffu, dwa[h], m);
-                dba[h] += __shfl_xor_sync(0xffffffffu, dba[h], m);
-            }
-            if (tq == 0 && col_ok[h]) {  // (segments of a chain run one after the other)
-                dwc[i_nh * D + n0 + 8 * h] += dwa[h];
-                dbc[i_nh * D + n0 + 8 * h] += dba[h];
-            }
-        }
-    }
 }
 
 // The SIMT instance of the backward chain (MMA = false; see the top of this file).
@@ -607,8 +611,8 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
 //   dk = dy w + dkh W^T - eta_l g dW^T + C_q (q scale),  (C_q)_ij = -[j >= i] e_j g_i . do_pre_j
 //   dv = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
 //
-// dk, dv are final; dw, db go into dwc, dbc [N, H, D] (added to: segments of a chain run one
-// after the other; zero them first). The full dg is not stored (nothing reads it); the slot
+// dk, dv are final; dw, db go into per-group partials dwp, dbp [groups, H, D] (bwd_grads'),
+// written at each group's first chunk, so that segmented and one launch sum alike. The full dg is not stored (nothing reads it); the slot
 // cotangents are (a segment starts from them). Shared memory: the MMA instance's, then g, dkh,
 // do_pre (later dk - dy w) tiles, dW and W as [D_PAD, D_PAD + 1], S, eta
 // (Traits::kBwdChainFusedTcBytes).
@@ -625,8 +629,8 @@ ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
                            float* __restrict__ dhb0,
                            const float* __restrict__ ck,      // [slots, H, D, D] state slots
                            T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-                           float* __restrict__ dwc,           // [N, H, D] += dw partials
-                           float* __restrict__ dbc,           // [N, H, D] += db partials
+                           float* __restrict__ dwp,           // [groups, H, D] dw partials
+                           float* __restrict__ dbp,           // [groups, H, D] db partials
                            const long long* __restrict__ cu_seqlens,
                            const long long* __restrict__ grp_offsets, float scale,
                            long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
@@ -641,5 +645,5 @@ ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
     ttt::bwd_chain_tc<T, D_PAD, BT, true>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
                                           dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
                                           cu_seqlens, grp_offsets, scale, T_len, H, D, G, g_lo,
-                                          g_hi, ck, dk, dv, dwc, dbc);
+                                          g_hi, ck, dk, dv, dwp, dbp);
 }
