@@ -1,0 +1,77 @@
+"""Fixtures of the cupy backend's CPU tests."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from ttt_cupy import compile as cc
+from ttt_cupy import launcher
+
+
+class _Kernel:
+    """A RawKernel stand-in: counts the shared-memory opt-ins."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.kernel = ("function", name)
+        self.optins: list[int] = []
+        self._max = 48 * 1024
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        self.optins.append(value)
+        self._max = value
+
+
+class _Device:
+    compute_capability = "90"
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in ``cupy`` whose RawModule builds a new kernel object at every get_function
+    (as CuPy's does); the compile caches are emptied before and after."""
+    built: list[str] = []
+
+    class RawModule:
+        def __init__(self, **kwargs):
+            self.names = kwargs["name_expressions"]
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            assert name in self.names
+            built.append(name)
+            return _Kernel(name)
+
+    runtime = types.SimpleNamespace(cudaDevAttrMaxSharedMemoryPerBlockOptin=97,
+                                    deviceGetAttribute=lambda attr, index: 227 * 1024)
+    cuda = types.SimpleNamespace(Device=_Device, runtime=runtime,
+                                 compiler=types.SimpleNamespace(CompileException=RuntimeError))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
+                                                                    cuda=cuda))
+    monkeypatch.delenv(cc.MMA_ENV, raising=False)
+    caches = (cc._module, cc._kernel_table, cc.device_arch, launcher._function,
+              launcher._device_smem_limit)
+    for cache in caches:
+        cache.cache_clear()
+    yield built
+    for cache in caches:  # nothing of the stand-in outlives the test
+        cache.cache_clear()

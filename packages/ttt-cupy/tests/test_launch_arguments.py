@@ -1,0 +1,182 @@
+"""No GPU needed: every launch of the cupy launcher against the signature of its kernel.
+
+The launcher builds each kernel's arguments by hand (raw ``data_ptr()`` values and numpy
+scalars), and a kernel reads them by position: an argument too many, too few or of the wrong
+width is not an error CUDA reports, it is garbage. Here the whole forward and backward run on
+CPU tensors with a stand-in ``cupy`` (``conftest.fake_cupy``) and stand-in streams; each launch
+is recorded and its arguments checked, one by one, against the parameters of the
+``__global__`` function in ``csrc/*.cu`` (a pointer is a 64-bit address, ``float`` a numpy
+float32, ``int`` int32, ``long long`` int64): for the fused and unfused forward and backward,
+one launch and segmented passes, dense and varlen, with and without initial states, tensor-core
+and SIMT instances. It also checks the dynamic shared memory each launch asks for (the kernel's
+last argument) against the launch's, the block size against :func:`compile.threads`, and that
+every pointer is null or inside a tensor of the call (an input, or one the launcher made).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ttt_cupy
+from ttt.validation import build_problem
+from ttt_cupy import compile as cc
+from ttt_cupy import launcher
+
+CSRC = Path(ttt_cupy.__file__).parent / "csrc"
+_SCALAR = {"float": np.float32, "int": np.int32, "long long": np.int64,
+           "unsigned long long": np.uint64}
+
+
+def _signatures() -> dict[str, list[type]]:
+    """{kernel name: the numpy type of each parameter} of every ``__global__`` function."""
+    sigs = {}
+    for path in CSRC.glob("*.cu"):
+        text = re.sub(r"//[^\n]*", "", path.read_text())
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
+                             r"(\w+)\s*\(([^)]*)\)\s*\{", text):
+            types = []
+            for param in m.group(2).split(","):
+                decl = param.split("=")[0].strip()
+                if "*" in decl:
+                    types.append(np.uint64)
+                    continue
+                base = re.sub(r"\b(const|__restrict__)\b", "", decl).rsplit(None, 1)[0]
+                types.append(_SCALAR[" ".join(base.split())])
+            sigs[m.group(1)] = types
+    return sigs
+
+
+class _Stream:
+    """A torch stream stand-in: events are recorded and waited for in name only."""
+
+    cuda_stream = 0
+
+    def record_event(self):
+        return object()
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@pytest.fixture
+def launches(fake_cupy, monkeypatch):
+    """The launches of the calls made in the test, as (kernel name, grid, block, smem, args);
+    the launcher sees device 0, an sm_90 stand-in, on CPU tensors."""
+    recorded = []
+
+    def record(kernel, index, grid, block, smem, args, stream):
+        assert isinstance(stream, _Stream)
+        recorded.append((kernel.name, grid, block, smem, args))
+
+    monkeypatch.setattr(launcher, "_launch", record)
+    monkeypatch.setattr(launcher, "_index", lambda device: 0)
+    monkeypatch.setattr(launcher, "_chain_stream", lambda index: _Stream())
+    monkeypatch.setattr(launcher, "_group_streams",
+                        lambda index: tuple(_Stream() for _ in range(launcher.GROUP_STREAMS)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV):
+        monkeypatch.delenv(env, raising=False)
+    return recorded
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """Every tensor torch.empty / empty_like / zeros made during the test (kept alive, so
+    that their addresses stay theirs)."""
+    made = []
+    for name in ("empty", "empty_like", "zeros", "zeros_like"):
+        real = getattr(torch, name)
+
+        def wrapped(*args, _real=real, **kwargs):
+            t = _real(*args, **kwargs)
+            made.append(t)
+            return t
+
+        monkeypatch.setattr(torch, name, wrapped)
+    return made
+
+
+def _problem(dtype, D, lens, init, H=2, chunk_size=16):
+    """A problem on CPU tensors, random values: one sequence of each length in ``lens``
+    (varlen when more than one)."""
+    gen = torch.Generator().manual_seed(0)
+    N, T = len(lens), sum(lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    cu = (torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64) if N > 1 else None)
+    q, k, v = (randn(1, T, H, D).to(dtype) for _ in range(3))
+    h0, hb0 = (randn(N, H, D, D), randn(N, H, 1, D)) if init else (None, None)
+    return build_problem(q, k, v, randn(H, D), randn(H, D), 0.1 * randn(1, T, H, 1).abs(),
+                         D ** -0.5, 1e-6, chunk_size, h0, hb0, True, cu)
+
+
+def _inside(address: int, tensors) -> bool:
+    for t in tensors:
+        start = t.untyped_storage().data_ptr()
+        if start <= address < start + t.untyped_storage().nbytes():
+            return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("D", [64, 100], ids=["D64", "D100"])
+@pytest.mark.parametrize("lens", [(800,), (300, 900, 5)], ids=["dense", "varlen"])
+@pytest.mark.parametrize("init", [False, True], ids=["no-h0", "h0"])
+@pytest.mark.parametrize("fuse", ["0", "1"], ids=["unfused", "fused"])
+@pytest.mark.parametrize("segments", ["1", "3"], ids=["one-launch", "3-segments"])
+def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeypatch, dtype, D,
+                                                  lens, init, fuse, segments):
+    monkeypatch.setenv(launcher.FUSE_ENV, fuse)
+    monkeypatch.setenv(launcher.FUSE_GRADS_ENV, fuse)
+    monkeypatch.setenv(launcher.SEGMENT_ENV, segments)
+    p = _problem(dtype, D, lens, init)
+    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True)
+    n_fwd = len(launches)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    dht, dhbt = torch.randn(ht.shape, generator=gen), torch.randn(hbt.shape, generator=gen)
+    launcher.ttt_linear_bwd(p, saved, do, dht, dhbt)
+    launches_per_kernel = len(launcher.segment_plan(p, saved.groups.groups_max))
+    assert launches_per_kernel == int(segments)          # (3 groups or more per sequence)
+
+    # the instances each pass launched (pass_names: tensor-core ones for half inputs), fused
+    # where asked (the backward: tensor cores, D_PAD <= 64 only), once per segment (the fused
+    # forward: one launch)
+    ctype, dp = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"], cc.d_pad(D)
+    mma = dtype != torch.float32
+    fwd_names = cc.pass_names("fwd", ctype, dp, 16, mma)
+    bwd_names = cc.pass_names("bwd", ctype, dp, 16, mma)
+    fwd = [n for n, *_ in launches[:n_fwd]]
+    bwd = [n for n, *_ in launches[n_fwd:]]
+    want = ([fwd_names[cc.FUSED_NAME]] if fuse == "1" else
+            [fwd_names["fwd_chain"], fwd_names["fwd_out"]] * launches_per_kernel)
+    assert sorted(fwd) == sorted(want), fwd
+    chain = "bwd_chain"
+    if fuse == "1" and mma and dp <= cc.FUSED_BWD_MAX_D_PAD:
+        chain = cc.FUSED_BWD_NAME
+    want = [bwd_names[n] for n in ("bwd_local", chain, "bwd_grads")
+            if n != "bwd_grads" or chain == "bwd_chain"] * launches_per_kernel
+    assert sorted(bwd) == sorted(want), bwd
+
+    sigs = _signatures()
+    tensors = [p.q, p.k, p.v, p.cu_seqlens, p.initial_state, p.initial_state_bias, do, dht,
+               dhbt, *saved.f32, saved.groups.offsets, saved.groups.seq, *allocations]
+    tensors = [t for t in tensors if t is not None]
+    for name, grid, block, smem, args in launches:
+        params = sigs[name.split("<")[0]]
+        assert len(args) == len(params), \
+            f"{name}: {len(args)} arguments, the kernel takes {len(params)}"
+        for i, (arg, want) in enumerate(zip(args, params)):
+            assert type(arg) is want, \
+                f"{name}: argument {i} is {type(arg).__name__}, the kernel reads {want.__name__}"
+            if want is np.uint64 and i < len(args) - 1 and int(arg) != 0:
+                assert _inside(int(arg), tensors), f"{name}: argument {i} points nowhere known"
+        assert int(args[-1]) == smem, f"{name}: tells the kernel {args[-1]} bytes, launches {smem}"
+        assert grid > 0 and block % 32 == 0 and 0 < block <= 1024, (name, grid, block)
