@@ -8,9 +8,10 @@ is recorded and its arguments checked, one by one, against the parameters of the
 ``__global__`` function in ``csrc/*.cu`` (a pointer is a 64-bit address, ``float`` a numpy
 float32, ``int`` int32, ``long long`` int64): for the fused and unfused forward and backward,
 one launch and segmented passes, dense and varlen, with and without initial states, tensor-core
-and SIMT instances. It also checks the dynamic shared memory each launch asks for (the kernel's
-last argument) against the launch's, the block size against :func:`compile.threads`, and that
-every pointer is null or inside a tensor of the call (an input, or one the launcher made).
+and SIMT instances. It also checks which instances each pass launches and how often, the
+shared-memory size the kernel is told (its last argument) against the launch's, a block of
+whole warps, and that every pointer is null or inside a tensor of the call (an input, or one
+the launcher made).
 """
 
 from __future__ import annotations
