@@ -43,9 +43,10 @@ for stage in $stages; do
             # caller apply)
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
-    cupy_fused)   # the same with the fused forward chain forced on (launcher.FUSED: the
-                  # suite's shapes are below its thresholds)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_FUSE=1 python3 -m nox --no-venv \
+    cupy_fused)   # the same with the fused forward and backward chains forced on
+                  # (launcher.FUSED: the suite's shapes are below its thresholds)
+      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_FUSE=1 TTT_CUPY_FUSE_GRADS=1 python3 -m nox \
+        --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-fused.log" \
         | tail -40 ;;
     cupy_segments)   # the same with every pass in 3 segments (launcher.segment_plan: the
