@@ -16,27 +16,26 @@ the launcher made).
 
 from __future__ import annotations
 
+import functools
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import ttt_cupy
 from ttt.validation import build_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
 
-CSRC = Path(ttt_cupy.__file__).parent / "csrc"
 _SCALAR = {"float": np.float32, "int": np.int32, "long long": np.int64,
            "unsigned long long": np.uint64}
 
 
+@functools.cache
 def _signatures() -> dict[str, list[type]]:
     """{kernel name: the numpy type of each parameter} of every ``__global__`` function."""
     sigs = {}
-    for path in CSRC.glob("*.cu"):
+    for path in cc.CSRC.glob("*.cu"):
         text = re.sub(r"//[^\n]*", "", path.read_text())
         for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
                              r"(\w+)\s*\(([^)]*)\)\s*\{", text):
@@ -159,9 +158,7 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
     want = ([fwd_names[cc.FUSED_NAME]] if fuse == "1" else
             [fwd_names["fwd_chain"], fwd_names["fwd_out"]] * launches_per_kernel)
     assert sorted(fwd) == sorted(want), fwd
-    chain = "bwd_chain"
-    if fuse == "1" and mma and dp <= cc.FUSED_BWD_MAX_D_PAD:
-        chain = cc.FUSED_BWD_NAME
+    chain = cc.FUSED_BWD_NAME if fuse == "1" and cc.FUSED_BWD_NAME in bwd_names else "bwd_chain"
     want = [bwd_names[n] for n in ("bwd_local", chain, "bwd_grads")
             if n != "bwd_grads" or chain == "bwd_chain"] * launches_per_kernel
     assert sorted(bwd) == sorted(want), bwd

@@ -288,6 +288,7 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     return 4 * floats
 
 
+@functools.cache
 def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
     """Dynamic shared memory of the fused backward chain (Traits::kBwdChainFusedTcBytes): the
     MMA chain's, then g, dkh, do_pre tiles ([BT, D_PAD + 1]), dW and W ([D_PAD, D_PAD + 1]),
