@@ -95,7 +95,7 @@ GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
 
 
 def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False,
-                seg=0, fuse_grads=False):
+                seg=0, fuse_grads=False, overlap=None):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
     everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
     that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
@@ -105,7 +105,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     groups per segment: each segment's chain, then its group kernels; the backward's segments
     in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
     writes dk, dv and per-group dw, db partials (where bwd_grads puts its), and bwd_grads
-    is skipped."""
+    is skipped. ``overlap``: the overlapped forward (launcher._forward_overlapped, one sync
+    buffer): "chain first" runs fwd_chain, then fwd_out's items (kOverlap: every group is
+    finished, no item put back), then the cleanup launch (kCleanup: nothing to do); "out first"
+    runs fwd_out's blocks before any chain block has started, with no wait (every item put
+    back), then fwd_chain, then the cleanup launch (every item)."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -165,17 +169,42 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if fused and grads is None:
         ck = ckb = xbuf = rbuf = None
     o = _empty(B, T, H, D)
-    for lo, hi in segs:
-        sg = (i64(lo), i64(hi))
+
+    def chain(sg, sync=None):
         call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
              _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
              _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(cu_arr), _p(go),
-             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, fused_instance=fused)
+             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync),
+             fused_instance=fused)
+
+    def out(grid, sg, sync=None, mode=0, spins=0):
+        call("fwd_out", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+             _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr), _p(go), _p(gs),
+             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync),
+             ctypes.c_int(mode), i64(N * H), ctypes.c_int(spins))
+
+    if overlap is not None:
+        assert not fused and seg == 0, "the overlapped forward is neither fused nor segmented"
+        items = N * H * ng_max
+        sync = np.zeros(3 + N * H + items, np.int32)
+        whole, groups = (i64(0), i64(0)), (i64(0), i64(ng_max))
+        if overlap == "chain first":
+            chain(whole, sync)
+            out(items, groups, sync, mode=1, spins=1)
+            assert sync[2] == 0, "an item was put back though every chain had finished"
+        elif overlap == "out first":
+            out(items, groups, sync, mode=1, spins=0)
+            assert sync[2] == items, "an item ran before its chain had started"
+            chain(whole, sync)
+        else:
+            raise ValueError(overlap)
+        assert sync[0] == N * H and sync[1] == items, "not every block counted itself"
+        out(items, groups, sync, mode=2)
+    for lo, hi in ([] if overlap is not None else segs):
+        sg = (i64(lo), i64(hi))
+        chain(sg)
         if not fused:
-            call("fwd_out", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]),
-                 _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf),
-                 _p(o), _p(cu_arr), _p(go), _p(gs), c["scale"], c["eps"], c["T"], c["H"],
-                 c["D"], c["G"], *sg)
+            out(span(lo, hi) * H, sg)
     if grads is None:
         return (o, ht, hbt), None
 
@@ -418,6 +447,28 @@ def test_segments_match_one_launch(emu, case, mma, seg):
     for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
             (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
         assert np.array_equal(a, r), f"{name}: segmented launches differ from one launch"
+
+
+@pytest.mark.parametrize("order", ["chain first", "out first"], ids=["chain-first", "out-first"])
+@pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_overlapped_forward_matches_plain(emu, case, mma, order):
+    """The overlapped forward (ttt_common.cuh: fwd_chain publishes each finished group,
+    fwd_out blocks take group-major items and wait for them, or put them back for the cleanup
+    launch when the chain has not started) against the plain launches: bitwise the same
+    outputs, final states and saved activations, and through the backward every gradient, in
+    both orders the GPU may place the blocks in (every fwd_out block claims and counts itself;
+    "out first": every item put back, then run by the cleanup launch)."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
+    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                             overlap=order)
+    _assert_close(got, ref, got_g, ref_g, 1e-30)
+    for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
+            (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
+        assert np.array_equal(a, r), f"{name}: the overlapped forward differs ({order})"
 
 
 FUSE_GRADS_CASES = [c for c in CASES if c[4] <= 64]

@@ -79,7 +79,8 @@ def launches(fake_cupy, monkeypatch):
     monkeypatch.setattr(launcher, "_group_streams",
                         lambda index: tuple(_Stream() for _ in range(launcher.GROUP_STREAMS)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV):
+    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV,
+                launcher.OVERLAP_ENV):
         monkeypatch.delenv(env, raising=False)
     return recorded
 
@@ -130,12 +131,16 @@ def _inside(address: int, tensors) -> bool:
 @pytest.mark.parametrize("lens", [(800,), (300, 900, 5)], ids=["dense", "varlen"])
 @pytest.mark.parametrize("init", [False, True], ids=["no-h0", "h0"])
 @pytest.mark.parametrize("fuse", ["0", "1"], ids=["unfused", "fused"])
-@pytest.mark.parametrize("segments", ["1", "3"], ids=["one-launch", "3-segments"])
+@pytest.mark.parametrize("segments", ["1", "3", "overlap"],
+                         ids=["one-launch", "3-segments", "overlapped"])
 def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeypatch, dtype, D,
                                                   lens, init, fuse, segments):
     monkeypatch.setenv(launcher.FUSE_ENV, fuse)
     monkeypatch.setenv(launcher.FUSE_GRADS_ENV, fuse)
-    monkeypatch.setenv(launcher.SEGMENT_ENV, segments)
+    if segments == "overlap":  # the overlapped forward (no segments), one-launch backward
+        monkeypatch.setenv(launcher.OVERLAP_ENV, "1")
+    else:
+        monkeypatch.setenv(launcher.SEGMENT_ENV, segments)
     p = _problem(dtype, D, lens, init)
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True)
     n_fwd = len(launches)
@@ -144,11 +149,12 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
     dht, dhbt = torch.randn(ht.shape, generator=gen), torch.randn(hbt.shape, generator=gen)
     launcher.ttt_linear_bwd(p, saved, do, dht, dhbt)
     launches_per_kernel = len(launcher.segment_plan(p, saved.groups.groups_max))
-    assert launches_per_kernel == int(segments)          # (3 groups or more per sequence)
+    overlap = segments == "overlap"
+    assert launches_per_kernel == (1 if overlap else int(segments))  # (3 groups or more)
 
     # the instances each pass launched (pass_names: tensor-core ones for half inputs), fused
     # where asked (the backward: tensor cores, D_PAD <= 64 only), once per segment (the fused
-    # forward: one launch)
+    # forward: one launch; the overlapped one: fwd_chain, fwd_out and fwd_out's cleanup)
     ctype, dp = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"], cc.d_pad(D)
     mma = dtype != torch.float32
     fwd_names = cc.pass_names("fwd", ctype, dp, 16, mma)
@@ -156,8 +162,17 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
     fwd = [n for n, *_ in launches[:n_fwd]]
     bwd = [n for n, *_ in launches[n_fwd:]]
     want = ([fwd_names[cc.FUSED_NAME]] if fuse == "1" else
-            [fwd_names["fwd_chain"], fwd_names["fwd_out"]] * launches_per_kernel)
+            [fwd_names["fwd_chain"], *[fwd_names["fwd_out"]] * (1 + overlap)]
+            * launches_per_kernel)
     assert sorted(fwd) == sorted(want), fwd
+    if overlap and fuse == "0":  # fwd_chain, fwd_out (kOverlap), cleanup (kCleanup): one sync
+        (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = \
+            launches[:3]
+        sync = int(c_args[-2])
+        assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers differ"
+        assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "fwd_out's modes"
+        items = p.N * p.H * saved.groups.groups_max
+        assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H and o_grid == k_grid == items
     chain = cc.FUSED_BWD_NAME if fuse == "1" and cc.FUSED_BWD_NAME in bwd_names else "bwd_chain"
     want = [bwd_names[n] for n in ("bwd_local", chain, "bwd_grads")
             if n != "bwd_grads" or chain == "bwd_chain"] * launches_per_kernel

@@ -102,6 +102,18 @@ FUSE_GRADS_ENV = "TTT_CUPY_FUSE_GRADS"
 ``ttt_linear_bwd_chain_fused``: bwd_grads' work in the chain) on where it exists, ``0`` off
 (unset or empty: :data:`FUSED`'s ``backward``); read at every call."""
 
+OVERLAP_ENV = "TTT_CUPY_OVERLAP"
+"""``TTT_CUPY_OVERLAP=0`` turns the overlapped forward (:func:`overlapped_forward`) off, ``1``
+on wherever it can run (unset or empty: the rule); read at every call."""
+
+OVERLAP_WAIT_SPINS = 256
+"""How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a fwd_out block of the overlapped
+forward waits for every chain block to have started before it puts its item back for the
+cleanup launch (the GPU placed fwd_out blocks first). Chain blocks start within microseconds
+when they are placed first, as their high-priority stream asks, so this only runs out when the
+GPU was busy with other work; ``TTT_CUPY_OVERLAP_SPINS=0`` puts back every item whose chains
+had not all started at once (tests)."""
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -173,6 +185,29 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
     if value:
         raise ValueError(f"{FUSE_GRADS_ENV}: expected 0, 1 or unset, got {value!r}")
     return problem.N * problem.H >= FUSED["backward"]
+
+
+def overlapped_forward(problem: Problem, fuse: bool) -> bool:
+    """Whether the forward runs fwd_chain and fwd_out at the same time (ttt_common.cuh's
+    overlapped forward: a fwd_out block starts on its group once the chain has finished it)
+    instead of one after the other or in segments: whenever fwd_out runs (not fused), unless
+    :data:`OVERLAP_ENV` is ``0`` or :data:`SEGMENT_ENV` forces segments."""
+    value = os.environ.get(OVERLAP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
+    if fuse or value == "0" or os.environ.get(SEGMENT_ENV, "").strip():
+        return False
+    return True
+
+
+def _overlap_wait_spins() -> int:
+    value = os.environ.get("TTT_CUPY_OVERLAP_SPINS", "").strip()
+    if not value:
+        return OVERLAP_WAIT_SPINS
+    if not value.isdigit():
+        raise ValueError(f"TTT_CUPY_OVERLAP_SPINS: expected a non-negative integer or unset, "
+                         f"got {value!r}")
+    return int(value)
 
 
 def segment_plan(problem: Problem, groups_max: int,
@@ -356,6 +391,46 @@ def _check_dtype(q: torch.Tensor) -> str:
     return _DTYPE_NAMES[q.dtype]
 
 
+_NO_SYNC = np.uint64(0)
+"""fwd_chain's ``sync`` argument when not overlapped (null)."""
+
+_PLAIN_OUT = (_NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
+"""fwd_out's (sync, mode, n_chains, wait_spins) when not overlapped (mode kPlain)."""
+
+
+def _overlap_sync(chains: int, groups_max: int, device: torch.device) -> torch.Tensor:
+    """The overlapped forward's zeroed int32 buffer (ttt_common.cuh): three counters, each
+    chain's finished groups, room for every (chain, group) item."""
+    items = chains * groups_max
+    if 3 + chains + items >= 2**31:
+        raise ValueError(f"the overlapped forward counts its {items} (chain, group) items in "
+                         f"int32; set {OVERLAP_ENV}=0 for this problem")
+    return torch.zeros(3 + chains + items, dtype=torch.int32, device=device)
+
+
+def _forward_overlapped(kern, index: int, sync: torch.Tensor, chains: int, groups_max: int,
+                        chain_threads: int, out_threads: int, chain_smem: int, out_smem: int,
+                        chain_args: tuple, out_args: tuple, fork: _Fork) -> None:
+    """The overlapped forward (ttt_common.cuh): fwd_chain on the fork's high-priority chain
+    stream, fwd_out (kOverlap, one block per (chain, group) item) beside it on a group stream,
+    both on the zeroed ``sync`` (:func:`_overlap_sync`, zeroed before the fork); then the
+    fork's join and, on torch's stream, the cleanup launch (kCleanup), which runs the items
+    that fwd_out blocks put back (none unless the GPU placed them first)."""
+    items = chains * groups_max
+    spins = np.int32(_overlap_wait_spins())
+    whole = (np.int64(0), np.int64(0))   # fwd_chain: the whole sequence
+    groups = (np.int64(0), np.int64(groups_max))  # fwd_out: items in [0, groups_max) coordinates
+    _launch(kern["fwd_chain"], index, chains, chain_threads, chain_smem,
+            (*chain_args, *whole, _ptr(sync), np.uint64(chain_smem)), fork.chain)
+    out = (_ptr(sync), np.int32(1), np.int64(chains), spins)  # overlap::kOverlap
+    _launch(kern["fwd_out"], index, items, out_threads, out_smem,
+            (*out_args, *groups, *out, np.uint64(out_smem)), fork.group(0))
+    fork.join()
+    cleanup = (_ptr(sync), np.int32(2), np.int64(chains), spins)  # overlap::kCleanup
+    _launch(kern["fwd_out"], index, items, out_threads, out_smem,
+            (*out_args, *groups, *cleanup, np.uint64(out_smem)), fork.here)
+
+
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
@@ -389,11 +464,13 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, index)
-    plan = [(0, 0)] if fuse else segment_plan(p, grp.groups_max, backward=False)
+    overlap = overlapped_forward(p, fuse)
+    plan = [(0, 0)] if fuse or overlap else segment_plan(p, grp.groups_max, backward=False)
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    fork = _Fork(here, index, len(plan)) if len(plan) > 1 else None
+    sync = _overlap_sync(N * H, grp.groups_max, dev) if overlap else None  # (before the fork)
+    fork = _Fork(here, index, len(plan)) if len(plan) > 1 or overlap else None
     chain_stream = here if fork is None else fork.chain
     # the launches' arguments but the segment and the shared memory size, built once per pass
     chain_args = (_ptr(q), _ptr(k), _ptr(v), _ptr(eta32), _ptr(w32), _ptr(b32), _ptr(h0),
@@ -405,11 +482,16 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                 _ptr(grp.seq), np.float32(p.scale), np.float32(p.eps), np.int64(T),
                 np.int32(H), np.int32(D), np.int32(G))
     with _on_device(index):
+        if overlap:
+            _forward_overlapped(kern, index, sync, N * H, grp.groups_max,
+                                threads(dp, "fwd_chain", mma), nt, chain_smem, out_smem,
+                                chain_args, out_args, fork)
+            plan, fork = [], None  # (joined)
         for i, (g_lo, g_hi) in enumerate(plan):
             seg = (np.int64(g_lo), np.int64(g_hi))
             _launch(kern[FUSED_NAME if fuse else "fwd_chain"], index, N * H,
                     threads(dp, "fwd_chain", mma), chain_smem,
-                    (*chain_args, *seg, np.uint64(chain_smem)), chain_stream)
+                    (*chain_args, *seg, _NO_SYNC, np.uint64(chain_smem)), chain_stream)
             if fuse:
                 break
             # this segment's outputs, beside the chain's next segment
@@ -418,7 +500,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                 out_stream = fork.group(i)
                 out_stream.wait_event(chain_stream.record_event())
             _launch(kern["fwd_out"], index, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt,
-                    out_smem, (*out_args, *seg, np.uint64(out_smem)), out_stream)
+                    out_smem, (*out_args, *seg, *_PLAIN_OUT, np.uint64(out_smem)), out_stream)
     if fork is not None:
         fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp, (eta32, w32, b32)) if save_for_backward else None

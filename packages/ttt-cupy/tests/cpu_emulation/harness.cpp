@@ -316,18 +316,18 @@ using ci64 = const long long*;
 
 #define FWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, \
     float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, ci64 cu, ci64 go, \
-    float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
+    float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, int* sync
 #define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, cu, go, \
-    scale, eps, T, H, D, G, g_lo, g_hi
+    scale, eps, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
 ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
 
 #define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
     float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
-    i64 g_lo, i64 g_hi
+    i64 g_lo, i64 g_hi, int* sync, int mode, i64 n_chains, int wait_spins
 #define FWD_OUT_ARGS q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu, go, gs, scale, eps, T, H, D, \
-    G, g_lo, g_hi
+    G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_fwd_out(DP, BT) \
     if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
 ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
@@ -377,7 +377,8 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
         ttt_linear_fwd_chain<__half, DP, BT, true, FUSE>(qh, kh, vh, eta, w, b, h0, hb0, ht, hbt,
                                                          ck, ckb, xbuf, rbuf, oh, cu, go, scale,
-                                                         eps, T, H, D, G, g_lo, g_hi, bytes);
+                                                         eps, T, H, D, G, g_lo, g_hi, sync,
+                                                         bytes);
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \
@@ -444,7 +445,8 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, ckb, xbuf, rbuf, oh,
                                                  cu, go, gs, scale, eps, T, H, D, G, g_lo,
-                                                 g_hi, Tr::kFwdOutTcBytes);
+                                                 g_hi, sync, mode, n_chains, wait_spins,
+                                                 Tr::kFwdOutTcBytes);
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \

@@ -73,7 +73,8 @@ __device__ __forceinline__ void fwd_chain_tc(
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
     float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
+    int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, LA = Tr::kLdA;
     constexpr int NR = BT / 8;
@@ -104,6 +105,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     // slot its predecessor stored last
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
     if (cr.skip) return;  // the sequence ended in an earlier segment
+    overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_start = (sq.slot_base + c_lo / G) * H + i_h;
 
@@ -368,6 +370,8 @@ __device__ __forceinline__ void fwd_chain_tc(
                 if (threadIdx.x + NT * u < BT) s_e[(buf ^ 1) * BT + threadIdx.x + NT * u] = ne[u];
         }
         __syncthreads();
+        if (in_group == 0 || i_c + 1 == c_hi)  // a group done: its slot, xh and r stored
+            overlap_chain_progress(sync, i_nh, (int)((i_c + G) / G));
     }
     if constexpr (FUSE) {
         if (c_hi > c_lo) finish_out();  // the last chunk's statistics crossed its last barrier
@@ -391,7 +395,8 @@ __device__ __forceinline__ void fwd_chain_simt(
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
     float* __restrict__ rbuf, T* __restrict__ o,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
+    int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state
@@ -415,6 +420,7 @@ __device__ __forceinline__ void fwd_chain_simt(
     // slot its predecessor stored last
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
     if (cr.skip) return;  // the sequence ended in an earlier segment
+    overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
 
     float b_w[P], b_b[P];                                            // [D] per lane
@@ -486,6 +492,8 @@ __device__ __forceinline__ void fwd_chain_simt(
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
         state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
         __syncthreads();
+        if ((i_c + 1) % G == 0 || i_c + 1 == c_hi)  // a group done: its slot, xh and r stored
+            overlap_chain_progress(sync, i_nh, (int)((i_c + G) / G));
     }
 
     // the state after the range: the sequence's final slot (and ht), or the next segment's
@@ -520,7 +528,9 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, float eps, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi,
+                     int* sync,  // [3 + ..] int32 or null: the overlapped forward (ttt_common.cuh)
+                     unsigned long long smem_bytes) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
@@ -532,7 +542,7 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
             __trap();
         ttt::fwd_chain_tc<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck,
                                               ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets, scale,
-                                              eps, T_len, H, D, G, g_lo, g_hi);
+                                              eps, T_len, H, D, G, g_lo, g_hi, sync);
     } else {
         constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
                                                    : Tr::kFwdChainBytes;
@@ -540,6 +550,6 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
             __trap();
         ttt::fwd_chain_simt<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt,
                                                 ck, ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets,
-                                                scale, eps, T_len, H, D, G, g_lo, g_hi);
+                                                scale, eps, T_len, H, D, G, g_lo, g_hi, sync);
     }
 }

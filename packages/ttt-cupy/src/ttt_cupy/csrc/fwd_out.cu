@@ -50,10 +50,8 @@ template <typename T, int D_PAD, int BT>
 __device__ __forceinline__ void fwd_out_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ ck, const float* __restrict__ ckb, const float* __restrict__ xbuf,
-    const float* __restrict__ rbuf, T* __restrict__ o, const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
-    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
+    const float* ck, const float* ckb, const float* xbuf, const float* rbuf, T* __restrict__ o,
+    float scale, float eps, long long T_len, int H, int D, int G, const Group& gr, int i_h) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd;
@@ -67,10 +65,6 @@ __device__ __forceinline__ void fwd_out_tc(
     float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int i_h = (int)(blockIdx.x % H);
-    const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                  grp_seq, g_lo, g_hi);
-    if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -158,16 +152,23 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    const float* __restrict__ eta,    // [B, T, H] fp32
                    const float* __restrict__ lnw,    // [H, D] fp32
                    const float* __restrict__ lnb,    // [H, D] fp32
-                   const float* __restrict__ ck,     // [slots, H, D, D] state slots
-                   const float* __restrict__ ckb,    // [slots, H, D]
-                   const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xh (fwd_chain)
-                   const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
+                   // written by fwd_chain, running beside this kernel when overlapped: not
+                   // __restrict__, so that they are not read through the read-only path
+                   const float* ck,                  // [slots, H, D, D] state slots
+                   const float* ckb,                 // [slots, H, D]
+                   const float* xbuf,                // [B, T, H, D] fp32 xh (fwd_chain)
+                   const float* rbuf,                // [B, T, H] fp32 r (fwd_chain)
                    T* __restrict__ o,                // [B, T, H, D]
                    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                    float scale, float eps, long long T_len, int H, int D, int G,
-                   long long g_lo, long long g_hi, unsigned long long smem_bytes) {
+                   long long g_lo, long long g_hi,
+                   int* sync,           // null (kPlain) or the overlapped forward's buffer
+                   int mode,            // overlap::kPlain / kOverlap / kCleanup
+                   long long n_chains,  // N H (kOverlap, kCleanup)
+                   int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+                   unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
@@ -176,10 +177,34 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         __trap();
 
     extern __shared__ float smem[];
+    // the block's (group, head): from blockIdx.x (kPlain), or its item (ttt_common.cuh's
+    // overlapped forward): group j = u / n_chains of chain c = u % n_chains (nc = 0 where the
+    // sequence has no group j)
+    int i_h;
+    ttt::Group gr;
+    if (mode == ttt::overlap::kPlain) {
+        i_h = (int)(blockIdx.x % H);
+        gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq,
+                               g_lo, g_hi);
+        if (gr.nc <= 0) return;  // a segment past the end of this sequence
+    } else {
+        static __shared__ int s_item;  // (static: shared in the CPU emulation too)
+        if (threadIdx.x == 0) s_item = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
+        __syncthreads();
+        const int u = s_item, nch = (int)n_chains;  // (32-bit: int32 tickets)
+        if (u < 0) return;  // put back, or no item
+        const int c = u % nch;
+        i_h = c % H;
+        gr = ttt::group_at(c / H, u / nch, T_len, BT, G, cu_seqlens, grp_offsets);
+        if (gr.nc <= 0) return;  // the sequence has no group j
+        if (mode == ttt::overlap::kOverlap) {
+            if (threadIdx.x == 0) ttt::overlap_wait(sync, c, u / nch + 1);
+            __syncthreads();
+        }
+    }
     if constexpr (MMA) {
         ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
-                                      cu_seqlens, grp_offsets, grp_seq, scale, eps, T_len, H, D,
-                                      G, g_lo, g_hi);
+                                      scale, eps, T_len, H, D, G, gr, i_h);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -191,10 +216,6 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
 
     const int warp = threadIdx.x >> 5;
-    const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens,
-                                            grp_offsets, grp_seq, g_lo, g_hi);
-    if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane

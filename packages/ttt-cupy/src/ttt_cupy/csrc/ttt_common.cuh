@@ -250,6 +250,20 @@ struct Group {
     long long slot;  // slot of the state before chunk c0; slot + 1 is the state after the group
 };
 
+// Group j of sequence i_n (nc = 0 where the sequence has no group j).
+__device__ __forceinline__ Group group_at(long long i_n, long long j, long long T_len, int BT,
+                                          int G, const long long* __restrict__ cu_seqlens,
+                                          const long long* __restrict__ grp_offsets) {
+    const long long ng_fixed = ((T_len + BT - 1) / BT + G - 1) / G;  // (not varlen)
+    Group g;
+    g.seq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    g.gid = (cu_seqlens != nullptr ? grp_offsets[i_n] : i_n * ng_fixed) + j;
+    g.c0 = j * G;
+    g.nc = (int)max(0LL, min((long long)G, g.seq.nc - g.c0));
+    g.slot = g.seq.slot_base + j;
+    return g;
+}
+
 // The group of a group-parallel block; x = its (group, head) index / H. One launch over every
 // group (g_hi <= g_lo): x is the group's index over the batch. A segment [g_lo, g_hi): x =
 // i_n (g_hi - g_lo) + (j - g_lo) for group j of sequence i_n, and nc = 0 where the sequence
@@ -271,13 +285,86 @@ __device__ __forceinline__ Group group_coords(long long x, long long T_len, int 
         i_n = x / ng_fixed;
         j = x % ng_fixed;
     }
-    Group g;
-    g.seq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
-    g.gid = (cu_seqlens != nullptr ? grp_offsets[i_n] : i_n * ng_fixed) + j;
-    g.c0 = j * G;
-    g.nc = (int)max(0LL, min((long long)G, g.seq.nc - g.c0));
-    g.slot = g.seq.slot_base + j;
-    return g;
+    return group_at(i_n, j, T_len, BT, G, cu_seqlens, grp_offsets);
+}
+
+// ---------------------------------------------------------------- overlapped forward
+// The overlapped forward (launcher.OVERLAP): fwd_chain and fwd_out run at the same time, on two
+// streams, and a fwd_out block starts on its group as soon as the chain has finished that
+// group, not after the whole chain. They share one zeroed int32 buffer `sync`:
+//
+//   sync[kStarted]      chain blocks started        sync[kTicket]    fwd_out blocks started
+//   sync[kOverflow]     items put back (below)      sync[kProgress + c] groups chain c finished
+//   sync[kProgress + n_chains + i]  the items put back, in any order
+//
+// A chain block counts itself started first thing and, after each group (its slot, xh and r
+// all stored; a barrier, then a release by thread 0), publishes how many groups it finished.
+// A fwd_out block takes the next item (ticket u, group-major: group j = u / n_chains of chain
+// c = u % n_chains, so the earliest finished groups go first) and waits for its group with an
+// acquire. It waits only for chain blocks that have started, i.e. hold a place on the GPU and
+// will finish without anyone's help: if not all chain blocks have started after `wait_spins`
+// naps (the fwd_out blocks came first and may be holding the places the chain needs), it puts
+// its item back and ends. The launcher's cleanup launch (mode kCleanup, after both kernels)
+// runs the items put back. So no wait depends on a block that is not running: no deadlock,
+// whatever order the GPU places the blocks in. The arithmetic of every block is that of the
+// plain launches (bitwise; fwd_out reads these buffers without the read-only path).
+namespace overlap {
+constexpr int kStarted = 0, kTicket = 1, kOverflow = 2, kProgress = 3;
+constexpr int kPlain = 0, kOverlap = 1, kCleanup = 2;  // fwd_out's modes
+}  // namespace overlap
+
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void nap() { __nanosleep(256); }
+#else  // the CPU emulation: blocks run one after the other, so plain accesses do
+inline int load_acquire(const int* p) { return *p; }
+inline void store_release(int* p, int v) { *p = v; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
+inline void nap() {}
+#endif
+
+// A chain block: counts itself started (thread 0; sync null: not overlapped).
+__device__ __forceinline__ void overlap_chain_started(int* sync) {
+    if (sync != nullptr && threadIdx.x == 0) atomicAdd(sync + overlap::kStarted, 1);
+}
+
+// A chain block: `groups` groups of chain `chain` are finished. Called after a barrier that
+// follows every thread's last store of them (the barrier orders those stores before thread 0's
+// release).
+__device__ __forceinline__ void overlap_chain_progress(int* sync, long long chain, int groups) {
+    if (sync != nullptr && threadIdx.x == 0)
+        store_release(sync + overlap::kProgress + chain, groups);
+}
+
+// A fwd_out block's item (thread 0 only): its ticket (kOverlap), or the blockIdx.x-th item put
+// back (kCleanup); -1: none (put back, or past the items put back).
+__device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_chains,
+                                             int wait_spins) {
+    if (mode == overlap::kCleanup)
+        return blockIdx.x < (unsigned)load_acquire(sync + overlap::kOverflow)
+                   ? sync[overlap::kProgress + n_chains + blockIdx.x]
+                   : -1;
+    const int u = atomicAdd(sync + overlap::kTicket, 1);
+    for (int s = 0; s < wait_spins && load_acquire(sync + overlap::kStarted) < n_chains; ++s)
+        nap();
+    if (load_acquire(sync + overlap::kStarted) < n_chains) {
+        sync[overlap::kProgress + n_chains + atomicAdd(sync + overlap::kOverflow, 1)] = u;
+        return -1;
+    }
+    return u;
+}
+
+// Thread 0 of a fwd_out block (kOverlap): waits until chain `chain` has finished `groups`
+// groups (it has started: overlap_claim).
+__device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
+    while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
 }
 
 // ---------------------------------------------------------------- block-wide tile passes
@@ -893,8 +980,7 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
                                                       const T* __restrict__ v,
-                                                      const float* __restrict__ xbuf,
-                                                      const float* __restrict__ rbuf,
+                                                      const float* xbuf, const float* rbuf,
                                                       const float (&b_w)[P],
                                                       const float (&b_b)[P], long long p_base,
                                                       long long p_ebase, long long row0,
