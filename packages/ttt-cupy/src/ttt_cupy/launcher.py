@@ -106,6 +106,14 @@ OVERLAP_ENV = "TTT_CUPY_OVERLAP"
 """``TTT_CUPY_OVERLAP=0`` turns the overlapped forward (:func:`overlapped_forward`) off, ``1``
 on wherever it can run (unset or empty: the rule); read at every call."""
 
+OVERLAP_MAX_CHAINS = 64
+"""The overlapped forward runs with at most this many (sequence, head) chains (and fwd_out
+not fused). With few chains most of the GPU idles beside them and fwd_out's blocks use it; with
+more, fwd_out's blocks share the chains' SMs and slow their steps. On an H200, bf16, D 64
+unless noted, forward without backward, overlapped / one launch or segments (same call): 16
+chains (1 x 32768 x 16) 3.65 / 3.92 ms, 32 (4 x 4096 x 8, D 128) 1.19 / 1.42, 64 (4 x 4096 x
+16) 0.639 / 0.655, 96 (8 x 2048 x 12) 0.544 / 0.439."""
+
 OVERLAP_WAIT_SPINS = 256
 """How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a fwd_out block of the overlapped
 forward waits for every chain block to have started before it puts its item back for the
@@ -190,14 +198,15 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
 def overlapped_forward(problem: Problem, fuse: bool) -> bool:
     """Whether the forward runs fwd_chain and fwd_out at the same time (ttt_common.cuh's
     overlapped forward: a fwd_out block starts on its group once the chain has finished it)
-    instead of one after the other or in segments: whenever fwd_out runs (not fused), unless
-    :data:`OVERLAP_ENV` is ``0`` or :data:`SEGMENT_ENV` forces segments."""
+    instead of one after the other or in segments: where fwd_out runs (not fused) with at most
+    :data:`OVERLAP_MAX_CHAINS` chains, or wherever fwd_out runs with :data:`OVERLAP_ENV`
+    ``1``; never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
     value = os.environ.get(OVERLAP_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
     if fuse or value == "0" or os.environ.get(SEGMENT_ENV, "").strip():
         return False
-    return True
+    return value == "1" or problem.N * problem.H <= OVERLAP_MAX_CHAINS
 
 
 def _overlap_wait_spins() -> int:
