@@ -74,6 +74,7 @@ def launches(fake_cupy, monkeypatch):
         recorded.append((kernel.name, grid, block, smem, args))
 
     monkeypatch.setattr(launcher, "_launch", record)
+    monkeypatch.setattr(launcher, "_stream_wait_value", lambda stream, address, value: False)
     monkeypatch.setattr(launcher, "_index", lambda device: 0)
     monkeypatch.setattr(launcher, "_chain_stream", lambda index: _Stream())
     monkeypatch.setattr(launcher, "_group_streams",

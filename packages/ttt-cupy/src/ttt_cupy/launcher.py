@@ -24,6 +24,7 @@ launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -417,6 +418,29 @@ def _overlap_sync(chains: int, groups_max: int, device: torch.device) -> torch.T
     return torch.zeros(3 + chains + items, dtype=torch.int32, device=device)
 
 
+@functools.cache
+def _cu_stream_wait_value32():
+    """The driver's ``cuStreamWaitValue32`` (through ctypes: neither torch nor CuPy offers
+    stream memory operations), or None where libcuda or the function is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32",
+                                                                  None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def _stream_wait_value(stream, address: int, value: int) -> bool:
+    """Make ``stream`` wait until the int32 at device ``address`` is at least ``value``
+    (``CU_STREAM_WAIT_VALUE_GEQ``); False where the driver cannot (nothing enqueued)."""
+    fn = _cu_stream_wait_value32()
+    return fn is not None and fn(stream.cuda_stream, address, value, 0) == 0
+
+
 def _forward_overlapped(kern, index: int, sync: torch.Tensor, chains: int, groups_max: int,
                         chain_threads: int, out_threads: int, chain_smem: int, out_smem: int,
                         chain_args: tuple, out_args: tuple, fork: _Fork) -> None:
@@ -424,7 +448,10 @@ def _forward_overlapped(kern, index: int, sync: torch.Tensor, chains: int, group
     stream, fwd_out (kOverlap, one block per (chain, group) item) beside it on a group stream,
     both on the zeroed ``sync`` (:func:`_overlap_sync`, zeroed before the fork); then the
     fork's join and, on torch's stream, the cleanup launch (kCleanup), which runs the items
-    that fwd_out blocks put back (none unless the GPU placed them first)."""
+    that fwd_out blocks put back. fwd_out's stream first waits (:func:`_stream_wait_value`)
+    until every chain block has started, so that its blocks never take the places the chain
+    needs: where the GPU placed fwd_out first anyway (no stream memory operations), they put
+    their items back and the cleanup runs them after the chain, one pass after the other."""
     items = chains * groups_max
     spins = np.int32(_overlap_wait_spins())
     whole = (np.int64(0), np.int64(0))   # fwd_chain: the whole sequence
@@ -432,6 +459,7 @@ def _forward_overlapped(kern, index: int, sync: torch.Tensor, chains: int, group
     _launch(kern["fwd_chain"], index, chains, chain_threads, chain_smem,
             (*chain_args, *whole, _ptr(sync), np.uint64(chain_smem)), fork.chain)
     out = (_ptr(sync), np.int32(1), np.int64(chains), spins)  # overlap::kOverlap
+    _stream_wait_value(fork.group(0), sync.data_ptr(), chains)  # overlap::kStarted
     _launch(kern["fwd_out"], index, items, out_threads, out_smem,
             (*out_args, *groups, *out, np.uint64(out_smem)), fork.group(0))
     fork.join()
