@@ -15,11 +15,15 @@ few long chains (:func:`segment_plan`) each pass is split into segments of whole
 chain kernel runs once per segment on a high-priority side stream, and a segment's
 group-parallel kernels run on their own side streams as soon as it is done, beside the chain's
 next segment (the backward: every bwd_local at once, then per segment bwd_chain, bwd_grads).
-Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused
-forward off / on) and :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
-(``TTT_CUPY_SEGMENTS=K`` forces K segments). For half inputs all five kernels are their
-tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every
-launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
+The forward with few chains (:func:`overlapped_forward`) does not segment: fwd_chain and
+fwd_out run at the same time and fwd_out's blocks wait per group on flags the chain publishes
+(:func:`_forward_overlapped`). Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED`
+(``TTT_CUPY_FUSE=0/1`` forces the fused forward off / on), :data:`SEGMENTS`,
+:data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS` (``TTT_CUPY_SEGMENTS=K`` forces K
+segments) and :data:`OVERLAP_MAX_CHAINS` (``TTT_CUPY_OVERLAP=0/1``). For half inputs all five
+kernels are their tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0``
+is set (read at every launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always
+run SIMT fp32.
 """
 
 from __future__ import annotations

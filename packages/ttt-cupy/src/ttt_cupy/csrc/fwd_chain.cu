@@ -40,6 +40,10 @@
 // in the segment with the sequence's end). Sequences that ended before g_lo G return at once.
 // g_hi <= g_lo: the whole sequence. The launcher never segments the FUSE instance.
 //
+// Overlapped (sync not null; the unfused instances, one launch; ttt_common.cuh's overlapped
+// forward): the block counts itself started and, after the barrier that ends each group's last
+// step, publishes the number of groups it finished, so that fwd_out's blocks run beside it.
+//
 // FUSE = true (the launcher's choice with many (sequence, head) chains, launcher.FUSED; as the
 // Triton backend's FUSE_OUT): the block also writes each chunk's outputs from the state
 // before the chunk (q pre-scaled, e the per-row eta; the math of fwd_out.cu), and fwd_out is

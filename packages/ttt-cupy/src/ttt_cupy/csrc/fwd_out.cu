@@ -13,7 +13,9 @@
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
 // are. A segmented launch (g_lo < g_hi; launcher.segment_plan) has a block per (sequence, group
 // g_lo .. g_hi - 1, head) instead of one per group of the batch (group_coords); blocks past their
-// sequence's end return at once. The SIMT instance walks chunk by chunk (blocks of BT rows): in
+// sequence's end return at once. Overlapped (mode kOverlap; ttt_common.cuh): the block takes
+// a group-major item instead and waits until fwd_chain, running at the same time, has finished
+// that group (or puts the item back for the cleanup launch, mode kCleanup). The SIMT instance walks chunk by chunk (blocks of BT rows): in
 // SIMT arithmetic that is the cheapest block (per row 2 D^2 + BT D multiply-adds); larger row
 // blocks only pay with tensor cores (the MMA instance below). The g row pass shares its phase with
 // q k^T (no barrier of its own). Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
