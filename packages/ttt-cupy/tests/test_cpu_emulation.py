@@ -105,11 +105,12 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     groups per segment: each segment's chain, then its group kernels; the backward's segments
     in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
     writes dk, dv and per-group dw, db partials (where bwd_grads puts its), and bwd_grads
-    is skipped. ``overlap``: the overlapped forward (launcher._forward_overlapped, one sync
-    buffer): "chain first" runs fwd_chain, then fwd_out's items (kOverlap: every group is
-    finished, no item put back), then the cleanup launch (kCleanup: nothing to do); "out first"
-    runs fwd_out's blocks before any chain block has started, with no wait (every item put
-    back), then fwd_chain, then the cleanup launch (every item)."""
+    is skipped. ``overlap``: the overlapped passes (launcher._overlapped, one sync buffer per
+    pass; the backward's bwd_local first): "chain first" runs the chain kernel, then the group
+    kernel's tickets (kOverlap: every group is finished, none put back), then the cleanup
+    launch (kCleanup: nothing to do); "out first" runs the group kernel's blocks before any
+    chain block has started, with no wait (every ticket put back), then the chain kernel,
+    then the cleanup launch (every ticket)."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -218,6 +219,41 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
+    split = grads_split(DP, BT)
+
+    def bchain(sg, sync=None):
+        call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+             _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
+             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(cu_arr), _p(go),
+             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync))
+
+    def bgrads(grid, sg, sync=None, mode=0, spins=0):
+        call("bwd_grads", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
+             _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]),
+             _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr), _p(go), _p(gs), c["scale"],
+             c["T"], c["H"], c["D"], c["G"], *sg, _p(sync), ctypes.c_int(mode), i64(N * H),
+             ctypes.c_int(spins))
+
+    if overlap is not None:  # bwd_local, then bwd_chain and bwd_grads overlapped (as above)
+        assert not fuse_grads
+        whole = (i64(0), i64(0))
+        call("bwd_local", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
+             _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
+             _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
+             _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *whole)
+        tickets = N * H * ng_max * split
+        sync = np.zeros(3 + N * H + tickets, np.int32)
+        if overlap == "chain first":
+            bchain(whole, sync)
+            bgrads(tickets, whole, sync, mode=1, spins=1)
+            assert sync[2] == 0, "a bwd_grads ticket was put back though every chain had finished"
+        else:
+            bgrads(tickets, whole, sync, mode=1, spins=0)
+            assert sync[2] == tickets, "a bwd_grads block ran before its chain had started"
+            bchain(whole, sync)
+        assert sync[0] == N * H and sync[1] == tickets, "not every block counted itself"
+        bgrads(tickets, whole, sync, mode=2)
+        segs = []
     for lo, hi in reversed(segs):
         sg = (i64(lo), i64(hi))
         call("bwd_local", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
@@ -228,18 +264,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
             call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
                  _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
                  _p(g["eta"]), _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0),
-                 _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(ck),
-                 _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), fused_instance=True)
+                 _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, None,
+                 _p(ck), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), fused_instance=True)
             continue
-        call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-             _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
-             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(cu_arr), _p(go),
-             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg)
-        # grads_split blocks per (group, head), as the launcher
-        call("bwd_grads", span(lo, hi) * H * grads_split(DP, BT), _p(f["q"]), _p(f["k"]),
-             _p(f["v"]), _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(ck), _p(dck), _p(xbuf),
-             _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]),
-             _p(cu_arr), _p(go), _p(gs), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg)
+        bchain(sg)
+        bgrads(span(lo, hi) * H * split, sg)  # grads_split blocks per (group, head)
     # bwd_grads asks for every group's last chunk before its state loads
     assert fuse_grads or prefetches.get("bwd_grads", 0) > 0, \
         "no bwd_grads prefetch hint reached the check"
@@ -452,13 +481,13 @@ def test_segments_match_one_launch(emu, case, mma, seg):
 @pytest.mark.parametrize("order", ["chain first", "out first"], ids=["chain-first", "out-first"])
 @pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_overlapped_forward_matches_plain(emu, case, mma, order):
-    """The overlapped forward (ttt_common.cuh: fwd_chain publishes each finished group,
-    fwd_out blocks take group-major items and wait for them, or put them back for the cleanup
-    launch when the chain has not started) against the plain launches: bitwise the same
-    outputs, final states and saved activations, and through the backward every gradient, in
-    both orders the GPU may place the blocks in (every fwd_out block claims and counts itself;
-    "out first": every item put back, then run by the cleanup launch)."""
+def test_overlapped_passes_match_plain(emu, case, mma, order):
+    """The overlapped passes (ttt_common.cuh: fwd_chain / bwd_chain publish each finished
+    group, fwd_out / bwd_grads blocks take group-major tickets and wait for them, or put them
+    back for the cleanup launch when the chain has not started) against the plain launches:
+    bitwise the same outputs, final states and every gradient, in both orders the GPU may place
+    the blocks in (every group block claims and counts itself; "out first": every ticket put
+    back, then run by the cleanup launch)."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
     x, seqs, cu, scale, cot, _ = _inputs(case)
     grads_in = cot if with_dht else (cot[0], None, None)
@@ -468,7 +497,7 @@ def test_overlapped_forward_matches_plain(emu, case, mma, order):
     _assert_close(got, ref, got_g, ref_g, 1e-30)
     for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
             (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
-        assert np.array_equal(a, r), f"{name}: the overlapped forward differs ({order})"
+        assert np.array_equal(a, r), f"{name}: the overlapped passes differ ({order})"
 
 
 FUSE_GRADS_CASES = [c for c in CASES if c[4] <= 64]

@@ -138,7 +138,7 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
                                                   lens, init, fuse, segments):
     monkeypatch.setenv(launcher.FUSE_ENV, fuse)
     monkeypatch.setenv(launcher.FUSE_GRADS_ENV, fuse)
-    if segments == "overlap":  # the overlapped forward (no segments), one-launch backward
+    if segments == "overlap":  # the overlapped passes (no segments)
         monkeypatch.setenv(launcher.OVERLAP_ENV, "1")
     else:
         monkeypatch.setenv(launcher.SEGMENT_ENV, segments)
@@ -166,17 +166,21 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
             [fwd_names["fwd_chain"], *[fwd_names["fwd_out"]] * (1 + overlap)]
             * launches_per_kernel)
     assert sorted(fwd) == sorted(want), fwd
-    if overlap and fuse == "0":  # fwd_chain, fwd_out (kOverlap), cleanup (kCleanup): one sync
-        (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = \
-            launches[:3]
-        sync = int(c_args[-2])
-        assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers differ"
-        assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "fwd_out's modes"
-        items = p.N * p.H * saved.groups.groups_max
-        assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H and o_grid == k_grid == items
+    if overlap and fuse == "0":  # chain, group kernel (kOverlap), cleanup (kCleanup): one sync
+        split = cc.grads_split(dp, 16)
+        for three, per_item in ((launches[:3], 1), (launches[n_fwd + 1:n_fwd + 4], split)):
+            (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = three
+            sync = int(c_args[-2])
+            assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers"
+            assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "the group kernel's modes"
+            tickets = p.N * p.H * saved.groups.groups_max * per_item
+            assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H
+            assert o_grid == k_grid == tickets
     chain = cc.FUSED_BWD_NAME if fuse == "1" and cc.FUSED_BWD_NAME in bwd_names else "bwd_chain"
     want = [bwd_names[n] for n in ("bwd_local", chain, "bwd_grads")
             if n != "bwd_grads" or chain == "bwd_chain"] * launches_per_kernel
+    if overlap and chain == "bwd_chain":  # and bwd_grads' cleanup
+        want.append(bwd_names["bwd_grads"])
     assert sorted(bwd) == sorted(want), bwd
 
     sigs = _signatures()

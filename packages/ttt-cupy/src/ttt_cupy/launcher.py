@@ -15,15 +15,15 @@ few long chains (:func:`segment_plan`) each pass is split into segments of whole
 chain kernel runs once per segment on a high-priority side stream, and a segment's
 group-parallel kernels run on their own side streams as soon as it is done, beside the chain's
 next segment (the backward: every bwd_local at once, then per segment bwd_chain, bwd_grads).
-The forward with few chains (:func:`overlapped_forward`) does not segment: fwd_chain and
-fwd_out run at the same time and fwd_out's blocks wait per group on flags the chain publishes
-(:func:`_forward_overlapped`). Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED`
-(``TTT_CUPY_FUSE=0/1`` forces the fused forward off / on), :data:`SEGMENTS`,
-:data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS` (``TTT_CUPY_SEGMENTS=K`` forces K
-segments) and :data:`OVERLAP_MAX_CHAINS` (``TTT_CUPY_OVERLAP=0/1``). For half inputs all five
-kernels are their tensor-core (tf32 mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0``
-is set (read at every launch by :func:`ttt_cupy.compile.get_kernels`); float inputs always
-run SIMT fp32.
+With few chains (:func:`overlapped`) the passes do not segment: fwd_chain and fwd_out, and
+after bwd_local, bwd_chain and bwd_grads, run at the same time, the group kernel's blocks
+waiting per group on flags the chain publishes (:func:`_overlapped`). Tunables live in
+:data:`CKPT_INTERVAL`, :data:`FUSED` (``TTT_CUPY_FUSE=0/1`` forces the fused forward off / on),
+:data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`, :data:`SEGMENT_MIN_GROUPS`
+(``TTT_CUPY_SEGMENTS=K`` forces K segments) and :data:`OVERLAP_MAX_CHAINS`
+(``TTT_CUPY_OVERLAP=0/1``). For half inputs all five kernels are their tensor-core (tf32
+mma.sync) instances on sm_80+ unless ``TTT_CUPY_MMA=0`` is set (read at every launch by
+:func:`ttt_cupy.compile.get_kernels`); float inputs always run SIMT fp32.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ FUSE_GRADS_ENV = "TTT_CUPY_FUSE_GRADS"
 (unset or empty: :data:`FUSED`'s ``backward``); read at every call."""
 
 OVERLAP_ENV = "TTT_CUPY_OVERLAP"
-"""``TTT_CUPY_OVERLAP=0`` turns the overlapped forward (:func:`overlapped_forward`) off, ``1``
-on wherever it can run (unset or empty: the rule); read at every call."""
+"""``TTT_CUPY_OVERLAP=0`` turns the overlapped passes (:func:`overlapped`) off, ``1`` on
+wherever they can run (unset or empty: the rule); read at every call."""
 
 OVERLAP_MAX_CHAINS = 64
 """The overlapped forward runs with at most this many (sequence, head) chains (and fwd_out
@@ -200,12 +200,13 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
     return problem.N * problem.H >= FUSED["backward"]
 
 
-def overlapped_forward(problem: Problem, fuse: bool) -> bool:
-    """Whether the forward runs fwd_chain and fwd_out at the same time (ttt_common.cuh's
-    overlapped forward: a fwd_out block starts on its group once the chain has finished it)
-    instead of one after the other or in segments: where fwd_out runs (not fused) with at most
-    :data:`OVERLAP_MAX_CHAINS` chains, or wherever fwd_out runs with :data:`OVERLAP_ENV`
-    ``1``; never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
+def overlapped(problem: Problem, fuse: bool) -> bool:
+    """Whether a pass runs its chain kernel and the group kernel that reads it at the same time
+    (ttt_common.cuh's overlapped passes: fwd_chain and fwd_out, bwd_chain and bwd_grads; a
+    group block starts on its group once the chain has finished it) instead of one after the
+    other or in segments: where the group kernel runs (``fuse`` False) with at most
+    :data:`OVERLAP_MAX_CHAINS` chains, or wherever it runs with :data:`OVERLAP_ENV` ``1``;
+    never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
     value = os.environ.get(OVERLAP_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
@@ -409,17 +410,17 @@ _NO_SYNC = np.uint64(0)
 """fwd_chain's ``sync`` argument when not overlapped (null)."""
 
 _PLAIN_OUT = (_NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
-"""fwd_out's (sync, mode, n_chains, wait_spins) when not overlapped (mode kPlain)."""
+"""fwd_out's and bwd_grads' (sync, mode, n_chains, wait_spins) when not overlapped (mode
+kPlain)."""
 
 
-def _overlap_sync(chains: int, groups_max: int, device: torch.device) -> torch.Tensor:
-    """The overlapped forward's zeroed int32 buffer (ttt_common.cuh): three counters, each
-    chain's finished groups, room for every (chain, group) item."""
-    items = chains * groups_max
-    if 3 + chains + items >= 2**31:
-        raise ValueError(f"the overlapped forward counts its {items} (chain, group) items in "
-                         f"int32; set {OVERLAP_ENV}=0 for this problem")
-    return torch.zeros(3 + chains + items, dtype=torch.int32, device=device)
+def _overlap_sync(chains: int, tickets: int, device: torch.device) -> torch.Tensor:
+    """An overlapped pass's zeroed int32 buffer (ttt_common.cuh): three counters, each chain's
+    finished groups, room for every ticket."""
+    if 3 + chains + tickets >= 2**31:
+        raise ValueError(f"an overlapped pass counts its {tickets} group blocks in int32; set "
+                         f"{OVERLAP_ENV}=0 for this problem")
+    return torch.zeros(3 + chains + tickets, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -445,31 +446,30 @@ def _stream_wait_value(stream, address: int, value: int) -> bool:
     return fn is not None and fn(stream.cuda_stream, address, value, 0) == 0
 
 
-def _forward_overlapped(kern, index: int, sync: torch.Tensor, chains: int, groups_max: int,
-                        chain_threads: int, out_threads: int, chain_smem: int, out_smem: int,
-                        chain_args: tuple, out_args: tuple, fork: _Fork) -> None:
-    """The overlapped forward (ttt_common.cuh): fwd_chain on the fork's high-priority chain
-    stream, fwd_out (kOverlap, one block per (chain, group) item) beside it on a group stream,
-    both on the zeroed ``sync`` (:func:`_overlap_sync`, zeroed before the fork); then the
-    fork's join and, on torch's stream, the cleanup launch (kCleanup), which runs the items
-    that fwd_out blocks put back. fwd_out's stream first waits (:func:`_stream_wait_value`)
-    until every chain block has started, so that its blocks never take the places the chain
-    needs: where the GPU placed fwd_out first anyway (no stream memory operations), they put
-    their items back and the cleanup runs them after the chain, one pass after the other."""
-    items = chains * groups_max
+def _overlapped(chain_kernel, group_kernel, index: int, sync: torch.Tensor, chains: int,
+                tickets: int, chain_threads: int, group_threads: int, chain_smem: int,
+                group_smem: int, chain_args: tuple, group_args: tuple, fork: _Fork) -> None:
+    """An overlapped pass (ttt_common.cuh): the chain kernel on the fork's high-priority chain
+    stream, the group kernel (kOverlap, one block per ticket) beside it on a group stream, both
+    on the zeroed ``sync`` (:func:`_overlap_sync`, zeroed before the fork); then the fork's join
+    and, on torch's stream, the cleanup launch (kCleanup), which runs the tickets that group
+    blocks put back. The group kernel's stream first waits (:func:`_stream_wait_value`) until
+    every chain block has started, so that its blocks never take the places the chain needs:
+    where the GPU placed them first anyway (no stream memory operations), they put their
+    tickets back and the cleanup runs them after the chain, one kernel after the other.
+    ``chain_args`` / ``group_args``: the kernels' arguments up to the segment."""
     spins = np.int32(_overlap_wait_spins())
-    whole = (np.int64(0), np.int64(0))   # fwd_chain: the whole sequence
-    groups = (np.int64(0), np.int64(groups_max))  # fwd_out: items in [0, groups_max) coordinates
-    _launch(kern["fwd_chain"], index, chains, chain_threads, chain_smem,
+    whole = (np.int64(0), np.int64(0))   # the whole sequence (the group kernels: unused)
+    _launch(chain_kernel, index, chains, chain_threads, chain_smem,
             (*chain_args, *whole, _ptr(sync), np.uint64(chain_smem)), fork.chain)
-    out = (_ptr(sync), np.int32(1), np.int64(chains), spins)  # overlap::kOverlap
     _stream_wait_value(fork.group(0), sync.data_ptr(), chains)  # overlap::kStarted
-    _launch(kern["fwd_out"], index, items, out_threads, out_smem,
-            (*out_args, *groups, *out, np.uint64(out_smem)), fork.group(0))
-    fork.join()
-    cleanup = (_ptr(sync), np.int32(2), np.int64(chains), spins)  # overlap::kCleanup
-    _launch(kern["fwd_out"], index, items, out_threads, out_smem,
-            (*out_args, *groups, *cleanup, np.uint64(out_smem)), fork.here)
+    for mode, stream in ((1, fork.group(0)), (2, None)):  # overlap::kOverlap, kCleanup
+        if stream is None:
+            fork.join()
+            stream = fork.here
+        _launch(group_kernel, index, tickets, group_threads, group_smem,
+                (*group_args, *whole, _ptr(sync), np.int32(mode), np.int64(chains), spins,
+                 np.uint64(group_smem)), stream)
 
 
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
@@ -505,12 +505,13 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, index)
-    overlap = overlapped_forward(p, fuse)
+    overlap = overlapped(p, fuse)
     plan = [(0, 0)] if fuse or overlap else segment_plan(p, grp.groups_max, backward=False)
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    sync = _overlap_sync(N * H, grp.groups_max, dev) if overlap else None  # (before the fork)
+    tickets = N * H * grp.groups_max        # (overlapped: one fwd_out block per ticket)
+    sync = _overlap_sync(N * H, tickets, dev) if overlap else None  # (zeroed before the fork)
     fork = _Fork(here, index, len(plan)) if len(plan) > 1 or overlap else None
     chain_stream = here if fork is None else fork.chain
     # the launches' arguments but the segment and the shared memory size, built once per pass
@@ -524,9 +525,9 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                 np.int32(H), np.int32(D), np.int32(G))
     with _on_device(index):
         if overlap:
-            _forward_overlapped(kern, index, sync, N * H, grp.groups_max,
-                                threads(dp, "fwd_chain", mma), nt, chain_smem, out_smem,
-                                chain_args, out_args, fork)
+            _overlapped(kern["fwd_chain"], kern["fwd_out"], index, sync, N * H, tickets,
+                        threads(dp, "fwd_chain", mma), nt, chain_smem, out_smem, chain_args,
+                        out_args, fork)
             plan, fork = [], None  # (joined)
         for i, (g_lo, g_hi) in enumerate(plan):
             seg = (np.int64(g_lo), np.int64(g_hi))
@@ -624,19 +625,27 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     def chain(seg, stream):  # fused: also dk, dv and the per-group dw, db partials
         _launch(kern[FUSED_BWD_NAME if fuse else "bwd_chain"], index, N * H,
                 threads(dp, "bwd_chain", mma), chain_smem,
-                (*chain_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(chain_smem)),
-                stream)
+                (*chain_args, np.int64(seg[0]), np.int64(seg[1]),
+                 *([] if fuse else [_NO_SYNC]), np.uint64(chain_smem)), stream)
 
     def grads(seg, stream):  # grads_split blocks per (group, head), each a part of W's rows
         _launch(kern["bwd_grads"], index, _group_blocks(grp, N, seg) * H * split_rows, nt,
                 grads_smem,
-                (*grads_args, np.int64(seg[0]), np.int64(seg[1]), np.uint64(grads_smem)),
-                stream)
+                (*grads_args, np.int64(seg[0]), np.int64(seg[1]), *_PLAIN_OUT,
+                 np.uint64(grads_smem)), stream)
 
-    plan = segment_plan(p, grp.groups_max)
+    overlap = overlapped(p, fuse)
+    plan = [(0, 0)] if overlap else segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
     with _on_device(index):
-        if len(plan) == 1:
+        if overlap:  # bwd_local, then bwd_chain and bwd_grads at once (one block per ticket)
+            local(plan[0], here)
+            tickets = N * H * grp.groups_max * split_rows
+            sync = _overlap_sync(N * H, tickets, dev)  # (zeroed before the fork)
+            _overlapped(kern["bwd_chain"], kern["bwd_grads"], index, sync, N * H, tickets,
+                        threads(dp, "bwd_chain", mma), nt, chain_smem, grads_smem,
+                        chain_args, grads_args, _Fork(here, index, 1))
+        elif len(plan) == 1:
             local(plan[0], here)
             chain(plan[0], here)
             if not fuse:

@@ -344,18 +344,20 @@ ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS))
 
 #define BWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf xbuf, cf rbuf, cf dopbuf, \
     float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dckb, float* dh0, \
-    float* dhb0, ci64 cu, ci64 go, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
+    float* dhb0, ci64 cu, ci64 go, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
+    int* sync
 #define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, \
-    dh0, dhb0, cu, go, scale, T, H, D, G, g_lo, g_hi
+    dh0, dhb0, cu, go, scale, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_bwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
 ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS))
 
 #define BWD_GRADS_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf dck, cf xbuf, cf rbuf, \
     cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, ci64 cu, ci64 go, \
-    const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi
+    const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, int* sync, \
+    int mode, i64 n_chains, int wait_spins
 #define BWD_GRADS_ARGS q, k, v, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dk, dv, dwp, dbp, \
-    cu, go, gs, scale, T, H, D, G, g_lo, g_hi
+    cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_bwd_grads(DP, BT) \
     if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS))
@@ -422,7 +424,7 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
         ttt_linear_bwd_chain<__half, DP, BT, true>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
                                                    dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
                                                    cu, go, scale, T, H, D, G, g_lo, g_hi,
-                                                   Tr::kBwdChainTcBytes);
+                                                   sync, Tr::kBwdChainTcBytes);
     });
 }
 #define DISPATCH_MMA_bwd_chain(DP, BT) \
@@ -489,8 +491,8 @@ static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_bwd_grads<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf,
                                                    dopbuf, dgbuf, dkh, dvh, dwp, dbp, cu, go, gs,
-                                                   scale, T, H, D, G, g_lo, g_hi,
-                                                   Tr::kBwdGradsBytes);
+                                                   scale, T, H, D, G, g_lo, g_hi, sync, mode,
+                                                   n_chains, wait_spins, Tr::kBwdGradsBytes);
     });
 }
 #define DISPATCH_MMA_bwd_grads(DP, BT) \
@@ -501,7 +503,8 @@ extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
 }
 
 // bwd_chain's fused instance (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; T = the
-// fake __half, MMA only, D_PAD <= 64): the chain's arguments, then ck, dk, dv, dwp, dbp.
+// fake __half, MMA only, D_PAD <= 64): the chain's arguments (sync unused: the fused chain
+// does not overlap), then ck, dk, dv, dwp, dbp.
 #define INSTANCES_D64(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32)
 template <int DP, int BT>
 static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, float* dv,

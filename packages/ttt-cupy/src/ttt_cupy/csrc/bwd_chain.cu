@@ -25,6 +25,11 @@
 // the slot cotangent its successor stored last, dck and dckb (the cotangent of hb, kept for
 // this only). dh0 / dhb0 only in the first segment. g_hi <= g_lo: the whole sequence.
 //
+// Overlapped (sync not null; the unfused instances, one launch; ttt_common.cuh's overlapped
+// passes): the block counts itself started and, after the barrier that ends each group's
+// first chunk (the last one it runs), publishes how many groups it finished from the
+// sequence's end, so that bwd_grads' blocks run beside it.
+//
 // MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kBwdChainBytes):
 // bwd_chain_simt below, every product SIMT fp32, the cotangent in shared memory.
 //
@@ -69,7 +74,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi, const float* __restrict__ ck = nullptr,
     T* __restrict__ dk = nullptr, T* __restrict__ dv = nullptr, float* __restrict__ dwp = nullptr,
-    float* __restrict__ dbp = nullptr) {
+    float* __restrict__ dbp = nullptr, int* sync = nullptr) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     constexpr int LA = Tr::kLdA;
@@ -131,6 +136,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     // a segment before it from the slot its successor stored last
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
     if (cr.skip) return;  // the sequence ended in an earlier segment
+    overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
 
@@ -405,6 +411,9 @@ __device__ __forceinline__ void bwd_chain_tc(
         }
         __syncthreads();
         if (in_group == 0) {
+            // a group done (its full dg stored; the cotangent after it, slot i_c / G + 1,
+            // stored a group earlier): bwd_grads may take it (overlapped backward)
+            overlap_chain_progress(sync, i_nh, (int)((sq.nc + G - 1) / G - i_c / G));
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state_frag<D_PAD>(dck + i_ck * DD, dckb + i_ck * D, dW, dhb, D);
             if constexpr (FUSE) {  // the group's dw, db partials: sums over a column's lanes,
@@ -445,7 +454,7 @@ __device__ __forceinline__ void bwd_chain_simt(
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
     const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G, long long g_lo, long long g_hi) {
+    int G, long long g_lo, long long g_hi, int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
@@ -466,6 +475,7 @@ __device__ __forceinline__ void bwd_chain_simt(
     // this launch's chunks [c_lo, c_hi), in reverse (as the MMA instance above)
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
     if (cr.skip) return;  // the sequence ended in an earlier segment
+    overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
 
@@ -551,6 +561,7 @@ __device__ __forceinline__ void bwd_chain_simt(
         }
         __syncthreads();
         if (i_c % G == 0) {
+            overlap_chain_progress(sync, i_nh, (int)((sq.nc + G - 1) / G - i_c / G));
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state<D_PAD, NT>(dck + i_ck * DD, dckb + i_ck * D, s_dW, s_dhb, D);
         }
@@ -583,7 +594,9 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi,
+                     int* sync,  // [3 + ..] int32 or null: the overlapped backward
+                     unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
@@ -593,13 +606,14 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
             __trap();
         ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
                                         deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
-                                        grp_offsets, scale, T_len, H, D, G, g_lo, g_hi);
+                                        grp_offsets, scale, T_len, H, D, G, g_lo, g_hi,
+                                        nullptr, nullptr, nullptr, nullptr, nullptr, sync);
     } else {
         if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
         ttt::bwd_chain_simt<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
                                           dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
-                                          grp_offsets, scale, T_len, H, D, G, g_lo, g_hi);
+                                          grp_offsets, scale, T_len, H, D, G, g_lo, g_hi, sync);
     }
 }
 

@@ -51,11 +51,13 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const float* __restrict__ lnw,     // [H, D] fp32
                      const float* __restrict__ lnb,     // [H, D] fp32
                      const float* __restrict__ ck,      // [slots, H, D, D] state slots
-                     const float* __restrict__ dck,     // [slots, H, D, D] slot cotangents
+                     // written by bwd_chain, running beside this kernel when overlapped: not
+                     // __restrict__, so that they are not read through the read-only path
+                     const float* dck,                  // [slots, H, D, D] slot cotangents
                      const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
                      const float* __restrict__ rbuf,    // [B, T, H] fp32 r
                      const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-                     const float* __restrict__ dgbuf,   // [B, T, H, D] fp32 full dg
+                     const float* dgbuf,                // [B, T, H, D] fp32 full dg
                      T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
                      float* __restrict__ dwp,           // [groups, H, D] partials of dw
                      float* __restrict__ dbp,           // [groups, H, D] partials of db
@@ -63,7 +65,12 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
+                     long long g_lo, long long g_hi,
+                     int* sync,           // null (kPlain) or the overlapped backward's buffer
+                     int mode,            // overlap::kPlain / kOverlap / kCleanup
+                     long long n_chains,  // N H (kOverlap, kCleanup)
+                     int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+                     unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
@@ -93,14 +100,39 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     using StagedF = ttt::StagedRows<float, D_PAD, BT, NT>;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, sub = lane / LPR;
-    const unsigned i_b = blockIdx.x / SPLIT;                // (group, head) of the block
-    const int a0 = (int)(blockIdx.x % SPLIT) * DA;          // its first state row / dk column
+    // the block's (group, head) and share of the state rows: from blockIdx.x (kPlain), or
+    // from its ticket (ttt_common.cuh's overlapped passes): item u = ticket / SPLIT is group
+    // NG - 1 - u / n_chains (the k-th from its sequence's end, NG groups; none where negative)
+    // of chain c = u % n_chains, rows ticket % SPLIT
+    int i_h, a0;
+    ttt::Group gr;
+    if (mode == ttt::overlap::kPlain) {
+        const unsigned i_b = blockIdx.x / SPLIT;
+        a0 = (int)(blockIdx.x % SPLIT) * DA;
+        i_h = (int)(i_b % H);
+        gr = ttt::group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo,
+                               g_hi);
+        if (gr.nc <= 0) return;  // a segment past the end of this sequence
+    } else {
+        static __shared__ int s_ticket;  // (static: shared in the CPU emulation too)
+        if (tid == 0) s_ticket = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
+        __syncthreads();
+        const int t = s_ticket, nch = (int)n_chains;  // (32-bit: int32 tickets)
+        if (t < 0) return;  // put back, or no item
+        const int u = t / SPLIT, c = u % nch, k_end = u / nch;
+        a0 = (t % SPLIT) * DA;
+        i_h = c % H;
+        const ttt::Seq sq = ttt::seq_coords(c / H, T_len, BT, G, cu_seqlens, grp_offsets);
+        const long long j = (sq.nc + G - 1) / G - 1 - k_end;
+        if (j < 0) return;  // the sequence has no such group
+        gr = ttt::group_at(c / H, j, T_len, BT, G, cu_seqlens, grp_offsets);
+        if (mode == ttt::overlap::kOverlap) {
+            if (tid == 0) ttt::overlap_wait(sync, c, k_end + 1);
+            __syncthreads();
+        }
+    }
     const int rows = D - a0;                                // its valid rows (with a < DA)
     const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)
-    const int i_h = (int)(i_b % H);
-    const ttt::Group gr = ttt::group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets,
-                                            grp_seq, g_lo, g_hi);
-    if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long gid = gr.gid;
     const long long DD = (long long)D * D;
 

@@ -288,26 +288,30 @@ __device__ __forceinline__ Group group_coords(long long x, long long T_len, int 
     return group_at(i_n, j, T_len, BT, G, cu_seqlens, grp_offsets);
 }
 
-// ---------------------------------------------------------------- overlapped forward
-// The overlapped forward (launcher.OVERLAP): fwd_chain and fwd_out run at the same time, on two
-// streams, and a fwd_out block starts on its group as soon as the chain has finished that
-// group, not after the whole chain. They share one zeroed int32 buffer `sync`:
+// ---------------------------------------------------------------- overlapped passes
+// The overlapped passes (launcher.overlapped): a chain kernel and the group kernel that reads
+// it run at the same time, on two streams, and a group block starts on its group as soon as
+// the chain has finished that group, not after the whole chain: fwd_chain -> fwd_out (groups
+// in order) and bwd_chain -> bwd_grads (groups from each sequence's end). They share one
+// zeroed int32 buffer `sync`:
 //
-//   sync[kStarted]      chain blocks started        sync[kTicket]    fwd_out blocks started
-//   sync[kOverflow]     items put back (below)      sync[kProgress + c] groups chain c finished
-//   sync[kProgress + n_chains + i]  the items put back, in any order
+//   sync[kStarted]      chain blocks started        sync[kTicket]    group blocks started
+//   sync[kOverflow]     tickets put back (below)    sync[kProgress + c] groups chain c finished
+//   sync[kProgress + n_chains + i]  the tickets put back, in any order
 //
-// A chain block counts itself started first thing and, after each group (its slot, xh and r
-// all stored; a barrier, then a release by thread 0), publishes how many groups it finished.
-// A fwd_out block takes the next item (ticket u, group-major: group j = u / n_chains of chain
-// c = u % n_chains, so the earliest finished groups go first) and waits for its group with an
-// acquire. It waits only for chain blocks that have started, i.e. hold a place on the GPU and
+// A chain block counts itself started first thing and, after each group (everything the
+// group block reads stored; a barrier, then a release by thread 0), publishes how many
+// groups it has finished. A group block takes the next ticket (group-major: the k-th group
+// the chains finish is item k / n_chains of chain k % n_chains, so the earliest finished
+// groups go first; bwd_grads: kGradsSplit tickets per item) and waits with an acquire for its
+// group. It waits only for chain blocks that have started, i.e. hold a place on the GPU and
 // will finish without anyone's help: if not all chain blocks have started after `wait_spins`
-// naps (the fwd_out blocks came first and may be holding the places the chain needs), it puts
-// its item back and ends. The launcher's cleanup launch (mode kCleanup, after both kernels)
-// runs the items put back. So no wait depends on a block that is not running: no deadlock,
-// whatever order the GPU places the blocks in. The arithmetic of every block is that of the
-// plain launches (bitwise; fwd_out reads these buffers without the read-only path).
+// naps (the group blocks came first and may be holding the places the chain needs), it puts
+// its ticket back and ends. The launcher's cleanup launch (mode kCleanup, after both kernels)
+// runs the tickets put back. So no wait depends on a block that is not running: no deadlock,
+// whatever order the GPU places the blocks in (the launcher also holds the group kernel's
+// stream until every chain block has started). The arithmetic of every block is that of the
+// plain launches (bitwise; the group kernels read these buffers without the read-only path).
 namespace overlap {
 constexpr int kStarted = 0, kTicket = 1, kOverflow = 2, kProgress = 3;
 constexpr int kPlain = 0, kOverlap = 1, kCleanup = 2;  // fwd_out's modes
