@@ -111,13 +111,15 @@ OVERLAP_ENV = "TTT_CUPY_OVERLAP"
 """``TTT_CUPY_OVERLAP=0`` turns the overlapped passes (:func:`overlapped`) off, ``1`` on
 wherever they can run (unset or empty: the rule); read at every call."""
 
-OVERLAP_MAX_CHAINS = 64
-"""The overlapped forward runs with at most this many (sequence, head) chains (and fwd_out
-not fused). With few chains most of the GPU idles beside them and fwd_out's blocks use it; with
-more, fwd_out's blocks share the chains' SMs and slow their steps. On an H200, bf16, D 64
-unless noted, forward without backward, overlapped / one launch or segments (same call): 16
-chains (1 x 32768 x 16) 3.65 / 3.92 ms, 32 (4 x 4096 x 8, D 128) 1.19 / 1.42, 64 (4 x 4096 x
-16) 0.639 / 0.655, 96 (8 x 2048 x 12) 0.544 / 0.439."""
+OVERLAP_MAX_CHAINS = {"forward": 96, "backward": 32}
+"""The overlapped passes run with at most this many (sequence, head) chains (and the group
+kernel not fused away). With few chains most of the GPU idles beside them and the group
+kernel's blocks use it; with more, those blocks share the chains' SMs and slow their steps.
+On an H200, bf16, D 64 unless noted, overlapped / one launch or segments, same call (fwd /
+fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains (1 x 32768 x
+16) 3.64 / 10.6 against 3.89 / 11.1; 32 (4 x 4096 x 8, D 128) 1.19 / 4.04 against 1.45 /
+4.67; 64 (4 x 4096 x 16) 0.641 / 2.40 against 0.659 / 2.31 (the backward slower); 96 (8 x
+2048 x 12) 0.417 / 1.57 against 0.438 / 1.58."""
 
 OVERLAP_WAIT_SPINS = 256
 """How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a fwd_out block of the overlapped
@@ -200,19 +202,20 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
     return problem.N * problem.H >= FUSED["backward"]
 
 
-def overlapped(problem: Problem, fuse: bool) -> bool:
+def overlapped(problem: Problem, fuse: bool, backward: bool = False) -> bool:
     """Whether a pass runs its chain kernel and the group kernel that reads it at the same time
     (ttt_common.cuh's overlapped passes: fwd_chain and fwd_out, bwd_chain and bwd_grads; a
     group block starts on its group once the chain has finished it) instead of one after the
     other or in segments: where the group kernel runs (``fuse`` False) with at most
-    :data:`OVERLAP_MAX_CHAINS` chains, or wherever it runs with :data:`OVERLAP_ENV` ``1``;
-    never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
+    :data:`OVERLAP_MAX_CHAINS`' chains for the pass, or wherever it runs with
+    :data:`OVERLAP_ENV` ``1``; never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
     value = os.environ.get(OVERLAP_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
     if fuse or value == "0" or os.environ.get(SEGMENT_ENV, "").strip():
         return False
-    return value == "1" or problem.N * problem.H <= OVERLAP_MAX_CHAINS
+    limit = OVERLAP_MAX_CHAINS["backward" if backward else "forward"]
+    return value == "1" or problem.N * problem.H <= limit
 
 
 def _overlap_wait_spins() -> int:
@@ -634,7 +637,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                 (*grads_args, np.int64(seg[0]), np.int64(seg[1]), *_PLAIN_OUT,
                  np.uint64(grads_smem)), stream)
 
-    overlap = overlapped(p, fuse)
+    overlap = overlapped(p, fuse, backward=True)
     plan = [(0, 0)] if overlap else segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
     with _on_device(index):
