@@ -1,9 +1,10 @@
-"""On a GPU: the segmented passes (launcher.segment_plan, forced with TTT_CUPY_SEGMENTS) give
-bitwise the outputs, final states and gradients of one launch per kernel, for dense and
-varlen batches (segments past a short sequence's end), every dtype, and on a stream of the
-caller's that is not the default one. Skips without a CUDA GPU and cupy; the CPU emulation
-(test_cpu_emulation.py::test_segments_match_one_launch) checks the same kernels' index math
-on CPU."""
+"""On a GPU: the segmented passes (launcher.segment_plan, forced with TTT_CUPY_SEGMENTS) and the
+overlapped ones (launcher.overlapped, forced with TTT_CUPY_OVERLAP=1, also with the fallback
+path of TTT_CUPY_OVERLAP_SPINS=0) give bitwise the outputs, final states and gradients of one
+launch per kernel, for dense and varlen batches (segments past a short sequence's end), every
+dtype, and on a stream of the caller's that is not the default one. Skips without a CUDA GPU
+and cupy; the CPU emulation (test_cpu_emulation.py::test_segments_match_one_launch,
+test_overlapped_passes_match_plain) checks the same kernels' index math on CPU."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and cupy")
 
 SEGMENT_ENV = "TTT_CUPY_SEGMENTS"
+OVERLAP_ENV = "TTT_CUPY_OVERLAP"
+SPINS_ENV = "TTT_CUPY_OVERLAP_SPINS"
 
 CASES = [
     # B, T, H, D, dtype, varlen lengths (None: dense)
@@ -82,3 +85,24 @@ def test_segmented_passes_equal_one_launch(case, monkeypatch):
     torch.cuda.current_stream().wait_stream(stream)
     for i, (a, r) in enumerate(zip(got, ref)):
         assert torch.equal(a, r), f"result {i}: differs on the caller's side stream"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[1]}-D{c[3]}-{c[4]}".replace(
+    "torch.", "") + ("-varlen" if c[5] else ""))
+def test_overlapped_passes_equal_one_launch(case, monkeypatch):
+    """Both passes overlapped (chain and group kernel at once, per-group flags), then with the
+    fallback path (no stream wait, no naps: group blocks placed before the chain's put their
+    tickets back for the cleanup launch), against one launch per kernel (TTT_CUPY_SEGMENTS=1
+    turns the overlap off): bitwise."""
+    x, cu, cot = _inputs(case)
+    monkeypatch.delenv(SPINS_ENV, raising=False)
+    monkeypatch.setenv(SEGMENT_ENV, "1")
+    ref = _run(x, cu, cot)
+    monkeypatch.delenv(SEGMENT_ENV)
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    for spins in ("", "0"):
+        monkeypatch.setenv(SPINS_ENV, spins)
+        got = _run(x, cu, cot)
+        for i, (a, r) in enumerate(zip(got, ref)):
+            assert torch.isfinite(a).all(), f"result {i}: not finite overlapped ({spins!r})"
+            assert torch.equal(a, r), f"result {i}: overlapped ({spins!r}) differs"

@@ -122,12 +122,12 @@ fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains 
 2048 x 12) 0.417 / 1.57 against 0.438 / 1.58."""
 
 OVERLAP_WAIT_SPINS = 256
-"""How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a fwd_out block of the overlapped
-forward waits for every chain block to have started before it puts its item back for the
-cleanup launch (the GPU placed fwd_out blocks first). Chain blocks start within microseconds
-when they are placed first, as their high-priority stream asks, so this only runs out when the
-GPU was busy with other work; ``TTT_CUPY_OVERLAP_SPINS=0`` puts back every item whose chains
-had not all started at once (tests)."""
+"""How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a group block of an overlapped
+pass waits for every chain block to have started before it puts its ticket back for the
+cleanup launch. The group kernel's stream waits until they have (:func:`_stream_wait_value`),
+so this only runs out without stream memory operations. ``TTT_CUPY_OVERLAP_SPINS=0`` (tests)
+drops that stream wait and puts back at once every ticket whose chains had not all started:
+the fallback path, which then runs whenever the GPU places group blocks first."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -465,7 +465,8 @@ def _overlapped(chain_kernel, group_kernel, index: int, sync: torch.Tensor, chai
     whole = (np.int64(0), np.int64(0))   # the whole sequence (the group kernels: unused)
     _launch(chain_kernel, index, chains, chain_threads, chain_smem,
             (*chain_args, *whole, _ptr(sync), np.uint64(chain_smem)), fork.chain)
-    _stream_wait_value(fork.group(0), sync.data_ptr(), chains)  # overlap::kStarted
+    if spins > 0:  # (0: tests of the fallback path, OVERLAP_WAIT_SPINS)
+        _stream_wait_value(fork.group(0), sync.data_ptr(), chains)  # overlap::kStarted
     for mode, stream in ((1, fork.group(0)), (2, None)):  # overlap::kOverlap, kCleanup
         if stream is None:
             fork.join()
