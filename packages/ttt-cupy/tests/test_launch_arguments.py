@@ -63,18 +63,32 @@ class _Stream:
         pass
 
 
+class _Launches(list):
+    """The recorded launches; ``waits``: the stream waits (address, value) asked for."""
+
+    waits: list
+
+
 @pytest.fixture
 def launches(fake_cupy, monkeypatch):
     """The launches of the calls made in the test, as (kernel name, grid, block, smem, args);
     the launcher sees device 0, an sm_90 stand-in, on CPU tensors."""
-    recorded = []
+    recorded = _Launches()
 
     def record(kernel, index, grid, block, smem, args, stream):
         assert isinstance(stream, _Stream)
         recorded.append((kernel.name, grid, block, smem, args))
 
     monkeypatch.setattr(launcher, "_launch", record)
-    monkeypatch.setattr(launcher, "_stream_wait_value", lambda stream, address, value: False)
+    waits = []  # (address, value) of each stream wait: checked with the overlapped passes
+
+    def wait_value(stream, address, value):
+        assert isinstance(stream, _Stream)
+        waits.append((address, value))
+        return False
+
+    monkeypatch.setattr(launcher, "_stream_wait_value", wait_value)
+    recorded.waits = waits
     monkeypatch.setattr(launcher, "_index", lambda device: 0)
     monkeypatch.setattr(launcher, "_chain_stream", lambda index: _Stream())
     monkeypatch.setattr(launcher, "_group_streams",
@@ -166,22 +180,31 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
             [fwd_names["fwd_chain"], *[fwd_names["fwd_out"]] * (1 + overlap)]
             * launches_per_kernel)
     assert sorted(fwd) == sorted(want), fwd
-    if overlap and fuse == "0":  # chain, group kernel (kOverlap), cleanup (kCleanup): one sync
-        split = cc.grads_split(dp, 16)
-        for three, per_item in ((launches[:3], 1), (launches[n_fwd + 1:n_fwd + 4], split)):
-            (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = three
-            sync = int(c_args[-2])
-            assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers"
-            assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "the group kernel's modes"
-            tickets = p.N * p.H * saved.groups.groups_max * per_item
-            assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H
-            assert o_grid == k_grid == tickets
     chain = cc.FUSED_BWD_NAME if fuse == "1" and cc.FUSED_BWD_NAME in bwd_names else "bwd_chain"
     want = [bwd_names[n] for n in ("bwd_local", chain, "bwd_grads")
             if n != "bwd_grads" or chain == "bwd_chain"] * launches_per_kernel
     if overlap and chain == "bwd_chain":  # and bwd_grads' cleanup
         want.append(bwd_names["bwd_grads"])
     assert sorted(bwd) == sorted(want), bwd
+    # overlapped passes (the group kernel not fused away): chain, group kernel (kOverlap),
+    # cleanup (kCleanup) on one sync buffer; the group kernel's stream waits until every chain
+    # block of the pass has started
+    passes = []
+    if overlap and fuse == "0":
+        passes.append((launches[:3], 1))
+    if overlap and chain == "bwd_chain":
+        passes.append((launches[n_fwd + 1:n_fwd + 4], cc.grads_split(dp, 16)))
+    syncs = []
+    for three, per_item in passes:
+        (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = three
+        sync = int(c_args[-2])
+        assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers"
+        assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "the group kernel's modes"
+        tickets = p.N * p.H * saved.groups.groups_max * per_item
+        assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H
+        assert o_grid == k_grid == tickets
+        syncs.append(sync)
+    assert launches.waits == [(a, p.N * p.H) for a in syncs], launches.waits
 
     sigs = _signatures()
     tensors = [p.q, p.k, p.v, p.cu_seqlens, p.initial_state, p.initial_state_bias, do, dht,

@@ -202,17 +202,20 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
     return problem.N * problem.H >= FUSED["backward"]
 
 
-def overlapped(problem: Problem, fuse: bool, backward: bool = False) -> bool:
+def overlapped(problem: Problem, fuse: bool, backward: bool = False, tickets: int = 0) -> bool:
     """Whether a pass runs its chain kernel and the group kernel that reads it at the same time
     (ttt_common.cuh's overlapped passes: fwd_chain and fwd_out, bwd_chain and bwd_grads; a
     group block starts on its group once the chain has finished it) instead of one after the
     other or in segments: where the group kernel runs (``fuse`` False) with at most
     :data:`OVERLAP_MAX_CHAINS`' chains for the pass, or wherever it runs with
-    :data:`OVERLAP_ENV` ``1``; never with ``0`` or when :data:`SEGMENT_ENV` forces segments."""
+    :data:`OVERLAP_ENV` ``1``; never with ``0``, when :data:`SEGMENT_ENV` forces segments, or
+    when its ``tickets`` (group blocks) would not fit the int32 counters of ttt_common.cuh."""
     value = os.environ.get(OVERLAP_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
     if fuse or value == "0" or os.environ.get(SEGMENT_ENV, "").strip():
+        return False
+    if 3 + problem.N * problem.H + tickets >= 2**31:
         return False
     limit = OVERLAP_MAX_CHAINS["backward" if backward else "forward"]
     return value == "1" or problem.N * problem.H <= limit
@@ -420,9 +423,8 @@ kPlain)."""
 def _overlap_sync(chains: int, tickets: int, device: torch.device) -> torch.Tensor:
     """An overlapped pass's zeroed int32 buffer (ttt_common.cuh): three counters, each chain's
     finished groups, room for every ticket."""
-    if 3 + chains + tickets >= 2**31:
-        raise ValueError(f"an overlapped pass counts its {tickets} group blocks in int32; set "
-                         f"{OVERLAP_ENV}=0 for this problem")
+    if 3 + chains + tickets >= 2**31:  # (overlapped() says no to such passes)
+        raise RuntimeError(f"an overlapped pass counts its {tickets} group blocks in int32")
     return torch.zeros(3 + chains + tickets, dtype=torch.int32, device=device)
 
 
@@ -509,12 +511,12 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     o = torch.empty_like(q)
 
     mma = kernels_use_mma(dtype_name, index)
-    overlap = overlapped(p, fuse)
+    tickets = N * H * grp.groups_max        # (overlapped: one fwd_out block per ticket)
+    overlap = overlapped(p, fuse, tickets=tickets)
     plan = [(0, 0)] if fuse or overlap else segment_plan(p, grp.groups_max, backward=False)
     chain_smem = smem_bytes("fwd_chain", dp, BT, mma, fused=fuse)
     out_smem = smem_bytes("fwd_out", dp, BT, mma)
     here = torch.cuda.current_stream(dev)
-    tickets = N * H * grp.groups_max        # (overlapped: one fwd_out block per ticket)
     sync = _overlap_sync(N * H, tickets, dev) if overlap else None  # (zeroed before the fork)
     fork = _Fork(here, index, len(plan)) if len(plan) > 1 or overlap else None
     chain_stream = here if fork is None else fork.chain
@@ -638,13 +640,13 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
                 (*grads_args, np.int64(seg[0]), np.int64(seg[1]), *_PLAIN_OUT,
                  np.uint64(grads_smem)), stream)
 
-    overlap = overlapped(p, fuse, backward=True)
+    tickets = N * H * grp.groups_max * split_rows  # (overlapped: a bwd_grads block each)
+    overlap = overlapped(p, fuse, backward=True, tickets=tickets)
     plan = [(0, 0)] if overlap else segment_plan(p, grp.groups_max)
     here = torch.cuda.current_stream(dev)
     with _on_device(index):
         if overlap:  # bwd_local, then bwd_chain and bwd_grads at once (one block per ticket)
             local(plan[0], here)
-            tickets = N * H * grp.groups_max * split_rows
             sync = _overlap_sync(N * H, tickets, dev)  # (zeroed before the fork)
             _overlapped(kern["bwd_chain"], kern["bwd_grads"], index, sync, N * H, tickets,
                         threads(dp, "bwd_chain", mma), nt, chain_smem, grads_smem,
