@@ -248,3 +248,43 @@ def test_segment_plan(monkeypatch):
         monkeypatch.setenv(SEGMENT_ENV, bad)
         with pytest.raises(ValueError, match=SEGMENT_ENV):
             segment_plan(few, 128)
+
+
+def test_overlap_rule(monkeypatch):
+    """No GPU needed: when a pass runs its chain and group kernels at once (launcher.overlapped:
+    up to OVERLAP_MAX_CHAINS chains per pass, not fused, not forced into segments, tickets
+    within int32), TTT_CUPY_OVERLAP forcing it either way, and bad values of it and of
+    TTT_CUPY_OVERLAP_SPINS refused with the variable's name."""
+    from types import SimpleNamespace
+
+    from ttt_cupy import launcher
+    from ttt_cupy.launcher import OVERLAP_ENV, OVERLAP_MAX_CHAINS, SEGMENT_ENV, overlapped
+
+    assert OVERLAP_MAX_CHAINS == {"forward": 96, "backward": 32}
+    for env in (OVERLAP_ENV, SEGMENT_ENV, "TTT_CUPY_OVERLAP_SPINS"):
+        monkeypatch.delenv(env, raising=False)
+    at_fwd, at_bwd = SimpleNamespace(N=8, H=12), SimpleNamespace(N=2, H=16)  # 96, 32 chains
+    over_fwd, over_bwd = SimpleNamespace(N=97, H=1), SimpleNamespace(N=1, H=33)
+    assert overlapped(at_fwd, False) and not overlapped(over_fwd, False)
+    assert overlapped(at_bwd, False, backward=True)
+    assert not overlapped(over_bwd, False, backward=True) and overlapped(over_bwd, False)
+    assert not overlapped(at_bwd, True)                              # fused: no group kernel
+    assert not overlapped(at_bwd, False, tickets=2**31)              # past the int32 counters
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    assert overlapped(over_fwd, False) and overlapped(over_bwd, False, backward=True)
+    assert not overlapped(over_fwd, True)
+    monkeypatch.setenv(SEGMENT_ENV, "2")                             # segments win
+    assert not overlapped(at_fwd, False)
+    monkeypatch.delenv(SEGMENT_ENV)
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    assert not overlapped(at_bwd, False, backward=True)
+    monkeypatch.setenv(OVERLAP_ENV, "on")
+    with pytest.raises(ValueError, match=OVERLAP_ENV):
+        overlapped(at_fwd, False)
+    monkeypatch.delenv(OVERLAP_ENV)
+    assert launcher._overlap_wait_spins() == launcher.OVERLAP_WAIT_SPINS
+    monkeypatch.setenv("TTT_CUPY_OVERLAP_SPINS", "0")
+    assert launcher._overlap_wait_spins() == 0
+    monkeypatch.setenv("TTT_CUPY_OVERLAP_SPINS", "-1")
+    with pytest.raises(ValueError, match="TTT_CUPY_OVERLAP_SPINS"):
+        launcher._overlap_wait_spins()
