@@ -258,10 +258,16 @@ def test_overlap_rule(monkeypatch):
     from types import SimpleNamespace
 
     from ttt_cupy import launcher
-    from ttt_cupy.launcher import OVERLAP_ENV, OVERLAP_MAX_CHAINS, SEGMENT_ENV, overlapped
+    from ttt_cupy.launcher import (
+        OVERLAP_ENV,
+        OVERLAP_MAX_CHAINS,
+        OVERLAP_SPINS_ENV,
+        SEGMENT_ENV,
+        overlapped,
+    )
 
     assert OVERLAP_MAX_CHAINS == {"forward": 96, "backward": 32}
-    for env in (OVERLAP_ENV, SEGMENT_ENV, "TTT_CUPY_OVERLAP_SPINS"):
+    for env in (OVERLAP_ENV, SEGMENT_ENV, OVERLAP_SPINS_ENV):
         monkeypatch.delenv(env, raising=False)
     at_fwd, at_bwd = SimpleNamespace(N=8, H=12), SimpleNamespace(N=2, H=16)  # 96, 32 chains
     over_fwd, over_bwd = SimpleNamespace(N=97, H=1), SimpleNamespace(N=1, H=33)

@@ -121,11 +121,13 @@ fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains 
 4.67; 64 (4 x 4096 x 16) 0.641 / 2.40 against 0.659 / 2.31 (the backward slower); 96 (8 x
 2048 x 12) 0.417 / 1.57 against 0.438 / 1.58."""
 
+OVERLAP_SPINS_ENV = "TTT_CUPY_OVERLAP_SPINS"
+
 OVERLAP_WAIT_SPINS = 256
 """How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a group block of an overlapped
 pass waits for every chain block to have started before it puts its ticket back for the
 cleanup launch. The group kernel's stream waits until they have (:func:`_stream_wait_value`),
-so this only runs out without stream memory operations. ``TTT_CUPY_OVERLAP_SPINS=0`` (tests)
+so this only runs out without stream memory operations. :data:`OVERLAP_SPINS_ENV` ``0`` (tests)
 drops that stream wait and puts back at once every ticket whose chains had not all started:
 the fallback path, which then runs whenever the GPU places group blocks first."""
 
@@ -172,14 +174,21 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
     return None
 
 
+def _env_switch(name: str) -> bool | None:
+    """The environment variable ``name`` as a forced switch: ``1`` True, ``0`` False, unset or
+    empty None (the rule decides); anything else a ValueError naming it."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0, 1 or unset, got {value!r}")
+    return None if not value else value == "1"
+
+
 def fused_forward(problem: Problem, save_for_backward: bool) -> bool:
     """Whether the forward runs fwd_chain's fused instance instead of fwd_chain + fwd_out
     (:data:`FUSED`, :data:`FUSE_ENV`)."""
-    value = os.environ.get(FUSE_ENV, "").strip()
-    if value in ("0", "1"):
-        return value == "1"
-    if value:
-        raise ValueError(f"{FUSE_ENV}: expected 0, 1 or unset, got {value!r}")
+    forced = _env_switch(FUSE_ENV)
+    if forced is not None:
+        return forced
     key = "forward_training" if save_for_backward else "forward_inference"
     return problem.N * problem.H >= FUSED[key]
 
@@ -194,11 +203,9 @@ def fused_backward(problem: Problem, mma: bool, index: int) -> bool:
         return False
     if bwd_chain_fused_smem_bytes(dp, bt) > _device_smem_limit(index):
         return False
-    value = os.environ.get(FUSE_GRADS_ENV, "").strip()
-    if value in ("0", "1"):
-        return value == "1"
-    if value:
-        raise ValueError(f"{FUSE_GRADS_ENV}: expected 0, 1 or unset, got {value!r}")
+    forced = _env_switch(FUSE_GRADS_ENV)
+    if forced is not None:
+        return forced
     return problem.N * problem.H >= FUSED["backward"]
 
 
@@ -210,23 +217,22 @@ def overlapped(problem: Problem, fuse: bool, backward: bool = False, tickets: in
     :data:`OVERLAP_MAX_CHAINS`' chains for the pass, or wherever it runs with
     :data:`OVERLAP_ENV` ``1``; never with ``0``, when :data:`SEGMENT_ENV` forces segments, or
     when its ``tickets`` (group blocks) would not fit the int32 counters of ttt_common.cuh."""
-    value = os.environ.get(OVERLAP_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or unset, got {value!r}")
-    if fuse or value == "0" or os.environ.get(SEGMENT_ENV, "").strip():
+    forced = _env_switch(OVERLAP_ENV)
+    if fuse or forced is False or os.environ.get(SEGMENT_ENV, "").strip():
         return False
-    if 3 + problem.N * problem.H + tickets >= 2**31:
+    if _sync_words(problem.N * problem.H, tickets) >= 2**31:
         return False
     limit = OVERLAP_MAX_CHAINS["backward" if backward else "forward"]
-    return value == "1" or problem.N * problem.H <= limit
+    return forced is True or problem.N * problem.H <= limit
 
 
 def _overlap_wait_spins() -> int:
-    value = os.environ.get("TTT_CUPY_OVERLAP_SPINS", "").strip()
+    """:data:`OVERLAP_WAIT_SPINS`, or :data:`OVERLAP_SPINS_ENV`'s value where set."""
+    value = os.environ.get(OVERLAP_SPINS_ENV, "").strip()
     if not value:
         return OVERLAP_WAIT_SPINS
     if not value.isdigit():
-        raise ValueError(f"TTT_CUPY_OVERLAP_SPINS: expected a non-negative integer or unset, "
+        raise ValueError(f"{OVERLAP_SPINS_ENV}: expected a non-negative integer or unset, "
                          f"got {value!r}")
     return int(value)
 
@@ -415,17 +421,20 @@ def _check_dtype(q: torch.Tensor) -> str:
 _NO_SYNC = np.uint64(0)
 """fwd_chain's ``sync`` argument when not overlapped (null)."""
 
-_PLAIN_OUT = (_NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
+_PLAIN_GROUP = (_NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
 """fwd_out's and bwd_grads' (sync, mode, n_chains, wait_spins) when not overlapped (mode
 kPlain)."""
 
 
+def _sync_words(chains: int, tickets: int) -> int:
+    """int32 words of an overlapped pass's sync buffer (ttt_common.cuh): three counters, each
+    chain's finished groups, room for every ticket (:func:`overlapped` keeps it below 2^31)."""
+    return 3 + chains + tickets
+
+
 def _overlap_sync(chains: int, tickets: int, device: torch.device) -> torch.Tensor:
-    """An overlapped pass's zeroed int32 buffer (ttt_common.cuh): three counters, each chain's
-    finished groups, room for every ticket."""
-    if 3 + chains + tickets >= 2**31:  # (overlapped() says no to such passes)
-        raise RuntimeError(f"an overlapped pass counts its {tickets} group blocks in int32")
-    return torch.zeros(3 + chains + tickets, dtype=torch.int32, device=device)
+    """An overlapped pass's zeroed sync buffer (:func:`_sync_words`)."""
+    return torch.zeros(_sync_words(chains, tickets), dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -469,13 +478,15 @@ def _overlapped(chain_kernel, group_kernel, index: int, sync: torch.Tensor, chai
             (*chain_args, *whole, _ptr(sync), np.uint64(chain_smem)), fork.chain)
     if spins > 0:  # (0: tests of the fallback path, OVERLAP_WAIT_SPINS)
         _stream_wait_value(fork.group(0), sync.data_ptr(), chains)  # overlap::kStarted
-    for mode, stream in ((1, fork.group(0)), (2, None)):  # overlap::kOverlap, kCleanup
-        if stream is None:
-            fork.join()
-            stream = fork.here
+
+    def group(mode: int, stream) -> None:  # overlap::kOverlap 1, kCleanup 2
         _launch(group_kernel, index, tickets, group_threads, group_smem,
                 (*group_args, *whole, _ptr(sync), np.int32(mode), np.int64(chains), spins,
                  np.uint64(group_smem)), stream)
+
+    group(1, fork.group(0))
+    fork.join()
+    group(2, fork.here)
 
 
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
@@ -548,7 +559,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
                 out_stream = fork.group(i)
                 out_stream.wait_event(chain_stream.record_event())
             _launch(kern["fwd_out"], index, _group_blocks(grp, N, (g_lo, g_hi)) * H, nt,
-                    out_smem, (*out_args, *seg, *_PLAIN_OUT, np.uint64(out_smem)), out_stream)
+                    out_smem, (*out_args, *seg, *_PLAIN_GROUP, np.uint64(out_smem)), out_stream)
     if fork is not None:
         fork.join()
     saved = Saved(ck, ckb, xbuf, rbuf, grp, (eta32, w32, b32)) if save_for_backward else None
@@ -637,7 +648,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     def grads(seg, stream):  # grads_split blocks per (group, head), each a part of W's rows
         _launch(kern["bwd_grads"], index, _group_blocks(grp, N, seg) * H * split_rows, nt,
                 grads_smem,
-                (*grads_args, np.int64(seg[0]), np.int64(seg[1]), *_PLAIN_OUT,
+                (*grads_args, np.int64(seg[0]), np.int64(seg[1]), *_PLAIN_GROUP,
                  np.uint64(grads_smem)), stream)
 
     tickets = N * H * grp.groups_max * split_rows  # (overlapped: a bwd_grads block each)
