@@ -178,6 +178,24 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
              c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync),
              fused_instance=fused)
 
+    def overlapped_pass(run_chain, run_group, tickets, group_name):
+        """One overlapped pass on a fresh sync buffer, in the order ``overlap`` asks (above)."""
+        whole = (i64(0), i64(0))
+        sync = np.zeros(3 + N * H + tickets, np.int32)
+        if overlap == "chain first":
+            run_chain(whole, sync)
+            run_group(tickets, whole, sync, mode=1, spins=1)
+            assert sync[2] == 0, f"a {group_name} ticket was put back though every chain had " \
+                                 f"finished"
+        elif overlap == "out first":
+            run_group(tickets, whole, sync, mode=1, spins=0)
+            assert sync[2] == tickets, f"a {group_name} block ran before its chain had started"
+            run_chain(whole, sync)
+        else:
+            raise ValueError(overlap)
+        assert sync[0] == N * H and sync[1] == tickets, "not every block counted itself"
+        run_group(tickets, whole, sync, mode=2)
+
     def out(grid, sg, sync=None, mode=0, spins=0):
         call("fwd_out", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
              _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr), _p(go), _p(gs),
@@ -186,21 +204,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
 
     if overlap is not None:
         assert not fused and seg == 0, "the overlapped forward is neither fused nor segmented"
-        items = N * H * ng_max
-        sync = np.zeros(3 + N * H + items, np.int32)
-        whole, groups = (i64(0), i64(0)), (i64(0), i64(ng_max))
-        if overlap == "chain first":
-            chain(whole, sync)
-            out(items, groups, sync, mode=1, spins=1)
-            assert sync[2] == 0, "an item was put back though every chain had finished"
-        elif overlap == "out first":
-            out(items, groups, sync, mode=1, spins=0)
-            assert sync[2] == items, "an item ran before its chain had started"
-            chain(whole, sync)
-        else:
-            raise ValueError(overlap)
-        assert sync[0] == N * H and sync[1] == items, "not every block counted itself"
-        out(items, groups, sync, mode=2)
+        overlapped_pass(chain, out, N * H * ng_max, "fwd_out")
     for lo, hi in ([] if overlap is not None else segs):
         sg = (i64(lo), i64(hi))
         chain(sg)
@@ -241,18 +245,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
              _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
              _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
              _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *whole)
-        tickets = N * H * ng_max * split
-        sync = np.zeros(3 + N * H + tickets, np.int32)
-        if overlap == "chain first":
-            bchain(whole, sync)
-            bgrads(tickets, whole, sync, mode=1, spins=1)
-            assert sync[2] == 0, "a bwd_grads ticket was put back though every chain had finished"
-        else:
-            bgrads(tickets, whole, sync, mode=1, spins=0)
-            assert sync[2] == tickets, "a bwd_grads block ran before its chain had started"
-            bchain(whole, sync)
-        assert sync[0] == N * H and sync[1] == tickets, "not every block counted itself"
-        bgrads(tickets, whole, sync, mode=2)
+        overlapped_pass(bchain, bgrads, N * H * ng_max * split, "bwd_grads")
         segs = []
     for lo, hi in reversed(segs):
         sg = (i64(lo), i64(hi))
@@ -336,6 +329,14 @@ def _inputs(case):
     if not with_dht:
         cot = (cot[0], 0 * cot[1], 0 * cot[2])
     return x, seqs, cu, scale, cot, rng
+
+
+def _assert_bitwise(got, ref, got_g, ref_g, what):
+    """_assert_close, then every output and gradient bitwise equal (``what``: the message)."""
+    _assert_close(got, ref, got_g, ref_g, 1e-30)
+    for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
+            (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
+        assert np.array_equal(a, r), f"{name}: {what}"
 
 
 def _assert_close(got, ref, got_g, ref_g, tol):
@@ -472,10 +473,7 @@ def test_segments_match_one_launch(emu, case, mma, seg):
     ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
     got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
                              seg=seg)
-    _assert_close(got, ref, got_g, ref_g, 1e-30)
-    for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
-            (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
-        assert np.array_equal(a, r), f"{name}: segmented launches differ from one launch"
+    _assert_bitwise(got, ref, got_g, ref_g, "segmented launches differ from one launch")
 
 
 @pytest.mark.parametrize("order", ["chain first", "out first"], ids=["chain-first", "out-first"])
@@ -494,10 +492,7 @@ def test_overlapped_passes_match_plain(emu, case, mma, order):
     ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
     got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
                              overlap=order)
-    _assert_close(got, ref, got_g, ref_g, 1e-30)
-    for name, a, r in list(zip(("o", "ht", "hbt"), got, ref)) + [
-            (n, got_g[n], ref_g[n]) for n in got_g if got_g[n] is not None]:
-        assert np.array_equal(a, r), f"{name}: the overlapped passes differ ({order})"
+    _assert_bitwise(got, ref, got_g, ref_g, f"the overlapped passes differ ({order})")
 
 
 FUSE_GRADS_CASES = [c for c in CASES if c[4] <= 64]

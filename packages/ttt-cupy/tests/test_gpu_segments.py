@@ -64,6 +64,13 @@ def _run(x, cu, cot):
     return [o, ht, hbt, *grads]
 
 
+def _assert_same(got, ref, what):
+    """Every result finite and bitwise ``ref``'s (``what``: the run, for the messages)."""
+    for i, (a, r) in enumerate(zip(got, ref)):
+        assert torch.isfinite(a).all(), f"result {i}: not finite {what}"
+        assert torch.equal(a, r), f"result {i}: {what} differs from one launch"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[1]}-D{c[3]}-{c[4]}".replace(
     "torch.", "") + ("-varlen" if c[5] else ""))
 def test_segmented_passes_equal_one_launch(case, monkeypatch):
@@ -72,10 +79,7 @@ def test_segmented_passes_equal_one_launch(case, monkeypatch):
     ref = _run(x, cu, cot)
     for segments in ("2", "5"):
         monkeypatch.setenv(SEGMENT_ENV, segments)
-        got = _run(x, cu, cot)
-        for i, (a, r) in enumerate(zip(got, ref)):
-            assert torch.isfinite(a).all(), f"result {i}: not finite with {segments} segments"
-            assert torch.equal(a, r), f"result {i}: {segments} segments differ from one launch"
+        _assert_same(_run(x, cu, cot), ref, f"with {segments} segments")
     # on a stream of the caller's (the side streams start after its queued work, and it
     # waits for theirs)
     stream = torch.cuda.Stream()
@@ -102,7 +106,4 @@ def test_overlapped_passes_equal_one_launch(case, monkeypatch):
     monkeypatch.setenv(OVERLAP_ENV, "1")
     for spins in ("", "0"):
         monkeypatch.setenv(SPINS_ENV, spins)
-        got = _run(x, cu, cot)
-        for i, (a, r) in enumerate(zip(got, ref)):
-            assert torch.isfinite(a).all(), f"result {i}: not finite overlapped ({spins!r})"
-            assert torch.equal(a, r), f"result {i}: overlapped ({spins!r}) differs"
+        _assert_same(_run(x, cu, cot), ref, f"overlapped ({spins!r})")
