@@ -294,6 +294,7 @@ CASES = [
     (1, 70, 1, 96, 128, 32, 2, None, False, True),     # D = 96 backward at chunk 32
     (1, 40, 1, 60, 64, 32, 4, [17, 23], True, True),   # D = 60, one group per sequence
     (1, 130, 1, 96, 128, 64, 2, None, True, True),     # D = 96 at chunk 64: split bwd_grads
+    (1, 80, 2, 64, 64, 16, 4, None, True, True),       # D_PAD 64: two staged row blocks a group
 ]
 
 

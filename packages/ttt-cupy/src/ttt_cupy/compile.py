@@ -227,6 +227,20 @@ def _block_rows_floats(kernel: str, dp: int, bt: int) -> int:
     return dp * (dp + 1) + dp + tiles * r * (dp + 1) + squares * r * (r + 1) + r
 
 
+def fwd_out_stage_floats(dp: int, bt: int) -> int:
+    """Shared memory (floats) of fwd_out's MMA instance for the next block's rows staged by
+    cp.async (Traits::kFwdOutTcFloatsT<2> past the block): from a 16-byte aligned offset, q, k,
+    v as [R, D_PAD + 8] halves each (R = :func:`out_rows`), xh as [R, D_PAD + 4] floats, then
+    r's and eta's [R]; 0 at D_PAD 128 and where R * D_PAD > 2048 (Traits::kOutStage false:
+    those load their rows from device memory, with prefetch hints). Sized for 2-byte inputs,
+    the only ones fwd_out's MMA instance takes on a GPU."""
+    r = out_rows(dp, bt)
+    if dp > 64 or dp * r > 2048:
+        return 0
+    base = _block_rows_floats("fwd_out", dp, bt)
+    return (-base) % 4 + 3 * r * (dp + 8) // 2 + r * (dp + 4) + 2 * r
+
+
 def bwd_grads_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_grads' stage (Traits::kGradsStageFloats): the next chunk's
     do_pre as [BT, D_PAD + 4] floats from a 16-byte aligned offset, then eta's [BT]; 0 where
@@ -241,14 +255,19 @@ def bwd_grads_stage_floats(dp: int, bt: int) -> int:
 def bwd_local_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
     by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
-    from a 16-byte aligned offset, then eta's [R]; 0 at D_PAD 128 (where the stage would take
+    from a 16-byte aligned offset, then eta's [R], and at D_PAD 64 the stored xh, v, r
+    (kLocalStageSavedFloats); 0 at D_PAD 128 (where the stage would take
     the block from 2 to 1 per SM on an H200: D 128 fwd+bwd 5.28 -> 5.58 ms) and where the
     whole block would pass :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load
     their tiles as before)."""
     r = out_rows(dp, bt)
     base = _block_rows_floats("bwd_local", dp, bt)
     stage = (-base) % 4 + 3 * r * (dp + 4) + r
-    return stage if dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
+    if not (dp <= 64 and 4 * (base + stage) <= STAGE_SMEM_LIMIT):
+        return 0
+    # at D_PAD 64 (Traits::kLocalStageSaved) also the g row pass's xh, v ([R, D_PAD + 4]
+    # floats each) and r ([R]): the block stays at 2 per H200 SM
+    return stage + (2 * r * (dp + 4) + r if dp == 64 else 0)
 
 
 @functools.cache
@@ -258,7 +277,7 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     fp32 tiles with rows padded by one float: [BT, D_PAD + 1] tiles, [D_PAD, D_PAD + 1]
     states, [BT, BT + 1] square tiles, [D_PAD] / [BT] vectors. The MMA instances of
     :data:`REGISTER_STATE_KERNELS` hold no state in shared memory (Traits::k*TcBytes);
-    those of :data:`BLOCK_ROWS_KERNELS` hold blocks of :func:`out_rows` rows
+    those of :data:`BLOCK_ROWS_KERNELS` hold blocks of :func:`out_rows` rows and their stage
     (Traits::kFwdOutTcBytes, kBwdLocalTcBytes);
     bwd_grads holds 1 / :func:`grads_split` of the state's rows; ``fused``: the instance of
     :data:`FUSED_KERNEL` that writes the outputs (Traits::kFwdChainFused*Bytes). The C++
@@ -274,8 +293,8 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
         return 4 * (_chain_tc_floats(kernel, dp, bt, fused) + stage)
     if fused:
         return smem_bytes("fwd_out", dp, bt)     # fwd_out's tiles: W, hb, K, G, Q, A, eta
-    if mma and kernel in BLOCK_ROWS_KERNELS:  # blocks of out_rows rows, then bwd_local's stage
-        stage = bwd_local_stage_floats(dp, bt) if kernel == "bwd_local" else 0
+    if mma and kernel in BLOCK_ROWS_KERNELS:  # blocks of out_rows rows, then their stage
+        stage = (bwd_local_stage_floats if kernel == "bwd_local" else fwd_out_stage_floats)(dp, bt)
         return 4 * (_block_rows_floats(kernel, dp, bt) + stage)
     floats = {
         "fwd_chain": state + dp + 2 * tile,                       # W, hb, K, G

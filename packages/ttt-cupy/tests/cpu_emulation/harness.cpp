@@ -443,12 +443,13 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
     auto oh = reinterpret_cast<__half*>(o);
-    static_assert(Tr::kFwdOutTcBytes <= sizeof(smem), "the emulated shared memory is too small");
+    // the stand-in half has 4 bytes: its staged rows take more room than a real half's
+    constexpr unsigned long long bytes = 4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>;
+    static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
     launch(grid, Tr::kThreads, [&] {
         ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, ckb, xbuf, rbuf, oh,
                                                  cu, go, gs, scale, eps, T, H, D, G, g_lo,
-                                                 g_hi, sync, mode, n_chains, wait_spins,
-                                                 Tr::kFwdOutTcBytes);
+                                                 g_hi, sync, mode, n_chains, wait_spins, bytes);
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \

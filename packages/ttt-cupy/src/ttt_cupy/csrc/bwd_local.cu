@@ -33,8 +33,11 @@
 // (e A)^T do_pre and the state step (on g rows scaled by their chunk's eta_l) run on tensor
 // cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh): the same
 // barriers per block as the SIMT instance has per chunk. Shared memory: W, hb, Q, K, DO, G,
-// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). Each block asks for the next block's rows
-// (q, k, do and the stored xh, v, r) into L1 (prefetch_spans). With MMA = false (float inputs, or
+// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). At D_PAD <= 64 (Traits::kLocalStage) the
+// next block's q, k, do and eta come by cp.async into a stage in shared memory, a block ahead,
+// and at D_PAD 64 (kLocalStageSaved) the g row pass's stored xh, v and r too, issued once the
+// pass has read this block's (as fwd_out.cu's). Rows that come by no stage are asked for into
+// L1 a block ahead (prefetch_spans). With MMA = false (float inputs, or
 // TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
 // passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
@@ -73,7 +76,13 @@ __device__ __forceinline__ void bwd_local_tc(
     float* s_stk = s_stq + R * (D_PAD + 4);
     float* s_stdo = s_stk + R * (D_PAD + 4);
     float* s_ste = s_stdo + R * (D_PAD + 4);      // [R]
+    // ... and (Tr::kLocalStageSaved) the g row pass's stored xh, v (as floats / raw T) and r
+    constexpr bool STAGE_SAVED = Tr::kLocalStageSaved;
+    float* s_stx = s_ste + R;                     // [R, D_PAD + 4] floats each
+    float* s_stv = s_stx + R * (D_PAD + 4);
+    float* s_str = s_stv + R * (D_PAD + 4);       // [R]
     using Staged = StagedRows<T, D_PAD, R, NT>;
+    using StagedX = StagedRows<float, D_PAD, R, NT>;
     float* s_A = s_g + R * LD;         // [R, LA]      q k^T + 1 (j <= t) -> e A within chunks
     float* s_P = s_A + R * LA;         // [R, LA]      M -> dS -> dP'
     float* s_e = s_P + R * LA;         // [R]          eta (zero past the end)
@@ -106,7 +115,9 @@ __device__ __forceinline__ void bwd_local_tc(
         const RowSpan rows3[3] = {row_span(xbuf + p_base, row0, L, row_stride, D),
                                   row_span(v + p_base, row0, L, row_stride, D),
                                   row_span(rbuf + p_ebase, row0, L, H, 1)};
-        if constexpr (STAGE) {  // the tiles' rows come by cp.async (stage_tiles)
+        if constexpr (STAGE_SAVED) {  // every row comes by cp.async (stage_*)
+            (void)rows3;
+        } else if constexpr (STAGE) {  // the tiles' rows come by cp.async (stage_tiles)
             prefetch_spans<NT, kLpr>(rows3);
         } else {
             const RowSpan spans[6] = {rows3[0], rows3[1], rows3[2],
@@ -127,9 +138,18 @@ __device__ __forceinline__ void bwd_local_tc(
                      vec_rows_ok(dout + p_base, row_stride, D));
         stage_scalars<R, NT>(s_ste, eta + p_ebase + row0 * H, H, L);
     };
+    auto stage_saved = [&](long long row0, int L) {  // the g row pass's rows
+        const long long o = p_base + row0 * row_stride;
+        const int rs = (int)row_stride;
+        StagedX::copy(s_stx, xbuf + o, rs, L, D, vec_rows_ok(xbuf + p_base, row_stride, D));
+        Staged::copy(reinterpret_cast<T*>(s_stv), v + o, rs, L, D,
+                     vec_rows_ok(v + p_base, row_stride, D));
+        stage_scalars<R, NT>(s_str, rbuf + p_ebase + row0 * H, H, L);
+    };
     if (rows > 0) {
         ask_rows(g_row0, min(R, rows));
         if constexpr (STAGE) stage_tiles(g_row0, min(R, rows));
+        if constexpr (STAGE_SAVED) stage_saved(g_row0, min(R, rows));
     }
     const long long i_ck = gr.slot * H + i_h;
     load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
@@ -157,9 +177,18 @@ __device__ __forceinline__ void bwd_local_tc(
 
         // A -> s_A, M -> s_P (tensor cores); row pass: g from xh, r, k, v -> s_g
         block_dots_mma<D_PAD, R, BT, NW>(s_P, s_q, s_k, L, s_e, s_A);
-        inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                 p_ebase, row0, row_stride, L, H, D);
+        if constexpr (STAGE_SAVED) {
+            inner_grad_rows_staged<D_PAD, R, NW, LPR>(s_g, s_k, reinterpret_cast<const T*>(s_stv),
+                                                      Staged::kLd, s_stx, StagedX::kLd, s_str,
+                                                      b_w, b_b, L, D);
+        } else {
+            inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                     p_ebase, row0, row_stride, L, H, D);
+        }
         __syncthreads();
+        if constexpr (STAGE_SAVED) {  // every warp is past its xh, v, r: the next block's
+            if (b0 + R < rows) stage_saved(row0 + R, min(R, rows - b0 - R));
+        }
 
         // q W0 - M g -> s_q (after every warp's products: they read q)
         out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_P, s_g, nullptr);

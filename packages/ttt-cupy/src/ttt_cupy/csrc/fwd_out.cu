@@ -36,11 +36,15 @@
 // ttt_common.cuh), with K = D_PAD or R (R >= 32: the bank-conflict-free k order); four
 // barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta
 // (Traits::kFwdOutTcBytes). The row pass then only adds hb0, does the post
-// norm and scales g's rows by their chunk's eta_l. Each block asks for the next block's rows
-// (q, k and the stored xh, v, r) into L1 (the first block's before the state load), so that
-// its tile loads and the g row pass find them there. (Loading them into registers instead took
-// ptxas from 62 to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps
-// the plain loads: the prefetch cost it 8-16 registers.) With MMA = false (float inputs, or
+// norm and scales g's rows by their chunk's eta_l. At D_PAD <= 64 (Traits::kOutStage) a
+// block's rows come by cp.async into a stage in shared memory, a block ahead: q, k and eta
+// once each thread has turned its own staged pieces of this block into the tiles, the stored
+// xh, v and r once the g row pass has read this block's, so that neither the tiles nor the g
+// row pass wait for device memory (the group's first block before the state load). Elsewhere
+// each block asks for the next block's rows into L1 (prefetch hints), and its tile loads and
+// the g row pass read device memory. (Loading them into registers instead took ptxas from 62
+// to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps the plain loads:
+// the prefetch cost it 8-16 registers.) With MMA = false (float inputs, or
 // TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
 // passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
 #include "ttt_common.cuh"
@@ -65,6 +69,17 @@ __device__ __forceinline__ void fwd_out_tc(
     float* s_g = s_k + R * LD;         // [R, LD]      g -> eta_l g
     float* s_M = s_g + R * LD;         // [R, R + 1]   M
     float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
+    // the stage (Tr::kOutStage): the next block's q, k, v (raw T), xh, r and eta by cp.async
+    constexpr bool STAGE = Tr::kOutStage;
+    constexpr int kRaw = Tr::template kOutStageRaw<(int)sizeof(T)>;
+    T* s_stq = reinterpret_cast<T*>(smem + Tr::kOutStageOffset);  // [R, D_PAD + 16 / TS]
+    T* s_stk = reinterpret_cast<T*>(smem + Tr::kOutStageOffset + kRaw);
+    T* s_stv = reinterpret_cast<T*>(smem + Tr::kOutStageOffset + 2 * kRaw);
+    float* s_stx = smem + Tr::kOutStageOffset + 3 * kRaw;         // [R, D_PAD + 4]
+    float* s_str = s_stx + R * (D_PAD + 4);                       // [R]
+    float* s_ste = s_str + R;                                     // [R]
+    using StagedT = StagedRows<T, D_PAD, R, NT>;
+    using StagedX = StagedRows<float, D_PAD, R, NT>;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long DD = (long long)D * D;
@@ -83,9 +98,9 @@ __device__ __forceinline__ void fwd_out_tc(
     float b_w[PL], b_b[PL];                                          // [D] per lane
     load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
     load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
-    // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k) and the
-    // g row pass's (xh, v, r); the first block's before the state load, each next block's a
-    // whole block early
+    // unstaged: a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q,
+    // k) and the g row pass's (xh, v, r); the first block's before the state load, each next
+    // block's a whole block early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
         const RowSpan spans[5] = {row_span(q + p_base, row0, L, row_stride, D),
@@ -95,24 +110,71 @@ __device__ __forceinline__ void fwd_out_tc(
                                   row_span(rbuf + p_ebase, row0, L, H, 1)};
         prefetch_spans<NT, kLpr>(spans);
     };
-    if (rows > 0) ask_rows(g_row0, min(R, rows));
+    // staged: the copies of block rows row0 .. row0 + L - 1, in two parts: the tiles' (q, k,
+    // eta), issued once each thread has converted its own staged pieces, and the g row pass's
+    // (xh, v, r), issued after the barrier that ends that pass
+    const int rs = (int)row_stride;  // H D < 2^31
+    const bool vq = vec_rows_ok(q + p_base, row_stride, D);
+    const bool vk = vec_rows_ok(k + p_base, row_stride, D);
+    const bool vv = vec_rows_ok(v + p_base, row_stride, D);
+    const bool vx = vec_rows_ok(xbuf + p_base, row_stride, D);
+    auto stage_tiles = [&](long long row0, int L) {
+        const long long o = p_base + row0 * row_stride;
+        StagedT::copy(s_stq, q + o, rs, L, D, vq);
+        StagedT::copy(s_stk, k + o, rs, L, D, vk);
+        stage_scalars<R, NT>(s_ste, eta + p_ebase + row0 * H, H, L);
+    };
+    auto stage_saved = [&](long long row0, int L) {
+        const long long o = p_base + row0 * row_stride;
+        StagedT::copy(s_stv, v + o, rs, L, D, vv);
+        StagedX::copy(s_stx, xbuf + o, rs, L, D, vx);
+        stage_scalars<R, NT>(s_str, rbuf + p_ebase + row0 * H, H, L);
+    };
+    if (rows > 0) {
+        if constexpr (STAGE) {
+            stage_tiles(g_row0, min(R, rows));
+            stage_saved(g_row0, min(R, rows));
+        } else {
+            ask_rows(g_row0, min(R, rows));
+        }
+    }
     const long long i_ck = gr.slot * H + i_h;
     load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
     for (int b0 = 0; b0 < rows; b0 += R) {
         const long long row0 = g_row0 + b0;
         const int L = min(R, rows - b0);
-        if (b0 + R < rows) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
-        load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        const bool more = b0 + R < rows;  // a next block
+        if constexpr (STAGE) {
+            // this block's staged q, k, eta -> the tiles, each thread its own pieces (no
+            // barrier between), then the next block's copies into the same pieces; the
+            // barrier below makes this block's xh, v, r visible to the g row pass
+            cp_async_wait_all();
+            StagedT::to_tile(s_q, s_stq, scale);
+            StagedT::to_tile(s_k, s_stk, 1.f);
+            for (int i = threadIdx.x; i < R; i += NT) s_e[i] = s_ste[i];
+            if (more) stage_tiles(row0 + R, min(R, rows - b0 - R));
+        } else {
+            if (more) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
+            load_tile<D_PAD, R, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+            load_tile<D_PAD, R, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+            load_eta<R, NT>(s_e, eta, p_ebase, row0, L, H);
+        }
         __syncthreads();
 
         // M -> s_M (tensor cores); row pass: g from xh, r, k, v -> s_g (zero past L)
         block_dots_mma<D_PAD, R, BT, NW>(s_M, s_q, s_k, L, s_e);
-        inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                 p_ebase, row0, row_stride, L, H, D);
+        if constexpr (STAGE) {
+            inner_grad_rows_staged<D_PAD, R, NW, LPR>(s_g, s_k, s_stv, StagedT::kLd, s_stx,
+                                                      StagedX::kLd, s_str, b_w, b_b, L, D);
+        } else {
+            inner_grad_rows_saved<D_PAD, R, NW, LPR>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
+                                                     p_ebase, row0, row_stride, L, H, D);
+        }
         __syncthreads();
+        if constexpr (STAGE) {  // every warp is past its xh, v, r: the next block's copies
+            if (more) stage_saved(row0 + R, min(R, rows - b0 - R));
+        }
         // q W0 - M g -> s_q (after every warp's products: they read q)
         out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_M, s_g, nullptr);
         __syncthreads();
@@ -174,7 +236,8 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
-    if (smem_bytes < (MMA ? Tr::kFwdOutTcBytes : Tr::kFwdOutBytes) || blockDim.x != NT ||
+    constexpr unsigned long long kTcBytes = 4ull * Tr::template kFwdOutTcFloatsT<(int)sizeof(T)>;
+    if (smem_bytes < (MMA ? kTcBytes : Tr::kFwdOutBytes) || blockDim.x != NT ||
         D > D_PAD || G < 1)
         __trap();
 

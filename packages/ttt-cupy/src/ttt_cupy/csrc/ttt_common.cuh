@@ -130,18 +130,33 @@ struct Traits {
     // bwd_grads' blocks per SM asked of ptxas at D_PAD 64, chunk 16 (3 x 256 threads: at most
     // 85 registers; 80 with 32 bytes of spill, where it would take 100 and fit 2 blocks)
     static constexpr int kGradsBlocks = D_PAD == 64 && BT == 16 ? 3 : 1;
-    // fwd_out's MMA instance likewise: 4 x 256 threads per SM at D_PAD 64, chunk 16 (64
-    // registers; ptxas took 76 to 128 unasked, 3 or 2 blocks per SM, and the forward at
-    // 4,4096 was 10% slower)
-    static constexpr int kOutBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
     // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
     // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
     // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
     // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
-    static constexpr int kFwdOutTcFloats =
+    static constexpr int kFwdOutTcBaseFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
-    static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloats;
+    // ... and it stages the next block's rows through cp.async (kOutStage: at D_PAD <= 64 with
+    // blocks of at most 2048 row elements, where the staged block still fits three times into
+    // an H200 SM): from a 16-byte aligned offset, q, k, v as [kOutRows, D_PAD + 16 / TS]
+    // elements of the input type's TS bytes (kOutStageRaw<TS> floats each), xh as
+    // [kOutRows, D_PAD + 4] floats, then r's and eta's [kOutRows]. The launcher's half inputs
+    // take TS = 2 (kFwdOutTcBytes); the CPU emulation's stand-in half has 4 bytes
+    static constexpr bool kOutStage = D_PAD <= 64 && D_PAD * kOutRows <= 2048;
+    static constexpr int kOutStageOffset = (kFwdOutTcBaseFloats + 3) / 4 * 4;
+    template <int TS>
+    static constexpr int kOutStageRaw = kOutRows * (D_PAD + 16 / TS) * TS / 4;
+    template <int TS>
+    static constexpr int kFwdOutTcFloatsT =
+        kOutStage ? kOutStageOffset + 3 * kOutStageRaw<TS> + kOutRows * (D_PAD + 4) + 2 * kOutRows
+                  : kFwdOutTcBaseFloats;
+    static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloatsT<2>;
+    // fwd_out's MMA instance's blocks per SM asked of ptxas (__launch_bounds__) at D_PAD 64,
+    // chunk 16: as many as its shared memory lets an H200 SM hold, 3 staged x 256 threads (at
+    // most 85 registers). (Unstaged, 4 with 64 registers fitted, where ptxas took 76 to 128
+    // unasked)
+    static constexpr int kOutBlocks = D_PAD == 64 && BT == 16 ? (kOutStage ? 3 : 4) : 1;
     // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
     // eta
     static constexpr int kBwdLocalTcBaseFloats =
@@ -155,8 +170,13 @@ struct Traits {
         kLocalStageOffset - kBwdLocalTcBaseFloats + 3 * kOutRows * (D_PAD + 4) + kOutRows;
     static constexpr bool kLocalStage =
         D_PAD <= 64 && 4ull * (kBwdLocalTcBaseFloats + kLocalStageFloats) <= kStageLimit;
+    // ... and, at D_PAD 64 (where the block stays at 2 per H200 SM with it), the g row pass's
+    // stored xh and v ([kOutRows, D_PAD + 4] floats each) and r ([kOutRows]) after that
+    static constexpr bool kLocalStageSaved = kLocalStage && D_PAD == 64;
+    static constexpr int kLocalStageSavedFloats = 2 * kOutRows * (D_PAD + 4) + kOutRows;
     static constexpr int kBwdLocalTcFloats =
-        kBwdLocalTcBaseFloats + (kLocalStage ? kLocalStageFloats : 0);
+        kBwdLocalTcBaseFloats + (kLocalStage ? kLocalStageFloats : 0) +
+        (kLocalStageSaved ? kLocalStageSavedFloats : 0);
     static constexpr unsigned long long kBwdLocalTcBytes = 4ull * kBwdLocalTcFloats;
     static constexpr unsigned long long kFwdChainFusedBytes = 4ull * kFwdChainFusedFloats;
     static constexpr unsigned long long kFwdChainFusedTcBytes = 4ull * kFwdChainFusedTcFloats;
@@ -973,14 +993,36 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
     }
 }
 
-// g of a chunk's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
+// g of a block's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
 // no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT, 32 / LPR of them at once
 // (row w + NW (s + 32 / LPR u) to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
-// k_i, v_i) into sG's row (k from sK; xh, r and v from global memory at the offsets of
-// inner_grad_rows); rows >= L are zeroed (they run the pass on zeros: every lane takes part
-// in the row sums). Row-local: no barrier between the rows. (Unrolling the passes, so that
-// all their loads are in flight together, made ptxas spill more in bwd_local's and fwd_out's
-// MMA instances at D_PAD 64 / 128, BT 16: not done.)
+// k_i, v_i) into sG's row, with k from sK and xh_i, v_i, r_i from `src(i, ok, b_x, b_v)`: it
+// loads xh and v into the lane's elements (zero past D, and everywhere for rows past L: !ok)
+// and returns r (0 past L). Rows >= L so run the pass on zeros (every lane takes part in the
+// row sums) and get g = 0. Row-local: no barrier between the rows. (Unrolling the passes, so
+// that all their loads are in flight together, made ptxas spill more in bwd_local's and
+// fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
+template <int D_PAD, int BT, int NW, int LPR, int P, typename Src>
+__device__ __forceinline__ void inner_grad_rows_from(float* sG, const float* sK,
+                                                     const float (&b_w)[P],
+                                                     const float (&b_b)[P], int L, int D,
+                                                     Src src) {
+    constexpr int LD = D_PAD + 1, RPP = 32 / LPR;  // rows per warp pass
+    static_assert(BT % (NW * RPP) == 0, "inner_grad_rows_from: whole passes");
+    const int sub = (threadIdx.x & 31) / LPR;
+    for (int i0 = threadIdx.x >> 5; i0 < BT; i0 += NW * RPP) {
+        const int i = i0 + NW * sub;
+        const bool ok = i < L;
+        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+        const float r = src(i, ok, b_x, b_v);
+        load_row<D_PAD, LPR>(b_k, sK + i * LD, ok ? D : 0, 1.f);
+        inner_grad_row<LPR>(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD, LPR>(sG + i * LD, b_g);
+    }
+}
+
+// inner_grad_rows_from with xh, v, r from device memory: fwd_chain's xbuf, rbuf and v at
+// block rows row0 + i.
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
                                                       const T* __restrict__ v,
@@ -990,22 +1032,28 @@ __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK
                                                       long long p_ebase, long long row0,
                                                       long long row_stride, int L, int H,
                                                       int D) {
-    constexpr int LD = D_PAD + 1, RPP = 32 / LPR;  // rows per warp pass
-    static_assert(BT % (NW * RPP) == 0, "inner_grad_rows_saved: whole passes");
-    const int sub = (threadIdx.x & 31) / LPR;
-    for (int i0 = threadIdx.x >> 5; i0 < BT; i0 += NW * RPP) {
-        const int i = i0 + NW * sub;
-        const bool ok = i < L;
-        const int n = ok ? D : 0;  // rows past L load nothing: zeros, r = 0, so g = 0
-        const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
-        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
-        const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
-        load_row<D_PAD, LPR>(b_x, xbuf + o_r, n, 1.f);
-        load_row<D_PAD, LPR>(b_k, sK + i * LD, n, 1.f);
-        load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
-        inner_grad_row<LPR>(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
-        put_row<D_PAD, LPR>(sG + i * LD, b_g);
-    }
+    inner_grad_rows_from<D_PAD, BT, NW, LPR>(
+        sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
+            const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
+            load_row<D_PAD, LPR>(b_x, xbuf + o_r, ok ? D : 0, 1.f);
+            load_row<D_PAD, LPR>(b_v, v + o_r, ok ? D : 0, 1.f);
+            return ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+        });
+}
+
+// inner_grad_rows_from with xh, v, r staged in shared memory (StagedRows): row i of v at
+// sV + i * ldv, of xh at sX + i * ldx, r at sR[i].
+template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows_staged(float* sG, const float* sK, const T* sV,
+                                                       int ldv, const float* sX, int ldx,
+                                                       const float* sR, const float (&b_w)[P],
+                                                       const float (&b_b)[P], int L, int D) {
+    inner_grad_rows_from<D_PAD, BT, NW, LPR>(
+        sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
+            load_row<D_PAD, LPR>(b_x, sX + i * ldx, ok ? D : 0, 1.f);
+            load_row<D_PAD, LPR>(b_v, sV + i * ldv, ok ? D : 0, 1.f);
+            return ok ? sR[i] : 0.f;
+        });
 }
 
 // o_pre of row i of a chunk (fwd_out, bwd_local), per lane: q_i W + hb - e_i sum_{j <= i}
