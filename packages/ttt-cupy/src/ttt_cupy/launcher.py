@@ -121,11 +121,6 @@ fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains 
 4.67; 64 (4 x 4096 x 16) 0.641 / 2.40 against 0.659 / 2.31 (the backward slower); 96 (8 x
 2048 x 12) 0.417 / 1.57 against 0.438 / 1.58."""
 
-OVERLAP_GROUP_SMEM = {"forward": 0, "backward": 0}
-"""Dynamic shared memory (bytes) that each group block of an overlapped pass asks for at the
-least (0: the kernel's own). More than the kernel needs keeps fewer group blocks on an SM,
-and so beside each chain block, at the price of fewer group blocks on the idle SMs."""
-
 OVERLAP_SPINS_ENV = "TTT_CUPY_OVERLAP_SPINS"
 
 OVERLAP_WAIT_SPINS = 256
@@ -548,8 +543,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     with _on_device(index):
         if overlap:
             _overlapped(kern["fwd_chain"], kern["fwd_out"], index, sync, N * H, tickets,
-                        threads(dp, "fwd_chain", mma), nt, chain_smem,
-                        max(out_smem, OVERLAP_GROUP_SMEM["forward"]), chain_args,
+                        threads(dp, "fwd_chain", mma), nt, chain_smem, out_smem, chain_args,
                         out_args, fork)
             plan, fork = [], None  # (joined)
         for i, (g_lo, g_hi) in enumerate(plan):
@@ -666,8 +660,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
             local(plan[0], here)
             sync = _overlap_sync(N * H, tickets, dev)  # (zeroed before the fork)
             _overlapped(kern["bwd_chain"], kern["bwd_grads"], index, sync, N * H, tickets,
-                        threads(dp, "bwd_chain", mma), nt, chain_smem,
-                        max(grads_smem, OVERLAP_GROUP_SMEM["backward"]),
+                        threads(dp, "bwd_chain", mma), nt, chain_smem, grads_smem,
                         chain_args, grads_args, _Fork(here, index, 1))
         elif len(plan) == 1:
             local(plan[0], here)
