@@ -51,16 +51,6 @@ def _signatures() -> dict[str, list[type]]:
     return sigs
 
 
-def _c_params_size(types: list[type]) -> int:
-    """Bytes of a kernel's parameters laid out as a C struct: each at an offset aligned to its
-    size (no trailing padding: every kernel's last parameter is 8 bytes)."""
-    end = 0
-    for t in types:
-        size = np.dtype(t).itemsize
-        end = (end + size - 1) // size * size + size
-    return end
-
-
 class _Stream:
     """A torch stream stand-in: events are recorded and waited for in name only."""
 
@@ -230,67 +220,4 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
             if want is np.uint64 and i < len(args) - 1 and int(arg) != 0:
                 assert _inside(int(arg), tensors), f"{name}: argument {i} points nowhere known"
         assert int(args[-1]) == smem, f"{name}: tells the kernel {args[-1]} bytes, launches {smem}"
-        # the driver's parameter buffer: as long as a C struct of the kernel's parameters
-        assert len(launcher._param_buffer(args)) == _c_params_size(params), name
         assert grid > 0 and block % 32 == 0 and 0 < block <= 1024, (name, grid, block)
-
-
-def test_param_buffer_layout():
-    """The driver launch's packed parameters: each value at its C offset (a 4-byte value
-    after an 8-byte one leaves 4 bytes of padding before the next 8-byte one)."""
-    args = (np.uint64(0x1122334455667788), np.float32(1.5), np.int64(-3), np.int32(7),
-            np.int32(-8), np.uint64(9))
-    want = (bytes.fromhex("8877665544332211") + np.float32(1.5).tobytes() + bytes(4)
-            + np.int64(-3).tobytes() + np.int32(7).tobytes() + np.int32(-8).tobytes()
-            + np.uint64(9).tobytes())
-    assert launcher._param_buffer(args) == want
-    with pytest.raises(TypeError, match="int: expected numpy"):
-        launcher._param_buffer((np.uint64(1), 5))
-
-
-class _Function:
-    """A CuPy Function stand-in: its CUfunction address, and the calls made through CuPy."""
-
-    ptr = 0xF00
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        self.calls.append((grid, block, args, shared_mem))
-
-
-@pytest.mark.parametrize("how", ["", "driver", "cupy", "nvcc"])
-def test_launch_goes_through_the_driver(monkeypatch, how):
-    """_launch: by default (and with TTT_CUPY_LAUNCH=driver) cuLaunchKernel of the Function's
-    CUfunction with the packed parameters and the stream's handle; =cupy through CuPy's call;
-    anything else a ValueError naming the variable."""
-    import ctypes
-
-    function, driver = _Function(), []
-
-    def cu_launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        size = ctypes.c_size_t.from_address(extra[3]).value
-        driver.append(((f, gx, gy, gz, bx, by, bz, smem, stream, params, extra[0], extra[2],
-                        extra[4]), ctypes.string_at(extra[1], size)))
-        return 0
-
-    monkeypatch.setattr(launcher, "_function", lambda kernel, index, smem: function)
-    monkeypatch.setattr(launcher, "_cu_launch_kernel", lambda: cu_launch_kernel)
-    monkeypatch.setenv(launcher.LAUNCH_ENV, how)
-    stream = _Stream()
-    stream.cuda_stream = 0xABC
-    args = (np.uint64(1), np.float32(2.0), np.int32(3), np.uint64(4))
-    if how == "nvcc":
-        with pytest.raises(ValueError, match=launcher.LAUNCH_ENV):
-            launcher._launch(object(), 0, 5, 128, 1024, args, stream)
-        return
-    if how == "cupy":
-        monkeypatch.setattr(launcher, "_cupy_stream", lambda ptr, index: ptr)
-    launcher._launch(object(), 0, 5, 128, 1024, args, stream)
-    if how == "cupy":
-        assert driver == [] and function.calls == [((5,), (128,), args, 1024)]
-        return
-    assert function.calls == []
-    assert driver == [((0xF00, 5, 1, 1, 128, 1, 1, 1024, 0xABC, None, 1, 2, None),
-                       launcher._param_buffer(args))]

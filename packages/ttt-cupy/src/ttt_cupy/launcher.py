@@ -1,5 +1,5 @@
-"""Launchers: allocate outputs and work buffers with torch, launch the CUDA kernels that CuPy
-compiled (zero copy), by the driver's ``cuLaunchKernel`` (:data:`LAUNCH_ENV`).
+"""Launchers: allocate outputs and work buffers with torch, launch the CUDA kernels through CuPy
+(zero copy).
 
 Kernels get raw ``data_ptr()`` addresses and run on torch's current stream of the inputs'
 device; nothing is copied to the host. The split follows the Triton backend: the forward is
@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,13 +123,6 @@ fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains 
 
 OVERLAP_SPINS_ENV = "TTT_CUPY_OVERLAP_SPINS"
 
-LAUNCH_ENV = "TTT_CUPY_LAUNCH"
-"""How the kernels are launched: unset, empty or ``driver``, by the driver's ``cuLaunchKernel``
-(through ctypes) with the arguments packed into one parameter buffer (:func:`_param_buffer`);
-``cupy``, through CuPy's ``Function`` call, which converts every argument on its own (about
-25 us more host time per launch on the H200's host: the short shapes' forward is host-bound).
-Read at every launch."""
-
 OVERLAP_WAIT_SPINS = 256
 """How long (naps of about 0.25 us, ttt_common.cuh's ``nap``) a group block of an overlapped
 pass waits for every chain block to have started before it puts its ticket back for the
@@ -152,17 +144,11 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def max_smem_optin(device: torch.device) -> int | None:
     """The device's opt-in shared memory per block in bytes (None when torch does not say)."""
-    return _max_smem_optin(_index(device))
-
-
-@functools.cache
-def _max_smem_optin(index: int) -> int | None:
-    props = torch.cuda.get_device_properties(index)
+    props = torch.cuda.get_device_properties(device)
     value = getattr(props, "shared_memory_per_block_optin", None)
     return int(value) if value else None
 
 
-@functools.lru_cache(maxsize=1024)
 def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> str | None:
     """Why the kernels of this shape do not fit the device's shared memory (None: they do).
     Every shape fits an H100/H200 (227 KiB per block); an A100 (163 KiB) refuses head dims
@@ -407,77 +393,14 @@ def _function(kernel, index: int, smem: int):
         return kernel.kernel
 
 
-_PARAM_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f"}
-"""struct codes of the numpy scalar types the kernels' parameters take (pointers as uint64)."""
-
-
-@functools.lru_cache(maxsize=256)
-def _param_struct(types: tuple) -> struct.Struct:
-    return struct.Struct("@" + "".join(_PARAM_CODES[t] for t in types))
-
-
-def _param_buffer(args: tuple) -> bytes:
-    """``args`` packed as the driver reads a kernel's parameters from one buffer
-    (``CU_LAUNCH_PARAM_BUFFER_POINTER``): in order, each at an offset aligned to its size, as a
-    C struct lays out its fields (struct's native ``@`` mode). Every kernel's last parameter
-    is 8 bytes wide, so no trailing padding is missing."""
-    types = tuple(type(a) for a in args)
-    try:
-        layout = _param_struct(types)
-    except KeyError:
-        bad = next(t for t in types if t not in _PARAM_CODES)
-        raise TypeError(f"kernel argument of type {bad.__name__}: expected numpy.uint64, "
-                        "int64, int32 or float32") from None
-    return layout.pack(*args)
-
-
-@functools.cache
-def _cu_launch_kernel():
-    """The driver's ``cuLaunchKernel`` (through ctypes), or None where libcuda is missing."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_BUFFER_POINTER, _BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE (END: 0)
-
-
-def _driver_launch(fn, function_ptr: int, grid: int, block: int, smem: int, args: tuple,
-                   stream_ptr: int) -> None:
-    """cuLaunchKernel of the CUfunction ``function_ptr`` on the stream ``stream_ptr`` with the
-    packed ``args`` (:func:`_param_buffer`), in the current context."""
-    params = _param_buffer(args)
-    size = ctypes.c_size_t(len(params))
-    extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.cast(params, ctypes.c_void_p).value,
-                                  _BUFFER_SIZE, ctypes.addressof(size), 0)
-    err = fn(function_ptr, grid, 1, 1, block, 1, 1, smem, stream_ptr, None, extra)
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err} (grid {grid}, block "
-                           f"{block}, {smem} bytes of shared memory)")
-
-
 def _launch(kernel, index: int, grid: int, block: int, smem: int, args: tuple,
             stream: torch.cuda.Stream) -> None:
     """Launch ``kernel`` on ``stream`` of device ``index`` (the caller holds that device
-    current: :func:`_on_device`) with ``smem`` bytes of dynamic shared memory: by the driver
-    where it can (:data:`LAUNCH_ENV`), else by CuPy."""
+    current: :func:`_on_device`) with ``smem`` bytes of dynamic shared memory."""
     if grid == 0:
         return
-    function = _function(kernel, index, smem)
-    how = os.environ.get(LAUNCH_ENV, "").strip()
-    if how not in ("", "driver", "cupy"):
-        raise ValueError(f"{LAUNCH_ENV}: expected driver, cupy or unset, got {how!r}")
-    fn = _cu_launch_kernel() if how != "cupy" else None
-    ptr = getattr(function, "ptr", None)
-    if fn is not None and ptr:
-        _driver_launch(fn, int(ptr), grid, block, smem, args, stream.cuda_stream)
-        return
-    function((grid,), (block,), args, shared_mem=smem,
-             stream=_cupy_stream(stream.cuda_stream, index))
+    _function(kernel, index, smem)((grid,), (block,), args, shared_mem=smem,
+                                   stream=_cupy_stream(stream.cuda_stream, index))
 
 
 def _on_device(index: int):
