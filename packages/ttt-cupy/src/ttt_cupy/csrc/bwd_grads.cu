@@ -114,8 +114,10 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                                g_hi);
         if (gr.nc <= 0) return;  // a segment past the end of this sequence
     } else {
-        const int t = ttt::overlap_block_item(sync, mode, n_chains, wait_spins);
-        const int nch = (int)n_chains;  // (32-bit: int32 tickets)
+        static __shared__ int s_ticket;  // (static: shared in the CPU emulation too)
+        if (tid == 0) s_ticket = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
+        __syncthreads();
+        const int t = s_ticket, nch = (int)n_chains;  // (32-bit: int32 tickets)
         if (t < 0) return;  // put back, or no item
         const int u = t / SPLIT, c = u % nch, k_end = u / nch;
         a0 = (t % SPLIT) * DA;
@@ -124,7 +126,10 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const long long j = (sq.nc + G - 1) / G - 1 - k_end;
         if (j < 0) return;  // the sequence has no such group
         gr = ttt::group_at(c / H, j, T_len, BT, G, cu_seqlens, grp_offsets);
-        ttt::overlap_block_wait(sync, mode, c, k_end + 1);
+        if (mode == ttt::overlap::kOverlap) {
+            if (tid == 0) ttt::overlap_wait(sync, c, k_end + 1);
+            __syncthreads();
+        }
     }
     const int rows = D - a0;                                // its valid rows (with a < DA)
     const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)

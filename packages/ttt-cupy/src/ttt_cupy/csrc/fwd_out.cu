@@ -253,14 +253,19 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
                                g_lo, g_hi);
         if (gr.nc <= 0) return;  // a segment past the end of this sequence
     } else {
-        const int u = ttt::overlap_block_item(sync, mode, n_chains, wait_spins);
-        const int nch = (int)n_chains;  // (32-bit: int32 tickets)
+        static __shared__ int s_item;  // (static: shared in the CPU emulation too)
+        if (threadIdx.x == 0) s_item = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
+        __syncthreads();
+        const int u = s_item, nch = (int)n_chains;  // (32-bit: int32 tickets)
         if (u < 0) return;  // put back, or no item
         const int c = u % nch;
         i_h = c % H;
         gr = ttt::group_at(c / H, u / nch, T_len, BT, G, cu_seqlens, grp_offsets);
         if (gr.nc <= 0) return;  // the sequence has no group j
-        ttt::overlap_block_wait(sync, mode, c, u / nch + 1);
+        if (mode == ttt::overlap::kOverlap) {
+            if (threadIdx.x == 0) ttt::overlap_wait(sync, c, u / nch + 1);
+            __syncthreads();
+        }
     }
     if constexpr (MMA) {
         ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,

@@ -385,29 +385,10 @@ __device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_ch
     return u;
 }
 
-// Thread 0 of a group block (kOverlap): waits until chain `chain` has finished `groups`
+// Thread 0 of a fwd_out block (kOverlap): waits until chain `chain` has finished `groups`
 // groups (it has started: overlap_claim).
 __device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
     while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
-}
-
-// A group block's item (kOverlap, kCleanup), for every thread of the block: thread 0 claims it
-// (overlap_claim), a barrier hands it out; -1: none. Once per block.
-__device__ __forceinline__ int overlap_block_item(int* sync, int mode, long long n_chains,
-                                                  int wait_spins) {
-    static __shared__ int s_item;  // (static: shared in the CPU emulation too)
-    if (threadIdx.x == 0) s_item = overlap_claim(sync, mode, n_chains, wait_spins);
-    __syncthreads();
-    return s_item;
-}
-
-// The whole group block waits (kOverlap; kCleanup runs after the chain) until chain `chain`
-// has finished `groups` groups: thread 0 polls (overlap_wait), a barrier releases the rest.
-__device__ __forceinline__ void overlap_block_wait(const int* sync, int mode, long long chain,
-                                                   int groups) {
-    if (mode != overlap::kOverlap) return;
-    if (threadIdx.x == 0) overlap_wait(sync, chain, groups);
-    __syncthreads();
 }
 
 // ---------------------------------------------------------------- block-wide tile passes
