@@ -459,6 +459,18 @@ def test_fused_mma_instance_matches_simt(emu, case, tf32, backward):
     _assert_close(got, ref, got_g, ref_g, 2e-2 if tf32 else 2e-5)
 
 
+def _assert_variant_bitwise(emu, case, mma, what: str, **variant):
+    """run_kernels with ``variant`` (a launch order: seg=..., overlap=...) against one plain
+    launch per kernel: bitwise the same outputs, final states and gradients (_assert_bitwise)."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case)
+    grads_in = cot if with_dht else (cot[0], None, None)
+    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
+    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
+                             **variant)
+    _assert_bitwise(got, ref, got_g, ref_g, what)
+
+
 @pytest.mark.parametrize("seg", [1, 2], ids=["seg1", "seg2"])
 @pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -468,13 +480,8 @@ def test_segments_match_one_launch(emu, case, mma, seg):
     stored, the backward chain's from the slot cotangents dck, dckb) against one launch per
     kernel: the same arithmetic in the same order, so every output and gradient is bitwise
     the same, and every entry is written (no NaN poison left)."""
-    B, T, H, D, DP, BT, G, lens, init, with_dht = case
-    x, seqs, cu, scale, cot, _ = _inputs(case)
-    grads_in = cot if with_dht else (cot[0], None, None)
-    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
-    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
-                             seg=seg)
-    _assert_bitwise(got, ref, got_g, ref_g, "segmented launches differ from one launch")
+    _assert_variant_bitwise(emu, case, mma, "segmented launches differ from one launch",
+                            seg=seg)
 
 
 @pytest.mark.parametrize("order", ["chain first", "out first"], ids=["chain-first", "out-first"])
@@ -487,13 +494,8 @@ def test_overlapped_passes_match_plain(emu, case, mma, order):
     bitwise the same outputs, final states and every gradient, in both orders the GPU may place
     the blocks in (every group block claims and counts itself; "out first": every ticket put
     back, then run by the cleanup launch)."""
-    B, T, H, D, DP, BT, G, lens, init, with_dht = case
-    x, seqs, cu, scale, cot, _ = _inputs(case)
-    grads_in = cot if with_dht else (cot[0], None, None)
-    ref, ref_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma)
-    got, got_g = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, mma=mma,
-                             overlap=order)
-    _assert_bitwise(got, ref, got_g, ref_g, f"the overlapped passes differ ({order})")
+    _assert_variant_bitwise(emu, case, mma, f"the overlapped passes differ ({order})",
+                            overlap=order)
 
 
 FUSE_GRADS_CASES = [c for c in CASES if c[4] <= 64]
