@@ -7,13 +7,18 @@ until the call returns, without synchronising), and the wall time per fwd+bwd of
 calls between two CUDA events. Where the host time is near the wall time, the host's launch
 work, not the GPU, sets the pace (the cupy backend's segmented passes at short sequences,
 docs/benchmarks.md). Environment variables of the backends (``TTT_CUPY_SEGMENTS``, ...) apply.
+With ``--api``, also the CUDA runtime and driver calls one forward makes (torch.profiler's
+host-side events named ``cuda*`` / ``cu*``: launches, allocations, events, stream waits), the
+count behind its host time.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -49,6 +54,39 @@ def host_times(backend: str, shape, iters: int, warmup: int) -> tuple[float, flo
     return 1e3 * fwd / iters, 1e3 * bwd / iters, start.elapsed_time(end) / iters
 
 
+API_CALL = re.compile(r"(cuda|cu)[A-Z]\w*$")
+"""Names of CUDA runtime (cudaLaunchKernel, cudaEventRecord, ...) and driver (cuLaunchKernel,
+cuStreamWaitValue32, ...) calls among torch.profiler's events."""
+
+
+def api_calls(fn, iters: int) -> Counter:
+    """{CUDA runtime / driver call: times per call of ``fn``} over ``iters`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    counts = Counter()
+    for event in prof.key_averages():
+        if API_CALL.match(event.key):
+            counts[event.key] += event.count / iters
+    return counts
+
+
+def forward_api_calls(backend: str, shape, iters: int) -> Counter:
+    """:func:`api_calls` of one forward (inputs that need grad, as in :func:`host_times`)."""
+    device = torch.device("cuda")
+    xs = [x.detach().requires_grad_() for x in make_inputs(shape, torch.bfloat16, device, 0)]
+    with ttt.set_backend(backend):
+        ttt.chunk_ttt_linear(*xs)   # (compiled and warm)
+        return api_calls(lambda: ttt.chunk_ttt_linear(*xs), iters)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backends", nargs="+", default=["cupy"])
@@ -56,6 +94,8 @@ def main() -> None:
                         metavar="B,T,H,D")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--api", action="store_true",
+                        help="also count the CUDA runtime / driver calls of one forward")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -67,6 +107,14 @@ def main() -> None:
             fwd, bwd, wall = host_times(backend, shape, args.iters, args.warmup)
             print(f"| {backend} | {', '.join(map(str, shape))} | {fwd:.3f} | {bwd:.3f} "
                   f"| {wall:.3f} |")
+    if args.api:
+        print("\nCUDA runtime / driver calls per forward:")
+        for backend in args.backends:
+            for shape in args.shapes or SHAPES:
+                calls = forward_api_calls(backend, shape, args.iters)
+                listed = ", ".join(f"{name} {n:g}" for name, n in calls.most_common())
+                print(f"- {backend} {','.join(map(str, shape))}: {sum(calls.values()):g} "
+                      f"({listed})")
 
 
 if __name__ == "__main__":
