@@ -9,7 +9,8 @@ work, not the GPU, sets the pace (the cupy backend's segmented passes at short s
 docs/benchmarks.md). Environment variables of the backends (``TTT_CUPY_SEGMENTS``, ...) apply.
 With ``--api``, also the CUDA runtime and driver calls one forward makes (torch.profiler's
 host-side events named ``cuda*`` / ``cu*``: launches, allocations, events, stream waits), the
-count behind its host time.
+count behind its host time. With ``--cprofile N``, also cProfile's N functions of most own
+time in one forward (the profiler's own cost included: compare lines, not totals).
 """
 
 from __future__ import annotations
@@ -87,6 +88,33 @@ def forward_api_calls(backend: str, shape, iters: int) -> Counter:
         return api_calls(lambda: ttt.chunk_ttt_linear(*xs), iters)
 
 
+def forward_cprofile(backend: str, shape, iters: int, top: int) -> str:
+    """cProfile's ``top`` functions by own time over ``iters`` forwards, per forward (ms)."""
+    import cProfile
+    import io
+    import pstats
+
+    device = torch.device("cuda")
+    xs = [x.detach().requires_grad_() for x in make_inputs(shape, torch.bfloat16, device, 0)]
+    with ttt.set_backend(backend):
+        ttt.chunk_ttt_linear(*xs)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(iters):
+            ttt.chunk_ttt_linear(*xs)
+        prof.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (own time)
+    out = io.StringIO()
+    for (path, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(path).name}:{line}" if line else path
+        out.write(f"  {1e3 * own / iters:7.4f} ms own, {1e3 * cum / iters:7.4f} cumulative, "
+                  f"{calls / iters:5.1f} calls  {name} ({where})\n")
+    return out.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backends", nargs="+", default=["cupy"])
@@ -96,6 +124,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--api", action="store_true",
                         help="also count the CUDA runtime / driver calls of one forward")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print cProfile's N functions of most own time per forward")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -115,6 +145,12 @@ def main() -> None:
                 listed = ", ".join(f"{name} {n:g}" for name, n in calls.most_common())
                 print(f"- {backend} {','.join(map(str, shape))}: {sum(calls.values()):g} "
                       f"({listed})")
+    if args.cprofile:
+        for backend in args.backends:
+            for shape in args.shapes or SHAPES:
+                print(f"\ncProfile, {backend} {','.join(map(str, shape))}, per forward "
+                      f"(under the profiler):")
+                print(forward_cprofile(backend, shape, args.iters, args.cprofile), end="")
 
 
 if __name__ == "__main__":
