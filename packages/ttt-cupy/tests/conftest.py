@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +79,26 @@ def fake_cupy(monkeypatch):
     yield built
     for cache in caches:  # nothing of the stand-in outlives the test
         cache.cache_clear()
+
+
+EMULATION = Path(__file__).resolve().parent / "cpu_emulation"
+
+
+@pytest.fixture(scope="session")
+def emu(tmp_path_factory):
+    """The CPU emulation of the kernels (cpu_emulation/harness.cpp with csrc/, built with g++
+    once per test process): emu_<kernel> entry points, see test_cpu_emulation.py."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found (the CPU emulation compiles the kernels as C++20)")
+    out = tmp_path_factory.mktemp("emu") / "emu.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{EMULATION / 'fake_include'}",
+           f"-I{cc.CSRC}", str(EMULATION / "harness.cpp"), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
+    lib = ctypes.CDLL(str(out))
+    for name in ("emu_prefetches", "emu_prefetch_strays", "emu_async_copies",
+                 "emu_async_strays", "emu_async_leftovers"):
+        getattr(lib, name).restype = ctypes.c_longlong
+    return lib

@@ -9,9 +9,6 @@ memory model). Needs g++ with C++20, glibc's ucontext and NumPy; skips without t
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -19,27 +16,10 @@ from ttt_cupy.compile import bwd_chain_stage_floats, grads_split
 
 np = pytest.importorskip("numpy")
 
-HERE = Path(__file__).resolve().parent / "cpu_emulation"
-CSRC = HERE.parents[1] / "src" / "ttt_cupy" / "csrc"
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found (the CPU emulation compiles the kernels as C++20)")
-    out = tmp_path_factory.mktemp("emu") / "emu.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{HERE / 'fake_include'}",
-           f"-I{CSRC}", str(HERE / "harness.cpp"), "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
-    lib = ctypes.CDLL(str(out))
-    for name in ("emu_prefetches", "emu_prefetch_strays", "emu_async_copies",
-                 "emu_async_strays", "emu_async_leftovers"):
-        getattr(lib, name).restype = ctypes.c_longlong
-    return lib
+# the emulated kernels: conftest.emu (csrc/ and cpu_emulation/harness.cpp built with g++)
 
 
 # ---------------------------------------------------------------- float64 oracle
