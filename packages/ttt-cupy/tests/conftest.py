@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
@@ -79,6 +80,33 @@ def fake_cupy(monkeypatch):
     yield built
     for cache in caches:  # nothing of the stand-in outlives the test
         cache.cache_clear()
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """Every tensor torch.empty / empty_like / zeros / zeros_like made during the test, and
+    every result of Tensor.to / Tensor.contiguous (the casts and copies the launcher makes of
+    its inputs), kept alive, so that their addresses stay theirs."""
+    made = []
+    for name in ("empty", "empty_like", "zeros", "zeros_like"):
+        real = getattr(torch, name)
+
+        def wrapped(*args, _real=real, **kwargs):
+            t = _real(*args, **kwargs)
+            made.append(t)
+            return t
+
+        monkeypatch.setattr(torch, name, wrapped)
+    for name in ("to", "contiguous"):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, _real=real, **kwargs):
+            t = _real(self, *args, **kwargs)
+            made.append(t)
+            return t
+
+        monkeypatch.setattr(torch.Tensor, name, method)
+    return made
 
 
 EMULATION = Path(__file__).resolve().parent / "cpu_emulation"

@@ -51,36 +51,17 @@ def _entry(name: str) -> tuple[str, int, int]:
 
 
 @pytest.fixture
-def emulated(emu, fake_cupy, monkeypatch):
+def emulated(emu, fake_cupy, allocations, monkeypatch):
     """The launcher on device 0 (an sm_90 stand-in) with CPU tensors, each launch run by the
     emulation with the tensors of the call registered as its arrays (prefetch hints and
     asynchronous copies must stay inside them). Returns the emulation's state: ``ran``, the
     entry points run; ``inputs``, the caller's tensors (to set before the call)."""
     state = types.SimpleNamespace(ran=[], inputs=[])
-    made = []
-    for name in ("empty", "empty_like", "zeros", "zeros_like"):
-        real = getattr(torch, name)
-
-        def wrapped(*args, _real=real, **kwargs):
-            t = _real(*args, **kwargs)
-            made.append(t)
-            return t
-
-        monkeypatch.setattr(torch, name, wrapped)
-    for name in ("to", "contiguous"):  # (casts and copies the launcher makes of inputs)
-        real = getattr(torch.Tensor, name)
-
-        def method(self, *args, _real=real, **kwargs):
-            t = _real(self, *args, **kwargs)
-            made.append(t)
-            return t
-
-        monkeypatch.setattr(torch.Tensor, name, method)
 
     def launch(kernel, index, grid, block, smem, args, stream):
         entry, dp, bt = _entry(kernel.name)
         emu.emu_clear_buffers()
-        for t in made + state.inputs:
+        for t in allocations + state.inputs:
             storage = t.untyped_storage()
             emu.emu_add_buffer(ctypes.c_void_p(storage.data_ptr()),
                                ctypes.c_longlong(storage.nbytes()))

@@ -100,23 +100,6 @@ def launches(fake_cupy, monkeypatch):
     return recorded
 
 
-@pytest.fixture
-def allocations(monkeypatch):
-    """Every tensor torch.empty / empty_like / zeros made during the test (kept alive, so
-    that their addresses stay theirs)."""
-    made = []
-    for name in ("empty", "empty_like", "zeros", "zeros_like"):
-        real = getattr(torch, name)
-
-        def wrapped(*args, _real=real, **kwargs):
-            t = _real(*args, **kwargs)
-            made.append(t)
-            return t
-
-        monkeypatch.setattr(torch, name, wrapped)
-    return made
-
-
 def _problem(dtype, D, lens, init, H=2, chunk_size=16):
     """A problem on CPU tensors, random values: one sequence of each length in ``lens``
     (varlen when more than one)."""
