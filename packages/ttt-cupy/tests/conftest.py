@@ -82,6 +82,35 @@ def fake_cupy(monkeypatch):
         cache.cache_clear()
 
 
+class StandInStream:
+    """A torch stream stand-in: events are recorded and waited for in name only."""
+
+    cuda_stream = 0
+
+    def record_event(self):
+        return object()
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in_device(fake_cupy, monkeypatch):
+    """The launcher on device 0 (the stand-in cupy's sm_90) with CPU tensors: torch's stream
+    and the launcher's side streams are StandInStreams, its environment switches unset.
+    Returns the stream class (launches on anything else are on a real stream)."""
+    monkeypatch.setattr(launcher, "_index", lambda device: 0)
+    monkeypatch.setattr(launcher, "_chain_stream", lambda index: StandInStream())
+    monkeypatch.setattr(launcher, "_group_streams",
+                        lambda index: tuple(StandInStream()
+                                            for _ in range(launcher.GROUP_STREAMS)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StandInStream())
+    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV,
+                launcher.OVERLAP_ENV):
+        monkeypatch.delenv(env, raising=False)
+    return StandInStream
+
+
 @pytest.fixture
 def allocations(monkeypatch):
     """Every tensor torch.empty / empty_like / zeros / zeros_like made during the test, and

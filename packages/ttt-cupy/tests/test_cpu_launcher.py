@@ -30,16 +30,6 @@ _C = {np.uint64: ctypes.c_void_p, np.float32: ctypes.c_float, np.int32: ctypes.c
       np.int64: ctypes.c_longlong}
 
 
-class _Stream:
-    cuda_stream = 0
-
-    def record_event(self):
-        return object()
-
-    def wait_event(self, event) -> None:
-        pass
-
-
 def _entry(name: str) -> tuple[str, int, int]:
     """(emulation entry point, D_PAD, BT) of a name expression such as
     ``ttt_linear_fwd_chain<float, 64, 16, false, true>``."""
@@ -51,7 +41,7 @@ def _entry(name: str) -> tuple[str, int, int]:
 
 
 @pytest.fixture
-def emulated(emu, fake_cupy, allocations, monkeypatch):
+def emulated(emu, stand_in_device, allocations, monkeypatch):
     """The launcher on device 0 (an sm_90 stand-in) with CPU tensors, each launch run by the
     emulation with the tensors of the call registered as its arrays (prefetch hints and
     asynchronous copies must stay inside them). Returns the emulation's state: ``ran``, the
@@ -77,14 +67,6 @@ def emulated(emu, fake_cupy, allocations, monkeypatch):
 
     monkeypatch.setattr(launcher, "_launch", launch)
     monkeypatch.setattr(launcher, "_stream_wait_value", lambda stream, address, value: False)
-    monkeypatch.setattr(launcher, "_index", lambda device: 0)
-    monkeypatch.setattr(launcher, "_chain_stream", lambda index: _Stream())
-    monkeypatch.setattr(launcher, "_group_streams",
-                        lambda index: tuple(_Stream() for _ in range(launcher.GROUP_STREAMS)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV,
-                launcher.OVERLAP_ENV):
-        monkeypatch.delenv(env, raising=False)
     return state
 
 

@@ -51,18 +51,6 @@ def _signatures() -> dict[str, list[type]]:
     return sigs
 
 
-class _Stream:
-    """A torch stream stand-in: events are recorded and waited for in name only."""
-
-    cuda_stream = 0
-
-    def record_event(self):
-        return object()
-
-    def wait_event(self, event) -> None:
-        pass
-
-
 class _Launches(list):
     """The recorded launches; ``waits``: the stream waits (address, value) asked for."""
 
@@ -70,33 +58,25 @@ class _Launches(list):
 
 
 @pytest.fixture
-def launches(fake_cupy, monkeypatch):
+def launches(stand_in_device, monkeypatch):
     """The launches of the calls made in the test, as (kernel name, grid, block, smem, args);
     the launcher sees device 0, an sm_90 stand-in, on CPU tensors."""
     recorded = _Launches()
 
     def record(kernel, index, grid, block, smem, args, stream):
-        assert isinstance(stream, _Stream)
+        assert isinstance(stream, stand_in_device)
         recorded.append((kernel.name, grid, block, smem, args))
 
     monkeypatch.setattr(launcher, "_launch", record)
     waits = []  # (address, value) of each stream wait: checked with the overlapped passes
 
     def wait_value(stream, address, value):
-        assert isinstance(stream, _Stream)
+        assert isinstance(stream, stand_in_device)
         waits.append((address, value))
         return False
 
     monkeypatch.setattr(launcher, "_stream_wait_value", wait_value)
     recorded.waits = waits
-    monkeypatch.setattr(launcher, "_index", lambda device: 0)
-    monkeypatch.setattr(launcher, "_chain_stream", lambda index: _Stream())
-    monkeypatch.setattr(launcher, "_group_streams",
-                        lambda index: tuple(_Stream() for _ in range(launcher.GROUP_STREAMS)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV,
-                launcher.OVERLAP_ENV):
-        monkeypatch.delenv(env, raising=False)
     return recorded
 
 
