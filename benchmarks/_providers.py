@@ -43,12 +43,7 @@ class Provider:
                 return "head dim above 128 is refused by FLA"
             return None
         backend_name = self.name.removeprefix("ttt.")
-        try:
-            from ttt.validation import build_problem
-        except ImportError:                     # internal module moved: let the call tell
-            return None
-        problem = build_problem(q, k, v, w, b, eta, None, 1e-6, chunk_size, None, None,
-                                False, None)
+        problem = ttt.make_problem(q, k, v, w, b, eta, chunk_size=chunk_size)
         reasons = ttt.load_backend(backend_name).not_supported_reasons(problem)
         return "; ".join(reasons) if reasons else None
 

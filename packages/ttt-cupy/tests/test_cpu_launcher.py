@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ttt
-from ttt.validation import build_problem
+from ttt import make_problem
 from ttt_cupy import launcher
 
 np = pytest.importorskip("numpy")
@@ -114,8 +114,10 @@ def test_launcher_end_to_end_matches_reference(emulated, monkeypatch, case):
         monkeypatch.setenv(key, value)
     x, cu = _inputs(D, lens, H, param_dtype, init)
     scale, eps, bt = D ** -0.5, 1e-6, 16
-    p = build_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale, eps, bt,
-                      x.get("initial_state"), x.get("initial_state_bias"), True, cu)
+    p = make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale=scale, eps=eps,
+                     chunk_size=bt, initial_state=x.get("initial_state"),
+                     initial_state_bias=x.get("initial_state_bias"), output_final_state=True,
+                     cu_seqlens=cu)
     emulated.inputs = [t for t in (*x.values(), cu) if t is not None]
     before = {name: t.clone() for name, t in x.items()}
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from ttt.validation import build_problem
+from ttt import make_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
 
@@ -92,8 +92,9 @@ def _problem(dtype, D, lens, init, H=2, chunk_size=16):
     cu = (torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64) if N > 1 else None)
     q, k, v = (randn(1, T, H, D).to(dtype) for _ in range(3))
     h0, hb0 = (randn(N, H, D, D), randn(N, H, 1, D)) if init else (None, None)
-    return build_problem(q, k, v, randn(H, D), randn(H, D), 0.1 * randn(1, T, H, 1).abs(),
-                         D ** -0.5, 1e-6, chunk_size, h0, hb0, True, cu)
+    return make_problem(q, k, v, randn(H, D), randn(H, D), 0.1 * randn(1, T, H, 1).abs(),
+                        chunk_size=chunk_size, initial_state=h0, initial_state_bias=hb0,
+                        output_final_state=True, cu_seqlens=cu)
 
 
 def _inside(address: int, tensors) -> bool:

@@ -1,10 +1,11 @@
-"""Problem's chunk bookkeeping: chunk counts, group offsets and ChunkGroups."""
+"""Chunk bookkeeping: chunk counts, group offsets and ChunkGroups."""
 
 from __future__ import annotations
 
 import torch
 
-from ttt.problem import ChunkGroups, Problem
+from ttt.chunking import ChunkGroups, group_offsets
+from ttt.problem import Problem
 
 
 def _problem(T: int, seq_lens: tuple[int, ...], varlen: bool, chunk: int = 16) -> Problem:
@@ -20,7 +21,7 @@ def _problem(T: int, seq_lens: tuple[int, ...], varlen: bool, chunk: int = 16) -
 def test_dense_groups():
     p = _problem(100, (100, 100, 100), varlen=False)   # 7 chunks each
     assert p.chunk_counts() == [7, 7, 7]
-    assert p.group_offsets(4) == [0, 2, 4, 6]
+    assert group_offsets(p, 4) == [0, 2, 4, 6]
     grp = ChunkGroups.of(p, 4)
     assert (grp.G, grp.count, grp.slots) == (4, 6, 9)
     assert grp.offsets is None and grp.seq is None
@@ -29,7 +30,7 @@ def test_dense_groups():
 def test_varlen_groups():
     p = _problem(90, (1, 64, 25), varlen=True)          # 1, 4 and 2 chunks
     assert p.chunk_counts() == [1, 4, 2]
-    assert p.group_offsets(3) == [0, 1, 3, 4]
+    assert group_offsets(p, 3) == [0, 1, 3, 4]
     grp = ChunkGroups.of(p, 3)
     assert (grp.count, grp.slots) == (4, 7)
     assert grp.offsets.tolist() == [0, 1, 3, 4]

@@ -38,8 +38,7 @@ def _inputs(dtype=torch.float32, device="cpu"):
 def test_default_choice_is_auto_and_cpu_goes_to_reference(monkeypatch):
     monkeypatch.delenv("TTT_BACKEND", raising=False)
     assert ttt.get_backend() == "auto"
-    problem = ttt.validation.build_problem(*_inputs().values(), None, 1e-6, 16, None, None,
-                                           False, None)
+    problem = ttt.make_problem(**_inputs())
     assert registry.select_backend(problem).name == "reference"
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ttt import Problem
-from ttt.problem import ChunkGroups
+from ttt.chunking import ChunkGroups
 
 from .compile import (
     BLOCK_TS,

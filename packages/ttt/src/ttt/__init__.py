@@ -16,6 +16,7 @@ from .registry import (
     load_backend,
     set_backend,
 )
+from .validation import make_problem
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "chunk_ttt_linear",
     "get_backend",
     "load_backend",
+    "make_problem",
     "set_backend",
     "__version__",
 ]

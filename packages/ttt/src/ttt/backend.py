@@ -18,7 +18,6 @@ nothing in the core special-cases a backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +42,12 @@ class GradNeeds:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can take. ``head_dims`` None means any; ``chunk_sizes`` None any."""
+    """What a backend can take. ``max_head_dim`` None means any; ``chunk_sizes`` None any.
+    ``deterministic``: repeated identical calls give bitwise identical results (the suite
+    checks it when declared)."""
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
-    head_dims: frozenset[int] | None = None
     max_head_dim: int | None = None
     chunk_sizes: frozenset[int] | None = None
     varlen: bool = True
@@ -66,8 +66,6 @@ class Capabilities:
             names = sorted(str(d).replace("torch.", "") for d in self.dtypes)
             why.append(f"dtype {str(problem.dtype).replace('torch.', '')} not supported "
                        f"(supports {names})")
-        if self.head_dims is not None and problem.D not in self.head_dims:
-            why.append(f"head dim {problem.D} not supported (supports {sorted(self.head_dims)})")
         if self.max_head_dim is not None and problem.D > self.max_head_dim:
             why.append(f"head dim {problem.D} above the maximum {self.max_head_dim}")
         if self.chunk_sizes is not None and problem.chunk_size not in self.chunk_sizes:
@@ -114,5 +112,3 @@ class Backend:
                  needs: GradNeeds) -> Gradients:
         raise NotImplementedError
 
-
-BackendFactory = Callable[[], Backend]

@@ -13,9 +13,6 @@ from .registry import available_backends
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
-# relative-error bounds against the float64 oracle: (output/states, gradients)
-DEMO_TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 5e-2),
-                   torch.float16: (5e-3, 2e-2), torch.float64: (1e-10, 1e-9)}
 
 
 def _device_line() -> str:
@@ -45,7 +42,8 @@ def cmd_demo(args) -> int:
     from .ops import chunk_ttt_linear
     from .registry import select_backend
     from .testing.oracle import oracle_chunk_ttt_linear
-    from .validation import build_problem
+    from .testing.tolerances import TOLERANCES
+    from .validation import make_problem
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (
@@ -65,8 +63,7 @@ def cmd_demo(args) -> int:
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     inputs = {n: t.to(device=device, dtype=state_dtype if n.startswith("initial") else dtype)
               .requires_grad_(True) for n, t in base.items()}
-    problem = build_problem(*(inputs[n] for n in ("q", "k", "v", "w", "b", "eta")), None, 1e-6,
-                            C, inputs["initial_state"], inputs["initial_state_bias"], True, None)
+    problem = make_problem(**inputs, chunk_size=C, output_final_state=True)
     backend = select_backend(problem, args.backend)
     print(f"ttt demo: TTT-linear forward + backward on backend {backend.name!r}")
     print(f"  device {device} ({_device_line()})")
@@ -99,7 +96,7 @@ def cmd_demo(args) -> int:
     ref = oracle_chunk_ttt_linear(**ref_inputs, chunk_size=C)
     gc.manual_seed(1)
     ref_grads = torch.autograd.grad(list(ref), list(ref_inputs.values()), cotangents(*ref))
-    out_tol, grad_tol = DEMO_TOLERANCES[dtype]
+    out_tol, grad_tol = TOLERANCES[dtype]
     ok = True
     print("  relative error against the float64 oracle:")
     for label, x, r, tol in [("o", o, ref[0], out_tol), ("final_state", ht, ref[1], out_tol),

@@ -7,7 +7,7 @@ import torch
 from .backend import Backend, GradNeeds
 from .problem import Problem
 from .registry import select_backend
-from .validation import build_problem
+from .validation import make_problem
 
 
 def _cast_like(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,8 +92,9 @@ def chunk_ttt_linear(
     Positions past a sequence's end (in its last, partial chunk) take no part in any
     update. Inputs are never modified. See docs/math.md for the exact definition.
     """
-    problem = build_problem(q, k, v, w, b, eta, scale, eps, chunk_size, initial_state,
-                            initial_state_bias, output_final_state, cu_seqlens)
+    problem = make_problem(q, k, v, w, b, eta, scale=scale, eps=eps, chunk_size=chunk_size,
+                           initial_state=initial_state, initial_state_bias=initial_state_bias,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     chosen = select_backend(problem, backend)
     o, ht, hbt = ChunkTTTLinearFunction.apply(
         chosen, problem, problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,

@@ -86,48 +86,10 @@ class Problem:
         """Chunks per sequence (a partial last chunk counts as one)."""
         return [-(-length // self.chunk_size) for length in self.seq_lens]
 
-    def group_offsets(self, chunks_per_group: int) -> list[int]:
-        """``[N + 1]`` offsets of each sequence's first group of ``chunks_per_group``
-        chunks, counted over the batch: where kernels that keep one checkpoint per group
-        put a sequence's checkpoints."""
-        offsets = [0]
-        for chunks in self.chunk_counts():
-            offsets.append(offsets[-1] - (-chunks // chunks_per_group))
-        return offsets
-
     def describe(self) -> str:
         kind = f"varlen N={self.N}" if self.is_varlen else f"B={self.B}"
         return (f"{kind} T={self.T} H={self.H} D={self.D} chunk={self.chunk_size} "
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
-
-
-@dataclass
-class ChunkGroups:
-    """How a batch splits into groups of ``G`` chunks, for kernels that keep one checkpoint
-    per group: every sequence owns NG + 1 slots (NG = its groups); slot s < NG holds the
-    state before chunk s * G, slot NG the final state."""
-
-    G: int
-    count: int                          # groups over the batch
-    slots: int                          # checkpoint slots: count + N
-    offsets: torch.Tensor | None        # [N + 1] int64 first group per sequence (varlen)
-    seq: torch.Tensor | None            # [count] int32 sequence of each group (varlen)
-    groups_max: int = 0                 # the most groups of one sequence
-
-    @classmethod
-    def of(cls, p: Problem, G: int) -> ChunkGroups:
-        """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
-        ``p``'s device (non-blocking copies)."""
-        offs = p.group_offsets(G)
-        counts = [b - a for a, b in zip(offs[:-1], offs[1:])]   # groups per sequence
-        offsets = seq = None
-        if p.is_varlen:
-            dev = p.device
-            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
-            seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32),
-                                          torch.tensor(counts))
-            seq = seq.to(dev, non_blocking=True)
-        return cls(G, offs[-1], offs[-1] + p.N, offsets, seq, max(counts, default=0))
 
 
 @dataclass

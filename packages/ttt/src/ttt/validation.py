@@ -79,9 +79,12 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     return lengths
 
 
-def build_problem(q, k, v, w, b, eta, scale, eps, chunk_size, initial_state,
-                  initial_state_bias, output_final_state, cu_seqlens) -> Problem:
-    """Check every argument and return the contiguous :class:`Problem` backends receive."""
+def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
+                 initial_state=None, initial_state_bias=None, output_final_state=False,
+                 cu_seqlens=None) -> Problem:
+    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults) and
+    return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
+    the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
     q = _require_tensor("q", q, 4)
     B, T, H, D = q.shape
     k = _require_tensor("k", k, 4)

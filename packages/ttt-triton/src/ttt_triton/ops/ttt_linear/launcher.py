@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ttt import Problem
-from ttt.problem import ChunkGroups
+from ttt.chunking import ChunkGroups, group_offsets
 
 from ...backend import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
@@ -114,7 +114,7 @@ def checkpoint_interval(p: Problem, BD: int, tune: dict[str, int]) -> int:
         return tune["G"]
     wide = CKPT_INTERVAL["wide"]
     warps = num_warps("group", BD, p.dtype == torch.float32, tune)
-    if p.group_offsets(wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
+    if group_offsets(p, wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
         return wide
     return CKPT_INTERVAL["narrow"]
 
