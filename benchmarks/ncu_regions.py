@@ -13,8 +13,6 @@ bank conflicts, in brackets), its executed instructions per step (all, ``HMMA``,
 ``STS``, ``LDG``) and its four largest stall reasons (% of all samples). ``--steps``
 divides the counts: the launch's chunk steps (bwd_grads at 32,2048,16,64: 32 * 16 * 128 =
 65,536) or blocks of rows (bwd_local there: 32,768 blocks of 32 rows); 1 gives totals.
-The figures of docs/benchmarks.md's ninth session (benchmarks/results/2026-12-04-f/
-ncu-32x2048) came from this.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Compiles each kernel configuration the launcher would pick (chunk 16/32/64, padded head
 dim 16..128, bf16 and fp32) ahead of time with Triton's bundled ptxas and prints
-``cuobjdump -res-usage``: what costs no device time (METHOD.md). Pointers carry the 16-byte
+``cuobjdump -res-usage``, without a GPU. Pointers carry the 16-byte
 alignment hint that a launch with torch tensors gets (``--unaligned`` drops it). The numbers
 come from the Triton installed here, which may differ from the GPU runner's.
 """

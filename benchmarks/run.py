@@ -50,7 +50,7 @@ Shape = tuple[int, int, int, int]
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device,
                 seed: int) -> list[torch.Tensor]:
-    """q, k, v, w, b, eta as in ANCHORS.md: fresh random values, k L2-normalised over D."""
+    """q, k, v, w, b, eta: fresh random values (seeded), k L2-normalised over D."""
     B, T, H, D = shape
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Benchmark ttt.chunk_ttt_linear backends against FLA (fla-core).")
     p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="B,T,H,D",
-                   help="shapes to run (default: the five anchor shapes of ANCHORS.md)")
+                   help="shapes to run (default: the five anchor shapes)")
     p.add_argument("--backends", nargs="+", metavar="NAME",
                    help="providers: ttt backend names (triton, cupy, reference, ...), "
                         "'fla' (both FLA variants), 'fla.fused_chunk', 'fla.chunk', or "
