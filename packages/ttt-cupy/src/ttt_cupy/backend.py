@@ -6,12 +6,12 @@ per (sequence, head) carries only the state (forward) or its cotangent (backward
 the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
 block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
 inputs every kernel's tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
-turns that off; the tensor-core code of all five kernels was verified on an H200 at
-580de07 and again at 80e4f48: conformance suite 190 passed, 7 skipped).
+turns that off).
 
-Status: the kernels compile with NVRTC for sm_80 and sm_90 (``python -m
-ttt_cupy.nvrtc_check``, in CI), match a float64 oracle in a CPU emulation (tensor-core
-instances against the SIMT ones there), and pass the conformance suite on an H200.
+Checks: the kernels compile with NVRTC for sm_80 and sm_90 without a GPU (``python -m
+ttt_cupy.nvrtc_check``), match a float64 oracle in a CPU emulation (tensor-core instances
+against the SIMT ones there), and run the conformance suite on a GPU
+(``pytest shared_tests packages/ttt-cupy/tests --backend cupy``).
 """
 
 from __future__ import annotations

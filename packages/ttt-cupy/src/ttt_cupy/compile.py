@@ -4,9 +4,7 @@ Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device 
 one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
 fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
 for the process. For half inputs every kernel is its tensor-core (tf32 mma.sync) instance
-unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32. (The
-tensor-core path of all five kernels, with the shared k-loop, was verified on an H200 at
-580de07.)
+unless ``TTT_CUPY_MMA=0`` (:func:`use_mma`); float inputs always run SIMT fp32.
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
 """
@@ -203,9 +201,9 @@ def bwd_chain_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_chain's MMA instance for the previous chunk's rows staged
     by cp.async (Traits::kBwdChainStageFloats): xh, do_pre, dg, v, q, k as [BT, D_PAD + 4]
     floats each, then r's [BT]; 0 where the whole block would pass :data:`STAGE_SMEM_LIMIT`
-    (Traits::kBwdChainStage false: (64, 64), (128, 32), (128, 64) load those rows as before).
-    The forward chain keeps its register-staged loads: the same staging made it slower on an
-    H200 (docs/benchmarks.md)."""
+    (Traits::kBwdChainStage false: (64, 64), (128, 32), (128, 64) load those rows through
+    registers and L1). The forward chain keeps its register-staged loads: on an H200 the same
+    staging makes it slower."""
     stage = 6 * bt * (dp + 4) + bt
     base = _chain_tc_floats("bwd_chain", dp, bt, False)
     return stage if 4 * (base + stage) <= STAGE_SMEM_LIMIT else 0
@@ -245,7 +243,7 @@ def bwd_grads_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_grads' stage (Traits::kGradsStageFloats): the next chunk's
     do_pre as [BT, D_PAD + 4] floats from a 16-byte aligned offset, then eta's [BT]; 0 where
     bwd_grads splits the state's rows or the whole block would pass :data:`STAGE_SMEM_LIMIT`
-    (Traits::kGradsStage false: those load their tiles as before)."""
+    (Traits::kGradsStage false: those load their tiles from device memory)."""
     base = _bwd_grads_base_floats(dp, bt)
     stage = (-base) % 4 + bt * (dp + 4) + bt
     fits = grads_split(dp, bt) == 1 and 4 * (base + stage) <= STAGE_SMEM_LIMIT
@@ -256,10 +254,10 @@ def bwd_local_stage_floats(dp: int, bt: int) -> int:
     """Shared memory (floats) of bwd_local's MMA instance for the next block's q, k, do staged
     by cp.async (Traits::kLocalStageFloats): [R, D_PAD + 4] floats each (R = :func:`out_rows`)
     from a 16-byte aligned offset, then eta's [R], and at D_PAD 64 the stored xh, v, r
-    (kLocalStageSavedFloats); 0 at D_PAD 128 (where the stage would take
-    the block from 2 to 1 per SM on an H200: D 128 fwd+bwd 5.28 -> 5.58 ms) and where the
-    whole block would pass :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load
-    their tiles as before)."""
+    (kLocalStageSavedFloats); 0 at D_PAD 128 (where the stage would leave 1 block per SM
+    instead of 2: slower on an H200) and where the whole block would pass
+    :data:`STAGE_SMEM_LIMIT` (Traits::kLocalStage false: those load their tiles from device
+    memory)."""
     r = out_rows(dp, bt)
     base = _block_rows_floats("bwd_local", dp, bt)
     stage = (-base) % 4 + 3 * r * (dp + 4) + r

@@ -62,8 +62,9 @@ FUSED = {"forward_inference": 128, "forward_training": 256, "backward": 256}
 """The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
 instance writes the outputs itself and fwd_out is not launched; for a forward without backward
 (``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
-(``forward_training``) it stores them as before. Fusing puts fwd_out's work on the chains'
-critical path, which pays only when enough chains run at once (the Triton backend's
+(``forward_training``) it stores them as the unfused forward does. Fusing puts fwd_out's
+work on the chains' critical path, which pays only when enough chains run at once (the
+Triton backend's
 ``FUSED`` has 96 for inference; on an H200, forward without backward, D 64, fused / not:
 0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
 (192 chains)). :data:`FUSE_ENV` overrides the rule. ``backward``: the fused backward chain
@@ -87,8 +88,8 @@ SEGMENT_MIN_GROUPS = {64: (16, 8), 128: (16, 2)}
 """By padded head dim (64: every D_PAD up to 64), (groups, groups per segment): segment only
 sequences of at least that many groups (G chunks each), into segments of at least that many.
 Each segment costs a few launches and events on the host, which a short segment's chain does
-not cover. An H200, bf16, fwd / fwd+bwd ms, one launch against forced segments (same call,
-the eleventh session's launcher): 8 x 2048 x 12 heads, D 64 (8 groups) 0.457 / 1.60 against
+not cover. An H200, bf16, fwd / fwd+bwd ms, one launch against forced segments (one
+process): 8 x 2048 x 12 heads, D 64 (8 groups) 0.457 / 1.60 against
 0.752 / 2.03 (2); 4 x 4096 x 16, D 64 (16 groups) 0.724 / 2.46 against 0.670 / 2.37 (2),
 0.898 / 2.76 (4); 1 x 32768 x 16, D 64 (128 groups) 4.34 / 12.3 against 4.05 (8) / 11.2
 (16); 4 x 4096 x 8, D 128 (16 groups) 1.44 / 5.32 against 1.21 (2) / 4.74 (8). With
@@ -115,8 +116,8 @@ OVERLAP_MAX_CHAINS = {"forward": 96, "backward": 32}
 """The overlapped passes run with at most this many (sequence, head) chains (and the group
 kernel not fused away). With few chains most of the GPU idles beside them and the group
 kernel's blocks use it; with more, those blocks share the chains' SMs and slow their steps.
-On an H200, bf16, D 64 unless noted, overlapped / one launch or segments, same call (fwd /
-fwd+bwd ms, both passes overlapped; benchmarks/results/2026-12-04-j): 16 chains (1 x 32768 x
+On an H200, bf16, D 64 unless noted, overlapped / one launch or segments, one process (fwd /
+fwd+bwd ms, both passes overlapped): 16 chains (1 x 32768 x
 16) 3.64 / 10.6 against 3.89 / 11.1; 32 (4 x 4096 x 8, D 128) 1.19 / 4.04 against 1.45 /
 4.67; 64 (4 x 4096 x 16) 0.641 / 2.40 against 0.659 / 2.31 (the backward slower); 96 (8 x
 2048 x 12) 0.417 / 1.57 against 0.438 / 1.58."""
@@ -159,9 +160,8 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
     """Why the kernels of this shape do not fit the device's shared memory (None: they do).
     Every shape fits an H100/H200 (227 KiB per block); an A100 (163 KiB) refuses head dims
     above 64 with a backward and at chunk size 64 without one. Cached (as the device query):
-    the backend asks at every call, and at 8 x 2048 x 12 x 64 on the H200, cProfile put 0.12 ms
-    per forward into the two, of 1.0 ms of host time per forward under the profiler (0.69 ms
-    without it; session 14, docs/benchmarks.md)."""
+    the backend asks at every call, and uncached the two take about 0.12 ms of host time per
+    forward (cProfile, 8 x 2048 x 12 x 64)."""
     if limit is None:
         return None
     dp = d_pad(D)

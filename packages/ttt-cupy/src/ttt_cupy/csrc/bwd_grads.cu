@@ -33,14 +33,14 @@
 // q, k[:, a0 : a0 + DA], repeats the row pass and S (whole rows; k then from global memory)
 // and writes dk, dv, dw, db of its columns a0 .. a0 + DA - 1 only. That takes the block from
 // 307 to 210 KiB at D_PAD 128, BT 64; with SPLIT = 1 (a0 = 0, DA = D_PAD) it is the whole
-// state as before.
+// state.
 //
 // MMA (default: true for __half / __nv_bfloat16, must be false for float): the state steps
 // (k^T g, q^T do_pre + k^T dkh), S = g do_pre^T (stored as -e_j S_ij) and the dk products
 // -(e S) q + dkh W^T - eta_l g dW^T (one tile pass whose result replaces g in its tile; the
 // row pass then adds dy w) run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
 // accumulation; ttt_common.cuh). With MMA = false (float inputs, or TTT_CUPY_MMA=0) every
-// product is SIMT fp32. The MMA path passed the conformance suite on an H200 (580de07, again at 80e4f48).
+// product is SIMT fp32.
 #include "ttt_common.cuh"
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>

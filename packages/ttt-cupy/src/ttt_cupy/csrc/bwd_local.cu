@@ -38,8 +38,7 @@
 // and at D_PAD 64 (kLocalStageSaved) the g row pass's stored xh, v and r too, issued once the
 // pass has read this block's (as fwd_out.cu's). Rows that come by no stage are asked for into
 // L1 a block ahead (prefetch_spans). With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
-// passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
+// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk.
 #include "ttt_common.cuh"
 
 namespace ttt {

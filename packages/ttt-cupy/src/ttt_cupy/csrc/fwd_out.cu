@@ -42,11 +42,10 @@
 // xh, v and r once the g row pass has read this block's, so that neither the tiles nor the g
 // row pass wait for device memory (the group's first block before the state load). Elsewhere
 // each block asks for the next block's rows into L1 (prefetch hints), and its tile loads and
-// the g row pass read device memory. (Loading them into registers instead took ptxas from 62
-// to 78-80 registers with spills at D_PAD 64, BT 16; the SIMT instance keeps the plain loads:
-// the prefetch cost it 8-16 registers.) With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk. The chunk-by-chunk MMA path
-// passed the conformance suite on an H200 (580de07, 80e4f48, 3eb0127, a3def61).
+// the g row pass read device memory. (Loading them into registers instead takes 78-80
+// registers with spills at D_PAD 64, BT 16, against 62; the SIMT instance keeps the plain
+// loads: the prefetch costs it 8-16 registers.) With MMA = false (float inputs, or
+// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk.
 #include "ttt_common.cuh"
 
 namespace ttt {

@@ -75,7 +75,7 @@ struct Traits {
     // state, its cotangent and the tiles would need 307 KiB) kGradsSplit = 2 blocks share a
     // (group, head): each holds kGradsRows rows of W and dW ([kGradsRows, D_PAD + 1]) and the
     // same columns of q and k ([BT, kGradsRows + 1]); everything else stays whole. Smaller
-    // shapes keep one block and the full tiles (kGradsRows = D_PAD: the same layout as before)
+    // shapes keep one block and the full tiles (kGradsRows = D_PAD: the unsplit layout)
     static constexpr int kGradsSplit = (D_PAD == 128 && BT == 64) ? 2 : 1;
     static constexpr int kGradsRows = D_PAD / kGradsSplit;
     static constexpr int kLdH = kGradsRows + 1;          // row stride of the [BT, kGradsRows] tiles
@@ -93,7 +93,8 @@ struct Traits {
     // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
     // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
     // kStageLimit, the A100's 163 KiB, so that staging takes no shape off a GPU (chunk 16 at
-    // every head dim; not (64, 64), (128, 32), (128, 64), which load those rows as before)
+    // every head dim; not (64, 64), (128, 32), (128, 64), which load those rows through
+    // registers and L1)
     static constexpr unsigned long long kStageLimit = 163ull * 1024;
     static constexpr int kStageTile = BT * (D_PAD + 4);
     static constexpr int kBwdChainStageFloats = 6 * kStageTile + BT;
@@ -154,7 +155,7 @@ struct Traits {
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloatsT<2>;
     // fwd_out's MMA instance's blocks per SM asked of ptxas (__launch_bounds__) at D_PAD 64,
     // chunk 16: as many as its shared memory lets an H200 SM hold, 3 staged x 256 threads (at
-    // most 85 registers). (Unstaged, 4 with 64 registers fitted, where ptxas took 76 to 128
+    // most 85 registers). (Unstaged: 4 with 64 registers, where ptxas takes 76 to 128
     // unasked)
     static constexpr int kOutBlocks = D_PAD == 64 && BT == 16 ? (kOutStage ? 3 : 4) : 1;
     // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
