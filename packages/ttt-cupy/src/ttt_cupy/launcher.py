@@ -59,18 +59,17 @@ CKPT_INTERVAL = 16
 group-parallel kernels replay one group each from its slot."""
 
 FUSED = {"forward_inference": 128, "forward_training": 256, "backward": 256}
-"""The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused
-instance writes the outputs itself and fwd_out is not launched; for a forward without backward
+"""The fused forward: with at least this many (sequence, head) chains, fwd_chain's fused instance
+writes the outputs itself and fwd_out is not launched; for a forward without backward
 (``forward_inference``) it then stores no checkpoint slots, xhat or r either, with a backward
-(``forward_training``) it stores them as the unfused forward does. Fusing puts fwd_out's
-work on the chains' critical path, which pays only when enough chains run at once (the
-Triton backend's
-``FUSED`` has 96 for inference; on an H200, forward without backward, D 64, fused / not:
-0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
+(``forward_training``) it stores them as the unfused forward does. Fusing puts fwd_out's work
+on the chains' critical path, which pays only when enough chains run at once (the Triton
+backend's ``FUSED`` has 96 for inference; on an H200, forward without backward, D 64, fused /
+not: 0.535 / 0.459 ms at 8 x 2048 x 12 heads (96 chains), 0.601 / 0.692 ms at 12 x 2048 x 16
 (192 chains)). :data:`FUSE_ENV` overrides the rule. ``backward``: the fused backward chain
-(:func:`fused_backward`; bwd_grads' work in the chain, no bwd_grads); on an H200, D 64,
-fwd+bwd fused / not: 2.06 / 1.91 ms at 128 chains, 2.70 / 2.69 at 192, 2.90 / 3.19 at 256,
-4.71 / 4.71 at 384, 5.30 / 5.80 at 512 (two blocks per SM: 264 at once)."""
+(:func:`fused_backward`; bwd_grads' work in the chain, no bwd_grads); on an H200, D 64, fwd+bwd
+fused / not: 2.06 / 1.91 ms at 128 chains, 2.70 / 2.69 at 192, 2.90 / 3.19 at 256, 4.71 / 4.71
+at 384, 5.30 / 5.80 at 512 (two blocks per SM: 264 at once)."""
 
 SEGMENTS = 16
 """The most launches per chain pass when segmented (:func:`segment_plan`); the forward takes
