@@ -1,7 +1,8 @@
 """Benchmark results: rows, the speed-up columns, and the four output files.
 
 ``results.json`` (metadata + rows), ``results.csv`` (rows), ``results.md`` (the table
-people read) and ``results.png`` (fwd+bwd time and speed-up per shape and provider).
+people read), ``results.png`` (fwd+bwd time and speed-up per shape and provider) and
+``environment.txt`` (the GPU, driver, versions, commit and command of the run).
 """
 
 from __future__ import annotations
@@ -117,9 +118,31 @@ def header_text(meta: dict) -> str:
     return "\n".join(lines)
 
 
+def environment_text(meta: dict) -> str:
+    """The run's environment, one fact a line: GPU and driver, versions, commit, command."""
+    gpu = meta["device_name"]
+    if meta.get("sm_count"):
+        gpu += f" ({meta['sm_count']} SMs, {meta['device_memory_gib']} GiB)"
+    if meta.get("driver"):
+        gpu += f", driver {meta['driver']}"
+    engines = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
+                        for name, versions in meta.get("backend_versions", {}).items())
+    dirty = " (uncommitted changes)" if meta.get("commit_dirty") else ""
+    return "\n".join([
+        f"GPU: {gpu}",
+        f"python {meta['python']}, torch {meta['torch']} (CUDA {meta['cuda']}), "
+        f"triton {meta['triton']}, fla-core {meta['fla'] or 'absent'}, ttt {meta['ttt']}",
+        f"providers: {engines}",
+        f"commit: {meta['commit']}{dirty}",
+        f"date: {meta['date']}",
+        "command: python benchmarks/run.py " + " ".join(meta.get("argv", [])),
+    ]) + "\n"
+
+
 def write_all(out: Path, rows: list[Row], meta: dict, checks: list[dict],
               plot: bool = True) -> list[Path]:
-    """Write results.{json,csv,md,png} into ``out``; returns the paths written."""
+    """Write results.{json,csv,md,png} and environment.txt into ``out``; returns the paths
+    written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -142,6 +165,10 @@ def write_all(out: Path, rows: list[Row], meta: dict, checks: list[dict],
         parts += ["", "Correctness against the float64 ttt reference backend "
                   "(relative error ||x - ref|| / ||ref||):", "", checks_table(checks)]
     path.write_text("\n".join(parts) + "\n")
+    written.append(path)
+
+    path = out / "environment.txt"
+    path.write_text(environment_text(meta))
     written.append(path)
 
     if plot:

@@ -5,8 +5,8 @@
     python benchmarks/run.py --quick               # tiny shapes: a smoke test on a GPU
     python benchmarks/run.py --quick --device cpu  # no GPU: exercises the reporting only
 
-Writes results.json, results.csv, results.md and results.png into --out, then prints the
-markdown table. See benchmarks/README.md for what each column means.
+Writes results.json, results.csv, results.md, results.png and environment.txt into --out,
+then prints the markdown table. See benchmarks/README.md for what each column means.
 """
 
 from __future__ import annotations
@@ -208,6 +208,17 @@ def _git_commit() -> tuple[str, bool | None]:
     return os.environ.get("TTT_COMMIT") or "unknown", None
 
 
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version from nvidia-smi (None where it cannot say)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
 def metadata(args: argparse.Namespace, device: torch.device, discovery) -> dict:
     try:
         import triton
@@ -234,6 +245,7 @@ def metadata(args: argparse.Namespace, device: torch.device, discovery) -> dict:
         "device": str(device),
         "sm_count": sms,
         "device_memory_gib": memory_gib,
+        "driver": _driver_version() if device.type == "cuda" else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
         "triton": triton_version,
