@@ -79,7 +79,8 @@ def _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning):
 def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float32):
     """{name: relative error against the oracle} of every output and gradient."""
     x, cu = _inputs(T, H, D, seq_lens, seed)
-    x = {n: t.to(dtype).to(F64) if not n.startswith("initial") else t for n, t in x.items()}
+    x = {n: t.to(torch.float32 if n.startswith("initial") else dtype).to(F64)   # as run
+         for n, t in x.items()}
     N = len(seq_lens) if seq_lens else 1
     g = torch.Generator().manual_seed(seed + 1)
     cotangents = [torch.randn(s, generator=g, dtype=F64)
@@ -152,17 +153,19 @@ def test_split_grads_kernel(chunk, seq_lens):
     _assert_close(errs, torch.float32, tuning)
 
 
-HALF_DOTS_NEED_GPU = pytest.mark.skipif(
-    DEVICE == "cpu", reason="bf16/fp16 dots need the GPU (the interpreter's bf16 tl.dot is wrong)")
+NEEDS_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the tests above run every forced "
+    "path in float32 (the interpreter's bf16 tl.dot is wrong)")
 
 
-@HALF_DOTS_NEED_GPU
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@NEEDS_GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tuning,with_grad", FORCED_CHAINS, ids=FORCED_CHAIN_IDS)
-@pytest.mark.parametrize("D,chunk", [(64, 16), (64, 32), (128, 64)])
-def test_forced_chains_half(dtype, tuning, with_grad, D, chunk):
-    """Half inputs: the fused and the split kernels, every combination, against the oracle
-    within the conformance suite's bounds."""
+@pytest.mark.parametrize("D,chunk", [(50, 16), (64, 32), (128, 64)])
+def test_forced_chains_on_gpu(dtype, tuning, with_grad, D, chunk):
+    """Every dtype, the fused and the split kernels in every combination, at an unaligned
+    head dim, the IEEE K-blocked dots (float32 at D 128) and the wide backward (half inputs
+    at D 128, chunk 64), against the oracle within the conformance suite's bounds."""
     errs = _errors(180, 3, D, chunk, (60, 120), 9, tuning, with_grad, dtype=dtype)
     _assert_close(errs, dtype, tuning)
 
