@@ -22,8 +22,8 @@ the parallel kernels replay one group each from its slot. Longer groups mean few
 and less per-group work; shorter ones more programs for the parallel kernels. So G is
 "wide" (32) when the group kernels still launch at least ``wide_min_warps`` warps with it
 (about 16 per SM of an H200), else "narrow" (16). On the H200 (docs/benchmarks.md) G = 32
-was 1-4% faster on the four larger anchor shapes and 14% slower on 8,2048,12,64, the one
-it leaves at 16."""
+is 1-4% faster on the four larger anchor shapes and 14% slower on 8,2048,12,64, the one
+the rule leaves at 16."""
 
 HALF_DOT_PRECISION = "tf32"
 """input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
@@ -44,13 +44,13 @@ NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
               "group_stages": 2, "group_stages_fp32": 1}
 """num_stages (software pipelining of the loop's loads) of the sequential kernels, which
 prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
-float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 was 0-10%
+float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 is 0-10%
 faster fwd+bwd than 1 on the five anchor shapes on the H200 (docs/benchmarks.md). Float32
 keeps 1: with 2, ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32
 registers and 5-8 KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces
 ``chain_stages`` for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16,
-head dims <= 64): 2 took 32,2048,16,64 fwd+bwd from 4.48 to 4.24 ms on the H200, while the
-unfused chains spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
+head dims <= 64): with 2, 32,2048,16,64 fwd+bwd takes 4.24 ms on the H200 against 4.48 with 1,
+while the unfused chains spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
 
 WIDE_BACKWARD = {"grads_split": 2, "stages": 1}
 """The backward at chunk 64 and a padded head dim of 128 with half inputs, where Triton's
