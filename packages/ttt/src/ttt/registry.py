@@ -286,8 +286,8 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     for candidate in sorted(known_names(), key=_priority):
         try:
             backend = load_backend(candidate)
-        except BackendNotInstalledError as exc:
-            skipped[candidate] = [f"not installed: {exc.reason}"]
+        except ImportError as exc:
+            skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
             continue
         reasons = backend.not_supported_reasons(problem)
         if not reasons:
