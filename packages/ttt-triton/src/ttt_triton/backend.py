@@ -71,7 +71,7 @@ class TritonBackend(Backend):
         try:
             import triton
         except ImportError:
-            return {"triton": "cannot be imported"}
+            return {}                 # unavailable_reason says why
         return {"triton": triton.__version__, "interpreter": str(interpreting())}
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
