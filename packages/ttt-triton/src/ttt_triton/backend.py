@@ -56,7 +56,7 @@ class TritonBackend(Backend):
     capabilities = CAPABILITIES
 
     def __init__(self) -> None:
-        if interpreting():
+        if interpreting():    # Triton's interpreter runs the kernels on CPU tensors (tests)
             self.capabilities = replace(CAPABILITIES,
                                         devices=CAPABILITIES.devices | {"cpu"})
 
