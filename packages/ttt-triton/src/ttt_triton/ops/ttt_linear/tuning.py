@@ -83,6 +83,7 @@ class Tuning:
     to None: the rule or table named decides.
 
     - ``checkpoint_interval``: G, chunks per group (:data:`CKPT_INTERVAL`); a power of two.
+      The forward's choice; the backward takes the forward's groups.
     - ``fuse_forward``: the forward chain writes the outputs (:data:`FUSED`).
     - ``fuse_backward``: the backward chain computes dk, dv, the last-row deta (:data:`FUSED`).
     - ``grads_split``: bwd_grads programs per (group, head), 1 or 2 (:data:`WIDE_BACKWARD`).
