@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ttt_triton.ops.ttt_linear import launcher
+from ttt_triton.ops.ttt_linear import tuning
 from ttt_triton.ops.ttt_linear.bwd_chain import ttt_linear_bwd_chain_kernel
 from ttt_triton.ops.ttt_linear.bwd_grads import ttt_linear_bwd_grads_kernel
 from ttt_triton.ops.ttt_linear.bwd_local import ttt_linear_bwd_local_kernel
@@ -94,35 +94,35 @@ def main() -> None:
                              "a launch with torch tensors compiles)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    tune = launcher.tunables()
-    tune["G"] = tune["G"] or launcher.CKPT_INTERVAL["narrow"]
-    print(f"triton {triton.__version__}, sm_{args.arch}, {tune}")
+    tune = tuning.DEFAULT_TUNING
+    G = tuning.CKPT_INTERVAL["narrow"]
+    print(f"triton {triton.__version__}, sm_{args.arch}, G={G}")
     for dtype in args.dtypes:
         for BD in args.bd:
             torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-            prec = launcher.dot_precision(torch_dtype, BD)
+            prec = tuning.dot_precision(torch_dtype, BD)
             for BT in args.bt:
                 for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:
                         continue
-                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=tune["G"],
+                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=G,
                                   IS_VARLEN=False, PREC=prec, **extra)
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     if rows is not None:
-                        consts["BS"] = launcher.rows_per_block(rows, BT, tune["G"], tune)
+                        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune)
                     if "SPLIT" in fn.arg_names:
-                        consts["SPLIT"] = launcher.grads_split(torch_dtype, BD, BT, tune)
+                        consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
                     sig = _signature(fn, dtype, consts)
                     src = ASTSource(fn=fn, signature=sig,
                                     constexprs={(fn.arg_names.index(k),): v
                                                 for k, v in consts.items()},
                                     attrs=_aligned(fn, sig) if args.aligned else None)
-                    options = launcher.launch_options(kind, BD, dtype == "fp32", tune,
-                                                      fused_bwd=name == "bwd_fused")
+                    options = tuning.launch_options(kind, BD, dtype == "fp32", tune,
+                                                    fused_bwd=name == "bwd_fused")
                     if (name in ("bwd_local", "bwd_grads")
-                            and launcher.wide_backward(torch_dtype, BD, BT)):
-                        options["num_stages"] = launcher.WIDE_BACKWARD["stages"]
+                            and tuning.wide_backward(torch_dtype, BD, BT)):
+                        options["num_stages"] = tuning.WIDE_BACKWARD["stages"]
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
                              f"warps={options['num_warps']}")
                     if "BS" in consts:

@@ -1,4 +1,4 @@
-"""The launch tunables: defaults, the doubling rule and the TTT_TRITON_TUNE override."""
+"""The launch rules per shape class, what a Tuning forces, and how a bad Tuning is refused."""
 
 from __future__ import annotations
 
@@ -8,27 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from ttt import Problem  # noqa: E402
-from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
-
-
-def test_defaults_and_doubling(monkeypatch):
-    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
-    chain = launcher.NUM_WARPS["chain"]
-    assert launcher.num_warps("chain", 64, ieee=False) == chain
-    assert launcher.num_warps("chain", 128, ieee=False) == min(2 * chain, 8)
-    assert launcher.num_warps("chain", 64, ieee=True) == min(2 * chain, 8)
-    assert launcher.num_warps("chain", 32, ieee=True) == chain
-
-
-def test_environment_override(monkeypatch):
-    monkeypatch.setenv("TTT_TRITON_TUNE", "chain=2, group=8, S_out=32")
-    assert launcher.num_warps("chain", 64, ieee=False) == 2
-    assert launcher.num_warps("group", 64, ieee=False) == 8
-    assert launcher.num_warps("group", 128, ieee=False) == 8
-    assert launcher.tunables()["S_out"] == 32
-    assert launcher.rows_per_block("S_out", 16, 16, launcher.tunables()) == 32
-    assert launcher.rows_per_block("S_out", 64, 16, launcher.tunables()) == 64   # >= a chunk
-    assert launcher.rows_per_block("S_out", 16, 1, launcher.tunables()) == 16    # <= a group
+from ttt_triton.ops.ttt_linear import launcher, tuning  # noqa: E402
+from ttt_triton.ops.ttt_linear.tuning import DEFAULT_TUNING, Tuning  # noqa: E402
 
 
 def _problem(B, T, H, D, chunk_size=16, dtype=torch.bfloat16):
@@ -39,24 +20,68 @@ def _problem(B, T, H, D, chunk_size=16, dtype=torch.bfloat16):
                    seq_lens=(T,) * B, eta_is_tensor=True)
 
 
+def test_warps_doubling_rule():
+    chain = tuning.NUM_WARPS["chain"]
+    assert tuning.num_warps("chain", 64, ieee=False) == chain
+    assert tuning.num_warps("chain", 128, ieee=False) == min(2 * chain, 8)
+    assert tuning.num_warps("chain", 64, ieee=True) == min(2 * chain, 8)
+    assert tuning.num_warps("chain", 32, ieee=True) == chain
+
+
+def test_forced_warps_and_stages():
+    """Forced values apply as given, to every dtype and head dim of their kind."""
+    forced = Tuning(chain_warps=2, group_warps=8, group_stages=3)
+    assert tuning.num_warps("chain", 128, ieee=True, tune=forced) == 2
+    assert tuning.launch_options("group", 64, False, forced) == dict(num_warps=8, num_stages=3)
+    assert tuning.launch_options("group", 64, True, forced)["num_stages"] == 3
+    assert (tuning.launch_options("chain", 64, False, forced)["num_stages"]
+            == tuning.NUM_STAGES["chain_stages"])
+
+
+def test_fused_backward_chain_stages():
+    """The fused backward chain takes fused_bwd_stages for half inputs; float32 and the
+    unfused chain keep their own entries."""
+    stages = tuning.NUM_STAGES
+
+    def chain_stages(ieee, fused_bwd):
+        return tuning.launch_options("chain", 64, ieee, DEFAULT_TUNING, fused_bwd)["num_stages"]
+
+    assert chain_stages(False, True) == stages["fused_bwd_stages"]
+    assert chain_stages(False, False) == stages["chain_stages"]
+    assert chain_stages(True, True) == stages["chain_stages_fp32"]
+
+
+def test_interpreter_takes_no_compiler_options(monkeypatch):
+    monkeypatch.setattr(launcher, "interpreting", lambda: True)
+    assert launcher._launch("group", 64, torch.bfloat16, Tuning(group_warps=8)) == {}
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    assert launcher._launch("group", 64, torch.bfloat16, Tuning(group_warps=8))["num_warps"] == 8
+
+
+def test_rows_per_block_default_forced_and_clamped():
+    assert tuning.rows_per_block("S_out", 16, 16, DEFAULT_TUNING) == tuning.BLOCK_ROWS["S_out"]
+    forced = Tuning(rows_out=32)
+    assert tuning.rows_per_block("S_out", 16, 16, forced) == 32
+    assert tuning.rows_per_block("S_out", 64, 16, forced) == 64     # at least a chunk
+    assert tuning.rows_per_block("S_out", 16, 1, forced) == 16      # at most a group
+    assert tuning.rows_per_block("S_grads", 16, 16, Tuning(rows_grads=128)) == 128
+
+
 @pytest.mark.parametrize("shape, G", [
     ((8, 2048, 12, 64), 16),     # 384 groups of 32 x 4 warps < 2048 warps: narrow
     ((4, 4096, 16, 64), 32),     # 512 x 4 = 2048: wide
     ((4, 4096, 8, 128), 32),     # 256 groups x 8 warps (BD 128): wide
     ((1, 64, 2, 32), 16),        # tiny: narrow
 ])
-def test_checkpoint_interval_rule(monkeypatch, shape, G):
-    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
-    tune = launcher.tunables()
+def test_checkpoint_interval_rule(shape, G):
     p = _problem(*shape)
     BD = launcher.block_sizes(p.D, p.chunk_size)[1]
-    assert launcher.checkpoint_interval(p, BD, tune) == G
+    assert tuning.checkpoint_interval(p, BD, DEFAULT_TUNING) == G
 
 
-def test_checkpoint_interval_override(monkeypatch):
-    monkeypatch.setenv("TTT_TRITON_TUNE", "G=4")
+def test_checkpoint_interval_forced():
     p = _problem(4, 4096, 16, 64)
-    assert launcher.checkpoint_interval(p, 64, launcher.tunables()) == 4
+    assert tuning.checkpoint_interval(p, 64, Tuning(checkpoint_interval=4)) == 4
 
 
 @pytest.mark.parametrize("shape, chunk, fwd_inference, fwd_training, bwd", [
@@ -66,36 +91,66 @@ def test_checkpoint_interval_override(monkeypatch):
     ((32, 2048, 16, 64), 32, True, True, False),     # backward fused for chunk 16 only
     ((32, 2048, 16, 128), 16, True, True, False),    # ... and head dims <= 64
 ])
-def test_fused_chain_rule(monkeypatch, shape, chunk, fwd_inference, fwd_training, bwd):
-    monkeypatch.delenv("TTT_TRITON_TUNE", raising=False)
-    tune = launcher.tunables()
+def test_fused_chain_rule(shape, chunk, fwd_inference, fwd_training, bwd):
     p = _problem(*shape, chunk_size=chunk)
-    assert launcher.fused_forward(p, False, tune) == fwd_inference
-    assert launcher.fused_forward(p, True, tune) == fwd_training
-    assert launcher.fused_backward(p, tune) == bwd
+    assert tuning.fused_forward(p, False, DEFAULT_TUNING) == fwd_inference
+    assert tuning.fused_forward(p, True, DEFAULT_TUNING) == fwd_training
+    assert tuning.fused_backward(p, DEFAULT_TUNING) == bwd
 
 
-def test_fused_chain_override(monkeypatch):
-    monkeypatch.setenv("TTT_TRITON_TUNE", "fuse=0,fuse_bwd=1")
-    p = _problem(32, 2048, 16, 64)
-    assert not launcher.fused_forward(p, False, launcher.tunables())
-    assert launcher.fused_backward(_problem(1, 64, 1, 128, chunk_size=64), launcher.tunables())
+def test_fused_chains_forced():
+    forced = Tuning(fuse_forward=False, fuse_backward=True)
+    assert not tuning.fused_forward(_problem(32, 2048, 16, 64), False, forced)
+    assert tuning.fused_backward(_problem(1, 64, 1, 128, chunk_size=64), forced)
 
 
-def test_register_cap(monkeypatch):
-    monkeypatch.setattr(launcher, "interpreting", lambda: False)
-    monkeypatch.setenv("TTT_TRITON_TUNE", "group_regs=128")
-    tune = launcher.tunables()
-    assert launcher._launch("group", 64, torch.bfloat16, tune)["maxnreg"] == 128
-    assert "maxnreg" not in launcher._launch("chain", 64, torch.bfloat16, tune)
+@pytest.mark.parametrize("dtype, BD, BT, split", [
+    (torch.bfloat16, 128, 64, 2),    # the wide backward
+    (torch.float16, 128, 64, 2),
+    (torch.float32, 128, 64, 1),     # IEEE dots: no fp32 staging in shared memory
+    (torch.bfloat16, 128, 32, 1),
+    (torch.bfloat16, 64, 64, 1),
+])
+def test_grads_split_rule(dtype, BD, BT, split):
+    assert tuning.grads_split(dtype, BD, BT, DEFAULT_TUNING) == split
 
 
-def test_fused_backward_chain_stages(monkeypatch):
-    """The fused backward chain takes fused_bwd_stages for half inputs; float32 and the
-    unfused chain keep their own keys."""
-    monkeypatch.setattr(launcher, "interpreting", lambda: False)
-    monkeypatch.setenv("TTT_TRITON_TUNE", "chain_stages=1,chain_stages_fp32=1,fused_bwd_stages=3")
-    tune = launcher.tunables()
-    assert launcher._launch("chain", 64, torch.bfloat16, tune, fused_bwd=True)["num_stages"] == 3
-    assert launcher._launch("chain", 64, torch.bfloat16, tune)["num_stages"] == 1
-    assert launcher._launch("chain", 64, torch.float32, tune, fused_bwd=True)["num_stages"] == 1
+def test_grads_split_forced_needs_wide_enough_tiles():
+    assert tuning.grads_split(torch.float32, 32, 16, Tuning(grads_split=2)) == 2
+    assert tuning.grads_split(torch.bfloat16, 128, 64, Tuning(grads_split=1)) == 1
+    with pytest.raises(ValueError, match=r"Tuning\.grads_split: 2 needs a padded head dim "
+                                         r"of at least 32, got 16"):
+        tuning.grads_split(torch.float32, 16, 16, Tuning(grads_split=2))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("checkpoint_interval", 3, "a power of two"),
+    ("checkpoint_interval", 0, "a power of two"),
+    ("checkpoint_interval", True, "a power of two"),
+    ("checkpoint_interval", "4", "a power of two"),
+    ("fuse_forward", 1, "a bool"),
+    ("fuse_backward", "yes", "a bool"),
+    ("grads_split", 4, "1 or 2"),
+    ("rows_out", 8, "a power of two >= 16"),
+    ("rows_local", 48, "a power of two >= 16"),
+    ("rows_grads", 32.0, "a power of two >= 16"),
+    ("chain_warps", 3, "1, 2, 4, 8 or 16"),
+    ("group_stages", 0, "an int from 1 to 8"),
+])
+def test_invalid_tuning_names_field_expected_and_actual(field, value, expected):
+    with pytest.raises(ValueError) as info:
+        Tuning(**{field: value})
+    message = str(info.value)
+    assert message.startswith(f"Tuning.{field}: expected ")
+    assert expected in message and repr(value) in message and type(value).__name__ in message
+
+
+def test_unknown_tuning_field_is_refused():
+    with pytest.raises(TypeError, match="S_out"):
+        Tuning(S_out=64)
+
+
+def test_launcher_refuses_what_is_not_a_tuning():
+    p = _problem(1, 16, 1, 16, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"tuning: expected .*Tuning, got dict"):
+        launcher.ttt_linear_fwd(p, False, tuning={"fuse_forward": True})

@@ -152,3 +152,82 @@ def test_import_does_no_gpu_work_and_loads_no_backend():
             "import torch; assert not torch.cuda.is_initialized(); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_registry_errors_are_their_own_classes(monkeypatch):
+    with pytest.raises(registry.UnknownBackendError) as unknown:
+        ttt.load_backend("nope")
+    assert isinstance(unknown.value, ValueError)
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
+        "ttt_ghost_backend_not_installed.backend:Backend", "pip install ./packages/ttt-ghost", 5))
+    with pytest.raises(registry.BackendNotInstalledError) as missing:
+        ttt.load_backend("ghost")
+    assert isinstance(missing.value, ImportError)
+    assert missing.value.reason == (
+        "module 'ttt_ghost_backend_not_installed' cannot be imported (No module named "
+        "'ttt_ghost_backend_not_installed'); install with: pip install ./packages/ttt-ghost")
+
+
+@pytest.mark.parametrize("err, hints, reason", [
+    (ModuleNotFoundError("No module named 'numpy'", name="numpy"),
+     {"triton": "pip install triton"},
+     "module 'numpy' cannot be imported (No module named 'numpy'); "
+     "install with: pip install numpy"),
+    (ModuleNotFoundError("No module named 'triton.language'", name="triton.language"),
+     {"triton": "pip install 'triton>=3'"},
+     "module 'triton.language' cannot be imported (No module named 'triton.language'); "
+     "install with: pip install 'triton>=3'"),
+    (ImportError("something odd"), {}, "an import failed (something odd)"),
+])
+def test_import_failure_reason_names_the_module_and_its_hint(err, hints, reason):
+    assert registry.import_failure_reason(err, hints) == reason
+
+
+def test_missing_device_reason(monkeypatch):
+    gpu_only = ttt.Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float32}))
+    backend = type("GpuOnly", (ttt.Backend,), {"capabilities": gpu_only})()
+    monkeypatch.setattr(registry, "present_device_types", lambda: frozenset({"cpu", "meta"}))
+    assert registry.missing_device_reason(backend) == "installed, needs a CUDA GPU"
+    assert registry.missing_device_reason(ttt.load_backend("reference")) is None
+    monkeypatch.setattr(registry, "present_device_types", lambda: frozenset({"cpu", "cuda"}))
+    assert registry.missing_device_reason(backend) is None
+
+
+def test_declared_capabilities_are_the_classes(monkeypatch, tmp_path):
+    """The class's declaration, without making an instance; a backend whose class declares
+    none (a property) is loaded and asked."""
+    from ttt.reference import ReferenceBackend
+
+    assert registry.declared_capabilities("reference") is ReferenceBackend.capabilities
+    (tmp_path / "ttt_fake_property_backend.py").write_text(textwrap.dedent("""
+        import torch
+        import ttt
+
+        class Backend(ttt.Backend):
+            name = "prop"
+
+            @property
+            def capabilities(self):
+                return ttt.Capabilities(devices=frozenset({"cpu"}),
+                                        dtypes=frozenset({torch.float16}))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, "prop", registry.KnownBackend(
+        "ttt_fake_property_backend:Backend", "pip install prop", 5))
+    monkeypatch.delitem(registry._LOADED, "prop", raising=False)
+    assert registry.declared_capabilities("prop").dtypes == frozenset({torch.float16})
+    registry._LOADED.pop("prop", None)
+
+
+def test_backend_modules_import_without_their_engines():
+    """Reading every installed built-in backend's declared capabilities imports neither
+    triton nor cupy (both blocked here)."""
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['cupy'] = None\n"
+            "import importlib.util\n"
+            "from ttt import registry\n"
+            "for name, known in registry.KNOWN_BACKENDS.items():\n"
+            "    if importlib.util.find_spec(known.target.split('.')[0].split(':')[0]):\n"
+            "        print(name, sorted(registry.declared_capabilities(name).devices))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "reference" in out.stdout

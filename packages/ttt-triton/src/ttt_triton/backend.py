@@ -6,21 +6,44 @@ On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), for 
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
+from ttt.registry import import_failure_reason
+
+from ._env import interpreting
 
 MAX_HEAD_DIM = 128
 """The fp32 state [D, D] and its cotangent live in registers of one program: D = 256 would
 need 256 KiB for the state alone, more than a streaming multiprocessor's register file."""
 
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    max_head_dim=MAX_HEAD_DIM,
+    chunk_sizes=frozenset({16, 32, 64}),
+    varlen=True,
+    varlen_backward=True,
+    backward=True,
+    deterministic=True,
+    notes=(
+        "fp32 state and accumulation; IEEE dots for float32 inputs",
+        "sequential chains carry only the state; outputs and gradients come from "
+        "group-parallel kernels walking G = 16 or 32 chunks from fp32 state slots "
+        "and the stored LayerNorm xhat, r (kept for the backward)",
+        "with many (sequence, head) chains the chain kernels also write the outputs "
+        "and dk, dv (tuning.FUSED)",
+        f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
+        "D = 256 does not fit the state in one program's registers",
+        "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
+    ),
+)
+"""As declared on a CUDA machine; under the Triton interpreter an instance adds cpu."""
 
-def interpreting() -> bool:
-    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``: kernels on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRITON_INSTALL_HINT = "pip install triton"
 
 
 class TritonBackend(Backend):
@@ -30,52 +53,29 @@ class TritonBackend(Backend):
     gradients. With many chains, the chains do the outputs (and dk, dv) themselves."""
 
     name = "triton"
+    capabilities = CAPABILITIES
 
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
-        return Capabilities(
-            devices=frozenset(devices),
-            dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-            max_head_dim=MAX_HEAD_DIM,
-            chunk_sizes=frozenset({16, 32, 64}),
-            varlen=True,
-            varlen_backward=True,
-            backward=True,
-            deterministic=True,
-            notes=(
-                "fp32 state and accumulation; IEEE dots for float32 inputs",
-                "sequential chains carry only the state; outputs and gradients come from "
-                "group-parallel kernels walking G = 16 or 32 chunks from fp32 state slots "
-                "and the stored LayerNorm xhat, r (kept for the backward)",
-                "with many (sequence, head) chains the chain kernels also write the outputs "
-                "and dk, dv (launcher.FUSED)",
-                f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
-                "D = 256 does not fit the state in one program's registers",
-                "cpu only under the Triton interpreter (TRITON_INTERPRET=1)",
-            ),
-        )
+    def __init__(self) -> None:
+        if interpreting():    # Triton's interpreter runs the kernels on CPU tensors (tests)
+            self.capabilities = replace(CAPABILITIES,
+                                        devices=CAPABILITIES.devices | {"cpu"})
 
     def unavailable_reason(self) -> str | None:
         try:
             import triton  # noqa: F401
         except ImportError as err:
-            return f"triton cannot be imported ({err}); pip install triton"
+            return import_failure_reason(err, {"triton": TRITON_INSTALL_HINT})
         return None
 
     def versions(self) -> dict[str, str]:
         try:
             import triton
         except ImportError:
-            return {"triton": "not installed"}
+            return {}                 # unavailable_reason says why
         return {"triton": triton.__version__, "interpreter": str(interpreting())}
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         why = super().not_supported_reasons(problem)
-        if problem.D > MAX_HEAD_DIM:
-            why.append(f"head dim {problem.D}: the triton backend keeps the fp32 state "
-                       f"[D, D] and its gradient in one program's registers, which does "
-                       f"not fit above D = {MAX_HEAD_DIM}")
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")

@@ -1,18 +1,42 @@
-"""``python -m ttt info`` (backends, versions, device) and ``python -m ttt demo``."""
+"""``python -m ttt info`` (backends, versions, device), ``python -m ttt capabilities`` (the
+backends' declared capabilities as a markdown table) and ``python -m ttt demo``.
+
+An expected failure (an unknown or uninstalled backend, one that cannot run here or cannot
+take the inputs, a device that is not present) prints one line to stderr and exits 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 
 import torch
 
 from . import __version__
-from .registry import available_backends
+from .backend import Capabilities
+from .registry import (
+    KNOWN_BACKENDS,
+    BackendNotInstalledError,
+    BackendNotSupportedError,
+    UnknownBackendError,
+    available_backends,
+    backend_status,
+    declared_capabilities,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
+CAPABILITIES_COMMAND = "python -m ttt capabilities > docs/capabilities.md"
+
+
+class CommandError(Exception):
+    """An expected failure of a command: reported in one line, exit status 2."""
+
+
+EXPECTED_ERRORS = (CommandError, UnknownBackendError, BackendNotInstalledError,
+                   BackendNotSupportedError)
 
 
 def _device_line() -> str:
@@ -28,14 +52,90 @@ def cmd_info(_args) -> int:
     print("backends:")
     for name, status in available_backends().items():
         versions = ", ".join(f"{k} {v}" for k, v in status.versions.items())
-        state = "available" if status.available else f"unavailable: {status.reason}"
+        state = "available" if status.available else status.reason
         print(f"  {name:<10} {state}" + (f"  [{versions}]" if versions else ""))
+    return 0
+
+
+def _dtype_names(dtypes) -> str:
+    order = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+    known = [d for d in order if d in dtypes]
+    others = sorted(str(d) for d in dtypes if d not in order)
+    return ", ".join([str(d).replace("torch.", "") for d in known] + others)
+
+
+CAPABILITY_COLUMNS = {
+    "devices": lambda c: ", ".join(sorted(c.devices)),
+    "dtypes": lambda c: _dtype_names(c.dtypes),
+    "chunk sizes": lambda c: "any" if c.chunk_sizes is None else
+    ", ".join(map(str, sorted(c.chunk_sizes))),
+    "max head dim": lambda c: "any" if c.max_head_dim is None else str(c.max_head_dim),
+    "varlen": lambda c: "yes" if c.varlen else "no",
+    "varlen backward": lambda c: "yes" if c.varlen_backward else "no",
+    "backward": lambda c: "yes" if c.backward else "no",
+    "deterministic": lambda c: "yes" if c.deterministic else "no",
+}
+"""Column title -> its cell for a backend's :class:`Capabilities`."""
+
+
+def capabilities_table() -> str:
+    """The markdown page ``python -m ttt capabilities`` prints: one row per built-in backend,
+    from the capabilities its class declares (the GPU backends' as on a CUDA machine)."""
+    lines = [
+        "# Backend capabilities",
+        "",
+        "Generated from each built-in backend's declared `Capabilities` (the GPU backends'",
+        f"as declared on a CUDA machine) by `{CAPABILITIES_COMMAND}`;",
+        "do not edit by hand.",
+        "",
+        "| backend | " + " | ".join(CAPABILITY_COLUMNS) + " |",
+        "|---" * (len(CAPABILITY_COLUMNS) + 1) + "|",
+    ]
+    for name in KNOWN_BACKENDS:
+        try:
+            caps: Capabilities = declared_capabilities(name)
+        except BackendNotInstalledError as exc:
+            cells = [f"not installed here ({exc.reason})"] + [""] * (len(CAPABILITY_COLUMNS) - 1)
+        else:
+            cells = [cell(caps) for cell in CAPABILITY_COLUMNS.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_capabilities(_args) -> int:
+    sys.stdout.write(capabilities_table())
     return 0
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
     return ((x - ref).norm() / ref.norm()).item()
+
+
+def _demo_device(requested: str | None) -> torch.device:
+    """The demo's device: ``requested``, checked to be present, else cuda if present."""
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise CommandError(f"--device: expected cpu or cuda[:N], got {requested!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {requested}: no CUDA GPU on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {requested}: this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise CommandError(f"--device: expected cpu or cuda[:N], got {requested!r}")
+    return device
+
+
+def _require_runnable(name: str) -> None:
+    """CommandError unless backend ``name`` is installed and a device it runs on is here."""
+    status = backend_status(name)
+    if not status.available:
+        raise CommandError(f"backend {name!r} cannot run here: {status.reason}")
 
 
 def cmd_demo(args) -> int:
@@ -45,7 +145,9 @@ def cmd_demo(args) -> int:
     from .testing.tolerances import TOLERANCES
     from .validation import make_problem
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _demo_device(args.device)
+    if args.backend is not None:
+        _require_runnable(args.backend)
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     B, T, H, D, C = args.batch, args.seq_len, args.heads, args.head_dim, args.chunk_size
@@ -110,21 +212,44 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ttt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backends, versions, device").set_defaults(func=cmd_info)
+    sub.add_parser("capabilities", help="the backends' declared capabilities, a markdown "
+                                        "table (docs/capabilities.md)"
+                   ).set_defaults(func=cmd_capabilities)
     demo = sub.add_parser("demo", help="forward + backward on the best backend, "
                                        "checked against the float64 oracle")
     demo.add_argument("--backend", default=None, help="backend name (default: the best here)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                       help="default: bf16 on cuda, fp32 on cpu")
-    demo.add_argument("--batch", type=int, default=2)
-    demo.add_argument("--seq-len", type=int, default=256)
-    demo.add_argument("--heads", type=int, default=4)
-    demo.add_argument("--head-dim", type=int, default=64)
-    demo.add_argument("--chunk-size", type=int, default=16)
+    demo.add_argument("--batch", type=_positive_int, default=2)
+    demo.add_argument("--seq-len", type=_positive_int, default=256)
+    demo.add_argument("--heads", type=_positive_int, default=4)
+    demo.add_argument("--head-dim", type=_positive_int, default=64)
+    demo.add_argument("--chunk-size", type=_positive_int, default=16)
     demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except EXPECTED_ERRORS as exc:
+        message = " ".join(str(exc).split())
+        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+        return 2

@@ -16,10 +16,13 @@ import contextvars
 import importlib
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
-from .backend import Backend
+import torch
+
+from .backend import Backend, Capabilities
 from .problem import Problem
 
 ENTRY_POINT_GROUP = "ttt.backends"
@@ -45,13 +48,36 @@ KNOWN_BACKENDS: dict[str, KnownBackend] = {
 _ENTRY_POINT_PRIORITY = 500
 
 _LOADED: dict[str, Backend] = {}
-_FAILED: dict[str, str] = {}
 _ENTRY_POINTS: dict[str, metadata.EntryPoint] | None = None
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
 
 
 class BackendNotSupportedError(ValueError):
     """The chosen backend (or every backend) cannot take these inputs; says why."""
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is neither built in nor registered by an entry point."""
+
+
+class BackendNotInstalledError(ImportError):
+    """A known backend whose module cannot be imported; ``reason`` names the missing module
+    and how to install it."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"ttt backend {name!r} is not installed: {reason}")
+        self.reason = reason
+
+
+def import_failure_reason(err: ImportError, hints: Mapping[str, str]) -> str:
+    """Why an import failed: the module that could not be imported (``err.name``: the
+    package asked for, or one of its dependencies) and how to install it,
+    ``hints[its top-level name]`` or else ``pip install <top-level name>``."""
+    if not err.name:
+        return f"an import failed ({err})"
+    top = err.name.partition(".")[0]
+    hint = hints.get(top) or f"pip install {top}"
+    return f"module {err.name!r} cannot be imported ({err}); install with: {hint}"
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
@@ -89,24 +115,33 @@ def _install_hint(name: str) -> str:
     return known.install_hint if known else f"reinstall the package that provides {name!r}"
 
 
-def load_backend(name: str) -> Backend:
-    """The backend object for ``name``; ImportError with the pip command if not installed."""
-    if name in _LOADED:
-        return _LOADED[name]
+def _factory(name: str):
+    """What backend ``name``'s target names (a Backend subclass, a zero-argument factory or
+    an instance), imported; the errors of :func:`load_backend`."""
     if name not in KNOWN_BACKENDS and name not in _entry_points():
-        raise ValueError(f"backend: unknown backend {name!r}; known: {known_names()} "
-                         f"(third-party backends register in the entry-point group "
-                         f"{ENTRY_POINT_GROUP!r})")
+        raise UnknownBackendError(
+            f"backend: unknown backend {name!r}; known: {known_names()} (third-party "
+            f"backends register in the entry-point group {ENTRY_POINT_GROUP!r})")
+    target = (KNOWN_BACKENDS[name].target if name in KNOWN_BACKENDS
+              else _entry_points()[name].value)
+    module_name, _, attribute = target.replace(" ", "").partition(":")
     try:
         if name in KNOWN_BACKENDS:
-            module_name, _, attribute = KNOWN_BACKENDS[name].target.partition(":")
-            factory = getattr(importlib.import_module(module_name), attribute)
-        else:
-            factory = _entry_points()[name].load()
+            return getattr(importlib.import_module(module_name), attribute)
+        return _entry_points()[name].load()
     except ImportError as exc:
-        _FAILED[name] = f"not installed ({exc}); install with: {_install_hint(name)}"
-        raise ImportError(f"ttt backend {name!r} is not installed ({exc}). "
-                          f"Install it with: {_install_hint(name)}") from exc
+        own_package = module_name.partition(".")[0]
+        reason = import_failure_reason(exc, {own_package: _install_hint(name)})
+        raise BackendNotInstalledError(name, reason) from exc
+
+
+def load_backend(name: str) -> Backend:
+    """The backend object for ``name``. Raises :class:`UnknownBackendError` (a ValueError)
+    for a name ttt does not know and :class:`BackendNotInstalledError` (an ImportError,
+    naming the missing module and the pip command) for one that is not installed."""
+    if name in _LOADED:
+        return _LOADED[name]
+    factory = _factory(name)
     backend = factory() if callable(factory) and not isinstance(factory, Backend) else factory
     if not isinstance(backend, Backend):
         raise TypeError(f"backend {name!r}: its factory returned {type(backend).__name__}, "
@@ -115,26 +150,76 @@ def load_backend(name: str) -> Backend:
     return backend
 
 
+def declared_capabilities(name: str) -> Capabilities:
+    """The capabilities backend ``name`` declares for the machine it is made for: those of
+    its class, read without importing its engine (triton, cupy). A loaded instance may
+    widen them for the machine it runs on (the Triton backend adds cpu under Triton's
+    interpreter); a backend whose class declares none is loaded and asked."""
+    capabilities = getattr(_factory(name), "capabilities", None)
+    if isinstance(capabilities, Capabilities):
+        return capabilities
+    return load_backend(name).capabilities
+
+
 @dataclass(frozen=True)
 class BackendStatus:
+    """Whether a backend runs here. ``available``: it loads, its engine imports and a device
+    it declares is present. ``reason`` (None when available) says why not, starting with
+    "not installed", "unavailable" or "installed, needs"."""
+
     name: str
     available: bool
     reason: str | None
     versions: dict[str, str]
+    installed: bool = True
+
+
+DEVICE_WORDS = {"cuda": "a CUDA GPU", "mps": "an Apple GPU (mps)", "xpu": "an Intel GPU (xpu)"}
+
+
+def present_device_types() -> frozenset[str]:
+    """The device types this machine can run tensors on (no CUDA context is created)."""
+    present = {"cpu", "meta"}
+    if torch.cuda.is_available():
+        present.add("cuda")
+    if torch.backends.mps.is_available():
+        present.add("mps")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        present.add("xpu")
+    return frozenset(present)
+
+
+def missing_device_reason(backend: Backend) -> str | None:
+    """Why ``backend`` cannot run on this machine's devices (e.g. "installed, needs a CUDA
+    GPU"), or None when a device type it declares is present."""
+    devices = backend.capabilities.devices
+    if devices & present_device_types():
+        return None
+    wanted = " or ".join(DEVICE_WORDS.get(d, f"a {d} device") for d in sorted(devices))
+    return f"installed, needs {wanted}"
+
+
+def backend_status(name: str) -> BackendStatus:
+    """Whether backend ``name`` runs here, and if not, why (see :class:`BackendStatus`);
+    :class:`UnknownBackendError` for a name ttt does not know."""
+    try:
+        backend = load_backend(name)
+    except UnknownBackendError:
+        raise
+    except BackendNotInstalledError as exc:
+        return BackendStatus(name, False, f"not installed: {exc.reason}", {}, installed=False)
+    except Exception as exc:  # noqa: BLE001 - a report, not a dispatch
+        return BackendStatus(name, False, f"unavailable: failed to load ({exc})", {})
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        return BackendStatus(name, False, f"unavailable: {reason}", backend.versions())
+    reason = missing_device_reason(backend)
+    return BackendStatus(name, reason is None, reason, backend.versions())
 
 
 def available_backends() -> dict[str, BackendStatus]:
-    """For each known and discovered backend: does it load here, and if not, why."""
-    report = {}
-    for name in known_names():
-        try:
-            backend = load_backend(name)
-        except Exception as exc:  # noqa: BLE001 - a report, not a dispatch
-            report[name] = BackendStatus(name, False, str(exc), {})
-            continue
-        reason = backend.unavailable_reason()
-        report[name] = BackendStatus(name, reason is None, reason, backend.versions())
-    return report
+    """For each known and discovered backend: does it run here, and if not, why."""
+    return {name: backend_status(name) for name in known_names()}
 
 
 class _BackendChoice:
@@ -201,8 +286,8 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     for candidate in sorted(known_names(), key=_priority):
         try:
             backend = load_backend(candidate)
-        except ImportError:
-            skipped[candidate] = [f"not installed ({_install_hint(candidate)})"]
+        except ImportError as exc:
+            skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
             continue
         reasons = backend.not_supported_reasons(problem)
         if not reasons:

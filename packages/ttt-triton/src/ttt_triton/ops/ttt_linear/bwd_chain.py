@@ -36,7 +36,7 @@ the chunk's own slot at a group start) and ``dW`` the cotangent of the state aft
     (C_q)_{ij} = -[j \ge i]\, e_j\, (g_i \cdot do_{pre,j}), \quad dv = -dy\, w
 
 and the chunk's last-row ``deta`` term is added in place. This puts more work on the
-chain, which pays when there are enough chains to hide it (``launcher.FUSED``).
+chain, which pays when there are enough chains to hide it (``tuning.FUSED``).
 """
 
 import triton

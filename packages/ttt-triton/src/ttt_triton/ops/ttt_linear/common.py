@@ -27,7 +27,7 @@ IEEE_K_BLOCK = tl.constexpr(16)
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
     has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
-    ``launcher.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
+    ``tuning.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
     batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
     thread's whole K slices of both operands; at K = 128 that puts the kernels into local
     memory. The products stay exact fp32, only the summation order changes."""

@@ -24,7 +24,7 @@ chunk (``q`` pre-scaled, ``e`` the per-row eta):
 
 This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
 forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
-picks it when there are enough chains to hide the latency (``launcher.FUSED``).
+picks it when there are enough chains to hide the latency (``tuning.FUSED``).
 """
 
 import triton

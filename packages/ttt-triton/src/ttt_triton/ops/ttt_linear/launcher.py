@@ -1,189 +1,52 @@
 """Launchers: allocate outputs, pick block sizes and launch the forward / backward kernels.
 
-Tunables live in :data:`CKPT_INTERVAL`, :data:`FUSED`, :data:`HALF_DOT_PRECISION`,
-:data:`NUM_WARPS`, :data:`NUM_STAGES`, :data:`MAX_REGISTERS` (:func:`tunables` applies
-``TTT_TRITON_TUNE`` overrides).
+Every launch choice comes from the rules and tables of :mod:`.tuning`; ``tuning=`` (a
+:class:`~.tuning.Tuning`) forces any of them, for tests and benchmark sweeps.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from ttt import Problem
-from ttt.chunking import ChunkGroups, group_offsets
+from ttt.chunking import ChunkGroups
 
-from ...backend import interpreting
+from ..._env import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
 from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
 from .fwd_chain import ttt_linear_fwd_chain_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
-
-# ---------------------------------------------------------------- tunables, in one place
-CKPT_INTERVAL = {"narrow": 16, "wide": 32, "wide_min_warps": 2048}
-"""G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
-the parallel kernels replay one group each from its slot. Longer groups mean fewer slots
-and less per-group work; shorter ones more programs for the parallel kernels. So G is
-"wide" (32) when the group kernels still launch at least ``wide_min_warps`` warps with it
-(about 16 per SM of an H200), else "narrow" (16). On the H200 (docs/benchmarks.md) G = 32
-was 1-4% faster on the four larger anchor shapes and 14% slower on 8,2048,12,64, the one
-it leaves at 16. ``TTT_TRITON_TUNE="G=8"`` fixes G."""
-
-HALF_DOT_PRECISION = "tf32"
-"""input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
-inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
-inputs use IEEE dots (:func:`dot_precision`)."""
-
-BLOCK_ROWS = {"S_out": 64, "S_local": 32, "S_grads": 32}
-"""Rows per block of fwd_out, bwd_local and bwd_grads, which walk a group in blocks of
-S / BT chunks with masked [S, S] products (clamped to at least one chunk, at most one
-group)."""
-
-NUM_WARPS = {"chain": 4, "group": 4}
-"""num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
-ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
-doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
-
-NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
-              "group_stages": 2, "group_stages_fp32": 1}
-"""num_stages (software pipelining of the loop's loads) of the sequential kernels, which
-prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
-float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 was 0-10%
-faster fwd+bwd than 1 on the five anchor shapes on the H200 once the backward kernels
-spilled less (docs/benchmarks.md, 2026-12-03 third session). Float32 keeps 1: with 2,
-ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32 registers and 5-8
-KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces ``chain_stages``
-for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16, head dims <= 64):
-2 took 32,2048,16,64 fwd+bwd from 4.48 to 4.24 ms on the H200, while the unfused chains
-spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
-
-
-WIDE_BACKWARD = {"grads_split": 2, "stages": 1}
-"""The backward at chunk 64 and a padded head dim of 128 with half inputs, where Triton's
-tf32 dots stage fp32 operands in shared memory (``benchmarks/resources.py``, sm_90, triton
-3.6 as on the GPU runner; an H200 block has 227 KB): bwd_grads runs ``grads_split``
-programs per (group, head), each with a share of the columns of k (the rows of the state and
-of its cotangent), and bwd_local and bwd_grads run ``stages`` stages. bwd_local needs 230
-KB with 2 stages, 197 KB with 1; bwd_grads 246 KB unsplit with 1 stage, 295 KB split with
-2, 180 KB split with 1. Elsewhere bwd_grads runs one program per (group, head)
-(``TTT_TRITON_TUNE="grads_split=2"`` forces the split, for tests)."""
-
-MAX_REGISTERS = {"chain_regs": 0, "group_regs": 0}
-"""Register cap per thread (ptx ``.maxnreg``; 0: none, the compiler's choice) of the
-sequential and the group-parallel kernels. A cap lets more programs share an SM at the
-price of spills."""
-
-
-FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
-"""Fused chains: with at least this many (sequence, head) chains, the forward chain writes
-the outputs itself (no ``fwd_out``; for a forward without backward also no ``xhat``/``r``/
-slot stores), and the backward chain computes ``dk``, ``dv`` and the last-row ``deta``
-itself (no ``bwd_grads``). Fusing puts the parallel kernels' work on the chains' critical
-path, which only pays when enough chains run at once to hide it (docs/benchmarks.md).
-``TTT_TRITON_TUNE="fuse=1,fuse_bwd=0"`` forces either on (1) or off (0)."""
-
-
-def tunables() -> dict[str, int]:
-    """G (0: chosen per problem, see :func:`checkpoint_interval`), FUSED's overrides (-1:
-    the rule), BLOCK_ROWS, NUM_WARPS, NUM_STAGES and MAX_REGISTERS, overridden for tuning
-    runs by
-    ``TTT_TRITON_TUNE="chain=2,G=8,S_out=32"``."""
-    tune = dict(NUM_WARPS, G=0, fuse=-1, fuse_bwd=-1, grads_split=0, **BLOCK_ROWS,
-                **NUM_STAGES, **MAX_REGISTERS)
-    for item in filter(None, os.environ.get("TTT_TRITON_TUNE", "").split(",")):
-        key, _, value = item.partition("=")
-        tune[key.strip()] = int(value)
-    return tune
-
-
-def num_warps(kind: str, BD: int, ieee: bool, tune: dict[str, int] | None = None) -> int:
-    warps = (tune or tunables())[kind]
-    if BD >= 128 or (ieee and BD >= 64):
-        warps = min(2 * warps, 8)
-    return warps
-# ----------------------------------------------------------------------------------------
-
-
-def checkpoint_interval(p: Problem, BD: int, tune: dict[str, int]) -> int:
-    """G for ``p``: the tuned value if set, else the rule of :data:`CKPT_INTERVAL`."""
-    if tune["G"]:
-        return tune["G"]
-    wide = CKPT_INTERVAL["wide"]
-    warps = num_warps("group", BD, p.dtype == torch.float32, tune)
-    if group_offsets(p, wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
-        return wide
-    return CKPT_INTERVAL["narrow"]
-
-
-def fused_forward(p: Problem, save_for_backward: bool, tune: dict[str, int]) -> bool:
-    """Whether the forward chain writes the outputs (see :data:`FUSED`)."""
-    if tune["fuse"] >= 0:
-        return bool(tune["fuse"])
-    return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
-
-
-def fused_backward(p: Problem, tune: dict[str, int]) -> bool:
-    """Whether the backward chain computes dk, dv and the last-row deta (see :data:`FUSED`).
-    Only chosen for chunk 16 and head dims <= 64, where it was measured: larger tiles
-    spill more (``benchmarks/resources.py``)."""
-    if tune["fuse_bwd"] >= 0:
-        return bool(tune["fuse_bwd"])
-    return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]
-
-
-def wide_backward(dtype: torch.dtype, BD: int, BT: int) -> bool:
-    """Whether the backward takes :data:`WIDE_BACKWARD`'s settings."""
-    return dtype != torch.float32 and BD >= 128 and BT >= 64
-
-
-def grads_split(dtype: torch.dtype, BD: int, BT: int, tune: dict[str, int]) -> int:
-    """Programs per (group, head) of bwd_grads (:data:`WIDE_BACKWARD`)."""
-    if tune["grads_split"]:
-        return tune["grads_split"]
-    return WIDE_BACKWARD["grads_split"] if wide_backward(dtype, BD, BT) else 1
+from .tuning import (
+    DEFAULT_TUNING,
+    WIDE_BACKWARD,
+    Tuning,
+    checkpoint_interval,
+    dot_precision,
+    fused_backward,
+    fused_forward,
+    grads_split,
+    launch_options,
+    rows_per_block,
+    wide_backward,
+)
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
     return chunk_size, max(16, triton.next_power_of_2(D))
 
 
-def rows_per_block(kind: str, BT: int, G: int, tune: dict[str, int]) -> int:
-    """Rows per block of fwd_out (``kind="S_out"``), bwd_local (``"S_local"``) or bwd_grads
-    (``"S_grads"``), clamped to [BT, G * BT]."""
-    return max(BT, min(tune[kind], G * BT))
+def _checked(tuning: Tuning) -> Tuning:
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning: expected a ttt_triton.ops.ttt_linear.tuning.Tuning, "
+                        f"got {type(tuning).__name__}")
+    return tuning
 
 
-def dot_precision(dtype: torch.dtype, BD: int) -> str:
-    """The kernels' PREC (``common.mm``): HALF_DOT_PRECISION for half inputs; IEEE for
-    float32, as K blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE
-    dots put the kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4
-    ms with the blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so
-    head dims <= 64 keep plain IEEE dots (docs/benchmarks.md)."""
-    if dtype != torch.float32:
-        return HALF_DOT_PRECISION
-    return "ieee_kblocks" if BD >= 128 else "ieee"
-
-
-def launch_options(kind: str, BD: int, ieee: bool, tune: dict[str, int],
-                   fused_bwd: bool = False) -> dict:
-    """num_warps, num_stages and (when capped) maxnreg of a ``kind`` ("chain" or "group")
-    kernel, ``fused_bwd`` for the backward chain that does bwd_grads' work: what the launcher
-    passes and ``benchmarks/resources.py`` compiles with."""
-    if ieee:
-        stages = f"{kind}_stages_fp32"
-    else:
-        stages = "fused_bwd_stages" if fused_bwd else f"{kind}_stages"
-    options = dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=tune[stages])
-    if tune[f"{kind}_regs"]:
-        options["maxnreg"] = tune[f"{kind}_regs"]
-    return options
-
-
-def _launch(kind: str, BD: int, dtype: torch.dtype, tune: dict[str, int],
+def _launch(kind: str, BD: int, dtype: torch.dtype, tune: Tuning,
             fused_bwd: bool = False) -> dict:
     if interpreting():
         return {}
@@ -214,7 +77,8 @@ def _initial_states(p: Problem):
     return h0, hb0
 
 
-def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
+def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
+                   tuning: Tuning = DEFAULT_TUNING):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
     p = problem
@@ -223,7 +87,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
-    tune = tunables()
+    tune = _checked(tuning)
     grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune))
     G = grp.G
     ht = hbt = None
@@ -260,7 +124,8 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool):
     return o, ht, hbt, saved
 
 
-def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
+def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
+                   tuning: Tuning = DEFAULT_TUNING):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
     fp32, dh0/dhb0 None without initial states."""
     p = problem
@@ -271,7 +136,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt):
     BT, BD = block_sizes(D, p.chunk_size)
     grp = saved.groups
     G = grp.G
-    tune = tunables()
+    tune = _checked(tuning)
     dev = q.device
     prec = dot_precision(q.dtype, BD)
     varlen = cu_seqlens is not None

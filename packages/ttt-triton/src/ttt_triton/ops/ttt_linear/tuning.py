@@ -1,0 +1,225 @@
+"""Launch choices of the Triton kernels: the tables and rules per shape class, and
+:class:`Tuning`, what a caller (a test, a benchmark sweep) may force instead.
+
+The launcher asks the rules below for every choice: the checkpoint interval G, whether
+the chains are fused, the rows per block of the group kernels, the split of bwd_grads and
+the compiler options (num_warps, num_stages). A :class:`Tuning` passed to the launcher's
+``tuning=`` keyword fixes any of them (the interpreter ignores the compiler options).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ttt import Problem
+from ttt.chunking import group_offsets
+
+CKPT_INTERVAL = {"narrow": 16, "wide": 32, "wide_min_warps": 2048}
+"""G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
+the parallel kernels replay one group each from its slot. Longer groups mean fewer slots
+and less per-group work; shorter ones more programs for the parallel kernels. So G is
+"wide" (32) when the group kernels still launch at least ``wide_min_warps`` warps with it
+(about 16 per SM of an H200), else "narrow" (16). On the H200 (docs/benchmarks.md) G = 32
+is 1-4% faster on the four larger anchor shapes and 14% slower on 8,2048,12,64, the one
+the rule leaves at 16."""
+
+HALF_DOT_PRECISION = "tf32"
+"""input_precision of the dots on fp32 tiles (the state, g, cotangents) for fp16/bf16
+inputs; q k^T of half inputs is a half-precision dot with fp32 accumulation. float32
+inputs use IEEE dots (:func:`dot_precision`)."""
+
+BLOCK_ROWS = {"S_out": 64, "S_local": 32, "S_grads": 32}
+"""Rows per block of fwd_out, bwd_local and bwd_grads, which walk a group in blocks of
+S / BT chunks with masked [S, S] products (clamped to at least one chunk, at most one
+group)."""
+
+NUM_WARPS = {"chain": 4, "group": 4}
+"""num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
+ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
+doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
+
+NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
+              "group_stages": 2, "group_stages_fp32": 1}
+"""num_stages (software pipelining of the loop's loads) of the sequential kernels, which
+prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` keys for
+float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 is 0-10%
+faster fwd+bwd than 1 on the five anchor shapes on the H200 (docs/benchmarks.md). Float32
+keeps 1: with 2, ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32
+registers and 5-8 KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces
+``chain_stages`` for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16,
+head dims <= 64): with 2, 32,2048,16,64 fwd+bwd takes 4.24 ms on the H200 against 4.48 with 1,
+while the unfused chains spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
+
+WIDE_BACKWARD = {"grads_split": 2, "stages": 1}
+"""The backward at chunk 64 and a padded head dim of 128 with half inputs, where Triton's
+tf32 dots stage fp32 operands in shared memory (``benchmarks/resources.py``, sm_90, triton
+3.6 as on the GPU runner; an H200 block has 227 KB): bwd_grads runs ``grads_split``
+programs per (group, head), each with a share of the columns of k (the rows of the state and
+of its cotangent), and bwd_local and bwd_grads run ``stages`` stages. bwd_local needs 230
+KB with 2 stages, 197 KB with 1; bwd_grads 246 KB unsplit with 1 stage, 295 KB split with
+2, 180 KB split with 1. Elsewhere bwd_grads runs one program per (group, head)."""
+
+FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
+"""Fused chains: with at least this many (sequence, head) chains, the forward chain writes
+the outputs itself (no ``fwd_out``; for a forward without backward also no ``xhat``/``r``/
+slot stores), and the backward chain computes ``dk``, ``dv`` and the last-row ``deta``
+itself (no ``bwd_grads``). Fusing puts the parallel kernels' work on the chains' critical
+path, which only pays when enough chains run at once to hide it (docs/benchmarks.md)."""
+
+_ROWS_FIELD = {"S_out": "rows_out", "S_local": "rows_local", "S_grads": "rows_grads"}
+
+
+def _is_power_of_two(value) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value > 0
+            and value & (value - 1) == 0)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Choices forced on the launcher (``ttt_linear_fwd`` / ``ttt_linear_bwd``'s
+    ``tuning=``) instead of its rules, for tests and benchmark sweeps. Every field defaults
+    to None: the rule or table named decides.
+
+    - ``checkpoint_interval``: G, chunks per group (:data:`CKPT_INTERVAL`); a power of two.
+      The forward's choice; the backward takes the forward's groups.
+    - ``fuse_forward``: the forward chain writes the outputs (:data:`FUSED`).
+    - ``fuse_backward``: the backward chain computes dk, dv, the last-row deta (:data:`FUSED`).
+    - ``grads_split``: bwd_grads programs per (group, head), 1 or 2 (:data:`WIDE_BACKWARD`).
+    - ``rows_out``, ``rows_local``, ``rows_grads``: rows per block of fwd_out, bwd_local,
+      bwd_grads (:data:`BLOCK_ROWS`); powers of two >= 16, clamped to [one chunk, one group].
+    - ``chain_warps``, ``group_warps``: num_warps of the chain / group kernels, as given
+      (:data:`NUM_WARPS` and its doubling rule otherwise); 1, 2, 4, 8 or 16.
+    - ``chain_stages``, ``group_stages``: num_stages of the chain / group kernels for every
+      dtype (:data:`NUM_STAGES` otherwise; :data:`WIDE_BACKWARD`'s stages still apply to
+      the backward's group kernels at its shapes); 1 to 8.
+    """
+
+    checkpoint_interval: int | None = None
+    fuse_forward: bool | None = None
+    fuse_backward: bool | None = None
+    grads_split: int | None = None
+    rows_out: int | None = None
+    rows_local: int | None = None
+    rows_grads: int | None = None
+    chain_warps: int | None = None
+    group_warps: int | None = None
+    chain_stages: int | None = None
+    group_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if field.name in ("fuse_forward", "fuse_backward"):
+                ok, expected = isinstance(value, bool), "None or a bool"
+            elif field.name == "grads_split":
+                ok = value in (1, 2) and not isinstance(value, bool)
+                expected = "None, 1 or 2"
+            elif field.name == "checkpoint_interval":
+                ok, expected = _is_power_of_two(value), "None or a power of two"
+            elif field.name.endswith("_warps"):
+                ok, expected = value in (1, 2, 4, 8, 16), "None, 1, 2, 4, 8 or 16"
+                ok = ok and not isinstance(value, bool)
+            elif field.name.endswith("_stages"):
+                ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 8
+                expected = "None or an int from 1 to 8"
+            else:
+                ok = _is_power_of_two(value) and value >= 16
+                expected = "None or a power of two >= 16"
+            if not ok:
+                raise ValueError(f"Tuning.{field.name}: expected {expected}, "
+                                 f"got {value!r} ({type(value).__name__})")
+
+
+DEFAULT_TUNING = Tuning()
+"""Every choice by the rules: what the backend uses."""
+
+
+def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING) -> int:
+    """num_warps of a ``kind`` ("chain" or "group") kernel (:data:`NUM_WARPS`)."""
+    forced = getattr(tune, f"{kind}_warps")
+    if forced is not None:
+        return forced
+    warps = NUM_WARPS[kind]
+    if BD >= 128 or (ieee and BD >= 64):
+        warps = min(2 * warps, 8)
+    return warps
+
+
+def launch_options(kind: str, BD: int, ieee: bool, tune: Tuning,
+                   fused_bwd: bool = False) -> dict:
+    """num_warps and num_stages of a ``kind`` ("chain" or "group") kernel, ``fused_bwd`` for
+    the backward chain that does bwd_grads' work: what the launcher passes on a GPU and
+    ``benchmarks/resources.py`` compiles with."""
+    stages = getattr(tune, f"{kind}_stages")
+    if stages is None:
+        if ieee:
+            stages = NUM_STAGES[f"{kind}_stages_fp32"]
+        else:
+            stages = NUM_STAGES["fused_bwd_stages" if fused_bwd else f"{kind}_stages"]
+    return dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=stages)
+
+
+def checkpoint_interval(p: Problem, BD: int, tune: Tuning) -> int:
+    """G for ``p``: the forced value if set, else the rule of :data:`CKPT_INTERVAL`."""
+    if tune.checkpoint_interval is not None:
+        return tune.checkpoint_interval
+    wide = CKPT_INTERVAL["wide"]
+    warps = num_warps("group", BD, p.dtype == torch.float32, tune)
+    if group_offsets(p, wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
+        return wide
+    return CKPT_INTERVAL["narrow"]
+
+
+def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
+    """Whether the forward chain writes the outputs (see :data:`FUSED`)."""
+    if tune.fuse_forward is not None:
+        return tune.fuse_forward
+    return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
+
+
+def fused_backward(p: Problem, tune: Tuning) -> bool:
+    """Whether the backward chain computes dk, dv and the last-row deta (see :data:`FUSED`).
+    Only chosen for chunk 16 and head dims <= 64, where it was measured: larger tiles
+    spill more (``benchmarks/resources.py``)."""
+    if tune.fuse_backward is not None:
+        return tune.fuse_backward
+    return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]
+
+
+def wide_backward(dtype: torch.dtype, BD: int, BT: int) -> bool:
+    """Whether the backward takes :data:`WIDE_BACKWARD`'s settings."""
+    return dtype != torch.float32 and BD >= 128 and BT >= 64
+
+
+def grads_split(dtype: torch.dtype, BD: int, BT: int, tune: Tuning) -> int:
+    """Programs per (group, head) of bwd_grads (:data:`WIDE_BACKWARD`). A split program's
+    products have BD / 2 columns, which tl.dot needs to be at least 16."""
+    split = tune.grads_split
+    if split is None:
+        return WIDE_BACKWARD["grads_split"] if wide_backward(dtype, BD, BT) else 1
+    if split > 1 and BD // split < 16:
+        raise ValueError(f"Tuning.grads_split: {split} needs a padded head dim of at least "
+                         f"{16 * split}, got {BD}")
+    return split
+
+
+def rows_per_block(kind: str, BT: int, G: int, tune: Tuning) -> int:
+    """Rows per block of fwd_out (``kind="S_out"``), bwd_local (``"S_local"``) or bwd_grads
+    (``"S_grads"``), clamped to [BT, G * BT]."""
+    forced = getattr(tune, _ROWS_FIELD[kind])
+    return max(BT, min(BLOCK_ROWS[kind] if forced is None else forced, G * BT))
+
+
+def dot_precision(dtype: torch.dtype, BD: int) -> str:
+    """The kernels' PREC (``common.mm``): HALF_DOT_PRECISION for half inputs; IEEE for
+    float32, as K blocks of 16 ("ieee_kblocks") at a padded head dim of 128, where plain IEEE
+    dots put the kernels into local memory. On the H200, 4,4096,8,128 fp32 fwd+bwd took 60.4
+    ms with the blocks against 113 ms without, and 4,4096,16,64 7.93 against 5.95 ms, so
+    head dims <= 64 keep plain IEEE dots (docs/benchmarks.md)."""
+    if dtype != torch.float32:
+        return HALF_DOT_PRECISION
+    return "ieee_kblocks" if BD >= 128 else "ieee"

@@ -1,0 +1,204 @@
+"""Every launch path a :class:`Tuning` can force, against the float64 oracle: small
+checkpoint intervals and blocks (several groups per sequence, several chunks per block,
+blocks clamped to a chunk or a group), the fused chains with and without a backward, and
+the split bwd_grads. The launcher is called directly with ``tuning=``; outputs, final
+states and every gradient are compared. Runs on CUDA when there is a GPU (every dtype), else
+in the Triton interpreter (float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ttt  # noqa: E402
+from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
+from ttt.testing.tolerances import TOLERANCES  # noqa: E402
+from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
+from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+F64 = torch.float64
+LEAVES = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias")
+OUTPUTS = ("o", "ht", "hbt")
+
+
+def _inputs(T, H, D, seq_lens, seed):
+    """Fresh random float64 inputs of one packed batch (B = 1) with initial states."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(seq_lens) if seq_lens else 1
+    k = torch.randn(1, T, H, D, generator=g, dtype=F64)
+    x = dict(
+        q=torch.randn(1, T, H, D, generator=g, dtype=F64),
+        k=k / k.norm(dim=-1, keepdim=True),
+        v=torch.randn(1, T, H, D, generator=g, dtype=F64),
+        w=1 + 0.1 * torch.randn(H, D, generator=g, dtype=F64),
+        b=0.1 * torch.randn(H, D, generator=g, dtype=F64),
+        eta=0.1 * torch.rand(1, T, H, 1, generator=g, dtype=F64),
+        initial_state=0.1 * torch.randn(N, H, D, D, generator=g, dtype=F64),
+        initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=g, dtype=F64),
+    )
+    cu = None
+    if seq_lens:
+        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    return x, cu
+
+
+def _oracle(x, cu, chunk, with_grad, cotangents):
+    """{name: float64 result}: the outputs and, ``with_grad``, every gradient."""
+    leaves = {n: t.clone().requires_grad_(with_grad) for n, t in x.items()}
+    outs = oracle_chunk_ttt_linear(**leaves, chunk_size=chunk, cu_seqlens=cu)
+    want = dict(zip(OUTPUTS, (t.detach() for t in outs)))
+    if with_grad:
+        grads = torch.autograd.grad(outs, list(leaves.values()), cotangents)
+        want.update({f"d{n}": g for n, g in zip(leaves, grads)})
+    return want
+
+
+def _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning):
+    """{name: result as float64}: the launcher's forward (and backward) under ``tuning``."""
+    args = {n: t.to(DEVICE, torch.float32 if n.startswith("initial") else dtype)
+            for n, t in x.items()}
+    problem = ttt.make_problem(**args, chunk_size=chunk, output_final_state=True,
+                               cu_seqlens=None if cu is None else cu.to(DEVICE))
+    o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=with_grad, tuning=tuning)
+    got = dict(zip(OUTPUTS, (o, ht, hbt)))
+    if with_grad:
+        do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
+        grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning)
+        got.update({f"d{n}": g for n, g in zip(LEAVES, grads)})
+    return {n: t.detach().to("cpu", F64) for n, t in got.items()}
+
+
+def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float32):
+    """{name: relative error against the oracle} of every output and gradient."""
+    x, cu = _inputs(T, H, D, seq_lens, seed)
+    x = {n: t.to(torch.float32 if n.startswith("initial") else dtype).to(F64)   # as run
+         for n, t in x.items()}
+    N = len(seq_lens) if seq_lens else 1
+    g = torch.Generator().manual_seed(seed + 1)
+    cotangents = [torch.randn(s, generator=g, dtype=F64)
+                  for s in ((1, T, H, D), (N, H, D, D), (N, H, 1, D))]
+    want = _oracle(x, cu, chunk, with_grad, cotangents)
+    got = _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning)
+    assert set(got) == set(want)
+    return {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
+
+
+def _assert_close(errs, dtype, tuning):
+    """Every error within the conformance suite's bound for ``dtype`` (outputs and final
+    states, gradients)."""
+    out_tol, grad_tol = TOLERANCES[dtype]
+    bad = {n: f"{e:.2e} > {grad_tol if n.startswith('d') else out_tol:.0e}"
+           for n, e in errs.items() if not e <= (grad_tol if n.startswith("d") else out_tol)}
+    assert not bad, f"relative errors above the bounds with {tuning}: {bad}"
+
+
+@pytest.mark.parametrize("tuning,chunk,seq_lens", [
+    # 2 chunks per block, 2 blocks per group, 3 groups
+    (Tuning(checkpoint_interval=4, rows_out=32, rows_local=32, rows_grads=32), 16, None),
+    # blocks clamped to the group (32 rows), varlen with a one-row sequence
+    (Tuning(checkpoint_interval=2, rows_out=64, rows_local=64, rows_grads=64), 16, (37, 50, 1)),
+    # 4 chunks per block
+    (Tuning(checkpoint_interval=4, rows_out=64, rows_local=64, rows_grads=64), 16, (70, 33)),
+    # blocks below the chunk: one chunk per block
+    (Tuning(checkpoint_interval=2, rows_out=16, rows_local=16, rows_grads=16), 32, None),
+    # one chunk per group
+    (Tuning(checkpoint_interval=1), 16, (37, 20)),
+], ids=["blocks-of-2-chunks", "blocks-clamped-to-group", "blocks-of-4-chunks",
+        "blocks-below-chunk", "group-of-one-chunk"])
+def test_small_groups_and_blocks(tuning, chunk, seq_lens):
+    T = sum(seq_lens) if seq_lens else 165
+    errs = _errors(T, 2, 32, chunk, seq_lens, 11, tuning, with_grad=True)
+    _assert_close(errs, torch.float32, tuning)
+
+
+FORCED_CHAINS = [
+    (Tuning(fuse_forward=False), False),
+    (Tuning(fuse_forward=True), False),
+    (Tuning(fuse_forward=False, fuse_backward=False), True),
+    (Tuning(fuse_forward=True, fuse_backward=True), True),
+    (Tuning(fuse_forward=True, fuse_backward=False), True),
+    (Tuning(fuse_forward=False, fuse_backward=True), True),
+]
+FORCED_CHAIN_IDS = ["split-fwd-only", "fused-fwd-only", "split-both", "fused-both",
+                    "fused-fwd-split-bwd", "split-fwd-fused-bwd"]
+
+
+@pytest.mark.parametrize("tuning,with_grad", FORCED_CHAINS, ids=FORCED_CHAIN_IDS)
+@pytest.mark.parametrize("chunk,seq_lens", [(16, None), (32, (37, 50, 1))])
+def test_fused_chains(tuning, with_grad, chunk, seq_lens):
+    """The chains doing the parallel kernels' work (forward: the outputs, backward: dk, dv
+    and the last-row deta) and the split kernels, with and without a backward: partial last
+    chunks, varlen, initial states, several groups (G = 2)."""
+    tuning = Tuning(**{**vars(tuning), "checkpoint_interval": 2})
+    T = sum(seq_lens) if seq_lens else 85
+    errs = _errors(T, 2, 32, chunk, seq_lens, 13, tuning, with_grad)
+    _assert_close(errs, torch.float32, tuning)
+
+
+@pytest.mark.parametrize("chunk,seq_lens", [(16, (40, 25)), (64, None)])
+def test_split_grads_kernel(chunk, seq_lens):
+    """bwd_grads in two programs per (group, head), each with half of k's columns (the
+    launcher's choice at chunk 64 and head dim 128 with half inputs), on float32."""
+    tuning = Tuning(grads_split=2, checkpoint_interval=2)
+    T = sum(seq_lens) if seq_lens else 150
+    errs = _errors(T, 2, 40, chunk, seq_lens, 17, tuning, with_grad=True)
+    _assert_close(errs, torch.float32, tuning)
+
+
+NEEDS_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the tests above run every forced "
+    "path in float32 (the interpreter's bf16 tl.dot is wrong)")
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tuning,with_grad", FORCED_CHAINS, ids=FORCED_CHAIN_IDS)
+@pytest.mark.parametrize("D,chunk", [(50, 16), (64, 32), (128, 64)])
+def test_forced_chains_on_gpu(dtype, tuning, with_grad, D, chunk):
+    """Every dtype, the fused and the split kernels in every combination, at an unaligned
+    head dim, the IEEE K-blocked dots (float32 at D 128) and the wide backward (half inputs
+    at D 128, chunk 64), against the oracle within the conformance suite's bounds."""
+    errs = _errors(180, 3, D, chunk, (60, 120), 9, tuning, with_grad, dtype=dtype)
+    _assert_close(errs, dtype, tuning)
+
+
+class _LaunchSpy:
+    """Stands in for a kernel in the launcher: records each launch's grid, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("tuning,fwd_out,bwd_grads,split", [
+    (Tuning(fuse_forward=True, fuse_backward=True), 0, 0, None),
+    (Tuning(fuse_forward=False, fuse_backward=False), 1, 1, 1),
+    (Tuning(fuse_forward=False, fuse_backward=False, grads_split=2), 1, 1, 2),
+])
+def test_forcing_takes_the_path(monkeypatch, tuning, fwd_out, bwd_grads, split):
+    """What a Tuning forces is what launches: the fused chains skip fwd_out / bwd_grads, a
+    forced split launches bwd_grads with that many programs per (group, head)."""
+    from ttt_triton.ops.ttt_linear import launcher
+
+    spies = {}
+    for name in ("ttt_linear_fwd_out_kernel", "ttt_linear_bwd_grads_kernel"):
+        spies[name] = _LaunchSpy(getattr(launcher, name))
+        monkeypatch.setattr(launcher, name, spies[name])
+    _errors(40, 2, 32, 16, None, 3, tuning, with_grad=True)
+    assert len(spies["ttt_linear_fwd_out_kernel"].grids) == fwd_out
+    grads_grids = spies["ttt_linear_bwd_grads_kernel"].grids
+    assert len(grads_grids) == bwd_grads
+    if split is not None:
+        assert grads_grids[0][2] == split
