@@ -59,6 +59,12 @@ def _call(x: dict, **kwargs):
                                 cu_seqlens=x["cu_seqlens"], eta_key=x["eta_key"], **kwargs)
 
 
+def _skip_unless_supported(backend: str, problem) -> None:
+    reasons = ttt.load_backend(backend).not_supported_reasons(problem)
+    if reasons:
+        pytest.skip(f"{backend} declares: {'; '.join(reasons)}")
+
+
 def _problem(x: dict, **kwargs):
     return ttt.make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"],
                             chunk_size=CHUNK, initial_state=x["initial_state"],
@@ -77,9 +83,11 @@ CASES = {
 
 
 def _opcheck_cases():
+    """Every input set with the default output, every other output with eta_key and states."""
     for name, case in CASES.items():
-        for output in OUTPUTS:
-            yield pytest.param(case, output, id=f"{name}-{output}")
+        yield pytest.param(case, OUTPUTS[0], id=f"{name}-{OUTPUTS[0]}")
+    for output in OUTPUTS[1:]:
+        yield pytest.param(CASES["eta_key"], output, id=f"eta_key-{output}")
 
 
 @pytest.mark.parametrize("backend", _cpu_backends())
@@ -87,6 +95,7 @@ def _opcheck_cases():
 def test_opcheck_forward(case, output, backend):
     x = _inputs(**case)
     problem = _problem(x, output=output, output_final_state=True)
+    _skip_unless_supported(backend, problem)
     torch.library.opcheck(torch.ops.ttt.chunk_ttt_linear_fwd,
                           _custom_op.arguments(problem, backend))
 
@@ -97,6 +106,7 @@ def test_opcheck_forward(case, output, backend):
 def test_opcheck_backward(case, final_cotangents, backend):
     x = _inputs(**case, requires_grad=False)
     problem = _problem(x, output_final_state=True)
+    _skip_unless_supported(backend, problem)
     args = list(_custom_op.arguments(problem, backend))
     args[-1] = True                                          # needs_backward
     o, finals, saved = torch.ops.ttt.chunk_ttt_linear_fwd(*args)
@@ -210,14 +220,14 @@ def test_no_grad_returns_plain_tensors():
 class _Layer(torch.nn.Module):
     """A small module around the op: projections, learned states, per-key eta."""
 
-    def __init__(self, output: str, backend: str):
+    def __init__(self, output: str, backend: str, eta_key: bool):
         super().__init__()
         gen = torch.Generator().manual_seed(3)
         self.proj = torch.nn.Linear(H * D, 3 * H * D + 2 * H)
         self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(H, D, generator=gen))
         self.b = torch.nn.Parameter(0.1 * torch.randn(H, D, generator=gen))
         self.h0 = torch.nn.Parameter(0.3 * torch.randn(1, H, D, D, generator=gen))
-        self.output, self.backend = output, backend
+        self.output, self.backend, self.eta_key = output, backend, eta_key
 
     def forward(self, x: torch.Tensor):
         B, T, _ = x.shape
@@ -228,7 +238,8 @@ class _Layer(torch.nn.Module):
         o, ht, hbt = ttt.chunk_ttt_linear(
             q, torch.nn.functional.normalize(k, dim=-1), v, self.w, self.b, eta,
             chunk_size=CHUNK, initial_state=self.h0.expand(B, -1, -1, -1).contiguous(),
-            output_final_state=True, eta_key=eta_key, output=self.output,
+            output_final_state=True, eta_key=eta_key if self.eta_key else None,
+            output=self.output,
             backend=self.backend)
         return o.reshape(B, T, H * D), ht
 
@@ -237,7 +248,10 @@ class _Layer(torch.nn.Module):
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_compile_fullgraph_module_equals_eager(output, backend):
     torch._dynamo.reset()
-    layer = _Layer(output, backend)
+    capabilities = ttt.load_backend(backend).capabilities
+    if output not in capabilities.outputs:
+        pytest.skip(f"{backend} declares outputs {sorted(capabilities.outputs)}")
+    layer = _Layer(output, backend, eta_key=capabilities.eta_key)
     x = torch.randn(2, 37, H * D, generator=torch.Generator().manual_seed(4),
                     requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True)
@@ -338,3 +352,28 @@ def test_autocast_under_compile_equals_eager():
     assert got[0].dtype == torch.bfloat16
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
+def test_compile_dynamic_lengths_equal_eager(backend):
+    """dynamic=True: one graph for several batch sizes and lengths (partial chunks)."""
+    torch._dynamo.reset()
+
+    def fn(q, k, v, w, b, eta, h0):
+        o, ht, _ = ttt.chunk_ttt_linear(q, k, v, w, b, eta, chunk_size=CHUNK,
+                                        initial_state=h0, output_final_state=True,
+                                        backend=backend)
+        return o, ht
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for B, T in ((1, 37), (2, 53)):
+        x = _inputs(states=True, seed=T)
+        x = dict(x, **{n: x[n][:B, :T] for n in ("q", "k", "v", "eta")},
+                 initial_state=x["initial_state"][:B])
+        args = [x[n] for n in ("q", "k", "v", "w", "b", "eta", "initial_state")]
+        eager, got = fn(*args), compiled(*args)
+        cot = [torch.randn_like(t) for t in eager]
+        eager_grads = torch.autograd.grad(eager, [x["q"], x["w"]], cot)
+        got_grads = torch.autograd.grad(got, [x["q"], x["w"]], cot)
+        for a, b in zip([*got, *got_grads], [*eager, *eager_grads]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -22,15 +22,23 @@ def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 @torch.compiler.assume_constant_result
 def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     """The backend's choice while torch.compile traces: run once, kept by the graph. The
-    signature (plain values) rebuilds a Problem of stand-in tensors with the call's shapes,
-    dtypes, device and options."""
-    (shapes, dtypes, device, scale, eps, chunk_size, output_final_state, seq_lens, varlen,
-     eta_is_tensor, requires_grad, output) = signature
-    t = {name: None if shape is None else _stand_in(shape, dtype, device)
-         for name, shape, dtype in zip(GRAD_INPUTS, shapes, dtypes)}
-    cu_seqlens = _stand_in((len(seq_lens) + 1,), torch.int64, device) if varlen else None
+    signature (plain values) rebuilds a Problem of stand-in tensors with the call's head
+    count and dim, dtypes, device, chunk size and options. Batch size and length, which a
+    compiled graph may keep dynamic, are not in it: a dense stand-in holds one sequence of
+    one chunk, a packed one the call's sequence lengths; scale and eps are not either (the
+    stand-in has ``D ** -0.5`` and ``1e-6``)."""
+    (H, D, dtypes, device, chunk_size, output_final_state, packed_lens, eta_is_tensor,
+     requires_grad, output) = signature
+    seq_lens = (chunk_size,) if packed_lens is None else tuple(packed_lens)
+    B, T, N = 1, sum(seq_lens), len(seq_lens)
+    shapes = dict(q=(B, T, H, D), k=(B, T, H, D), v=(B, T, H, D), w=(H, D), b=(H, D),
+                  eta=(B, T, H, 1), eta_key=(B, T, H, 1), initial_state=(N, H, D, D),
+                  initial_state_bias=(N, H, 1, D))
+    t = {name: None if dtype is None else _stand_in(shapes[name], dtype, device)
+         for name, dtype in zip(GRAD_INPUTS, dtypes)}
+    cu_seqlens = None if packed_lens is None else _stand_in((N + 1,), torch.int64, device)
     problem = Problem(q=t["q"], k=t["k"], v=t["v"], w=t["w"], b=t["b"], eta=t["eta"],
-                      scale=scale, eps=eps, chunk_size=chunk_size,
+                      scale=D ** -0.5, eps=1e-6, chunk_size=chunk_size,
                       initial_state=t["initial_state"],
                       initial_state_bias=t["initial_state_bias"],
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -47,7 +47,7 @@ def _positive_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value <= 0:
+    if not 0 < value < math.inf:                # (NaN fails both; dynamo traces it)
         raise ValueError(f"{name}: expected a positive finite float, got {value}")
     return value
 
