@@ -59,7 +59,9 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctiona
 def _with_autograd():
     """A custom op's implementation runs below the autograd dispatch key, where no graph is
     recorded; a backend's backward may differentiate with autograd (the reference backend
-    recomputes its forward), so it runs with the autograd keys back in place."""
+    recomputes its forward), so it runs with the autograd keys back in place (torch has no
+    public guard for it; torch.func.vjp would record, but dispatch modes such as opcheck's
+    cannot see into it)."""
     include = torch._C._dispatch_tls_local_include_set()
     exclude = torch._C._dispatch_tls_local_exclude_set()
     return torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS)
@@ -147,15 +149,14 @@ _TENSOR_ARGS = 10
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.set_materialize_grads(False)
-    tensors = inputs[:_TENSOR_ARGS]
-    ctx.options = inputs[_TENSOR_ARGS:-1]          # seq_lens .. backend (not needs_backward)
-    ctx.eta_is_tensor = inputs[15]
-    ctx.n_saved = len(output[2])
+    ctx.set_materialize_grads(False)        # absent cotangents stay None
+    tensors, options = inputs[:_TENSOR_ARGS], inputs[_TENSOR_ARGS:-1]   # (not needs_backward)
+    ctx.options = options                   # seq_lens .. backend: the backward op's options
+    ctx.eta_is_tensor = options[5]
     ctx.save_for_backward(*tensors, *output[2])
 
 
-def _backward(ctx, do, d_finals, d_saved):
+def _backward(ctx, do, d_finals, _d_saved):
     tensors = ctx.saved_tensors
     inputs, saved = tensors[:_TENSOR_ARGS], list(tensors[_TENSOR_ARGS:])
     grad_flags = list(ctx.needs_input_grad[:len(GRAD_INPUTS)])
