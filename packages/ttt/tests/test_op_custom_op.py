@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ttt
-from ttt import _custom_op, reference
+from ttt import _custom_op, reference, registry
 from ttt.problem import OUTPUTS
 from ttt.testing.oracle import oracle_chunk_ttt_linear
 from ttt.testing.tolerances import TOLERANCES
@@ -377,3 +377,23 @@ def test_compile_dynamic_lengths_equal_eager(backend):
         got_grads = torch.autograd.grad(got, [x["q"], x["w"]], cot)
         for a, b in zip([*got, *got_grads], [*eager, *eager_grads]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_reports_an_unfit_backend(monkeypatch):
+    """A backend that cannot take the call is refused while tracing, with its reasons."""
+    torch._dynamo.reset()
+
+    class NoEtaKey(ttt.Backend):
+        name = "no_eta_key"
+        capabilities = ttt.Capabilities(devices=frozenset({"cpu"}),
+                                        dtypes=frozenset({torch.float32}))
+
+    x = _inputs(eta_key=True, states=False)
+
+    def fn(x):
+        return _call(x, backend="no_eta_key")[0]
+
+    monkeypatch.setitem(registry._LOADED, "no_eta_key", NoEtaKey())
+    with pytest.raises(Exception, match="eta_key") as err:     # (dynamo wraps the error)
+        torch.compile(fn, fullgraph=True)(x)
+    assert "torch.compile traced the call" in str(err.value)

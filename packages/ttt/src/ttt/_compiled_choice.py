@@ -11,7 +11,7 @@ import torch
 
 from ._custom_op import GRAD_INPUTS
 from .problem import Problem
-from .registry import select_backend
+from .registry import BackendNotSupportedError, select_backend
 
 
 def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -44,4 +44,9 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                       seq_lens=seq_lens, eta_is_tensor=eta_is_tensor,
                       requires_grad=requires_grad, eta_key=t["eta_key"], output=output)
-    return select_backend(problem, requested).name
+    try:
+        return select_backend(problem, requested).name
+    except BackendNotSupportedError as err:
+        raise BackendNotSupportedError(
+            f"{err} [chosen while torch.compile traced the call: its batch size and length "
+            f"are not known there, the ones shown are stand-ins]") from None
