@@ -279,7 +279,8 @@ def test_compile_function_and_set_backend_context():
     args = [x[n] for n in ("q", "k", "v", "w", "b", "eta")]
     with ttt.set_backend("reference"):
         got = torch.compile(fn, fullgraph=True)(*args)
-    torch.testing.assert_close(got, fn(*args), rtol=0, atol=0)
+        want = fn(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_compile_varlen_with_a_graph_break_equals_eager():
