@@ -347,23 +347,27 @@ class Saved:
     f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order."""
-        return [self.ck, self.ckb, self.xbuf, self.rbuf]
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
+        (a packed batch's group offsets and group -> sequence map too: no copies again)."""
+        grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
+        return [self.ck, self.ckb, self.xbuf, self.rbuf, *grouping]
 
     @classmethod
     def of(cls, p: Problem, tensors: list[torch.Tensor]) -> Saved:
         """Back from :meth:`tensors`; the grouping derived from ``p``, eta, w, b cast again."""
-        ck, ckb, xbuf, rbuf = tensors
-        return cls(ck, ckb, xbuf, rbuf, ChunkGroups.of(p, CKPT_INTERVAL),
+        ck, ckb, xbuf, rbuf, *grouping = tensors
+        groups = ChunkGroups.of(p, CKPT_INTERVAL, tuple(grouping) or None)
+        return cls(ck, ckb, xbuf, rbuf, groups,
                    (_f32(p.eta), _f32(p.w), _f32(p.b)))
 
 
 def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
-    slots = group_offsets(p, CKPT_INTERVAL)[-1] + p.N
+    count = group_offsets(p, CKPT_INTERVAL)[-1]
     B, T, H, D = p.q.shape
-    return [((slots, H, D, D), torch.float32), ((slots, H, D), torch.float32),
-            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32)]
+    grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
+    return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *grouping]
 
 
 @functools.cache
