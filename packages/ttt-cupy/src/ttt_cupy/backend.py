@@ -92,7 +92,7 @@ class CupyBackend(Backend):
         from .launcher import ttt_linear_fwd
 
         o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward)
-        return o, ht, hbt, [] if saved is None else saved.tensors()
+        return o, ht, hbt, [] if saved is None else saved.tensors(problem)
 
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
         from .launcher import saved_shapes
