@@ -182,3 +182,30 @@ def test_capabilities_refuse_undeclared_features():
     reference = ttt.load_backend("reference").capabilities
     assert reference.eta_key and reference.outputs == frozenset(OUTPUTS)
 
+
+
+def test_automatic_choice_passes_over_a_backend_without_the_features(monkeypatch):
+    """A backend first in line that does not declare eta_key / the output form is skipped
+    by the automatic choice (the reference backend takes the call) and refuses by name."""
+    from ttt import registry
+
+    class Plain(ttt.Backend):
+        name = "plain"
+        capabilities = ttt.Capabilities(devices=frozenset({"cpu"}),
+                                        dtypes=frozenset({torch.float32}))
+
+        def forward(self, problem, needs_backward):
+            raise AssertionError("the plain backend was chosen")
+
+    monkeypatch.setitem(registry._LOADED, "plain", Plain())
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, "plain",
+                        registry.KnownBackend("x:y", "pip install plain", 0))
+    monkeypatch.delenv("TTT_BACKEND", raising=False)
+    q, k, v, w, b, eta = _small()
+    problem = ttt.make_problem(q, k, v, w, b, eta, output="raw")
+    assert registry.select_backend(problem).name == "reference"
+    o, _, _ = ttt.chunk_ttt_linear(q, k, v, w, b, eta, eta_key=torch.rand(1, 20, H, 1))
+    assert o.shape == q.shape
+    with pytest.raises(ttt.BackendNotSupportedError, match="eta_key"):
+        ttt.chunk_ttt_linear(q, k, v, w, b, eta, eta_key=torch.rand(1, 20, H, 1),
+                             backend="plain")
