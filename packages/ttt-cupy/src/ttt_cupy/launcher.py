@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ttt import Problem
-from ttt.chunking import ChunkGroups
+from ttt.chunking import ChunkGroups, group_offsets
 
 from .compile import (
     BLOCK_TS,
@@ -344,6 +344,44 @@ class Saved:
     rbuf: torch.Tensor        # [B, T, H] fp32 r
     groups: ChunkGroups
     f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
+
+    def tensors(self, p: Problem) -> list[torch.Tensor]:
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
+        (a packed batch's group offsets and group -> sequence map, and the fp32 casts of
+        eta, w, b that are not the inputs themselves: nothing is copied or cast again)."""
+        grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
+        casts = [t for name, t in zip(_CAST, self.f32) if name in _cast_names(p)]
+        return [self.ck, self.ckb, self.xbuf, self.rbuf, *grouping, *casts]
+
+    @classmethod
+    def of(cls, p: Problem, tensors: list[torch.Tensor]) -> Saved:
+        """Back from :meth:`tensors`; the grouping's counts derived from ``p``."""
+        ck, ckb, xbuf, rbuf, *rest = tensors
+        grouping, casts = (rest[:2], rest[2:]) if p.is_varlen else ([], rest)
+        groups = ChunkGroups.of(p, CKPT_INTERVAL, tuple(grouping) or None)
+        cast = dict(zip(_cast_names(p), casts))
+        return cls(ck, ckb, xbuf, rbuf, groups,
+                   tuple(cast.get(name, getattr(p, name)) for name in _CAST))
+
+
+_CAST = ("eta", "w", "b")
+"""The inputs the kernels read in fp32 (:attr:`Saved.f32`)."""
+
+
+def _cast_names(p: Problem) -> list[str]:
+    """Those of :data:`_CAST` that ``_f32`` casts into new tensors (Problem tensors are
+    contiguous: the fp32 ones go to the kernels as they are)."""
+    return [name for name in _CAST if getattr(p, name).dtype != torch.float32]
+
+
+def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
+    count = group_offsets(p, CKPT_INTERVAL)[-1]
+    B, T, H, D = p.q.shape
+    grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
+    casts = [(tuple(getattr(p, name).shape), torch.float32) for name in _cast_names(p)]
+    return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *grouping, *casts]
 
 
 @functools.cache

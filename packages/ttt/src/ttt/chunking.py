@@ -38,13 +38,17 @@ class ChunkGroups:
     groups_max: int = 0                 # the most groups of one sequence
 
     @classmethod
-    def of(cls, p: Problem, G: int) -> ChunkGroups:
+    def of(cls, p: Problem, G: int,
+           device_maps: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChunkGroups:
         """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
-        ``p``'s device (non-blocking copies)."""
+        ``p``'s device (non-blocking copies), unless ``device_maps`` holds them already
+        (``offsets``, ``seq`` of an earlier grouping of ``p``)."""
         offs = group_offsets(p, G)
         counts = [b - a for a, b in zip(offs[:-1], offs[1:])]   # groups per sequence
         offsets = seq = None
-        if p.is_varlen:
+        if p.is_varlen and device_maps is not None:
+            offsets, seq = device_maps
+        elif p.is_varlen:
             dev = p.device
             offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
             seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32),

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from ttt import Problem
-from ttt.chunking import ChunkGroups
+from ttt.chunking import ChunkGroups, group_offsets
 
 from ..._env import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
@@ -63,6 +63,33 @@ class Saved:
     xbuf: torch.Tensor        # [B, T, H, D] fp32
     rbuf: torch.Tensor        # [B, T, H] fp32
     groups: ChunkGroups
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
+        (a packed batch's group offsets and group -> sequence map too: no copies again)."""
+        grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
+        return [self.ck, self.ckb, self.xbuf, self.rbuf, *grouping]
+
+    @classmethod
+    def of(cls, p: Problem, tensors: list[torch.Tensor]) -> Saved:
+        """Back from :meth:`tensors`; the grouping is the forward's, derived from ``p``."""
+        ck, ckb, xbuf, rbuf, *grouping = tensors
+        groups = ChunkGroups.of(p, chunks_per_group(p), tuple(grouping) or None)
+        return cls(ck, ckb, xbuf, rbuf, groups)
+
+
+def chunks_per_group(p: Problem) -> int:
+    """G of ``p``'s forward by the rules (:func:`checkpoint_interval`, no forced tuning)."""
+    return checkpoint_interval(p, block_sizes(p.D, p.chunk_size)[1], DEFAULT_TUNING)
+
+
+def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
+    count = group_offsets(p, chunks_per_group(p))[-1]
+    B, T, H, D = p.q.shape
+    grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
+    return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *grouping]
 
 
 def _initial_states(p: Problem):
