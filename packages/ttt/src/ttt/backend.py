@@ -38,13 +38,15 @@ class GradNeeds:
     eta: bool = True
     initial_state: bool = True
     initial_state_bias: bool = True
+    eta_key: bool = True
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can take. ``max_head_dim`` None means any; ``chunk_sizes`` None any.
     ``deterministic``: repeated identical calls give bitwise identical results (the suite
-    checks it when declared)."""
+    checks it when declared). ``eta_key``: takes the per-key learning-rate factor;
+    ``outputs``: the output forms it computes (``ttt.problem.OUTPUTS``)."""
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
@@ -54,6 +56,8 @@ class Capabilities:
     varlen_backward: bool = True
     backward: bool = True
     deterministic: bool = True
+    eta_key: bool = False
+    outputs: frozenset[str] = frozenset({"norm_residual"})
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def reasons(self, problem: Problem) -> list[str]:
@@ -77,6 +81,11 @@ class Capabilities:
             why.append("backward not supported")
         if problem.requires_grad and problem.is_varlen and not self.varlen_backward:
             why.append("backward of cu_seqlens (variable-length) batches not supported")
+        if problem.eta_key is not None and not self.eta_key:
+            why.append("eta_key (per-key factor of the inner learning rate) not supported")
+        if problem.output not in self.outputs:
+            why.append(f"output {problem.output!r} not supported (supports "
+                       f"{sorted(self.outputs)})")
         return why
 
 

@@ -20,7 +20,7 @@ class ChunkTTTLinearFunction(torch.autograd.Function):
     """Forward and backward through a backend; gradients cast to each input's dtype."""
 
     @staticmethod
-    def forward(ctx, backend: Backend, problem: Problem, q, k, v, w, b, eta, h0, hb0):
+    def forward(ctx, backend: Backend, problem: Problem, q, k, v, w, b, eta, h0, hb0, eta_key):
         ctx.set_materialize_grads(False)
         o, ht, hbt, saved = backend.forward(problem, needs_backward=problem.requires_grad)
         ctx.backend, ctx.problem = backend, problem
@@ -33,7 +33,7 @@ class ChunkTTTLinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         needs = GradNeeds(q=need[2], k=need[3], v=need[4], w=need[5], b=need[6],
                           eta=need[7] and problem.eta_is_tensor, initial_state=need[8],
-                          initial_state_bias=need[9])
+                          initial_state_bias=need[9], eta_key=need[10])
         if do is None:
             do = torch.zeros_like(problem.q)
         grads = ctx.backend.backward(problem, ctx.saved, do.contiguous(),
@@ -49,7 +49,8 @@ class ChunkTTTLinearFunction(torch.autograd.Function):
                 _cast_like(grads.db, p.b) if needs.b else None,
                 _cast_like(grads.deta, p.eta) if needs.eta else None,
                 _cast_like(grads.dh0, p.initial_state) if needs.initial_state else None,
-                _cast_like(grads.dhb0, p.initial_state_bias) if needs.initial_state_bias else None)
+                _cast_like(grads.dhb0, p.initial_state_bias) if needs.initial_state_bias else None,
+                _cast_like(grads.deta_key, p.eta_key) if needs.eta_key else None)
 
 
 def chunk_ttt_linear(
@@ -67,6 +68,8 @@ def chunk_ttt_linear(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     *,
+    eta_key: torch.Tensor | None = None,
+    output: str = "norm_residual",
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     r"""Chunked TTT-linear: a linear inner model trained by one gradient step per chunk.
@@ -83,6 +86,13 @@ def chunk_ttt_linear(
         initial_state, initial_state_bias: ``[N, H, D, D]`` and ``[N, H, 1, D]`` float32.
         output_final_state: also return the states after the last token.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (``B == 1``).
+        eta_key: per-key factor ``[B, T, H, 1]`` of the inner learning rate, or None: token
+            j's inner gradient enters the outputs and the state update scaled by
+            ``eta_key[j]`` (the rank-1 learning rate ``eta[i] * eta_key[j]`` of the official
+            TTT-Linear layer).
+        output: ``"norm_residual"`` (``z + LN(z) * w + b``), ``"query_residual"``
+            (``q + LN(z) * w + b``, q as given) or ``"raw"`` (``z``), z being the inner
+            model's prediction for the scaled query.
         backend: a backend name for this call, overriding ``set_backend``/``TTT_BACKEND``.
 
     Returns:
@@ -94,9 +104,10 @@ def chunk_ttt_linear(
     """
     problem = make_problem(q, k, v, w, b, eta, scale=scale, eps=eps, chunk_size=chunk_size,
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           eta_key=eta_key, output=output)
     chosen = select_backend(problem, backend)
     o, ht, hbt = ChunkTTTLinearFunction.apply(
         chosen, problem, problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
-        problem.initial_state, problem.initial_state_bias)
+        problem.initial_state, problem.initial_state_bias, problem.eta_key)
     return o, ht, hbt
