@@ -241,3 +241,18 @@ def test_bad_forward_arguments():
         layer(torch.randn(2, 5, 16), cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(TypeError, match="cache"):
         layer(torch.randn(1, 5, 16), cache={})
+
+
+def test_bfloat16_autocast_stays_close_to_float32():
+    """Under CPU autocast the projections run in bfloat16 (unit roundoff 2^-8 = 3.9e-3) and
+    the inner states stay float32; the output is within a few bfloat16 roundings."""
+    torch.manual_seed(0)
+    layer = _randomized(TTTLinear(32, 4, 4, use_gate=True), seed=5)
+    x = torch.randn(2, 11, 32)
+    expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got.float(), expected) < 2e-2
+    got.float().square().sum().backward()
+    assert layer.W1.grad.dtype == torch.float32 and torch.isfinite(layer.W1.grad).all()
