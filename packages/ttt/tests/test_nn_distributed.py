@@ -21,6 +21,7 @@ from ttt.nn import TTTLinear
 WORLD = 2
 BATCH, SEQ, WIDTH = 4, 11, 16
 FP64_RTOL = 1e-10
+KINDS = ("ddp", "fsdp2")
 
 
 class _Model(nn.Module):
@@ -65,32 +66,42 @@ def _wrap(model: _Model, kind: str) -> nn.Module:
     return model
 
 
-def _worker(rank: int, kind: str, init_file: str, result_file: str) -> None:
+def _gradients(model: _Model, kind: str, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's half batch through the wrapped model; the full gradients."""
+    wrapped = _wrap(model, kind)
+    x, target = _batch()
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    _loss(wrapped, x[rows], target[rows]).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return grads
+
+
+def _worker(rank: int, init_file: str, result_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        model = _model()
-        wrapped = _wrap(model, kind)
-        x, target = _batch()
-        rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        _loss(wrapped, x[rows], target[rows]).backward()
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad
-            grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        grads = {kind: _gradients(_model(), kind, rank) for kind in KINDS}
         if rank == 0:
             torch.save(grads, result_file)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_two_processes_give_the_single_process_gradients(kind, tmp_path):
-    result_file = tmp_path / "grads.pt"
-    mp.spawn(_worker, args=(kind, str(tmp_path / "init"), str(result_file)), nprocs=WORLD)
-    got = torch.load(result_file)
+@pytest.fixture(scope="module")
+def distributed_gradients(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """One pair of processes computes the gradients for every kind of wrapping."""
+    folder = tmp_path_factory.mktemp("distributed")
+    mp.spawn(_worker, args=(str(folder / "init"), str(folder / "grads.pt")), nprocs=WORLD)
+    return torch.load(folder / "grads.pt")
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_processes_give_the_single_process_gradients(kind, distributed_gradients):
+    got = distributed_gradients[kind]
     model = _model()
     _loss(model, *_batch()).backward()
     assert got.keys() == dict(model.named_parameters()).keys()
