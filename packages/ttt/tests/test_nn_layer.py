@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import ttt
 from ttt.nn import TTTLinear
+from ttt.nn.rotary import apply_rotary, rotary_cos_sin
 
 EPS = 1e-6
 FP64_RTOL = 1e-9
@@ -103,6 +104,16 @@ def official_loop(p: dict, x: torch.Tensor, K: int, theta: float, base_lr: float
     if use_gate:
         y = F.gelu(x @ p["g_proj.weight"].T, approximate="tanh") * y
     return y @ p["o_proj.weight"].T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rotary_is_the_official_one_bitwise(dtype):
+    x = torch.randn(2, 37, 3, 16).to(dtype)                          # [B, T, H, D]
+    positions = torch.arange(37) % 16
+    cos, sin = rotary_cos_sin(positions, 16, 10000.0, dtype)
+    got = apply_rotary(x, cos, sin)
+    expected = _official_rotary(x.transpose(1, 2), positions, 10000.0).transpose(1, 2)
+    assert torch.equal(got, expected)
 
 
 def _randomized(layer: TTTLinear, seed: int) -> TTTLinear:
@@ -239,6 +250,8 @@ def test_bad_forward_arguments():
         layer(torch.randn(2, 0, 16))
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(torch.randn(2, 5, 16), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        layer(torch.randn(1, 5, 16), cu_seqlens=[0, 5])
     with pytest.raises(TypeError, match="cache"):
         layer(torch.randn(1, 5, 16), cache={})
 

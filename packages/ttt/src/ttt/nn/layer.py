@@ -166,9 +166,13 @@ class TTTLinear(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.width or x.shape[1] < 1:
             raise ValueError(f"x: expected shape [B, T >= 1, width = {self.width}], "
                              f"got {tuple(x.shape)}")
-        if cu_seqlens is not None and x.shape[0] != 1:
-            raise ValueError(f"cu_seqlens: packed sequences need x with batch size 1, "
-                             f"got {x.shape[0]}")
+        if cu_seqlens is not None:
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+                raise TypeError(f"cu_seqlens: expected a 1-d int32/int64 tensor [N + 1], "
+                                f"got {type(cu_seqlens).__name__}")
+            if x.shape[0] != 1:
+                raise ValueError(f"cu_seqlens: packed sequences need x with batch size 1, "
+                                 f"got {x.shape[0]}")
         if cache is None:
             return
         if not isinstance(cache, TTTCache):
