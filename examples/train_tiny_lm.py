@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "width", "layers", "heads", "mini_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int")
+    if not args.temperature > 0 or args.sample_tokens < 0:
+        p.error("--temperature: expected > 0; --sample-tokens: expected >= 0")
     return args
 
 
@@ -207,7 +209,9 @@ def main(argv=None) -> None:
     torch.save(model.state_dict(), args.out / "model.pt")
     save_plot(losses, args.out / "loss.png")
 
-    prompt = tokenizer.encode(args.prompt) if tokenizer.encode(args.prompt).numel() else data[:1]
+    prompt = tokenizer.encode(args.prompt)       # characters not in the text are dropped
+    if prompt.numel() == 0:
+        prompt = data[:1]
     sampled = generate(model, prompt.to(args.device), args.sample_tokens, args.temperature,
                        torch.Generator().manual_seed(args.seed))
     print("sample:\n" + tokenizer.decode(prompt.tolist()) + tokenizer.decode(sampled))
