@@ -22,8 +22,6 @@ is not where speed matters).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .backend import Backend, Capabilities, GradNeeds
@@ -144,9 +142,10 @@ class ReferenceBackend(Backend):
             o, ht, hbt = compute(problem, problem.q, problem.k, problem.v, problem.w,
                                  problem.b, problem.eta, problem.initial_state,
                                  problem.initial_state_bias, problem.eta_key)
-        return o, ht, hbt, None
+        return o, ht, hbt, []
 
-    def backward(self, problem: Problem, saved: Any, do, dht, dhbt, needs: GradNeeds):
+    def backward(self, problem: Problem, saved: list[torch.Tensor], do, dht, dhbt,
+                 needs: GradNeeds):
         names = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias",
                  "eta_key")
         given = (problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
