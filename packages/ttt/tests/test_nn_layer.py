@@ -269,3 +269,17 @@ def test_bfloat16_autocast_stays_close_to_float32():
     assert _rel(got.float(), expected) < 2e-2
     got.float().square().sum().backward()
     assert layer.W1.grad.dtype == torch.float32 and torch.isfinite(layer.W1.grad).all()
+
+
+def test_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) captures the whole layer, the operator included, and
+    gives the eager outputs and gradients (aot_eager: dynamo and AOT autograd, no codegen)."""
+    layer = _randomized(TTTLinear(16, 2, 4, use_gate=True), seed=9)
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    probe = torch.randn(2, 11, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got, expected = compiled(x), layer(x)
+    torch.testing.assert_close(got, expected)
+    params = [x, *layer.parameters()]
+    for g_got, g_want in zip(_grads_of(got, probe, params), _grads_of(expected, probe, params)):
+        torch.testing.assert_close(g_got, g_want)
