@@ -1,0 +1,264 @@
+r"""TTT-Linear: the sequence-mixing layer of "Learning to (Learn at Test Time)".
+
+Same parameters, names and shapes as ``TTTLinear`` in the official implementation
+(test-time-training/ttt-lm-pytorch, ``ttt.py``), so its state dict loads unchanged. For an
+input ``x [B, T, width]`` with ``H`` heads of ``D = width / H`` features:
+
+.. math::
+
+    q, k, v &= \mathrm{split}(x W_q),\ \mathrm{split}(x W_k),\ \mathrm{split}(x W_v)
+        \quad \text{(rotary on } q, k \text{ at position mod mini\_batch)}\\
+    e_i &= \max(1 / (p_i + 1) + \mathrm{learnable\_token\_idx}[p_i],\ 0)
+        \quad (p_i = \text{position of token } i \text{ in its mini-batch})\\
+    l_j &= \mathrm{ttt\_base\_lr} \cdot \sigma(x_j \cdot a_h + c_h) / D
+        \quad (a, c = \text{learnable\_ttt\_lr\_weight, \_bias})\\
+    z &= \text{chunked TTT-linear with } \eta_{ij} = e_i l_j,
+        \text{ initial state } (W1, b1)\\
+    y &= \mathrm{o\_proj}\big(\mathrm{post\_norm}(q + \mathrm{LN}(z) \cdot w + b)
+        \ [\odot\ \mathrm{gelu_{tanh}}(\mathrm{g\_proj}(x))]\big)
+
+with ``w, b = ttt_norm_weight, ttt_norm_bias``. The inner steps run in
+:func:`ttt.chunk_ttt_linear` (``scale = 1``, ``eta_key = l``, ``output="query_residual"``)
+on the backend the registry picks. docs/nn.md maps every piece to the official code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import chunk_ttt_linear
+from .cache import LayerState, TTTCache
+from .positions import sequence_positions
+from .rotary import apply_rotary, rotary_cos_sin
+
+INNER_EPS = 1e-6
+"""LayerNorm epsilon of the inner loss and of the output norm (the official value)."""
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
+def _positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name}: expected a positive float, got {value}")
+    return float(value)
+
+
+class TTTLinear(nn.Module):
+    """The official TTT-Linear layer on ttt's chunked operator.
+
+    Args:
+        width: model width (``hidden_size``); input and output features.
+        num_heads: heads; ``width`` must be a multiple, and the head dim ``width / num_heads``
+            even (rotary pairs).
+        mini_batch_size: tokens per inner gradient step (the operator's ``chunk_size``);
+            also the period of the rotary positions and the length of ``token_idx``.
+        rope_theta: rotary base.
+        ttt_base_lr: base inner learning rate (the ``ttt_base_lr`` of the official config).
+        use_gate: multiply by ``gelu_tanh(g_proj(x))`` before ``o_proj`` (official
+            ``use_gate``).
+        backend: ttt backend name for every call of this layer; None lets the registry
+            choose (``ttt.set_backend``, ``TTT_BACKEND``, or the best for the inputs).
+        device, dtype: for the parameters, as in ``torch.nn`` layers.
+    """
+
+    def __init__(self, width: int, num_heads: int, mini_batch_size: int = 16, *,
+                 rope_theta: float = 10000.0, ttt_base_lr: float = 1.0, use_gate: bool = False,
+                 backend: str | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        width = _positive_int("width", width)
+        num_heads = _positive_int("num_heads", num_heads)
+        if width % num_heads:
+            raise ValueError(f"num_heads: expected a divisor of width = {width}, got {num_heads}")
+        if (width // num_heads) % 2:
+            raise ValueError(f"num_heads: the head dim width / num_heads must be even for the "
+                             f"rotary pairs, got {width} / {num_heads} = {width // num_heads}")
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend: expected a backend name or None, "
+                            f"got {type(backend).__name__}")
+        self.width, self.num_heads = width, num_heads
+        self.head_dim = width // num_heads
+        self.mini_batch_size = _positive_int("mini_batch_size", mini_batch_size)
+        self.rope_theta = _positive_float("rope_theta", rope_theta)
+        self.ttt_base_lr = _positive_float("ttt_base_lr", ttt_base_lr)
+        self.use_gate = bool(use_gate)
+        self.backend = backend
+        self._make_parameters(device, dtype)
+        self.reset_parameters()
+
+    def _make_parameters(self, device, dtype) -> None:
+        H, D, C, K = self.num_heads, self.head_dim, self.width, self.mini_batch_size
+        factory = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(C, C, bias=False, **factory)
+        self.k_proj = nn.Linear(C, C, bias=False, **factory)
+        self.v_proj = nn.Linear(C, C, bias=False, **factory)
+        self.o_proj = nn.Linear(C, C, bias=False, **factory)
+        if self.use_gate:
+            self.g_proj = nn.Linear(C, C, bias=False, **factory)
+        self.post_norm = nn.LayerNorm(C, eps=INNER_EPS, **factory)
+        token_idx = 1.0 / torch.arange(1, K + 1, device=device, dtype=dtype or torch.float32)
+        self.register_buffer("token_idx", token_idx, persistent=False)
+        self.learnable_token_idx = nn.Parameter(torch.empty(K, **factory))
+        self.learnable_ttt_lr_weight = nn.Parameter(torch.empty(H, 1, C, **factory))
+        self.learnable_ttt_lr_bias = nn.Parameter(torch.empty(H, 1, **factory))
+        self.ttt_norm_weight = nn.Parameter(torch.empty(H, D, **factory))
+        self.ttt_norm_bias = nn.Parameter(torch.empty(H, D, **factory))
+        self.W1 = nn.Parameter(torch.empty(H, D, D, **factory))
+        self.b1 = nn.Parameter(torch.empty(H, 1, D, **factory))
+
+    def reset_parameters(self) -> None:
+        """The official initialisation (projections keep ``nn.Linear``'s own)."""
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            linear.reset_parameters()
+        if self.use_gate:
+            self.g_proj.reset_parameters()
+        self.post_norm.reset_parameters()
+        with torch.no_grad():
+            self.learnable_token_idx.zero_()
+            self.learnable_ttt_lr_weight.normal_(0.0, 0.02)
+            self.learnable_ttt_lr_bias.zero_()
+            self.ttt_norm_weight.fill_(1.0)
+            self.ttt_norm_bias.zero_()
+            self.W1.normal_(0.0, 0.02)
+            self.b1.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"width={self.width}, num_heads={self.num_heads}, "
+                f"mini_batch_size={self.mini_batch_size}, rope_theta={self.rope_theta}, "
+                f"ttt_base_lr={self.ttt_base_lr}, use_gate={self.use_gate}, "
+                f"backend={self.backend!r}")
+
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                cache: TTTCache | None = None) -> torch.Tensor:
+        """``x [B, T, width]`` -> ``[B, T, width]``.
+
+        Args:
+            x: the layer input.
+            cu_seqlens: ``[N + 1]`` offsets of packed sequences along T (``B == 1``); each
+                sequence starts from ``W1, b1`` at position 0.
+            cache: a :class:`TTTCache` to continue from and update (prefill of any length,
+                decode of one token or more); not with ``cu_seqlens``.
+        """
+        self._check_input(x, cu_seqlens, cache)
+        if cache is not None:
+            return self._forward_cached(x, cache)
+        positions = sequence_positions(x.shape[1], x.device, cu_seqlens=cu_seqlens)
+        chunk_positions = positions % self.mini_batch_size
+        q, k, v, eta_key = self._project(x, chunk_positions)
+        N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        state, state_bias = self._initial_states(N, q.dtype)
+        z, _, _ = self._inner(q, k, v, eta_key, chunk_positions, state, state_bias,
+                              cu_seqlens=cu_seqlens)
+        return self._readout(z, x)
+
+    def _check_input(self, x, cu_seqlens, cache) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.width or x.shape[1] < 1:
+            raise ValueError(f"x: expected shape [B, T >= 1, width = {self.width}], "
+                             f"got {tuple(x.shape)}")
+        if cu_seqlens is not None:
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+                raise TypeError(f"cu_seqlens: expected a 1-d int32/int64 tensor [N + 1], "
+                                f"got {type(cu_seqlens).__name__}")
+            if x.shape[0] != 1:
+                raise ValueError(f"cu_seqlens: packed sequences need x with batch size 1, "
+                                 f"got {x.shape[0]}")
+        if cache is None:
+            return
+        if not isinstance(cache, TTTCache):
+            raise TypeError(f"cache: expected a ttt.nn.TTTCache, got {type(cache).__name__}")
+        if cu_seqlens is not None:
+            raise ValueError("cache: not supported with cu_seqlens (packed sequences); "
+                             "pass a batch [B, T, width] instead")
+        entry = cache.get(self)
+        if entry is not None and entry.batch_size != x.shape[0]:
+            raise ValueError(f"x: expected batch size {entry.batch_size} (the cache's), "
+                             f"got {x.shape[0]}")
+
+    def _project(self, x: torch.Tensor, chunk_positions: torch.Tensor):
+        """Rotated ``q, k`` and ``v`` ``[B, T, H, D]``, key learning rates ``[B, T, H, 1]``."""
+        heads = (self.num_heads, self.head_dim)
+        q = self.q_proj(x).unflatten(-1, heads)
+        k = self.k_proj(x).unflatten(-1, heads)
+        v = self.v_proj(x).unflatten(-1, heads)
+        cos, sin = rotary_cos_sin(chunk_positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gate = torch.einsum("btc,hdc->bthd", x, self.learnable_ttt_lr_weight)
+        gate = gate + self.learnable_ttt_lr_bias                     # [B, T, H, 1]
+        eta_key = self.ttt_base_lr * torch.sigmoid(gate) / self.head_dim
+        return q, k, v, eta_key
+
+    def _token_eta(self, chunk_positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``e_i`` for each token, broadcast to ``like``'s ``[B, T, H, 1]``."""
+        scale = torch.clamp_min(self.token_idx + self.learnable_token_idx, 0.0)   # [K]
+        return scale[chunk_positions][None, :, None, None].expand_as(like)
+
+    def _initial_states(self, count: int, q_dtype: torch.dtype):
+        """``W1, b1`` expanded over ``count`` sequences, in the operator's state dtype."""
+        dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
+        state = self.W1.to(dtype).unsqueeze(0).expand(count, -1, -1, -1)
+        state_bias = self.b1.to(dtype).unsqueeze(0).expand(count, -1, -1, -1)
+        return state, state_bias
+
+    def _inner(self, q, k, v, eta_key, chunk_positions, state, state_bias, *,
+               cu_seqlens=None, output_final_state=False):
+        """The chunked inner steps: ``q + LN(z) * w + b`` and, when asked, final states."""
+        return chunk_ttt_linear(
+            q, k, v, self.ttt_norm_weight, self.ttt_norm_bias,
+            self._token_eta(chunk_positions, eta_key), scale=1.0, eps=INNER_EPS,
+            chunk_size=self.mini_batch_size, initial_state=state, initial_state_bias=state_bias,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            eta_key=eta_key, output="query_residual", backend=self.backend)
+
+    def _readout(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = self.post_norm(z.flatten(-2))                            # [B, T, width]
+        if self.use_gate:
+            y = F.gelu(self.g_proj(x), approximate="tanh") * y
+        return self.o_proj(y)
+
+    def _forward_cached(self, x: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+        """Continue the cached sequences by ``x``: the pending tokens and ``x`` run from the
+        committed state; full mini-batches are committed, the rest stays pending."""
+        entry = cache.get(self)
+        seen = 0 if entry is None else entry.seen
+        positions = sequence_positions(x.shape[1], x.device, offset=seen)
+        new = self._project(x, positions % self.mini_batch_size)
+        if entry is None:
+            state, state_bias = self._initial_states(x.shape[0], new[0].dtype)
+            entry = LayerState(state, state_bias, *(t[:, :0] for t in new), seen=0)
+        rows = [torch.cat((old, fresh), dim=1) for old, fresh in
+                zip((entry.q, entry.k, entry.v, entry.eta_key), new)]
+        z, state, state_bias, full = self._run_open_mini_batches(rows, entry.state,
+                                                                 entry.state_bias)
+        cache.put(self, LayerState(state, state_bias, *(t[:, full:] for t in rows),
+                                   seen=seen + x.shape[1]))
+        return self._readout(z[:, entry.q.shape[1]:], x)
+
+    def _run_open_mini_batches(self, rows, state, state_bias):
+        """``rows = [q, k, v, eta_key]`` of tokens that start a mini-batch, from the committed
+        state: the outputs ``[B, P + T, H, D]``, then the state after the ``full`` tokens of
+        the complete mini-batches (committed) and ``full``."""
+        total = rows[0].shape[1]
+        full = total // self.mini_batch_size * self.mini_batch_size
+        chunk_positions = torch.arange(total, device=rows[0].device) % self.mini_batch_size
+        outputs = []
+        if full:
+            z, state, state_bias = self._inner(*(t[:, :full] for t in rows),
+                                               chunk_positions[:full], state, state_bias,
+                                               output_final_state=True)
+            outputs.append(z)
+        if total > full:
+            z, _, _ = self._inner(*(t[:, full:] for t in rows), chunk_positions[full:],
+                                  state, state_bias)
+            outputs.append(z)
+        return torch.cat(outputs, dim=1), state, state_bias, full
