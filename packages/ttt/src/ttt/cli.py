@@ -74,6 +74,8 @@ CAPABILITY_COLUMNS = {
     "varlen backward": lambda c: "yes" if c.varlen_backward else "no",
     "backward": lambda c: "yes" if c.backward else "no",
     "deterministic": lambda c: "yes" if c.deterministic else "no",
+    "eta_key": lambda c: "yes" if c.eta_key else "no",
+    "output forms": lambda c: ", ".join(sorted(c.outputs)),
 }
 """Column title -> its cell for a backend's :class:`Capabilities`."""
 
