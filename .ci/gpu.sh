@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One call on the offline GPU runner (torch, triton preinstalled; nox and fla-core carried
-# as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
-# or nox is missing there): install our packages, run the conformance suite for the reference
-# and triton backends on CUDA tensors (big cases included), then the benchmarks.
+# One call on the offline GPU runner (torch, triton, cupy preinstalled; nox and fla-core
+# carried as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
+# or nox is missing there): install our packages, run the conformance suite for every backend
+# on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
+# fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
+# on the GPU fails its suite.
 #   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy cupy_fused
 #                                   cupy_segments
 #                                   tune bench
-#                                   (default: info ref triton bench)
-set -uo pipefail
+#                                   (default: info ref triton cupy bench)
+set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttt-gpu}
 mkdir -p "$OUT"
@@ -15,7 +17,7 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-stages=${*:-info ref triton bench}
+stages=${*:-info ref triton cupy bench}
 XDIST=${XDIST:--n 8}
 for stage in $stages; do
   case $stage in
@@ -67,5 +69,8 @@ for stage in $stages; do
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
         2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    *)
+      echo "unknown stage: $stage" >&2
+      exit 2 ;;
   esac
 done

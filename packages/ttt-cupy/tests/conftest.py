@@ -1,8 +1,16 @@
-"""Fixtures of the cupy backend's CPU tests."""
+"""Fixtures of the cupy backend's CPU tests.
+
+``TTT_REQUIRE_TOOLCHAIN=1`` (set by the noxfile's CPU session, as in CI): the tools the CPU
+tests need (g++ for the kernels' emulation, cuda-python's NVRTC, NumPy) must be present; a
+missing one is an error at session start instead of a skip. Unset or ``0``: their tests skip
+with the reason.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +22,43 @@ import torch
 
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
+
+REQUIRE_TOOLCHAIN_ENV = "TTT_REQUIRE_TOOLCHAIN"
+
+
+def toolchain_required() -> bool:
+    value = os.environ.get(REQUIRE_TOOLCHAIN_ENV, "0")
+    if value not in ("0", "1"):
+        raise pytest.UsageError(f"{REQUIRE_TOOLCHAIN_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _nvrtc_importable() -> bool:
+    for name in ("cuda.bindings.nvrtc", "cuda.nvrtc"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def missing_toolchain() -> list[str]:
+    """The tools of the CPU tests that are not here."""
+    missing = []
+    if shutil.which("g++") is None:
+        missing.append("g++ (the CPU emulation compiles the kernels as C++20)")
+    if not _nvrtc_importable():
+        missing.append("cuda-python's NVRTC (pip install './packages/ttt-cupy[compile-check]')")
+    if importlib.util.find_spec("numpy") is None:
+        missing.append("numpy")
+    return missing
+
+
+def pytest_configure(config):
+    if toolchain_required() and missing_toolchain():
+        raise pytest.UsageError(f"{REQUIRE_TOOLCHAIN_ENV}=1, but the cupy CPU tests miss: "
+                                f"{'; '.join(missing_toolchain())}")
 
 
 class _Kernel:
@@ -147,7 +192,10 @@ def emu(tmp_path_factory):
     once per test process): emu_<kernel> entry points, see test_cpu_emulation.py."""
     cxx = shutil.which("g++")
     if cxx is None:
-        pytest.skip("g++ not found (the CPU emulation compiles the kernels as C++20)")
+        why = "g++ not found (the CPU emulation compiles the kernels as C++20)"
+        if toolchain_required():
+            pytest.fail(f"{REQUIRE_TOOLCHAIN_ENV}=1: {why}")
+        pytest.skip(why)
     out = tmp_path_factory.mktemp("emu") / "emu.so"
     cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{EMULATION / 'fake_include'}",
            f"-I{cc.CSRC}", str(EMULATION / "harness.cpp"), "-o", str(out)]

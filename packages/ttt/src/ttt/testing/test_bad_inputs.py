@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import ttt
-from conformance import F32, F64, Case, make_inputs
+
+from .cases import F32, F64, Case, make_inputs
 
 
 def _base(device, **case):
@@ -20,10 +21,6 @@ def _base(device, **case):
 def _varlen(device):
     inputs = make_inputs(Case(1, 20, 2, 16, 16, F32, seq_lens=(8, 12)), device, seed=3)
     return inputs
-
-
-def _other_device(device):
-    return torch.device("meta")
 
 
 BAD_INPUTS = {
@@ -88,45 +85,45 @@ def _expect(exc_type, words, fn):
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_raises(name, backend_name, device):
+def test_bad_input_raises(name, ttt_backend_name, ttt_device):
     make, exc_type, words = BAD_INPUTS[name]
-    inputs = make(_base(device), device)
-    _expect(exc_type, words, lambda: ttt.chunk_ttt_linear(**inputs, backend=backend_name))
+    inputs = make(_base(ttt_device), ttt_device)
+    _expect(exc_type, words, lambda: ttt.chunk_ttt_linear(**inputs, backend=ttt_backend_name))
 
 
 @pytest.mark.parametrize("name", list(VARLEN_BAD_INPUTS))
-def test_bad_cu_seqlens_raises(name, backend_name, device):
+def test_bad_cu_seqlens_raises(name, ttt_backend_name, ttt_device):
     cu_seqlens, exc_type, words = VARLEN_BAD_INPUTS[name]
-    inputs = _varlen(device)
+    inputs = _varlen(ttt_device)
     inputs.pop("initial_state")
     inputs.pop("initial_state_bias")
     if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.to(device)
+        cu_seqlens = cu_seqlens.to(ttt_device)
     inputs["cu_seqlens"] = cu_seqlens
-    _expect(exc_type, words, lambda: ttt.chunk_ttt_linear(**inputs, backend=backend_name))
+    _expect(exc_type, words, lambda: ttt.chunk_ttt_linear(**inputs, backend=ttt_backend_name))
 
 
-def test_varlen_state_count_must_match(backend_name, device):
-    inputs = _varlen(device)
+def test_varlen_state_count_must_match(ttt_backend_name, ttt_device):
+    inputs = _varlen(ttt_device)
     inputs["initial_state"] = inputs["initial_state"][:1]
     _expect(ValueError, ["initial_state", "N = 2"],
-            lambda: ttt.chunk_ttt_linear(**inputs, backend=backend_name))
+            lambda: ttt.chunk_ttt_linear(**inputs, backend=ttt_backend_name))
 
 
-def test_unsupported_float64_is_refused_with_reason(backend, backend_name, device):
-    if F64 in backend.capabilities.dtypes:
-        pytest.skip(f"{backend_name} supports float64 (checked against the oracle instead)")
-    inputs = make_inputs(Case(1, 20, 1, 16, 16, F64), device, seed=3)
-    _expect(ValueError, ["float64", backend_name],
-            lambda: ttt.chunk_ttt_linear(**inputs, backend=backend_name))
+def test_unsupported_float64_is_refused_with_reason(ttt_backend, ttt_backend_name, ttt_device):
+    if F64 in ttt_backend.capabilities.dtypes:
+        pytest.skip(f"{ttt_backend_name} supports float64 (checked against the oracle instead)")
+    inputs = make_inputs(Case(1, 20, 1, 16, 16, F64), ttt_device, seed=3)
+    _expect(ValueError, ["float64", ttt_backend_name],
+            lambda: ttt.chunk_ttt_linear(**inputs, backend=ttt_backend_name))
 
 
-def test_unsupported_chunk_size_is_refused_with_reason(backend, backend_name, device):
-    sizes = backend.capabilities.chunk_sizes
+def test_unsupported_chunk_size_is_refused_with_reason(ttt_backend, ttt_backend_name, ttt_device):
+    sizes = ttt_backend.capabilities.chunk_sizes
     if sizes is None:
-        pytest.skip(f"{backend_name} takes any chunk size (checked against the oracle)")
+        pytest.skip(f"{ttt_backend_name} takes any chunk size (checked against the oracle)")
     bad = next(c for c in range(1, 1024) if c not in sizes)
-    inputs = make_inputs(Case(1, 20, 1, 16, 16, F32), device, seed=3)
+    inputs = make_inputs(Case(1, 20, 1, 16, 16, F32), ttt_device, seed=3)
     inputs["chunk_size"] = bad
     _expect(ValueError, ["chunk_size", str(bad)],
-            lambda: ttt.chunk_ttt_linear(**inputs, backend=backend_name))
+            lambda: ttt.chunk_ttt_linear(**inputs, backend=ttt_backend_name))

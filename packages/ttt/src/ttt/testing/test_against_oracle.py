@@ -1,0 +1,85 @@
+"""Outputs, both final states and every gradient against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .calls import gradients, outputs_for_loss, run_op, skip_unless_supported
+from .cases import (
+    BF16,
+    F16,
+    F32,
+    Case,
+    Variant,
+    differentiable_names,
+    make_inputs,
+    oracle_params,
+    with_requires_grad,
+)
+from .compare import Judge
+from .expected import OUTPUT_NAMES, expected_for, oracle_forward
+from .tolerances import TOLERANCES
+
+
+def _check_outputs(judge: Judge, case: Case, outputs: tuple, expected: dict, tol: float):
+    o, ht, hbt = outputs
+    if o.dtype != case.dtype or tuple(o.shape) != tuple(expected["o"].shape):
+        judge.fail(f"o: dtype/shape {o.dtype}/{tuple(o.shape)}, expected "
+                   f"{case.dtype}/{tuple(expected['o'].shape)}")
+    judge.close("o", o, expected["o"], tol)
+    if not case.final_state:
+        if ht is not None or hbt is not None:
+            judge.fail("final states returned though output_final_state=False")
+        return
+    for name, x in zip(OUTPUT_NAMES[1:], (ht, hbt)):
+        judge.dtype(name, x, case.state_dtype)
+        judge.close(name, x, expected[name], tol, per_sequence_rows=True)
+
+
+@pytest.mark.parametrize(("case", "variant"), oracle_params())
+def test_matches_oracle(case: Case, variant: Variant, ttt_backend, ttt_backend_name,
+                        ttt_device):
+    """One call, its loss through the variant's outputs, gradients of the variant's inputs:
+    every output, final state and gradient against the oracle."""
+    names = variant.grads or differentiable_names(case)
+    probe = with_requires_grad(make_inputs(case, ttt_device), names)
+    skip_unless_supported(ttt_backend, probe)
+    expected = expected_for(case, str(ttt_device))
+    out_tol, grad_tol = TOLERANCES[case.dtype]
+    inputs = with_requires_grad(expected.inputs, names)
+
+    outputs = run_op(ttt_backend_name, inputs)
+    judge = Judge(case)
+    _check_outputs(judge, case, outputs, expected.outputs, out_tol)
+    used, cotangents = outputs_for_loss(outputs, expected.cotangents, variant.cotangents)
+    grads = gradients(inputs, used, cotangents)
+    want = expected.grads(variant.cotangents)
+    for name, grad in grads.items():
+        judge.dtype(f"d{name}", grad, inputs[name].dtype)
+        judge.close(f"d{name}", grad, want[name], grad_tol,
+                    per_sequence_rows=name.startswith("initial_state"),
+                    segments=name not in ("w", "b"))
+    judge.check(f"{case.id} [{variant.name}] on {ttt_backend_name}")
+
+
+FORWARD_ONLY_CASES = [
+    Case(2, 50, 2, 32, 16, dtype) for dtype in (F32, BF16, F16)
+] + [
+    Case(1, 70, 2, 32, chunk, dtype, seq_lens=(5, 16, 49))
+    for chunk in (16, 64) for dtype in (F32, BF16, F16)
+] + [Case(1, 50, 2, 32, 16, F32, scale=0.3, eps=1e-2)]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in FORWARD_ONLY_CASES])
+def test_forward_only_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
+    """Inference: no input requires grad (kernels may take another path than training)."""
+    inputs = make_inputs(case, ttt_device, seed=case.seed + 1)
+    skip_unless_supported(ttt_backend, inputs, requires_grad=False)
+    out_tol, _ = TOLERANCES[case.dtype]
+    with torch.no_grad():
+        outputs = run_op(ttt_backend_name, inputs)
+    expected = dict(zip(OUTPUT_NAMES, oracle_forward(inputs)))
+    judge = Judge(case)
+    _check_outputs(judge, case, outputs, expected, out_tol)
+    judge.check(f"{case.id} on {ttt_backend_name}")

@@ -1,0 +1,6 @@
+"""The shipped conformance suite, collected from ``ttt.testing`` (the same tests that
+``pytest --pyargs ttt.testing --ttt-backend NAME`` runs)."""
+
+from ttt.testing.test_against_oracle import *  # noqa: F403
+from ttt.testing.test_bad_inputs import *  # noqa: F403
+from ttt.testing.test_properties import *  # noqa: F403
