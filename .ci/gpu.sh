@@ -5,9 +5,8 @@
 # on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
 # fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
 # on the GPU fails its suite.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy cupy_fused
-#                                   cupy_segments
-#                                   tune bench
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_fused
+#                                   cupy_segments bench
 #                                   (default: info ref triton cupy bench)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -35,12 +34,6 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
-    triton_fused)   # the same suite with the fused chains forced on (launcher.FUSED), after
-                    # any TTT_TRITON_TUNE of the caller (e.g. a candidate chain_stages=2)
-      timeout ${TRITON_TIMEOUT:-300} env \
-        TTT_TRITON_TUNE=${TTT_TRITON_TUNE:+$TTT_TRITON_TUNE,}fuse=1,fuse_bwd=1 python3 -m nox \
-        --no-venv -s "tests(backend='triton')" -- -q $XDIST 2>&1 \
-        | tee "$OUT/tests-triton-fused.log" | tail -40 ;;
     cupy)   # the CUDA C++ backend's suite on the GPU (TTT_CUPY_MMA / TTT_CUPY_FUSE of the
             # caller apply)
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
@@ -56,15 +49,6 @@ for stage in $stages; do
       timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_SEGMENTS=3 python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-segments.log" \
         | tail -40 ;;
-    tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
-      for t in ${TUNE:-"S_out=64,S_grads=32" "S_out=32,S_grads=32" "S_out=64,S_grads=64"}; do
-        echo "== TTT_TRITON_TUNE=$t"
-        timeout ${BENCH_TIMEOUT:-240} env TTT_TRITON_TUNE=$t python3 benchmarks/run.py \
-          --backends triton --no-check --no-plot --rep 50 --warmup 20 \
-          --out "$OUT/tune-${t//[,=]/_}" 2>&1 | tail -9
-      done
-      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/run.py --backends fla.chunk --no-check \
-        --no-plot --rep 50 --warmup 20 --out "$OUT/tune-fla" 2>&1 | tail -9 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \

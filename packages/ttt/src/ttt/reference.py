@@ -160,7 +160,7 @@ class ReferenceBackend(Backend):
             o, ht, hbt = compute(problem, *leaves.values())
             outputs, cotangents = [o], [do]
             for out, cot in ((ht, dht), (hbt, dhbt)):
-                if out is not None and cot is not None:
+                if out is not None and cot is not None and out.requires_grad:
                     outputs.append(out)
                     cotangents.append(cot)
             wanted = [name for name in names if leaves[name] is not None
