@@ -3,4 +3,5 @@
 
 from ttt.testing.test_against_oracle import *  # noqa: F403
 from ttt.testing.test_bad_inputs import *  # noqa: F403
+from ttt.testing.test_eta_key_and_outputs import *  # noqa: F403
 from ttt.testing.test_properties import *  # noqa: F403

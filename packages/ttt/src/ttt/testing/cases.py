@@ -13,7 +13,10 @@ F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float6
 DTYPE_NAMES = {F32: "fp32", BF16: "bf16", F16: "fp16", F64: "fp64"}
 DEFAULT_EPS = 1e-6
 
-GRAD_NAMES = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias")
+GRAD_NAMES = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
+              "initial_state_bias")
+OUTPUT_FORMS = ("norm_residual", "query_residual", "raw")
+"""The op's output forms (``output=``); the first is its default."""
 STATE_NAMES = ("initial_state", "initial_state_bias")
 
 
@@ -31,6 +34,8 @@ class Case:
     final_state: bool = True
     scale: float | None = None   # None: the op's default D ** -0.5
     eps: float = DEFAULT_EPS
+    eta_key: bool = False        # a random positive per-key factor eta_key (never ones)
+    output: str = OUTPUT_FORMS[0]
 
     @property
     def big(self) -> bool:
@@ -50,7 +55,9 @@ class Case:
         shape = (f"varlen{list(self.seq_lens)}".replace(" ", "") if self.seq_lens
                  else f"B{self.B}")
         options = (f"{'' if self.scale is None else f'-s{self.scale:g}'}"
-                   f"{'' if self.eps == DEFAULT_EPS else f'-eps{self.eps:g}'}")
+                   f"{'' if self.eps == DEFAULT_EPS else f'-eps{self.eps:g}'}"
+                   f"{'-etakey' if self.eta_key else ''}"
+                   f"{'' if self.output == OUTPUT_FORMS[0] else f'-{self.output}'}")
         return (f"{shape}-T{self.T}-H{self.H}-D{self.D}-c{self.chunk}-"
                 f"{DTYPE_NAMES[self.dtype]}{'-h0' if self.states else ''}"
                 f"{'-etaT' if self.eta_tensor else '-etaF'}"
@@ -144,8 +151,26 @@ def _long_cases() -> list[Case]:
     ]
 
 
+def _eta_key_output_cases() -> list[Case]:
+    """The per-key factor ``eta_key`` and every output form in every dtype, dense and packed
+    (partial last chunks), with and without initial states, eta as a tensor and a float."""
+    cases = []
+    for dtype in (F32, BF16, F16, F64):
+        cases += [
+            Case(2, 37, 2, 32, 16, dtype, eta_key=True),
+            Case(1, 45, 2, 32, 16, dtype, seq_lens=(20, 25), eta_key=True,
+                 output="query_residual"),
+            Case(2, 37, 2, 32, 16, dtype, states=False, eta_key=True, output="raw"),
+            Case(1, 45, 2, 32, 16, dtype, seq_lens=(9, 36), states=False,
+                 output="query_residual"),
+            Case(1, 45, 2, 32, 16, dtype, seq_lens=(20, 25), eta_tensor=False, eta_key=True,
+                 output="raw"),
+        ]
+    return cases
+
+
 ORACLE_CASES = (_dense_cases() + _varlen_cases() + _scale_eps_cases() + _wide_cases()
-                + _long_cases())
+                + _long_cases() + _eta_key_output_cases())
 if len({c.id for c in ORACLE_CASES}) != len(ORACLE_CASES):
     raise RuntimeError("ttt.testing: two oracle cases share an id")
 
@@ -172,9 +197,15 @@ VARIANTS = (
     Variant("loss-states-only", cotangents="states"),
     Variant("only-q", grads=frozenset({"q"})),
     Variant("only-eta", grads=frozenset({"eta"})),
+    Variant("only-eta-key", grads=frozenset({"eta_key"})),
     Variant("only-states", grads=frozenset(STATE_NAMES)),
     Variant("only-w-b-states-unused", cotangents="o", grads=frozenset({"w", "b"})),
 )
+
+
+ETA_KEY_VARIANTS = ("all", "loss-states-only", "only-eta-key")
+"""The variants of the cases with eta_key (besides ``all``: the loss through the final
+states only, and eta_key alone requiring grad)."""
 
 
 def _variant_family() -> list[Case]:
@@ -190,12 +221,18 @@ def _variant_family() -> list[Case]:
 
 
 def oracle_params() -> list:
-    """(case, variant) parameters: every case with ``all``, the family with every variant.
+    """(case, variant) parameters: every case with ``all``, the family with every variant,
+    the cases with eta_key with ``ETA_KEY_VARIANTS``.
     Params of one case share an xdist group (one oracle computation per worker)."""
     params = []
     family = set(_variant_family())
     for case in ORACLE_CASES + [c for c in _variant_family() if c not in ORACLE_CASES]:
-        variants = VARIANTS if case in family else VARIANTS[:1]
+        if case in family:
+            variants = VARIANTS
+        elif case.eta_key:
+            variants = [v for v in VARIANTS if v.name in ETA_KEY_VARIANTS]
+        else:
+            variants = VARIANTS[:1]
         for variant in variants:
             if variant.applies_to(case):
                 marks = [pytest.mark.xdist_group(case.id)]
@@ -211,6 +248,8 @@ def differentiable_names(case: Case) -> tuple[str, ...]:
     names = ["q", "k", "v", "w", "b"]
     if case.eta_tensor:
         names.append("eta")
+    if case.eta_key:
+        names.append("eta_key")
     if case.states:
         names += list(STATE_NAMES)
     return tuple(names)
@@ -239,6 +278,10 @@ def make_inputs(case: Case, device, seed: int = 0) -> dict:
         eta=rand(B, T, H, 1, scale=0.1, uniform=True).to(eta_dtype) if case.eta_tensor else 0.05,
         chunk_size=case.chunk, output_final_state=case.final_state,
     )
+    if case.eta_key:   # positive, around 1, never ones: a backend ignoring it fails
+        inputs["eta_key"] = rand(B, T, H, 1, scale=1.0, offset=0.5, uniform=True).to(eta_dtype)
+    if case.output != OUTPUT_FORMS[0]:
+        inputs["output"] = case.output
     if case.scale is not None:
         inputs["scale"] = case.scale
     if case.eps != DEFAULT_EPS:
