@@ -59,3 +59,12 @@ def outputs_and_grads(backend_name: str, inputs: dict, seed: int = 7):
     cots = [torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
             for x in outputs]
     return outputs, gradients(inputs, outputs, cots)
+
+
+def op_arguments(backend_name: str, inputs: dict) -> tuple:
+    """The arguments of ``torch.ops.ttt.chunk_ttt_linear_fwd`` as ``ttt.chunk_ttt_linear``
+    builds them for these inputs on backend ``backend_name`` (the validated
+    ``ttt.make_problem`` laid out by ``ttt._custom_op.arguments``, the op's schema order)."""
+    from ttt import _custom_op
+
+    return _custom_op.arguments(ttt.make_problem(**inputs), backend_name)
