@@ -1,33 +1,21 @@
-"""The custom ops ttt::chunk_ttt_linear_fwd / _bwd: opcheck, autograd semantics,
-torch.compile(fullgraph=True) against eager, and autocast."""
+"""The custom ops ttt::chunk_ttt_linear_fwd / _bwd in the core: the reference gradients
+bitwise against autograd through its computation, autograd semantics (absent cotangents,
+gradient dtypes), the backend's choice under torch.compile, autocast of mixed input dtypes
+and under compile. opcheck, torch.compile and autocast against eager and CUDA graphs for
+every backend: the conformance suite (``ttt.testing.test_pytorch_integration``)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 import ttt
 from ttt import _custom_op, reference, registry
-from ttt.problem import OUTPUTS
 from ttt.testing.oracle import oracle_chunk_ttt_linear
 from ttt.testing.tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 8, 16
 GRAD_INPUTS = _custom_op.GRAD_INPUTS
-
-
-def _cpu_backends() -> list[str]:
-    """Backends that run on this machine's CPU: reference, and triton under its interpreter."""
-    names = ["reference"]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            ttt.load_backend("triton")
-            names.append("triton")
-        except ImportError:
-            pass
-    return names
 
 
 def _inputs(*, varlen=False, states=True, tensor_eta=True, eta_key=False, dtype=torch.float32,
@@ -59,12 +47,6 @@ def _call(x: dict, **kwargs):
                                 cu_seqlens=x["cu_seqlens"], eta_key=x["eta_key"], **kwargs)
 
 
-def _skip_unless_supported(backend: str, problem) -> None:
-    reasons = ttt.load_backend(backend).not_supported_reasons(problem)
-    if reasons:
-        pytest.skip(f"{backend} declares: {'; '.join(reasons)}")
-
-
 def _problem(x: dict, **kwargs):
     return ttt.make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"],
                             chunk_size=CHUNK, initial_state=x["initial_state"],
@@ -80,58 +62,6 @@ CASES = {
     "eta_key": dict(eta_key=True),
     "varlen_eta_key_no_states": dict(varlen=True, eta_key=True, states=False),
 }
-
-
-def _opcheck_cases():
-    """Every input set with the default output, every other output with eta_key and states."""
-    for name, case in CASES.items():
-        yield pytest.param(case, OUTPUTS[0], id=f"{name}-{OUTPUTS[0]}")
-    for output in OUTPUTS[1:]:
-        yield pytest.param(CASES["eta_key"], output, id=f"eta_key-{output}")
-
-
-@pytest.mark.parametrize("backend", _cpu_backends())
-@pytest.mark.parametrize("case, output", list(_opcheck_cases()))
-def test_opcheck_forward(case, output, backend):
-    x = _inputs(**case)
-    problem = _problem(x, output=output, output_final_state=True)
-    _skip_unless_supported(backend, problem)
-    torch.library.opcheck(torch.ops.ttt.chunk_ttt_linear_fwd,
-                          _custom_op.arguments(problem, backend))
-
-
-@pytest.mark.parametrize("backend", _cpu_backends())
-@pytest.mark.parametrize("final_cotangents", [True, False], ids=["dht", "no_dht"])
-@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_opcheck_backward(case, final_cotangents, backend):
-    x = _inputs(**case, requires_grad=False)
-    problem = _problem(x, output_final_state=True)
-    _skip_unless_supported(backend, problem)
-    args = list(_custom_op.arguments(problem, backend))
-    args[-1] = True                                          # needs_backward
-    o, finals, saved = torch.ops.ttt.chunk_ttt_linear_fwd(*args)
-    assert len(saved) == len(ttt.load_backend(backend).saved_shapes(problem))
-    do = torch.randn_like(o)
-    dht, dhbt = ((torch.randn_like(finals[0]), torch.randn_like(finals[1]))
-                 if final_cotangents else (None, None))
-    inputs = args[:10]
-    needs = [t is not None and (name != "eta" or problem.eta_is_tensor)
-             for name, t in zip(GRAD_INPUTS, inputs)]
-    bwd_args = (do, dht, dhbt, *inputs, saved, *args[10:-1], needs)
-    before = [t.clone() for t in bwd_args if isinstance(t, torch.Tensor)]
-    # test_schema runs the op under a dispatch mode that cannot see into the function
-    # transform (torch.func.vjp) the reference backward differentiates with; the check it
-    # makes (no input modified, no output aliasing an input) is made here instead
-    utils = [u for u in ("test_schema", "test_autograd_registration", "test_faketensor",
-                         "test_aot_dispatch_dynamic")
-             if backend != "reference" or u != "test_schema"]
-    torch.library.opcheck(torch.ops.ttt.chunk_ttt_linear_bwd, bwd_args, test_utils=utils)
-    grads = torch.ops.ttt.chunk_ttt_linear_bwd(*bwd_args)
-    after = [t for t in bwd_args if isinstance(t, torch.Tensor)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
-    storages = {t.untyped_storage().data_ptr() for t in after}
-    assert not any(g.untyped_storage().data_ptr() in storages for g in grads)
-    assert len(grads) == sum(needs)
 
 
 def _assert_near(got: torch.Tensor, want: torch.Tensor, bound: float) -> None:
@@ -225,57 +155,6 @@ def test_no_grad_returns_plain_tensors():
     assert ht is None and hbt is None and o.grad_fn is None
 
 
-class _Layer(torch.nn.Module):
-    """A small module around the op: projections, learned states, per-key eta."""
-
-    def __init__(self, output: str, backend: str, eta_key: bool):
-        super().__init__()
-        gen = torch.Generator().manual_seed(3)
-        self.proj = torch.nn.Linear(H * D, 3 * H * D + 2 * H)
-        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(H, D, generator=gen))
-        self.b = torch.nn.Parameter(0.1 * torch.randn(H, D, generator=gen))
-        self.h0 = torch.nn.Parameter(0.3 * torch.randn(1, H, D, D, generator=gen))
-        self.output, self.backend, self.eta_key = output, backend, eta_key
-
-    def forward(self, x: torch.Tensor):
-        B, T, _ = x.shape
-        qkv, gates = self.proj(x).split([3 * H * D, 2 * H], dim=-1)
-        q, k, v = qkv.reshape(B, T, 3, H, D).unbind(2)
-        eta = 0.1 * torch.sigmoid(gates[..., :H]).unsqueeze(-1)
-        eta_key = torch.sigmoid(gates[..., H:]).unsqueeze(-1)
-        o, ht, hbt = ttt.chunk_ttt_linear(
-            q, torch.nn.functional.normalize(k, dim=-1), v, self.w, self.b, eta,
-            chunk_size=CHUNK, initial_state=self.h0.expand(B, -1, -1, -1).contiguous(),
-            output_final_state=True, eta_key=eta_key if self.eta_key else None,
-            output=self.output,
-            backend=self.backend)
-        return o.reshape(B, T, H * D), ht
-
-
-@pytest.mark.parametrize("backend", _cpu_backends())
-@pytest.mark.parametrize("output", OUTPUTS)
-def test_compile_fullgraph_module_equals_eager(output, backend):
-    torch._dynamo.reset()
-    capabilities = ttt.load_backend(backend).capabilities
-    if output not in capabilities.outputs:
-        pytest.skip(f"{backend} declares outputs {sorted(capabilities.outputs)}")
-    layer = _Layer(output, backend, eta_key=capabilities.eta_key)
-    x = torch.randn(2, 37, H * D, generator=torch.Generator().manual_seed(4),
-                    requires_grad=True)
-    compiled = torch.compile(layer, fullgraph=True)
-
-    def run(module):
-        o, ht = module(x)
-        loss = (o * torch.linspace(-1, 1, o.shape[-1])).sum() + ht.square().sum()
-        params = [x, *layer.parameters()]
-        return [o, ht, *torch.autograd.grad(loss, params)]
-
-    eager, got = run(layer), run(compiled)
-    out_bound, grad_bound = TOLERANCES[torch.float32]
-    for i, (a, b) in enumerate(zip(got, eager)):
-        _assert_near(a, b, out_bound if i < 2 else grad_bound)
-
-
 def test_compile_function_and_set_backend_context():
     """A compiled function sees the backend chosen by set_backend when it is traced."""
     torch._dynamo.reset()
@@ -292,25 +171,11 @@ def test_compile_function_and_set_backend_context():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_compile_varlen_with_a_graph_break_equals_eager():
-    """A tensor cu_seqlens is read on the host: dynamo breaks the graph there and the rest
-    still runs through the op."""
-    torch._dynamo.reset()
-    x = _inputs(varlen=True)
-
-    def fn(x):
-        o, ht, hbt = _call(x, output_final_state=True)
-        return o.sum() + ht.sum() + hbt.sum()
-
-    got = torch.compile(fn)(x)
-    _assert_near(got, fn(x), TOLERANCES[torch.float32][0])
-
-
 def _autocast_inputs():
     return _inputs(states=True, eta_key=True)
 
 
-def test_autocast_casts_q_k_v_only():
+def test_autocast_casts_mixed_q_k_v():
     """In a CPU bf16 autocast region, q, k, v go in as bf16 (o comes out bf16), everything
     else keeps its dtype; an fp32 F.normalize(k) next to bf16 q, v works."""
     x = _autocast_inputs()
@@ -362,34 +227,6 @@ def test_autocast_under_compile_equals_eager():
     assert got[0].dtype == torch.bfloat16
     for a, b in zip(got, eager):
         _assert_near(a, b, TOLERANCES[torch.bfloat16][0])
-
-
-@pytest.mark.parametrize("backend", _cpu_backends())
-def test_compile_dynamic_lengths_equal_eager(backend):
-    """dynamic=True: one graph for several batch sizes and lengths (partial chunks)."""
-    torch._dynamo.reset()
-
-    def fn(q, k, v, w, b, eta, h0):
-        o, ht, _ = ttt.chunk_ttt_linear(q, k, v, w, b, eta, chunk_size=CHUNK,
-                                        initial_state=h0, output_final_state=True,
-                                        backend=backend)
-        return o, ht
-
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-    for B, T in ((1, 37), (2, 53)):
-        x = _inputs(states=True, seed=T)
-        x = dict(x, **{n: x[n][:B, :T] for n in ("q", "k", "v", "eta")},
-                 initial_state=x["initial_state"][:B])
-        args = [x[n] for n in ("q", "k", "v", "w", "b", "eta", "initial_state")]
-        eager, got = fn(*args), compiled(*args)
-        cot = [torch.randn_like(t) for t in eager]
-        eager_grads = torch.autograd.grad(eager, [x["q"], x["w"]], cot)
-        got_grads = torch.autograd.grad(got, [x["q"], x["w"]], cot)
-        out_bound, grad_bound = TOLERANCES[torch.float32]
-        for a, b in zip(got, eager):
-            _assert_near(a, b, out_bound)
-        for a, b in zip(got_grads, eager_grads):
-            _assert_near(a, b, grad_bound)
 
 
 def test_compile_reports_an_unfit_backend(monkeypatch):

@@ -124,7 +124,7 @@ COMPILE_CASES = {
 def _skip_unless_compiles(device: torch.device) -> None:
     """torch.compile needs a working inductor for the device (a C++ compiler on CPU)."""
     if device.type == "cpu":
-        from torch._inductor import cpp_builder   # noqa: PLC0415 - only where compiling
+        from torch._inductor import cpp_builder
 
         try:
             cpp_builder.get_cpp_compiler()
