@@ -33,8 +33,8 @@ OPCHECK_CASES = {
 
 
 def _inputs(case: Case, device, seed: int = 3) -> dict:
-    inputs = differentiable(make_inputs(case, device, seed=seed))
-    return inputs
+    """The case's inputs, every floating tensor requiring grad."""
+    return differentiable(make_inputs(case, device, seed=seed))
 
 
 def _near(label: str, got: torch.Tensor | None, want: torch.Tensor | None, bound: float,
