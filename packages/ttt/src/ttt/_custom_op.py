@@ -67,8 +67,7 @@ def _with_autograd():
     return torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS)
 
 
-@torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=())
-def chunk_ttt_linear_fwd(
+def _forward_impl(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
         eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
         initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
@@ -85,6 +84,10 @@ def chunk_ttt_linear_fwd(
     saved = list(saved) if needs_backward else []
     finals = [ht.contiguous(), hbt.contiguous()] if output_final_state else []
     return o.contiguous(), finals, saved
+
+
+chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd",
+                                               mutates_args=())(_forward_impl)
 
 
 @chunk_ttt_linear_fwd.register_fake
@@ -106,8 +109,7 @@ def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu
     return torch.empty_like(q), finals, saved
 
 
-@torch.library.custom_op("ttt::chunk_ttt_linear_bwd", mutates_args=())
-def chunk_ttt_linear_bwd(
+def _backward_impl(
         do: torch.Tensor, dht: torch.Tensor | None, dhbt: torch.Tensor | None,
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
         eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
@@ -134,6 +136,10 @@ def chunk_ttt_linear_bwd(
             raise RuntimeError(f"backend {backend!r} returned no gradient for {name}")
         result.append(grad.to(like.dtype).contiguous())
     return result
+
+
+chunk_ttt_linear_bwd = torch.library.custom_op("ttt::chunk_ttt_linear_bwd",
+                                               mutates_args=())(_backward_impl)
 
 
 @chunk_ttt_linear_bwd.register_fake
@@ -171,12 +177,85 @@ def _backward(ctx, do, d_finals, _d_saved):
         dht, dhbt = d_finals[0], d_finals[1]
     if do is None:
         do = torch.zeros_like(inputs[0])
-    grads = iter(chunk_ttt_linear_bwd(
+    grads = iter(backward((
         do, None if dht is None else dht.contiguous(),
         None if dhbt is None else dhbt.contiguous(), *inputs, saved, *ctx.options,
-        grad_flags))
+        grad_flags)))
     result = [next(grads) if flag else None for flag in grad_flags]
     return (*result, None, *no_option_grads)
 
 
 chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ the eager shortcut
+# An eager call of an op goes through the dispatcher's generic Python glue (the autograd
+# formula's pytree flattening of list arguments and outputs, its schema walk), which costs
+# a multiple of the core's own work at a small shape. Where the dispatcher would only run
+# that glue on the way to the implementation, the calls below do what it does directly:
+# the same implementation below the autograd keys, the same aliasing check of the outputs,
+# the same setup_context and backward formula in an autograd.Function. Anything else that
+# may see or transform the op takes the op: torch.compile / export / jit tracing, a torch
+# function or dispatch mode (fake tensors, opcheck, FlopCounterMode, functionalization), a
+# functorch transform, the profiler, a tensor subclass, the meta device.
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_and_plain(tensors) -> bool:
+    """Whether the dispatcher would take an op on ``tensors`` straight to its autograd
+    formula and implementation, nothing watching or transforming it."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._autograd._profiler_enabled()
+            or torch._C._get_tracing_state() is not None
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or (type(t) in _PLAIN_TYPES and not t.is_meta) for t in tensors)
+
+
+def _checked(name: str, impl, args: tuple):
+    """``impl(*args)`` below the autograd keys, its outputs checked as the op's are."""
+    with torch._C._AutoDispatchBelowAutograd():
+        result = impl(*args)
+    torch._library.utils._c_check_aliasing_constraint(name, args, {}, result)
+    return result
+
+
+class _EagerForward(torch.autograd.Function):
+    """The forward op's autograd node for an eager call that needs a backward: its
+    implementation, ``_setup_context`` and ``_backward``; the outputs flat
+    (``o, *finals, *saved``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        o, finals, saved = _checked("chunk_ttt_linear_fwd", _forward_impl, args)
+        _setup_context(ctx, args, (o, finals, saved))
+        ctx.final_count = len(finals)
+        return (o, *finals, *saved)
+
+    @staticmethod
+    def backward(ctx, do, *d_rest):
+        grads = list(_backward(ctx, do, list(d_rest[:ctx.final_count]), None))
+        grads[_TENSOR_ARGS] = None                  # seq_lens (a plain argument here)
+        return tuple(grads)
+
+
+def forward(args: tuple) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The forward op on ``args`` (:func:`arguments`): ``(o, finals, saved)``."""
+    if not _eager_and_plain(args[:_TENSOR_ARGS]):
+        return chunk_ttt_linear_fwd(*args)
+    if not (torch.is_grad_enabled() and args[-1]):            # (needs_backward)
+        return _checked("chunk_ttt_linear_fwd", _forward_impl, args)
+    o, *rest = _EagerForward.apply(*args)
+    final_count = 2 if args[_TENSOR_ARGS + 4] else 0        # (output_final_state)
+    return o, rest[:final_count], rest[final_count:]
+
+
+def backward(args: tuple) -> list[torch.Tensor]:
+    """The backward op on ``args``; the op itself where a graph of it is to be recorded
+    (a double backward, which it refuses)."""
+    if torch.is_grad_enabled() or not _eager_and_plain((*args[:3 + _TENSOR_ARGS],
+                                                         *args[3 + _TENSOR_ARGS])):
+        return chunk_ttt_linear_bwd(*args)
+    return _checked("chunk_ttt_linear_bwd", _backward_impl, args)
