@@ -17,11 +17,12 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs.
 
 ``--compare-with REV`` extracts ``packages/ttt/src/ttt`` of git revision ``REV`` into a
-temporary folder, runs the same measurement there in a child process (same inputs, same
-null backend) and prints both tables and the ratio. Both runs share the machine: the
-numbers are for comparing, not absolute. ``--cprofile N`` prints cProfile's N functions of
-most own time per call of the ``fwd+bwd`` case on the first shape (under the profiler,
-whose own cost is included: compare lines, not totals).
+temporary folder and runs the same measurement (same inputs, same null backend) in child
+processes, one with that revision's ttt and one with this checkout's, taking turns for
+``--rounds`` rounds (a change in the machine's load hits both sides); it prints per cell
+the median over the rounds of both and their ratio. ``--cprofile N`` prints cProfile's N
+functions of most own time per call of the ``fwd+bwd`` case on the first shape (under the
+profiler, whose own cost is included: compare lines, not totals).
 """
 
 from __future__ import annotations
@@ -177,21 +178,46 @@ def profile(top: int, iters: int) -> str:
     return out.getvalue()
 
 
-def measure_revision(rev: str, iters: int, repeats: int) -> list[dict]:
-    """:func:`measure` with the ttt package of git revision ``rev``, in a child process."""
+def _extract(rev: str, into: str) -> str:
+    """``packages/ttt/src`` of git revision ``rev``, extracted under ``into``."""
     root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(root), "archive", rev, "packages/ttt/src/ttt"],
-            check=True, capture_output=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(tmp, filter="data")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(Path(tmp) / "packages/ttt/src"), os.environ.get("PYTHONPATH", "")]))
-        out = subprocess.run(
-            [sys.executable, __file__, "--json", "--iters", str(iters), "--repeats",
-             str(repeats)], check=True, capture_output=True, text=True, env=env).stdout
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "packages/ttt/src/ttt"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return str(Path(into) / "packages/ttt/src")
+
+
+def _measure_child(src: str | None, iters: int, repeats: int) -> list[dict]:
+    """:func:`measure` in a child process, with ``src`` first on its path (None: as here)."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, __file__, "--json", "--iters", str(iters),
+                          "--repeats", str(repeats)],
+                         check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out)
+
+
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    rows = [dict(row) for row in runs[0]]
+    for i, row in enumerate(rows):
+        for mode in MODES:
+            row[mode] = statistics.median(run[i][mode] for run in runs)
+    return rows
+
+
+def compare(rev: str, iters: int, repeats: int, rounds: int) -> tuple[list[dict], list[dict]]:
+    """(rows of revision ``rev``, rows of this checkout): child processes taking turns,
+    ``rounds`` each, so that a change in the machine's load hits both; per cell the median
+    over the rounds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _extract(rev, tmp)
+        before, after = [], []
+        for _ in range(rounds):
+            before.append(_measure_child(src, iters, repeats))
+            after.append(_measure_child(None, iters, repeats))
+    return _median_rows(before), _median_rows(after)
 
 
 def table(rows: list[dict], before: list[dict] | None = None) -> str:
@@ -215,6 +241,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median counts")
     parser.add_argument("--compare-with", metavar="REV",
                         help="also measure the ttt package of git revision REV")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare-with: child processes per side, taking turns")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="print cProfile's N functions of most own time per fwd+bwd")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
@@ -223,9 +251,10 @@ def main() -> None:
         print(json.dumps(measure(args.iters, args.repeats)))
         return
     print(f"torch {torch.__version__}, ttt from {Path(ttt.__file__).parent}, one CPU thread")
-    before = measure_revision(args.compare_with, args.iters, args.repeats) \
-        if args.compare_with else None
-    rows = measure(args.iters, args.repeats)
+    if args.compare_with:
+        before, rows = compare(args.compare_with, args.iters, args.repeats, args.rounds)
+    else:
+        before, rows = None, measure(args.iters, args.repeats)
     if before is not None:
         print(f"\n{args.compare_with} -> this checkout, us per call (ratio):")
     print(table(rows, before))

@@ -13,6 +13,8 @@ Autocast is off inside both ops: the inputs arrive in the dtypes the wrapper cho
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .backend import GradNeeds
@@ -48,7 +50,11 @@ def arguments(problem: Problem, backend: str) -> tuple:
 
 
 def _no_autocast(device: torch.device):
-    return torch.autocast(device.type, enabled=False)
+    """Autocast off for ``device``'s type inside the ops (nothing to switch where it is
+    off already: the common case, without the cost of entering an autocast region)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
