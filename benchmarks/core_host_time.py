@@ -17,12 +17,13 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs.
 
 ``--compare-with REV`` extracts ``packages/ttt/src/ttt`` of git revision ``REV`` into a
-temporary folder and runs the same measurement (same inputs, same null backend) in child
-processes, one with that revision's ttt and one with this checkout's, taking turns for
-``--rounds`` rounds (a change in the machine's load hits both sides); it prints per cell
-the median over the rounds of both and their ratio. ``--cprofile N`` prints cProfile's N
-functions of most own time per call of the ``fwd+bwd`` case on the first shape (under the
-profiler, whose own cost is included: compare lines, not totals).
+temporary folder and runs the same measurement (same inputs, same null backend) in two
+child processes, one with that revision's ttt and one with this checkout's, which take
+turns case by case for ``--rounds`` rounds (a change in the machine's load hits both
+sides); it prints per cell the median of all runs of each side and their ratio.
+``--cprofile N`` prints cProfile's N functions of most own time per call of the
+``fwd+bwd`` case on the first shape (under the profiler, whose own cost is included:
+compare lines, not totals).
 """
 
 from __future__ import annotations
@@ -128,8 +129,12 @@ def one_call(mode: str, shape, packed: bool):
     return lambda: grad(op(*xs, **kwargs)[0], xs, do)
 
 
-def median_us(fn, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean time of ``iters`` calls of ``fn``, in us."""
+CASES = [(shape, packed, mode) for shape in SHAPES for packed in (False, True)
+         for mode in MODES]
+
+
+def timed_runs(fn, iters: int, repeats: int) -> list[float]:
+    """``repeats`` times the mean time of ``iters`` calls of ``fn`` (after a warm-up), us."""
     for _ in range(max(iters // 10, 10)):
         fn()
     runs = []
@@ -138,23 +143,41 @@ def median_us(fn, iters: int, repeats: int) -> float:
         for _ in range(iters):
             fn()
         runs.append((time.perf_counter_ns() - t0) / iters / 1e3)
-    return statistics.median(runs)
+    return runs
+
+
+def _rows(samples: list[list[float]]) -> list[dict]:
+    """One row per shape and layout: {"shape", "layout", mode: median us per call}, from
+    the runs of each of CASES."""
+    rows: dict[tuple, dict] = {}
+    for (shape, packed, mode), runs in zip(CASES, samples):
+        row = rows.setdefault((shape, packed), {"shape": ",".join(map(str, shape)),
+                                                "layout": "packed" if packed else "dense"})
+        row[mode] = statistics.median(runs)
+    return list(rows.values())
 
 
 def measure(iters: int, repeats: int) -> list[dict]:
-    """One row per shape and layout: {"shape", "layout", mode: us per call}."""
+    """Every case of CASES in this process, ``repeats`` runs of ``iters`` calls each."""
     torch.set_num_threads(1)
     register_null_backend()
-    rows = []
     with ttt.set_backend(NULL):
-        for shape in SHAPES:
-            for packed in (False, True):
-                row = {"shape": ",".join(map(str, shape)),
-                       "layout": "packed" if packed else "dense"}
-                for mode in MODES:
-                    row[mode] = median_us(one_call(mode, shape, packed), iters, repeats)
-                rows.append(row)
-    return rows
+        return _rows([timed_runs(one_call(mode, shape, packed), iters, repeats)
+                      for shape, packed, mode in CASES])
+
+
+def serve(iters: int, repeats: int) -> None:
+    """Child process: for each case index read from stdin, print its runs as JSON."""
+    torch.set_num_threads(1)
+    register_null_backend()
+    calls = {}
+    with ttt.set_backend(NULL):
+        for line in sys.stdin:
+            i = int(line)
+            if i not in calls:
+                shape, packed, mode = CASES[i]
+                calls[i] = one_call(mode, shape, packed)
+            print(json.dumps(timed_runs(calls[i], iters, repeats)), flush=True)
 
 
 def profile(top: int, iters: int) -> str:
@@ -188,36 +211,42 @@ def _extract(rev: str, into: str) -> str:
     return str(Path(into) / "packages/ttt/src")
 
 
-def _measure_child(src: str | None, iters: int, repeats: int) -> list[dict]:
-    """:func:`measure` in a child process, with ``src`` first on its path (None: as here)."""
+def _child(src: str | None, iters: int, repeats: int) -> subprocess.Popen:
+    """A :func:`serve` process, with ``src`` first on its path (None: this checkout's)."""
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, __file__, "--json", "--iters", str(iters),
-                          "--repeats", str(repeats)],
-                         check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out)
+    return subprocess.Popen([sys.executable, __file__, "--serve", "--iters", str(iters),
+                             "--repeats", str(repeats)], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def _median_rows(runs: list[list[dict]]) -> list[dict]:
-    rows = [dict(row) for row in runs[0]]
-    for i, row in enumerate(rows):
-        for mode in MODES:
-            row[mode] = statistics.median(run[i][mode] for run in runs)
-    return rows
+def _ask(child: subprocess.Popen, case: int) -> list[float]:
+    child.stdin.write(f"{case}\n")
+    child.stdin.flush()
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the measuring child process ended (exit {child.wait()})")
+    return json.loads(line)
 
 
 def compare(rev: str, iters: int, repeats: int, rounds: int) -> tuple[list[dict], list[dict]]:
-    """(rows of revision ``rev``, rows of this checkout): child processes taking turns,
-    ``rounds`` each, so that a change in the machine's load hits both; per cell the median
-    over the rounds."""
+    """(rows of revision ``rev``, rows of this checkout), measured by two child processes
+    that take turns case by case, ``rounds`` times (a change in the machine's load hits
+    both sides); per cell the median of all runs of a side."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = _extract(rev, tmp)
-        before, after = [], []
-        for _ in range(rounds):
-            before.append(_measure_child(src, iters, repeats))
-            after.append(_measure_child(None, iters, repeats))
-    return _median_rows(before), _median_rows(after)
+        children = [_child(_extract(rev, tmp), iters, repeats), _child(None, iters, repeats)]
+        samples = [[[] for _ in CASES], [[] for _ in CASES]]
+        try:
+            for r in range(rounds):
+                for case in range(len(CASES)):
+                    for side in (0, 1) if r % 2 == 0 else (1, 0):
+                        samples[side][case] += _ask(children[side], case)
+        finally:
+            for child in children:
+                child.stdin.close()
+                child.wait()
+    return _rows(samples[0]), _rows(samples[1])
 
 
 def table(rows: list[dict], before: list[dict] | None = None) -> str:
@@ -242,13 +271,13 @@ def main() -> None:
     parser.add_argument("--compare-with", metavar="REV",
                         help="also measure the ttt package of git revision REV")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="with --compare-with: child processes per side, taking turns")
+                        help="with --compare-with: turns of the two sides per case")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="print cProfile's N functions of most own time per fwd+bwd")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.json:
-        print(json.dumps(measure(args.iters, args.repeats)))
+    if args.serve:
+        serve(args.iters, args.repeats)
         return
     print(f"torch {torch.__version__}, ttt from {Path(ttt.__file__).parent}, one CPU thread")
     if args.compare_with:

@@ -115,6 +115,17 @@ def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu
     return torch.empty_like(q), finals, saved
 
 
+_GRAD_NEEDS: dict[tuple[bool, ...], GradNeeds] = {}
+
+
+def _grad_needs(needs: tuple[bool, ...]) -> GradNeeds:
+    """The (frozen) GradNeeds of ``needs`` in GRAD_INPUTS order, made once per pattern."""
+    found = _GRAD_NEEDS.get(needs)
+    if found is None:
+        found = _GRAD_NEEDS[needs] = GradNeeds(**dict(zip(GRAD_INPUTS, needs)))
+    return found
+
+
 def _backward_impl(
         do: torch.Tensor, dht: torch.Tensor | None, dhbt: torch.Tensor | None,
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
@@ -130,7 +141,7 @@ def _backward_impl(
                          eta_is_tensor, output, True)
     with _no_autocast(q.device), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
-                                               dhbt, GradNeeds(**dict(zip(GRAD_INPUTS, needs))))
+                                               dhbt, _grad_needs(tuple(needs)))
     found = (grads.dq, grads.dk, grads.dv, grads.dw, grads.db, grads.deta, grads.deta_key,
              grads.dh0, grads.dhb0)
     inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
@@ -140,7 +151,7 @@ def _backward_impl(
             continue
         if grad is None:
             raise RuntimeError(f"backend {backend!r} returned no gradient for {name}")
-        result.append(grad.to(like.dtype).contiguous())
+        result.append((grad if grad.dtype == like.dtype else grad.to(like.dtype)).contiguous())
     return result
 
 
@@ -230,11 +241,12 @@ def _checked(name: str, impl, args: tuple):
 
 class _EagerForward(torch.autograd.Function):
     """The forward op's autograd node for an eager call that needs a backward: its
-    implementation, ``_setup_context`` and ``_backward``; the outputs flat
-    (``o, *finals, *saved``)."""
+    implementation, ``_setup_context`` and ``_backward``; the op's tensor arguments, then
+    its options in one tuple; the outputs flat (``o, *finals, *saved``)."""
 
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx, *tensors_and_options):
+        args = (*tensors_and_options[:-1], *tensors_and_options[-1])
         o, finals, saved = _checked("chunk_ttt_linear_fwd", _forward_impl, args)
         _setup_context(ctx, args, (o, finals, saved))
         ctx.final_count = len(finals)
@@ -242,9 +254,8 @@ class _EagerForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, *d_rest):
-        grads = list(_backward(ctx, do, list(d_rest[:ctx.final_count]), None))
-        grads[_TENSOR_ARGS] = None                  # seq_lens (a plain argument here)
-        return tuple(grads)
+        grads = _backward(ctx, do, list(d_rest[:ctx.final_count]), None)
+        return (*grads[:_TENSOR_ARGS], None)       # (the options travel as one argument)
 
 
 def forward(args: tuple) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -253,7 +264,7 @@ def forward(args: tuple) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.T
         return chunk_ttt_linear_fwd(*args)
     if not (torch.is_grad_enabled() and args[-1]):            # (needs_backward)
         return _checked("chunk_ttt_linear_fwd", _forward_impl, args)
-    o, *rest = _EagerForward.apply(*args)
+    o, *rest = _EagerForward.apply(*args[:_TENSOR_ARGS], args[_TENSOR_ARGS:])
     final_count = 2 if args[_TENSOR_ARGS + 4] else 0        # (output_final_state)
     return o, rest[:final_count], rest[final_count:]
 
