@@ -84,11 +84,17 @@ def _forward_impl(
     problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
                          cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
                          eta_is_tensor, output, needs_backward)
+    return _run_forward(problem, backend)
+
+
+def _run_forward(problem: Problem, backend: str):
+    """The forward op's work on its arguments' Problem."""
     chosen = load_backend(backend)
-    with _no_autocast(q.device):
+    needs_backward = problem.requires_grad
+    with _no_autocast(problem.q.device):
         o, ht, hbt, saved = chosen.forward(problem, needs_backward=needs_backward)
     saved = list(saved) if needs_backward else []
-    finals = [ht.contiguous(), hbt.contiguous()] if output_final_state else []
+    finals = [ht.contiguous(), hbt.contiguous()] if problem.output_final_state else []
     return o.contiguous(), finals, saved
 
 
@@ -231,12 +237,18 @@ def _eager_and_plain(tensors) -> bool:
     return all(t is None or (type(t) in _PLAIN_TYPES and not t.is_meta) for t in tensors)
 
 
-def _checked(name: str, impl, args: tuple):
-    """``impl(*args)`` below the autograd keys, its outputs checked as the op's are."""
+def _checked(name: str, args: tuple, run):
+    """``run()``, the op ``name``'s work on ``args``, below the autograd keys; its outputs
+    checked as the op's are."""
     with torch._C._AutoDispatchBelowAutograd():
-        result = impl(*args)
+        result = run()
     torch._library.utils._c_check_aliasing_constraint(name, args, {}, result)
     return result
+
+
+def _checked_forward(args: tuple, problem: Problem):
+    """The forward op's implementation on ``args``, given their Problem (the wrapper's)."""
+    return _checked("chunk_ttt_linear_fwd", args, lambda: _run_forward(problem, args[-2]))
 
 
 class _EagerForward(torch.autograd.Function):
@@ -245,9 +257,10 @@ class _EagerForward(torch.autograd.Function):
     its options in one tuple; the outputs flat (``o, *finals, *saved``)."""
 
     @staticmethod
-    def forward(ctx, *tensors_and_options):
-        args = (*tensors_and_options[:-1], *tensors_and_options[-1])
-        o, finals, saved = _checked("chunk_ttt_linear_fwd", _forward_impl, args)
+    def forward(ctx, *tensors_options_problem):
+        *tensors, options, problem = tensors_options_problem
+        args = (*tensors, *options)
+        o, finals, saved = _checked_forward(args, problem)
         _setup_context(ctx, args, (o, finals, saved))
         ctx.final_count = len(finals)
         return (o, *finals, *saved)
@@ -255,16 +268,19 @@ class _EagerForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *d_rest):
         grads = _backward(ctx, do, list(d_rest[:ctx.final_count]), None)
-        return (*grads[:_TENSOR_ARGS], None)       # (the options travel as one argument)
+        return (*grads[:_TENSOR_ARGS], None, None)     # (options, problem)
 
 
-def forward(args: tuple) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """The forward op on ``args`` (:func:`arguments`): ``(o, finals, saved)``."""
+def forward(problem: Problem, backend: str
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The forward op for a validated ``problem`` on backend ``backend``:
+    ``(o, finals, saved)``."""
+    args = arguments(problem, backend)
     if not _eager_and_plain(args[:_TENSOR_ARGS]):
         return chunk_ttt_linear_fwd(*args)
-    if not (torch.is_grad_enabled() and args[-1]):            # (needs_backward)
-        return _checked("chunk_ttt_linear_fwd", _forward_impl, args)
-    o, *rest = _EagerForward.apply(*args[:_TENSOR_ARGS], args[_TENSOR_ARGS:])
+    if not (torch.is_grad_enabled() and problem.requires_grad):
+        return _checked_forward(args, problem)
+    o, *rest = _EagerForward.apply(*args[:_TENSOR_ARGS], args[_TENSOR_ARGS:], problem)
     final_count = 2 if args[_TENSOR_ARGS + 4] else 0        # (output_final_state)
     return o, rest[:final_count], rest[final_count:]
 
@@ -275,4 +291,4 @@ def backward(args: tuple) -> list[torch.Tensor]:
     if torch.is_grad_enabled() or not _eager_and_plain((*args[:3 + _TENSOR_ARGS],
                                                          *args[3 + _TENSOR_ARGS])):
         return chunk_ttt_linear_bwd(*args)
-    return _checked("chunk_ttt_linear_bwd", _backward_impl, args)
+    return _checked("chunk_ttt_linear_bwd", args, lambda: _backward_impl(*args))
