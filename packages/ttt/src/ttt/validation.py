@@ -98,6 +98,38 @@ def _check_output(output) -> str:
     return output
 
 
+def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
+                  dtype: torch.dtype, device: torch.device, what_n: str):
+    """The initial states given (either may be None): float32 (or float64 with float64
+    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N sequences (``what_n``)."""
+    N, H, D = NHD
+    state_dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    for name, state, shape, meaning in (
+            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
+            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
+        if state is None:
+            continue
+        _require_tensor(name, state, 4)
+        if tuple(state.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} {what_n}),"
+                             f" got {tuple(state.shape)}")
+        if state.dtype not in state_dtypes:
+            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
+                            f"got {_name(state.dtype)}")
+        _require_device(name, state, device)
+
+
+def _any_requires_grad(tensors) -> bool:
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                  initial_state=None, initial_state_bias=None, output_final_state=False,
                  cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
@@ -165,32 +197,16 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
         seq_lens = (T,) * B
     N = len(seq_lens)
 
-    state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-    for name, state, shape, meaning in (
-            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
-            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        if state is None:
-            continue
-        _require_tensor(name, state, 4)
-        if tuple(state.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} "
-                             f"{'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}),"
-                             f" got {tuple(state.shape)}")
-        if state.dtype not in state_dtypes:
-            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
-                            f"got {_name(state.dtype)}")
-        _require_device(name, state, device)
-
-    def contiguous(t):
-        return None if t is None else t.contiguous()
-
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
+    if initial_state is not None or initial_state_bias is not None:
+        _check_states(initial_state, initial_state_bias, (N, H, D), q.dtype, device,
+                      "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
+    requires_grad = torch.is_grad_enabled() and _any_requires_grad(
+        (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
     return Problem._of_fields(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), w=w.contiguous(),
         b=b.contiguous(), eta=eta.contiguous(), scale=scale, eps=eps, chunk_size=int(chunk_size),
-        initial_state=contiguous(initial_state), initial_state_bias=contiguous(initial_state_bias),
+        initial_state=_contiguous(initial_state),
+        initial_state_bias=_contiguous(initial_state_bias),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
         eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
         output=output)
