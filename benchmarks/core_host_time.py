@@ -16,6 +16,9 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd grad``: one forward, inputs with ``requires_grad`` (the autograd graph recorded);
 - ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs.
 
+And the automatic choice alone: ``registry.select_backend`` over the backends installed
+here (the null backend is not among them), for the first shape.
+
 ``--compare-with REV`` extracts ``packages/ttt/src/ttt`` of git revision ``REV`` into a
 temporary folder and runs the same measurement (same inputs, same null backend) in two
 child processes, one with that revision's ttt and one with this checkout's, which take
@@ -131,6 +134,18 @@ def one_call(mode: str, shape, packed: bool):
 
 CASES = [(shape, packed, mode) for shape in SHAPES for packed in (False, True)
          for mode in MODES]
+CHOICE = len(CASES)
+"""The index of one more case: the automatic choice alone (``select_backend``)."""
+
+
+def _call(case: int):
+    """A zero-argument function making one call of case ``case``."""
+    if case == CHOICE:
+        xs, kwargs = make_case(SHAPES[0], packed=False, requires_grad=False)
+        problem = ttt.make_problem(*xs, **kwargs)
+        return lambda: registry.select_backend(problem, "auto")
+    shape, packed, mode = CASES[case]
+    return one_call(mode, shape, packed)
 
 
 def timed_runs(fn, iters: int, repeats: int) -> list[float]:
@@ -157,13 +172,14 @@ def _rows(samples: list[list[float]]) -> list[dict]:
     return list(rows.values())
 
 
-def measure(iters: int, repeats: int) -> list[dict]:
-    """Every case of CASES in this process, ``repeats`` runs of ``iters`` calls each."""
+def measure(iters: int, repeats: int) -> tuple[list[dict], float]:
+    """(rows, us of the automatic choice): every case in this process, ``repeats`` runs of
+    ``iters`` calls each."""
     torch.set_num_threads(1)
     register_null_backend()
     with ttt.set_backend(NULL):
-        return _rows([timed_runs(one_call(mode, shape, packed), iters, repeats)
-                      for shape, packed, mode in CASES])
+        samples = [timed_runs(_call(case), iters, repeats) for case in range(CHOICE + 1)]
+    return _rows(samples[:CHOICE]), statistics.median(samples[CHOICE])
 
 
 def serve(iters: int, repeats: int) -> None:
@@ -173,11 +189,10 @@ def serve(iters: int, repeats: int) -> None:
     calls = {}
     with ttt.set_backend(NULL):
         for line in sys.stdin:
-            i = int(line)
-            if i not in calls:
-                shape, packed, mode = CASES[i]
-                calls[i] = one_call(mode, shape, packed)
-            print(json.dumps(timed_runs(calls[i], iters, repeats)), flush=True)
+            case = int(line)
+            if case not in calls:
+                calls[case] = _call(case)
+            print(json.dumps(timed_runs(calls[case], iters, repeats)), flush=True)
 
 
 def profile(top: int, iters: int) -> str:
@@ -230,23 +245,24 @@ def _ask(child: subprocess.Popen, case: int) -> list[float]:
     return json.loads(line)
 
 
-def compare(rev: str, iters: int, repeats: int, rounds: int) -> tuple[list[dict], list[dict]]:
-    """(rows of revision ``rev``, rows of this checkout), measured by two child processes
+def compare(rev: str, iters: int, repeats: int, rounds: int) -> list[tuple[list[dict], float]]:
+    """[(rows, automatic choice us) of revision ``rev``, of this checkout], measured by two
+    child processes
     that take turns case by case, ``rounds`` times (a change in the machine's load hits
     both sides); per cell the median of all runs of a side."""
     with tempfile.TemporaryDirectory() as tmp:
         children = [_child(_extract(rev, tmp), iters, repeats), _child(None, iters, repeats)]
-        samples = [[[] for _ in CASES], [[] for _ in CASES]]
+        samples = [[[] for _ in range(CHOICE + 1)] for _ in children]
         try:
             for r in range(rounds):
-                for case in range(len(CASES)):
+                for case in range(CHOICE + 1):
                     for side in (0, 1) if r % 2 == 0 else (1, 0):
                         samples[side][case] += _ask(children[side], case)
         finally:
             for child in children:
                 child.stdin.close()
                 child.wait()
-    return _rows(samples[0]), _rows(samples[1])
+    return [(_rows(side[:CHOICE]), statistics.median(side[CHOICE])) for side in samples]
 
 
 def table(rows: list[dict], before: list[dict] | None = None) -> str:
@@ -281,12 +297,17 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, ttt from {Path(ttt.__file__).parent}, one CPU thread")
     if args.compare_with:
-        before, rows = compare(args.compare_with, args.iters, args.repeats, args.rounds)
+        (before, choice_before), (rows, choice) = compare(
+            args.compare_with, args.iters, args.repeats, args.rounds)
     else:
-        before, rows = None, measure(args.iters, args.repeats)
+        before, (rows, choice) = None, measure(args.iters, args.repeats)
     if before is not None:
         print(f"\n{args.compare_with} -> this checkout, us per call (ratio):")
     print(table(rows, before))
+    choice_text = f"{choice:.1f}" if before is None else \
+        f"{choice_before:.1f} -> {choice:.1f} ({choice / choice_before:.2f}x)"
+    print(f"\nautomatic choice alone (select_backend over the backends installed here, "
+          f"{','.join(map(str, SHAPES[0]))} dense): {choice_text} us")
     if args.cprofile:
         print(f"\ncProfile, fwd+bwd {','.join(map(str, SHAPES[0]))} dense, per call:")
         print(profile(args.cprofile, max(args.iters // 4, 1)), end="")
