@@ -49,6 +49,12 @@ BACKENDS = {
 }
 
 
+DECLARATIONS_ONLY = ["packages/ttt-triton", "packages/ttt-cupy"]
+"""Installed without their engines (no triton, no cupy) in the reference session on CPU: their
+declared capabilities import cheaply, and packages/ttt/tests checks docs/capabilities.md
+against every built-in backend's declaration."""
+
+
 def _offline(session: nox.Session) -> bool:
     """True with ``nox --no-venv``: the GPU runner, where nothing can be downloaded."""
     return session.venv_backend == "none"
@@ -85,6 +91,8 @@ def tests(session: nox.Session, backend: str) -> None:
     """The conformance suite for one backend, plus that backend's own tests."""
     packages, deps, cpu_env, own_tests, suite_on_cpu = BACKENDS[backend]
     _install(session, packages, deps)
+    if backend == "reference" and not _offline(session):
+        session.install("--no-deps", *DECLARATIONS_ONLY)
     paths = ["shared_tests", *own_tests]
     if _offline(session):
         # GPU runner: every case, big ones included; a backend that cannot run is an error

@@ -13,6 +13,8 @@ Autocast is off inside both ops: the inputs arrive in the dtypes the wrapper cho
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .backend import GradNeeds
@@ -30,12 +32,12 @@ def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, c
     """The Problem the wrapper validated, rebuilt from the ops' arguments."""
     B, T = q.shape[0], q.shape[1]
     lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
-    return Problem(q=q, k=k, v=v, w=w, b=b, eta=eta, scale=scale, eps=eps,
-                   chunk_size=chunk_size, initial_state=initial_state,
-                   initial_state_bias=initial_state_bias,
-                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                   seq_lens=lens, eta_is_tensor=eta_is_tensor, requires_grad=requires_grad,
-                   eta_key=eta_key, output=output)
+    return Problem._of_fields(
+        q=q, k=k, v=v, w=w, b=b, eta=eta, scale=scale, eps=eps, chunk_size=chunk_size,
+        initial_state=initial_state, initial_state_bias=initial_state_bias,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=lens,
+        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
+        output=output)
 
 
 def arguments(problem: Problem, backend: str) -> tuple:
@@ -48,7 +50,11 @@ def arguments(problem: Problem, backend: str) -> tuple:
 
 
 def _no_autocast(device: torch.device):
-    return torch.autocast(device.type, enabled=False)
+    """Autocast off for ``device``'s type inside the ops (nothing to switch where it is
+    off already: the common case, without the cost of entering an autocast region)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
@@ -67,8 +73,7 @@ def _with_autograd():
     return torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS)
 
 
-@torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=())
-def chunk_ttt_linear_fwd(
+def _forward_impl(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
         eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
         initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
@@ -79,12 +84,22 @@ def chunk_ttt_linear_fwd(
     problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
                          cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
                          eta_is_tensor, output, needs_backward)
+    return _run_forward(problem, backend)
+
+
+def _run_forward(problem: Problem, backend: str):
+    """The forward op's work on its arguments' Problem."""
     chosen = load_backend(backend)
-    with _no_autocast(q.device):
+    needs_backward = problem.requires_grad
+    with _no_autocast(problem.q.device):
         o, ht, hbt, saved = chosen.forward(problem, needs_backward=needs_backward)
     saved = list(saved) if needs_backward else []
-    finals = [ht.contiguous(), hbt.contiguous()] if output_final_state else []
+    finals = [ht.contiguous(), hbt.contiguous()] if problem.output_final_state else []
     return o.contiguous(), finals, saved
+
+
+chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd",
+                                               mutates_args=())(_forward_impl)
 
 
 @chunk_ttt_linear_fwd.register_fake
@@ -106,8 +121,18 @@ def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu
     return torch.empty_like(q), finals, saved
 
 
-@torch.library.custom_op("ttt::chunk_ttt_linear_bwd", mutates_args=())
-def chunk_ttt_linear_bwd(
+_GRAD_NEEDS: dict[tuple[bool, ...], GradNeeds] = {}
+
+
+def _grad_needs(needs: tuple[bool, ...]) -> GradNeeds:
+    """The (frozen) GradNeeds of ``needs`` in GRAD_INPUTS order, made once per pattern."""
+    found = _GRAD_NEEDS.get(needs)
+    if found is None:
+        found = _GRAD_NEEDS[needs] = GradNeeds(**dict(zip(GRAD_INPUTS, needs)))
+    return found
+
+
+def _backward_impl(
         do: torch.Tensor, dht: torch.Tensor | None, dhbt: torch.Tensor | None,
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
         eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
@@ -122,7 +147,7 @@ def chunk_ttt_linear_bwd(
                          eta_is_tensor, output, True)
     with _no_autocast(q.device), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
-                                               dhbt, GradNeeds(**dict(zip(GRAD_INPUTS, needs))))
+                                               dhbt, _grad_needs(tuple(needs)))
     found = (grads.dq, grads.dk, grads.dv, grads.dw, grads.db, grads.deta, grads.deta_key,
              grads.dh0, grads.dhb0)
     inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
@@ -132,8 +157,12 @@ def chunk_ttt_linear_bwd(
             continue
         if grad is None:
             raise RuntimeError(f"backend {backend!r} returned no gradient for {name}")
-        result.append(grad.to(like.dtype).contiguous())
+        result.append((grad if grad.dtype == like.dtype else grad.to(like.dtype)).contiguous())
     return result
+
+
+chunk_ttt_linear_bwd = torch.library.custom_op("ttt::chunk_ttt_linear_bwd",
+                                               mutates_args=())(_backward_impl)
 
 
 @chunk_ttt_linear_bwd.register_fake
@@ -171,12 +200,95 @@ def _backward(ctx, do, d_finals, _d_saved):
         dht, dhbt = d_finals[0], d_finals[1]
     if do is None:
         do = torch.zeros_like(inputs[0])
-    grads = iter(chunk_ttt_linear_bwd(
+    grads = iter(backward((
         do, None if dht is None else dht.contiguous(),
         None if dhbt is None else dhbt.contiguous(), *inputs, saved, *ctx.options,
-        grad_flags))
+        grad_flags)))
     result = [next(grads) if flag else None for flag in grad_flags]
     return (*result, None, *no_option_grads)
 
 
 chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ the eager shortcut
+# An eager call of an op goes through the dispatcher's generic Python glue (the autograd
+# formula's pytree flattening of list arguments and outputs, its schema walk), which costs
+# a multiple of the core's own work at a small shape. Where the dispatcher would only run
+# that glue on the way to the implementation, the calls below do what it does directly:
+# the same implementation below the autograd keys, the same aliasing check of the outputs,
+# the same setup_context and backward formula in an autograd.Function. Anything else that
+# may see or transform the op takes the op: torch.compile / export / jit tracing, a torch
+# function or dispatch mode (fake tensors, opcheck, FlopCounterMode, functionalization), a
+# functorch transform, the profiler, a tensor subclass, the meta device.
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_and_plain(tensors) -> bool:
+    """Whether the dispatcher would take an op on ``tensors`` straight to its autograd
+    formula and implementation, nothing watching or transforming it."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._autograd._profiler_enabled()
+            or torch._C._get_tracing_state() is not None
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or (type(t) in _PLAIN_TYPES and not t.is_meta) for t in tensors)
+
+
+def _checked(name: str, args: tuple, run):
+    """``run()``, the op ``name``'s work on ``args``, below the autograd keys; its outputs
+    checked as the op's are."""
+    with torch._C._AutoDispatchBelowAutograd():
+        result = run()
+    torch._library.utils._c_check_aliasing_constraint(name, args, {}, result)
+    return result
+
+
+def _checked_forward(args: tuple, problem: Problem):
+    """The forward op's implementation on ``args``, given their Problem (the wrapper's)."""
+    return _checked("chunk_ttt_linear_fwd", args, lambda: _run_forward(problem, args[-2]))
+
+
+class _EagerForward(torch.autograd.Function):
+    """The forward op's autograd node for an eager call that needs a backward: its
+    implementation, ``_setup_context`` and ``_backward``; the op's tensor arguments, then
+    its options in one tuple; the outputs flat (``o, *finals, *saved``)."""
+
+    @staticmethod
+    def forward(ctx, *tensors_options_problem):
+        *tensors, options, problem = tensors_options_problem
+        args = (*tensors, *options)
+        o, finals, saved = _checked_forward(args, problem)
+        _setup_context(ctx, args, (o, finals, saved))
+        ctx.final_count = len(finals)
+        return (o, *finals, *saved)
+
+    @staticmethod
+    def backward(ctx, do, *d_rest):
+        grads = _backward(ctx, do, list(d_rest[:ctx.final_count]), None)
+        return (*grads[:_TENSOR_ARGS], None, None)     # (options, problem)
+
+
+def forward(problem: Problem, backend: str
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The forward op for a validated ``problem`` on backend ``backend``:
+    ``(o, finals, saved)``."""
+    args = arguments(problem, backend)
+    if not _eager_and_plain(args[:_TENSOR_ARGS]):
+        return chunk_ttt_linear_fwd(*args)
+    if not (torch.is_grad_enabled() and problem.requires_grad):
+        return _checked_forward(args, problem)
+    o, *rest = _EagerForward.apply(*args[:_TENSOR_ARGS], args[_TENSOR_ARGS:], problem)
+    final_count = 2 if args[_TENSOR_ARGS + 4] else 0        # (output_final_state)
+    return o, rest[:final_count], rest[final_count:]
+
+
+def backward(args: tuple) -> list[torch.Tensor]:
+    """The backward op on ``args``; the op itself where a graph of it is to be recorded
+    (a double backward, which it refuses)."""
+    if torch.is_grad_enabled() or not _eager_and_plain((*args[:3 + _TENSOR_ARGS],
+                                                         *args[3 + _TENSOR_ARGS])):
+        return chunk_ttt_linear_bwd(*args)
+    return _checked("chunk_ttt_linear_bwd", args, lambda: _backward_impl(*args))

@@ -108,8 +108,7 @@ def chunk_ttt_linear(
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            eta_key=eta_key, output=output)
-    o, finals, _ = _custom_op.chunk_ttt_linear_fwd(
-        *_custom_op.arguments(problem, _backend_name(problem, backend)))
+    o, finals, _ = _custom_op.forward(problem, _backend_name(problem, backend))
     if not problem.output_final_state:
         return o, None, None
     return o, finals[0], finals[1]

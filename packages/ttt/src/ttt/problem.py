@@ -55,6 +55,15 @@ class Problem:
     eta_key: torch.Tensor | None = None
     output: str = "norm_residual"
 
+    @classmethod
+    def _of_fields(cls, **fields) -> Problem:
+        """``Problem(**fields)`` given every field: the same object, built without the
+        frozen dataclass's ``object.__setattr__`` per field (the core builds a few per
+        call)."""
+        problem = object.__new__(cls)
+        problem.__dict__.update(fields)
+        return problem
+
     @property
     def B(self) -> int:  # noqa: N802 - the field's own name
         return self.q.shape[0]

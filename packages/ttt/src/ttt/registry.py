@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextvars
 import importlib
 import os
+import sys
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -269,6 +271,26 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 
 _WARNED: set[tuple[str, ...]] = set()
 
+RETRY_IMPORT_S = 1.0
+"""The automatic choice imports a backend that was not installed again only after this many
+seconds (or once ``sys.path`` changed): a failed import costs tens of microseconds, and the
+choice passes over every backend not installed on each call."""
+_NOT_INSTALLED: dict[str, tuple[float, list[str], str]] = {}
+_clock = time.monotonic
+
+
+def _load_for_automatic_choice(name: str) -> Backend:
+    """:func:`load_backend`, where a backend found not installed less than RETRY_IMPORT_S
+    ago, with the same ``sys.path``, raises its BackendNotInstalledError again at once."""
+    failed = _NOT_INSTALLED.get(name)
+    if failed is not None and _clock() - failed[0] < RETRY_IMPORT_S and failed[1] == sys.path:
+        raise BackendNotInstalledError(name, failed[2])
+    try:
+        return load_backend(name)
+    except BackendNotInstalledError as exc:
+        _NOT_INSTALLED[name] = (_clock(), list(sys.path), exc.reason)
+        raise
+
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     """The backend for one call: the requested or active one, else the best that fits."""
@@ -285,7 +307,7 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     skipped: dict[str, list[str]] = {}
     for candidate in sorted(known_names(), key=_priority):
         try:
-            backend = load_backend(candidate)
+            backend = _load_for_automatic_choice(candidate)
         except ImportError as exc:
             skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
             continue

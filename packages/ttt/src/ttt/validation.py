@@ -32,7 +32,7 @@ def _require_tensor(name: str, value, rank: int) -> torch.Tensor:
 
 
 def _require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...], meaning: str):
-    if tuple(value.shape) != tuple(shape):
+    if value.shape != shape:                    # (torch.Size is a tuple)
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
                          f"got {tuple(value.shape)}")
 
@@ -44,7 +44,8 @@ def _require_device(name: str, value: torch.Tensor, device: torch.device):
 
 
 def _positive_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool)
+                                     or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
     value = float(value)
     if not 0 < value < math.inf:                # (NaN fails both; dynamo traces it)
@@ -97,6 +98,38 @@ def _check_output(output) -> str:
     return output
 
 
+def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
+                  dtype: torch.dtype, device: torch.device, what_n: str):
+    """The initial states given (either may be None): float32 (or float64 with float64
+    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N sequences (``what_n``)."""
+    N, H, D = NHD
+    state_dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    for name, state, shape, meaning in (
+            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
+            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
+        if state is None:
+            continue
+        _require_tensor(name, state, 4)
+        if tuple(state.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} {what_n}),"
+                             f" got {tuple(state.shape)}")
+        if state.dtype not in state_dtypes:
+            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
+                            f"got {_name(state.dtype)}")
+        _require_device(name, state, device)
+
+
+def _any_requires_grad(tensors) -> bool:
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                  initial_state=None, initial_state_bias=None, output_final_state=False,
                  cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
@@ -105,6 +138,7 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
     q = _require_tensor("q", q, 4)
     B, T, H, D = q.shape
+    device = q.device
     k = _require_tensor("k", k, 4)
     v = _require_tensor("v", v, 4)
     if k.shape[-1] != v.shape[-1]:
@@ -116,7 +150,7 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {_name(q.dtype)} (the dtype of q), "
                             f"got {_name(t.dtype)}")
-        _require_device(name, t, q.device)
+        _require_device(name, t, device)
     if T < 1 or B < 1 or H < 1 or D < 1:
         raise ValueError(f"q: expected non-empty [B, T, H, D], got shape {tuple(q.shape)}")
 
@@ -124,30 +158,31 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     b = _require_tensor("b", b, 2)
     _require_shape("w", w, (H, D), "[H, D]")
     _require_shape("b", b, (H, D), "[H, D]")
-    _require_device("w", w, q.device)
-    _require_device("b", b, q.device)
+    _require_device("w", w, device)
+    _require_device("b", b, device)
 
     eta_is_tensor = isinstance(eta, torch.Tensor)
     if eta_is_tensor:
         _require_tensor("eta", eta, 4)
         _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
-        _require_device("eta", eta, q.device)
+        _require_device("eta", eta, device)
     elif isinstance(eta, numbers.Real) and not isinstance(eta, bool):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
         # float32 (float64 for float64 inputs) keeps the constant exact to float32 precision
         eta_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        eta = torch.full((B, T, H, 1), float(eta), dtype=eta_dtype, device=q.device)
+        eta = torch.full((B, T, H, 1), float(eta), dtype=eta_dtype, device=device)
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
 
-    eta_key = _check_eta_key(eta_key, (B, T, H, 1), q.device)
+    eta_key = _check_eta_key(eta_key, (B, T, H, 1), device)
     output = _check_output(output)
 
     scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
     eps = _positive_float("eps", eps)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+    if type(chunk_size) is not int and (isinstance(chunk_size, bool)
+                                        or not isinstance(chunk_size, numbers.Integral)):
         raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
@@ -156,38 +191,22 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                         f"got {type(output_final_state).__name__}")
 
     if cu_seqlens is not None:
-        seq_lens = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        seq_lens = _check_cu_seqlens(cu_seqlens, B, T, device)
         cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
     else:
         seq_lens = (T,) * B
     N = len(seq_lens)
 
-    state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-    for name, state, shape, meaning in (
-            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
-            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        if state is None:
-            continue
-        _require_tensor(name, state, 4)
-        if tuple(state.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} "
-                             f"{'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}),"
-                             f" got {tuple(state.shape)}")
-        if state.dtype not in state_dtypes:
-            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
-                            f"got {_name(state.dtype)}")
-        _require_device(name, state, q.device)
-
-    def contiguous(t):
-        return None if t is None else t.contiguous()
-
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
-    return Problem(
+    if initial_state is not None or initial_state_bias is not None:
+        _check_states(initial_state, initial_state_bias, (N, H, D), q.dtype, device,
+                      "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
+    requires_grad = torch.is_grad_enabled() and _any_requires_grad(
+        (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
+    return Problem._of_fields(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), w=w.contiguous(),
         b=b.contiguous(), eta=eta.contiguous(), scale=scale, eps=eps, chunk_size=int(chunk_size),
-        initial_state=contiguous(initial_state), initial_state_bias=contiguous(initial_state_bias),
+        initial_state=_contiguous(initial_state),
+        initial_state_bias=_contiguous(initial_state_bias),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
         eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
         output=output)
