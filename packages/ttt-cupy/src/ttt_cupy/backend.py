@@ -16,8 +16,6 @@ against the SIMT ones there), and run the conformance suite on a GPU
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
@@ -93,12 +91,18 @@ class CupyBackend(Backend):
     def forward(self, problem: Problem, needs_backward: bool):
         from .launcher import ttt_linear_fwd
 
-        return ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        return o, ht, hbt, [] if saved is None else saved.tensors()
 
-    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+    def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        from .launcher import saved_shapes
+
+        return saved_shapes(problem)
+
+    def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
-        from .launcher import ttt_linear_bwd
+        from .launcher import Saved, ttt_linear_bwd
 
         # every gradient computed; the core keeps only those autograd asked for (needs)
-        return Gradients(*ttt_linear_bwd(problem, saved, do, dht, dhbt))
+        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt))

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ttt import Problem
-from ttt.chunking import ChunkGroups
+from ttt.chunking import ChunkGroups, group_offsets
 
 from .compile import (
     BLOCK_TS,
@@ -344,6 +344,25 @@ class Saved:
     rbuf: torch.Tensor        # [B, T, H] fp32 r
     groups: ChunkGroups
     f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order."""
+        return [self.ck, self.ckb, self.xbuf, self.rbuf]
+
+    @classmethod
+    def of(cls, p: Problem, tensors: list[torch.Tensor]) -> Saved:
+        """Back from :meth:`tensors`; the grouping derived from ``p``, eta, w, b cast again."""
+        ck, ckb, xbuf, rbuf = tensors
+        return cls(ck, ckb, xbuf, rbuf, ChunkGroups.of(p, CKPT_INTERVAL),
+                   (_f32(p.eta), _f32(p.w), _f32(p.b)))
+
+
+def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
+    slots = group_offsets(p, CKPT_INTERVAL)[-1] + p.N
+    B, T, H, D = p.q.shape
+    return [((slots, H, D, D), torch.float32), ((slots, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32)]
 
 
 @functools.cache

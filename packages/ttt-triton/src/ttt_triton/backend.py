@@ -7,7 +7,6 @@ On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), for 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
@@ -84,12 +83,19 @@ class TritonBackend(Backend):
     def forward(self, problem: Problem, needs_backward: bool):
         from .ops.ttt_linear import ttt_linear_fwd
 
-        return ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        return o, ht, hbt, [] if saved is None else saved.tensors()
 
-    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+    def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        from .ops.ttt_linear.launcher import saved_shapes
+
+        return saved_shapes(problem)
+
+    def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
         from .ops.ttt_linear import ttt_linear_bwd
+        from .ops.ttt_linear.launcher import Saved
 
         # every gradient computed; the core keeps only those autograd asked for (needs)
-        return Gradients(*ttt_linear_bwd(problem, saved, do, dht, dhbt))
+        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt))

@@ -1,25 +1,33 @@
 """The interface every backend implements, and its declared capabilities.
 
-A backend is an object with a ``name``, a :class:`Capabilities` and two methods:
+A backend is an object with a ``name``, a :class:`Capabilities` and three methods:
 
 ``forward(problem, needs_backward) -> (o, final_state, final_state_bias, saved)``
-    the whole operator (inner TTT recurrence *and* the post norm-residual). ``o`` has the
-    input dtype; the states are None unless ``problem.output_final_state``. ``saved`` is
-    anything the backend wants back in ``backward`` (only kept when ``needs_backward``).
+    the whole operator (inner TTT recurrence *and* the output form). ``o`` has the input
+    dtype; the states are None unless ``problem.output_final_state``. ``saved`` is a list
+    (or tuple) of tensors the backend wants back in ``backward``: new tensors, none of them
+    an input or a view of one, with the shapes and dtypes ``saved_shapes`` declares (only
+    used when ``needs_backward``; anything, e.g. ``[]``, otherwise).
+
+``saved_shapes(problem) -> [(shape, dtype), ...]``
+    what ``forward(problem, needs_backward=True)`` saves, on the problem's device, without
+    running it: the custom op's fake implementation (torch.compile) builds ``saved`` from
+    it. The default is ``[]`` (a backend that saves nothing).
 
 ``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
-    ``do`` is the cotangent of ``o`` (contiguous, never None); ``dht`` and ``dhbt`` those of
-    the final states (None when they were not requested or not used). ``needs`` is a
-    :class:`GradNeeds`; gradients not needed may be returned as None.
+    ``saved`` is the forward's list; ``do`` is the cotangent of ``o`` (contiguous, never
+    None); ``dht`` and ``dhbt`` those of the final states (None when they were not
+    requested or not used). ``needs`` is a :class:`GradNeeds`; gradients not needed may be
+    returned as None, needed ones may not.
 
-The core (`ttt.ops`) owns validation, the autograd.Function and dtype casts of gradients;
-nothing in the core special-cases a backend.
+The core (`ttt.ops`, `ttt._custom_op`) owns validation, the custom op and its autograd,
+autocast and dtype casts of gradients; nothing in the core special-cases a backend.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -38,13 +46,15 @@ class GradNeeds:
     eta: bool = True
     initial_state: bool = True
     initial_state_bias: bool = True
+    eta_key: bool = True
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can take. ``max_head_dim`` None means any; ``chunk_sizes`` None any.
     ``deterministic``: repeated identical calls give bitwise identical results (the suite
-    checks it when declared)."""
+    checks it when declared). ``eta_key``: takes the per-key learning-rate factor;
+    ``outputs``: the output forms it computes (``ttt.problem.OUTPUTS``)."""
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
@@ -54,6 +64,8 @@ class Capabilities:
     varlen_backward: bool = True
     backward: bool = True
     deterministic: bool = True
+    eta_key: bool = False
+    outputs: frozenset[str] = frozenset({"norm_residual"})
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def reasons(self, problem: Problem) -> list[str]:
@@ -77,6 +89,11 @@ class Capabilities:
             why.append("backward not supported")
         if problem.requires_grad and problem.is_varlen and not self.varlen_backward:
             why.append("backward of cu_seqlens (variable-length) batches not supported")
+        if problem.eta_key is not None and not self.eta_key:
+            why.append("eta_key (per-key factor of the inner learning rate) not supported")
+        if problem.output not in self.outputs:
+            why.append(f"output {problem.output!r} not supported (supports "
+                       f"{sorted(self.outputs)})")
         return why
 
 
@@ -104,10 +121,15 @@ class Backend:
         return why
 
     def forward(self, problem: Problem, needs_backward: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                           Sequence[torch.Tensor]]:
         raise NotImplementedError
 
-    def backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+    def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the tensors ``forward`` saves for ``problem``."""
+        return []
+
+    def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
         raise NotImplementedError

@@ -1,55 +1,47 @@
-"""The public operator and the one autograd.Function every backend goes through."""
+"""The public operator: validation, the backend's choice and autocast in Python, then the
+custom op ``ttt::chunk_ttt_linear_fwd`` (``ttt._custom_op``) every backend goes through."""
 
 from __future__ import annotations
 
 import torch
 
-from .backend import Backend, GradNeeds
+from . import _custom_op
 from .problem import Problem
 from .registry import select_backend
 from .validation import make_problem
 
 
-def _cast_like(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    if grad is None or like is None:
-        return None
-    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Inside an autocast region, q, k, v in its dtype for their device type, as a matmul
+    takes them (float64 is left alone); nothing else is cast."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        eligible = t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible and t.dtype != dtype else t
+
+    return cast(q), cast(k), cast(v)
 
 
-class ChunkTTTLinearFunction(torch.autograd.Function):
-    """Forward and backward through a backend; gradients cast to each input's dtype."""
+def _backend_name(problem: Problem, requested: str | None) -> str:
+    """The chosen backend's name; eager: from the problem, while compiling: once per trace
+    (dynamo does not trace the registry, whose choice lives in a ContextVar)."""
+    if not torch.compiler.is_compiling():
+        return select_backend(problem, requested).name
+    from ._compiled_choice import compiled_backend_name  # (imports torch._dynamo)
 
-    @staticmethod
-    def forward(ctx, backend: Backend, problem: Problem, q, k, v, w, b, eta, h0, hb0):
-        ctx.set_materialize_grads(False)
-        o, ht, hbt, saved = backend.forward(problem, needs_backward=problem.requires_grad)
-        ctx.backend, ctx.problem = backend, problem
-        ctx.saved = saved if problem.requires_grad else None
-        return o, ht, hbt
-
-    @staticmethod
-    def backward(ctx, do, dht, dhbt):
-        problem: Problem = ctx.problem
-        need = ctx.needs_input_grad
-        needs = GradNeeds(q=need[2], k=need[3], v=need[4], w=need[5], b=need[6],
-                          eta=need[7] and problem.eta_is_tensor, initial_state=need[8],
-                          initial_state_bias=need[9])
-        if do is None:
-            do = torch.zeros_like(problem.q)
-        grads = ctx.backend.backward(problem, ctx.saved, do.contiguous(),
-                                     None if dht is None else dht.contiguous(),
-                                     None if dhbt is None else dhbt.contiguous(), needs)
-        ctx.saved = None
-        p = problem
-        return (None, None,
-                _cast_like(grads.dq, p.q) if needs.q else None,
-                _cast_like(grads.dk, p.k) if needs.k else None,
-                _cast_like(grads.dv, p.v) if needs.v else None,
-                _cast_like(grads.dw, p.w) if needs.w else None,
-                _cast_like(grads.db, p.b) if needs.b else None,
-                _cast_like(grads.deta, p.eta) if needs.eta else None,
-                _cast_like(grads.dh0, p.initial_state) if needs.initial_state else None,
-                _cast_like(grads.dhb0, p.initial_state_bias) if needs.initial_state_bias else None)
+    tensors = [getattr(problem, name) for name in _custom_op.GRAD_INPUTS]
+    signature = (tuple(None if t is None else tuple(t.shape) for t in tensors),
+                 tuple(None if t is None else t.dtype for t in tensors), problem.device,
+                 problem.scale, problem.eps, problem.chunk_size, problem.output_final_state,
+                 problem.seq_lens, problem.is_varlen, problem.eta_is_tensor,
+                 problem.requires_grad, problem.output)
+    return compiled_backend_name(signature, requested)
 
 
 def chunk_ttt_linear(
@@ -67,6 +59,8 @@ def chunk_ttt_linear(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     *,
+    eta_key: torch.Tensor | None = None,
+    output: str = "norm_residual",
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     r"""Chunked TTT-linear: a linear inner model trained by one gradient step per chunk.
@@ -83,6 +77,13 @@ def chunk_ttt_linear(
         initial_state, initial_state_bias: ``[N, H, D, D]`` and ``[N, H, 1, D]`` float32.
         output_final_state: also return the states after the last token.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (``B == 1``).
+        eta_key: per-key factor ``[B, T, H, 1]`` of the inner learning rate, or None: token
+            j's inner gradient enters the outputs and the state update scaled by
+            ``eta_key[j]`` (the rank-1 learning rate ``eta[i] * eta_key[j]`` of the official
+            TTT-Linear layer).
+        output: ``"norm_residual"`` (``z + LN(z) * w + b``), ``"query_residual"``
+            (``q + LN(z) * w + b``, q as given) or ``"raw"`` (``z``), z being the inner
+            model's prediction for the scaled query.
         backend: a backend name for this call, overriding ``set_backend``/``TTT_BACKEND``.
 
     Returns:
@@ -91,12 +92,21 @@ def chunk_ttt_linear(
 
     Positions past a sequence's end (in its last, partial chunk) take no part in any
     update. Inputs are never modified. See docs/math.md for the exact definition.
+
+    Inside an autocast region, q, k and v are cast to its dtype for their device type (as
+    a matmul takes them), nothing else. The work is one custom op,
+    ``torch.ops.ttt.chunk_ttt_linear_fwd`` (its backward ``ttt::chunk_ttt_linear_bwd``):
+    ``torch.compile(fullgraph=True)`` traces a dense call without a graph break; a tensor
+    ``cu_seqlens`` is read on the host, where dynamo breaks the graph. Under torch.compile
+    the backend is chosen when the call is traced and kept by the compiled graph.
     """
+    q, k, v = _autocast(q, k, v)
     problem = make_problem(q, k, v, w, b, eta, scale=scale, eps=eps, chunk_size=chunk_size,
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    chosen = select_backend(problem, backend)
-    o, ht, hbt = ChunkTTTLinearFunction.apply(
-        chosen, problem, problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
-        problem.initial_state, problem.initial_state_bias)
-    return o, ht, hbt
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           eta_key=eta_key, output=output)
+    o, finals, _ = _custom_op.chunk_ttt_linear_fwd(
+        *_custom_op.arguments(problem, _backend_name(problem, backend)))
+    if not problem.output_final_state:
+        return o, None, None
+    return o, finals[0], finals[1]

@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+OUTPUTS = ("norm_residual", "query_residual", "raw")
+"""The output forms, with z the inner model's prediction for the scaled query:
+``"norm_residual"`` z + LN(z) * w + b; ``"query_residual"`` q + LN(z) * w + b (q as given,
+before ``scale``); ``"raw"`` z."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -26,6 +31,9 @@ class Problem:
       or None. Float32 (float64 with float64 inputs).
     - ``cu_seqlens``: ``[N + 1]`` int64 on the inputs' device, or None; ``seq_lens`` the
       per-sequence lengths as Python ints (N of them), available without a device sync.
+    - ``eta_key``: ``[B, T, H, 1]`` per-key factor of the inner learning rate, or None
+      (a factor of one, computed as no factor at all).
+    - ``output``: the output form, one of :data:`OUTPUTS`.
     """
 
     q: torch.Tensor
@@ -44,6 +52,8 @@ class Problem:
     seq_lens: tuple[int, ...]
     eta_is_tensor: bool
     requires_grad: bool = field(default=False)
+    eta_key: torch.Tensor | None = None
+    output: str = "norm_residual"
 
     @property
     def B(self) -> int:  # noqa: N802 - the field's own name
@@ -104,3 +114,4 @@ class Gradients:
     deta: torch.Tensor | None = None
     dh0: torch.Tensor | None = None
     dhb0: torch.Tensor | None = None
+    deta_key: torch.Tensor | None = None

@@ -7,25 +7,25 @@ states, else zero), each chunk of ``L <= chunk_size`` *valid* rows (q scaled by 
 
     \hat x &= \mathrm{LN}(k W + hb)                      \quad (\text{no affine, eps})\\
     y &= (\hat x \odot w + b - (v - k)) \odot w          \quad (= \partial \ell / \partial \hat x)\\
-    g &= \mathrm{rstd}\,(y - \overline{y} - \hat x\,\overline{y \hat x})
-         \quad (= \partial \ell / \partial (kW+hb))\\
-    o &= q W + hb - \eta \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\, g\big)\\
+    g &= l \odot \mathrm{rstd}\,(y - \overline{y} - \hat x\,\overline{y \hat x})
+         \quad (= l\, \partial \ell / \partial (kW+hb))\\
+    z &= q W + hb - \eta \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\, g\big)\\
     W &\leftarrow W - \eta_{last}\, k^\top g, \qquad
     hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
-then per head ``o + LN(o) * w + b``. Positions past a sequence's end take no part (the
-padding rule). Half inputs compute in float32, float64 in float64; the backward recomputes
-the forward under autograd (memory light, and the fallback is not where speed matters).
+with ``l`` the per-key factor ``eta_key`` (no factor when None), then per head the output
+form: ``z + LN(z) * w + b``, ``q + LN(z) * w + b`` (q unscaled) or ``z``. Positions past a
+sequence's end take no part (the padding rule). Half inputs compute in float32, float64 in
+float64; the backward recomputes the forward under autograd (memory light, and the fallback
+is not where speed matters).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .backend import Backend, Capabilities, GradNeeds
-from .problem import Gradients, Problem
+from .problem import OUTPUTS, Gradients, Problem
 
 
 def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +35,10 @@ def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.
     return centered * rstd, rstd
 
 
-def _sequence_forward(q, k, v, eta, w, b, h0, hb0, scale, eps, chunk_size):
-    """One group of equal-length sequences. q, k, v: [B, H, T, D]; eta [B, H, T, 1];
-    w, b: [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns o [B, H, T, D], states."""
+def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_size):
+    """One group of equal-length sequences. q, k, v: [B, H, T, D]; eta and eta_key (or None)
+    [B, H, T, 1]; w, b: [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns z
+    [B, H, T, D] and the states."""
     T = q.shape[2]
     state, state_bias = h0, hb0
     outputs = []
@@ -54,6 +55,8 @@ def _sequence_forward(q, k, v, eta, w, b, h0, hb0, scale, eps, chunk_size):
         b_y = (b_xhat * w + b - b_v + b_k) * w
         b_g = b_rstd * (b_y - b_y.mean(-1, keepdim=True)
                         - b_xhat * (b_y * b_xhat).mean(-1, keepdim=True))
+        if eta_key is not None:
+            b_g = b_g * eta_key[:, :, start:stop]            # [B, H, L, D]
 
         causal = torch.ones(length, length, dtype=q.dtype, device=q.device).tril()
         b_A = (b_q @ b_k.transpose(-1, -2)) * causal + causal   # [B, H, L, L]
@@ -66,12 +69,17 @@ def _sequence_forward(q, k, v, eta, w, b, h0, hb0, scale, eps, chunk_size):
     return o, state, state_bias
 
 
-def _post_norm_residual(o: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float):
-    o_hat, _ = _layer_norm_stats(o, eps)
-    return o + o_hat * w + b
+def _output_form(output: str, z: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                 b: torch.Tensor, eps: float) -> torch.Tensor:
+    """z [B, H, T, D] to the requested output form (q unscaled, like z)."""
+    if output == "raw":
+        return z
+    z_hat, _ = _layer_norm_stats(z, eps)
+    residual = q if output == "query_residual" else z
+    return residual + z_hat * w + b
 
 
-def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0):
+def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0, eta_key=None):
     """The whole operator on given tensors (which may require grad)."""
     cdt = problem.state_dtype
     B, T, H, D = q.shape
@@ -79,6 +87,8 @@ def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0):
     to = dict(dtype=cdt)
     q, k, v = (t.to(**to).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     eta = eta.to(**to).transpose(1, 2)                          # [B, H, T, 1]
+    if eta_key is not None:
+        eta_key = eta_key.to(**to).transpose(1, 2)              # [B, H, T, 1]
     w4 = w.to(**to).reshape(1, H, 1, D)
     b4 = b.to(**to).reshape(1, H, 1, D)
     if h0 is None:
@@ -89,14 +99,15 @@ def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0):
     args = (problem.scale, problem.eps, problem.chunk_size)
 
     if problem.cu_seqlens is None:
-        o, ht, hbt = _sequence_forward(q, k, v, eta, w4, b4, h0, hb0, *args)
+        o, ht, hbt = _sequence_forward(q, k, v, eta, eta_key, w4, b4, h0, hb0, *args)
     else:
         pieces, states, biases = [], [], []
         start = 0
         for n, length in enumerate(problem.seq_lens):
             sl = slice(start, start + length)
             o_n, ht_n, hbt_n = _sequence_forward(
-                q[:, :, sl], k[:, :, sl], v[:, :, sl], eta[:, :, sl], w4, b4,
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], eta[:, :, sl],
+                None if eta_key is None else eta_key[:, :, sl], w4, b4,
                 h0[n:n + 1], hb0[n:n + 1], *args)
             pieces.append(o_n)
             states.append(ht_n)
@@ -104,7 +115,8 @@ def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0):
             start += length
         o, ht, hbt = torch.cat(pieces, 2), torch.cat(states), torch.cat(biases)
 
-    o = _post_norm_residual(o, w4, b4, problem.eps).transpose(1, 2).to(problem.dtype)
+    o = _output_form(problem.output, o, q, w4, b4, problem.eps)
+    o = o.transpose(1, 2).to(problem.dtype)
     if not problem.output_final_state:
         ht = hbt = None
     return o, ht, hbt
@@ -117,6 +129,8 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu", "meta"}),
         dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
+        eta_key=True,
+        outputs=frozenset(OUTPUTS),
         notes=("pure PyTorch; a Python loop over chunks; backward recomputes the forward",),
     )
 
@@ -127,13 +141,15 @@ class ReferenceBackend(Backend):
         with torch.no_grad():
             o, ht, hbt = compute(problem, problem.q, problem.k, problem.v, problem.w,
                                  problem.b, problem.eta, problem.initial_state,
-                                 problem.initial_state_bias)
-        return o, ht, hbt, None
+                                 problem.initial_state_bias, problem.eta_key)
+        return o, ht, hbt, []
 
-    def backward(self, problem: Problem, saved: Any, do, dht, dhbt, needs: GradNeeds):
-        names = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias")
+    def backward(self, problem: Problem, saved: list[torch.Tensor], do, dht, dhbt,
+                 needs: GradNeeds):
+        names = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias",
+                 "eta_key")
         given = (problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
-                 problem.initial_state, problem.initial_state_bias)
+                 problem.initial_state, problem.initial_state_bias, problem.eta_key)
         leaves = {}
         for name, tensor in zip(names, given):
             want = getattr(needs, name) and tensor is not None
@@ -155,4 +171,4 @@ class ReferenceBackend(Backend):
         return Gradients(
             dq=found.get("q"), dk=found.get("k"), dv=found.get("v"), dw=found.get("w"),
             db=found.get("b"), deta=found.get("eta"), dh0=found.get("initial_state"),
-            dhb0=found.get("initial_state_bias"))
+            dhb0=found.get("initial_state_bias"), deta_key=found.get("eta_key"))

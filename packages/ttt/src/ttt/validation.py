@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from .problem import Problem
+from .problem import OUTPUTS, Problem
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -79,9 +79,27 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     return lengths
 
 
+def _check_eta_key(eta_key, shape: tuple[int, ...], device: torch.device):
+    if eta_key is None:
+        return None
+    if not isinstance(eta_key, torch.Tensor):
+        raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
+                        f"got {type(eta_key).__name__}")
+    _require_tensor("eta_key", eta_key, 4)
+    _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
+    _require_device("eta_key", eta_key, device)
+    return eta_key.contiguous()
+
+
+def _check_output(output) -> str:
+    if not isinstance(output, str) or output not in OUTPUTS:
+        raise ValueError(f"output: expected one of {list(OUTPUTS)}, got {output!r}")
+    return output
+
+
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                  initial_state=None, initial_state_bias=None, output_final_state=False,
-                 cu_seqlens=None) -> Problem:
+                 cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
     """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults) and
     return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
     the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
@@ -124,6 +142,9 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
 
+    eta_key = _check_eta_key(eta_key, (B, T, H, 1), q.device)
+    output = _check_output(output)
+
     scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
     eps = _positive_float("eps", eps)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
@@ -162,10 +183,11 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
 
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
-        for t in (q, k, v, w, b, eta, initial_state, initial_state_bias))
+        for t in (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
     return Problem(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), w=w.contiguous(),
         b=b.contiguous(), eta=eta.contiguous(), scale=scale, eps=eps, chunk_size=int(chunk_size),
         initial_state=contiguous(initial_state), initial_state_bias=contiguous(initial_state_bias),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
-        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad)
+        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
+        output=output)

@@ -201,6 +201,29 @@ class Saved:
     rbuf: torch.Tensor        # [B, T, H] fp32
     groups: ChunkGroups
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order."""
+        return [self.ck, self.ckb, self.xbuf, self.rbuf]
+
+    @classmethod
+    def of(cls, p: Problem, tensors: list[torch.Tensor]) -> Saved:
+        """Back from :meth:`tensors`; the grouping is the forward's, derived from ``p``."""
+        ck, ckb, xbuf, rbuf = tensors
+        return cls(ck, ckb, xbuf, rbuf, ChunkGroups.of(p, chunks_per_group(p)))
+
+
+def chunks_per_group(p: Problem) -> int:
+    """G of ``p``'s forward (:func:`checkpoint_interval` with today's tunables)."""
+    return checkpoint_interval(p, block_sizes(p.D, p.chunk_size)[1], tunables())
+
+
+def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
+    slots = group_offsets(p, chunks_per_group(p))[-1] + p.N
+    B, T, H, D = p.q.shape
+    return [((slots, H, D, D), torch.float32), ((slots, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32)]
+
 
 def _initial_states(p: Problem):
     h0, hb0 = p.initial_state, p.initial_state_bias

@@ -1,0 +1,181 @@
+"""``chunk_ttt_linear`` as two PyTorch custom ops, ``ttt::chunk_ttt_linear_fwd`` and
+``ttt::chunk_ttt_linear_bwd``, opaque to dynamo and inductor.
+
+The forward op runs a backend's ``forward`` and returns, besides the output, the final
+states and the tensors the backend keeps for its backward (``saved``, a list). Its fake
+implementation builds the same shapes from the arguments and the backend's
+``saved_shapes``. The autograd formula calls the backward op, which hands ``saved`` back to
+the backend. The backend is chosen before the op (``ttt.ops``) and comes in by name; the
+op's arguments are plain tensors, numbers, strings and ``seq_lens`` (the packed sequences'
+lengths as host ints, empty for a dense batch), so nothing in the ops reads the device.
+Autocast is off inside both ops: the inputs arrive in the dtypes the wrapper chose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import GradNeeds
+from .problem import Problem
+from .registry import load_backend
+
+GRAD_INPUTS = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
+               "initial_state_bias")
+"""The differentiable tensor arguments, in the ops' order."""
+
+
+def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
+               seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
+               requires_grad) -> Problem:
+    """The Problem the wrapper validated, rebuilt from the ops' arguments."""
+    B, T = q.shape[0], q.shape[1]
+    lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
+    return Problem(q=q, k=k, v=v, w=w, b=b, eta=eta, scale=scale, eps=eps,
+                   chunk_size=chunk_size, initial_state=initial_state,
+                   initial_state_bias=initial_state_bias,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                   seq_lens=lens, eta_is_tensor=eta_is_tensor, requires_grad=requires_grad,
+                   eta_key=eta_key, output=output)
+
+
+def arguments(problem: Problem, backend: str) -> tuple:
+    """The forward op's arguments for a validated ``problem`` on backend ``backend``."""
+    p = problem
+    return (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, p.initial_state, p.initial_state_bias,
+            p.cu_seqlens, list(p.seq_lens) if p.is_varlen else [], p.scale, p.eps,
+            p.chunk_size, p.output_final_state, p.eta_is_tensor, p.output, backend,
+            p.requires_grad)
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False)
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
+
+
+def _with_autograd():
+    """A custom op's implementation runs below the autograd dispatch key, where no graph is
+    recorded; a backend's backward may differentiate with autograd (the reference backend
+    recomputes its forward), so it runs with the autograd keys back in place."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    return torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS)
+
+
+@torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=())
+def chunk_ttt_linear_fwd(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+        eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
+        initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        seq_lens: list[int], scale: float, eps: float, chunk_size: int,
+        output_final_state: bool, eta_is_tensor: bool, output: str, backend: str,
+        needs_backward: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``(o, [final_state, final_state_bias] or [], saved or [])`` from backend ``backend``."""
+    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
+                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
+                         eta_is_tensor, output, needs_backward)
+    chosen = load_backend(backend)
+    with _no_autocast(q.device):
+        o, ht, hbt, saved = chosen.forward(problem, needs_backward=needs_backward)
+    saved = list(saved) if needs_backward else []
+    finals = [ht.contiguous(), hbt.contiguous()] if output_final_state else []
+    return o.contiguous(), finals, saved
+
+
+@chunk_ttt_linear_fwd.register_fake
+def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
+              seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
+              backend, needs_backward):
+    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
+                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
+                         eta_is_tensor, output, needs_backward)
+    N, H, D = problem.N, problem.H, problem.D
+    finals = []
+    if output_final_state:
+        finals = [q.new_empty(N, H, D, D, dtype=problem.state_dtype),
+                  q.new_empty(N, H, 1, D, dtype=problem.state_dtype)]
+    saved = []
+    if needs_backward:
+        saved = [q.new_empty(shape, dtype=dtype)
+                 for shape, dtype in load_backend(backend).saved_shapes(problem)]
+    return torch.empty_like(q), finals, saved
+
+
+@torch.library.custom_op("ttt::chunk_ttt_linear_bwd", mutates_args=())
+def chunk_ttt_linear_bwd(
+        do: torch.Tensor, dht: torch.Tensor | None, dhbt: torch.Tensor | None,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+        eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
+        initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        saved: list[torch.Tensor], seq_lens: list[int], scale: float, eps: float,
+        chunk_size: int, output_final_state: bool, eta_is_tensor: bool, output: str,
+        backend: str, needs: list[bool]) -> list[torch.Tensor]:
+    """The gradients of the inputs ``needs`` marks (GRAD_INPUTS order), each in its input's
+    dtype; ``dht``/``dhbt`` None when those cotangents are absent."""
+    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
+                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
+                         eta_is_tensor, output, True)
+    with _no_autocast(q.device), _with_autograd():
+        grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
+                                               dhbt, GradNeeds(**dict(zip(GRAD_INPUTS, needs))))
+    found = (grads.dq, grads.dk, grads.dv, grads.dw, grads.db, grads.deta, grads.deta_key,
+             grads.dh0, grads.dhb0)
+    inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
+    result = []
+    for name, need, grad, like in zip(GRAD_INPUTS, needs, found, inputs):
+        if not need:
+            continue
+        if grad is None:
+            raise RuntimeError(f"backend {backend!r} returned no gradient for {name}")
+        result.append(grad.to(like.dtype).contiguous())
+    return result
+
+
+@chunk_ttt_linear_bwd.register_fake
+def _bwd_fake(do, dht, dhbt, q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
+              cu_seqlens, saved, seq_lens, scale, eps, chunk_size, output_final_state,
+              eta_is_tensor, output, backend, needs):
+    inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
+    return [torch.empty_like(like) for need, like in zip(needs, inputs) if need]
+
+
+_TENSOR_ARGS = 10
+"""The forward op's tensor arguments: GRAD_INPUTS and cu_seqlens; nine options follow."""
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    tensors = inputs[:_TENSOR_ARGS]
+    ctx.options = inputs[_TENSOR_ARGS:-1]          # seq_lens .. backend (not needs_backward)
+    ctx.eta_is_tensor = inputs[15]
+    ctx.n_saved = len(output[2])
+    ctx.save_for_backward(*tensors, *output[2])
+
+
+def _backward(ctx, do, d_finals, d_saved):
+    tensors = ctx.saved_tensors
+    inputs, saved = tensors[:_TENSOR_ARGS], list(tensors[_TENSOR_ARGS:])
+    grad_flags = list(ctx.needs_input_grad[:len(GRAD_INPUTS)])
+    grad_flags[GRAD_INPUTS.index("eta")] &= bool(ctx.eta_is_tensor)
+    grad_flags = [flag and t is not None for flag, t in zip(grad_flags, inputs)]
+    # (an empty seq_lens counts as a list of tensors, a non-empty one as one leaf)
+    no_option_grads = ([] if not ctx.options[0] else None, *(None,) * 8)
+    if not any(grad_flags):
+        return (*(None,) * _TENSOR_ARGS, *no_option_grads)
+    dht = dhbt = None
+    if d_finals is not None and len(d_finals):
+        dht, dhbt = d_finals[0], d_finals[1]
+    if do is None:
+        do = torch.zeros_like(inputs[0])
+    grads = iter(chunk_ttt_linear_bwd(
+        do, None if dht is None else dht.contiguous(),
+        None if dhbt is None else dhbt.contiguous(), *inputs, saved, *ctx.options,
+        grad_flags))
+    result = [next(grads) if flag else None for flag in grad_flags]
+    return (*result, None, *no_option_grads)
+
+
+chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
