@@ -3,8 +3,7 @@
 # as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
 # or nox is missing there): install our packages, run the conformance suite for the reference
 # and triton backends on CUDA tensors (big cases included), then the benchmarks.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy cupy_fused
-#                                   cupy_segments
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton triton_fused cupy cupy_simt
 #                                   tune bench
 #                                   (default: info ref triton bench)
 set -uo pipefail
@@ -39,20 +38,13 @@ for stage in $stages; do
         TTT_TRITON_TUNE=${TTT_TRITON_TUNE:+$TTT_TRITON_TUNE,}fuse=1,fuse_bwd=1 python3 -m nox \
         --no-venv -s "tests(backend='triton')" -- -q $XDIST 2>&1 \
         | tee "$OUT/tests-triton-fused.log" | tail -40 ;;
-    cupy)   # the CUDA C++ backend's suite on the GPU (TTT_CUPY_MMA / TTT_CUPY_FUSE of the
-            # caller apply)
+    cupy)   # the CUDA C++ backend's suite and own tests on the GPU (tests/test_gpu_schedules.py
+            # forces every schedule: fused, segmented, overlapped, plain)
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
-    cupy_fused)   # the same with the fused forward and backward chains forced on
-                  # (launcher.FUSED: the suite's shapes are below its thresholds)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_FUSE=1 TTT_CUPY_FUSE_GRADS=1 python3 -m nox \
-        --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-fused.log" \
-        | tail -40 ;;
-    cupy_segments)   # the same with every pass in 3 segments (launcher.segment_plan: the
-                     # suite's sequences are below its thresholds)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_SEGMENTS=3 python3 -m nox --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-segments.log" \
+    cupy_simt)   # the same with the SIMT fp32 kernels for half inputs (TTT_CUPY_MMA=0)
+      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_MMA=0 python3 -m nox --no-venv \
+        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-simt.log" \
         | tail -40 ;;
     tune)   # Triton launch tunables: every TUNE setting, then FLA chunk, in one run
       for t in ${TUNE:-"S_out=64,S_grads=32" "S_out=32,S_grads=32" "S_out=64,S_grads=64"}; do

@@ -11,7 +11,7 @@
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
 //
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
-// are. A segmented launch (g_lo < g_hi; launcher.segment_plan) has a block per (sequence, group
+// are. A segmented launch (g_lo < g_hi; placement.segment_plan) has a block per (sequence, group
 // g_lo .. g_hi - 1, head) instead of one per group of the batch (group_coords); blocks past their
 // sequence's end return at once. Overlapped (mode kOverlap; ttt_common.cuh): the block takes
 // a group-major item instead and waits until fwd_chain, running at the same time, has finished
