@@ -26,7 +26,7 @@ import torch
 from ttt import make_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
-from ttt_cupy.config import Schedule
+from ttt_cupy.config import Schedule, config
 from ttt_cupy.placement import segment_plan
 from ttt_cupy.smem import grads_split
 
@@ -107,7 +107,7 @@ def test_launch_arguments_match_kernel_signatures(recording, dtype, D, lens, ini
     # where asked (the backward: tensor cores, D_PAD <= 64 only), once per segment (the fused
     # forward: one launch; the overlapped one: fwd_chain, fwd_out and fwd_out's cleanup)
     ctype, dp = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"], cc.d_pad(D)
-    mma = dtype != torch.float32
+    mma = dtype != torch.float32 and config().mma   # (TTT_CUPY_MMA=0: the SIMT ones)
     fwd_names = cc.pass_names("fwd", ctype, dp, 16, mma)
     bwd_names = cc.pass_names("bwd", ctype, dp, 16, mma)
     fwd = [n for n, *_ in launches[:n_fwd]]

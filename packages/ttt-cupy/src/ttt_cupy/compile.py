@@ -33,36 +33,24 @@ template ``ttt_linear_x<T, D_PAD, BT>``. One program (RawModule) per pass and in
 KERNELS = tuple(k for ks in PASSES.values() for k in ks)
 
 MMA_KERNELS = KERNELS
-"""The kernels with a fourth template parameter ``bool MMA`` (all five): their [BT, D] x
-[D, D], [D, BT] x [BT, D] and [BT, BT] x [BT, D] products on tensor cores (mma.sync m16n8k8,
-tf32 operands, fp32 accumulation) when true. Only half types (``__half``,
-``__nv_bfloat16``) have MMA instances; float inputs always run the SIMT fp32 instance
-(float32-exact arithmetic)."""
+"""Every kernel has a template parameter ``bool MMA``: its tile products on tensor cores
+(tf32 mma.sync, fp32 accumulation); only the half types have MMA instances."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
-"""The kernels whose MMA instance keeps the state in registers (one warp per 16 state
-columns): it runs with :func:`threads` ``(dp, kernel, mma=True)`` threads and its own shared
-memory (:func:`smem_bytes` with ``mma=True``)."""
+"""Their MMA instances keep the state in registers (one warp per 16 state columns)."""
 
 FUSED_KERNEL = "fwd_chain"
-"""The kernel with a fifth template parameter ``bool FUSE``: its FUSE instances also write the
-forward's outputs (fwd_out's work, for :func:`ttt_cupy.launcher.fused_forward`), e.g.
-``ttt_linear_fwd_chain<__half, 64, 16, true, true>``. :func:`pass_names` lists them as
-:data:`FUSED_NAME`."""
+"""Its ``FUSE`` instances (a fifth template parameter) also write the outputs."""
 
 FUSED_NAME = "fwd_chain_fused"
-"""The key of :data:`FUSED_KERNEL`'s FUSE instance in :func:`pass_names` and
-:func:`get_kernels` (forward pass)."""
+"""The key of :data:`FUSED_KERNEL`'s FUSE instance in the forward's kernel table."""
 
 FUSED_BWD_NAME = "bwd_chain_fused"
-"""The key of the fused backward chain (``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true>``,
-bwd_chain.cu: bwd_grads' work done in the chain) in :func:`pass_names` and
-:func:`get_kernels` (backward pass): tensor-core instances of the half types at D_PAD <=
-:data:`FUSED_BWD_MAX_D_PAD` only."""
+"""The key of ``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true>`` (bwd_grads' work in the
+chain) in the backward's kernel table: half types at D_PAD <= :data:`FUSED_BWD_MAX_D_PAD`."""
 
 FUSED_BWD_MAX_D_PAD = 64
-"""The widest padded head dim with a fused backward chain (two [D_PAD, D_PAD] tiles in its
-shared memory besides the MMA chain's)."""
+"""Two more [D_PAD, D_PAD] tiles in shared memory do not fit beyond it."""
 
 MMA_MIN_ARCH = 80
 """mma.sync with tf32 operands needs sm_80 or newer."""
@@ -111,14 +99,10 @@ def _check_fused(kernel: str, fused: bool) -> None:
 
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
                 fused: bool = False) -> str:
-    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``
-    or ``ttt_linear_fwd_chain<__half, 64, 16, true>``. ``mma`` matters for :data:`MMA_KERNELS`
-    only (None: the type's default, true for half types); float has no MMA instance.
-    ``fused``: :data:`FUSED_KERNEL`'s instance that writes the outputs (``..., true>``)."""
+    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``;
+    ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance."""
     _check_kernel(kernel)
     _check_fused(kernel, fused)
-    if kernel not in MMA_KERNELS:
-        return f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}>"
     if mma is None:
         mma = ctype != "float"
     if mma and ctype == "float":

@@ -1,6 +1,8 @@
 // The cross-stream protocol of the overlapped passes.
 #pragma once
 
+#include "types.cuh"
+
 namespace ttt {
 
 // ---------------------------------------------------------------- overlapped passes
@@ -84,6 +86,50 @@ __device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_ch
 // groups (it has started: overlap_claim).
 __device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
     while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
+}
+
+// A group kernel's block: its (group, head) and, of SPLIT blocks per (group, head), its first
+// state row a0 (rows DA apart). kPlain: from blockIdx.x over the segment [g_lo, g_hi). Else
+// from the ticket it claims (overlap_claim): ticket t is item u = t / SPLIT, the k-th group
+// (k = u / n_chains) of chain c = u % n_chains, counted from the sequence's start, or with
+// REVERSE (the backward) from its end; in kOverlap it then waits until the chain has finished
+// that group. s_ticket: the kernel's own static __shared__ int (static: shared in the CPU
+// emulation too). False: nothing to do (past the sequence's groups, or the ticket put back).
+template <int SPLIT, int DA, bool REVERSE>
+__device__ __forceinline__ bool group_block(
+    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains, int wait_spins,
+    long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
+    long long g_hi) {
+    if (mode == overlap::kPlain) {
+        const unsigned i_b = blockIdx.x / SPLIT;
+        a0 = (int)(blockIdx.x % SPLIT) * DA;
+        i_h = (int)(i_b % H);
+        gr = group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo, g_hi);
+        if (gr.nc <= 0) return false;  // a segment past the end of this sequence
+        return true;
+    }
+    if (threadIdx.x == 0) s_ticket = overlap_claim(sync, mode, n_chains, wait_spins);
+    __syncthreads();
+    const int t = s_ticket, nch = (int)n_chains;  // (32-bit: int32 tickets)
+    if (t < 0) return false;  // put back, or no item
+    const int u = t / SPLIT, c = u % nch, k = u / nch;
+    a0 = (t % SPLIT) * DA;
+    i_h = c % H;
+    if constexpr (REVERSE) {
+        const Seq sq = seq_coords(c / H, T_len, BT, G, cu_seqlens, grp_offsets);
+        const long long j = (sq.nc + G - 1) / G - 1 - k;
+        if (j < 0) return false;  // the sequence has no such group
+        gr = group_at(c / H, j, T_len, BT, G, cu_seqlens, grp_offsets);
+    } else {
+        gr = group_at(c / H, k, T_len, BT, G, cu_seqlens, grp_offsets);
+        if (gr.nc <= 0) return false;  // the sequence has no group k
+    }
+    if (mode == overlap::kOverlap) {
+        if (threadIdx.x == 0) overlap_wait(sync, c, k + 1);
+        __syncthreads();
+    }
+    return true;
 }
 
 }  // namespace ttt
