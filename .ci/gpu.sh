@@ -5,8 +5,7 @@
 # on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
 # fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
 # on the GPU fails its suite.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_fused
-#                                   cupy_segments bench
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_simt bench
 #                                   (default: info ref triton cupy bench)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,20 +33,13 @@ for stage in $stages; do
     triton)
       timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
         -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
-    cupy)   # the CUDA C++ backend's suite on the GPU (TTT_CUPY_MMA / TTT_CUPY_FUSE of the
-            # caller apply)
+    cupy)   # the CUDA C++ backend's suite and own tests on the GPU (tests/test_gpu_schedules.py
+            # forces every schedule: fused, segmented, overlapped, plain)
       timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
         -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
-    cupy_fused)   # the same with the fused forward and backward chains forced on
-                  # (launcher.FUSED: the suite's shapes are below its thresholds)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_FUSE=1 TTT_CUPY_FUSE_GRADS=1 python3 -m nox \
-        --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-fused.log" \
-        | tail -40 ;;
-    cupy_segments)   # the same with every pass in 3 segments (launcher.segment_plan: the
-                     # suite's sequences are below its thresholds)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_SEGMENTS=3 python3 -m nox --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-segments.log" \
+    cupy_simt)   # the same with the SIMT fp32 kernels for half inputs (TTT_CUPY_MMA=0)
+      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_MMA=0 python3 -m nox --no-venv \
+        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-simt.log" \
         | tail -40 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)

@@ -6,7 +6,7 @@ Per backend and anchor shape: the Python side of one forward and of one backward
 until the call returns, without synchronising), and the wall time per fwd+bwd of the same
 calls between two CUDA events. Where the host time is near the wall time, the host's launch
 work, not the GPU, sets the pace (e.g. the cupy backend's forward at 8,2048,12,64).
-Environment variables of the backends (``TTT_CUPY_SEGMENTS``, ...) apply.
+Environment variables of the backends (``TTT_CUPY_MMA``, ...) apply.
 With ``--api``, also the CUDA runtime and driver calls one forward makes (torch.profiler's
 host-side events named ``cuda*`` / ``cu*``: launches, allocations, events, stream waits), the
 count behind its host time. With ``--cprofile N``, also cProfile's N functions of most own

@@ -8,6 +8,7 @@ with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -17,11 +18,11 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from ttt_cupy import compile as cc
-from ttt_cupy import launcher
 
 REQUIRE_TOOLCHAIN_ENV = "TTT_REQUIRE_TOOLCHAIN"
 
@@ -117,9 +118,7 @@ def fake_cupy(monkeypatch):
                                  compiler=types.SimpleNamespace(CompileException=RuntimeError))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
                                                                     cuda=cuda))
-    monkeypatch.delenv(cc.MMA_ENV, raising=False)
-    caches = (cc._module, cc._kernel_table, cc.device_arch, launcher._function,
-              launcher._device_smem_limit)
+    caches = (cc._module, cc._kernel_table, cc.device_arch)
     for cache in caches:
         cache.cache_clear()
     yield built
@@ -139,48 +138,48 @@ class StandInStream:
         pass
 
 
-@pytest.fixture
-def stand_in_device(fake_cupy, monkeypatch):
-    """The launcher on device 0 (the stand-in cupy's sm_90) with CPU tensors: torch's stream
-    and the launcher's side streams are StandInStreams, its environment switches unset.
-    Returns the stream class (launches on anything else are on a real stream)."""
-    monkeypatch.setattr(launcher, "_index", lambda device: 0)
-    monkeypatch.setattr(launcher, "_chain_stream", lambda index: StandInStream())
-    monkeypatch.setattr(launcher, "_group_streams",
-                        lambda index: tuple(StandInStream()
-                                            for _ in range(launcher.GROUP_STREAMS)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StandInStream())
-    for env in (launcher.FUSE_ENV, launcher.FUSE_GRADS_ENV, launcher.SEGMENT_ENV, cc.MMA_ENV,
-                launcher.OVERLAP_ENV):
-        monkeypatch.delenv(env, raising=False)
-    return StandInStream
+class RecordingDevice:
+    """The launcher's device seam (ttt_cupy.device.CudaDevice) on CPU tensors: an sm_90 with
+    227 KiB of shared memory per block whose kernels are their name expressions. Records each
+    launch as (name, grid, block, smem, args) and each stream wait as (address, value), and
+    keeps every tensor whose address the launcher took (``tensors``), so that addresses stay
+    theirs."""
 
+    smem_limit = 227 * 1024
+    arch = "90"
 
-@pytest.fixture
-def allocations(monkeypatch):
-    """Every tensor torch.empty / empty_like / zeros / zeros_like made during the test, and
-    every result of Tensor.to / Tensor.contiguous (the casts and copies the launcher makes of
-    its inputs), kept alive, so that their addresses stay theirs."""
-    made = []
-    for name in ("empty", "empty_like", "zeros", "zeros_like"):
-        real = getattr(torch, name)
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.waits: list[tuple[int, int]] = []
+        self.tensors: list[torch.Tensor] = []
+        self.chain_stream = StandInStream()
+        self.group_streams = tuple(StandInStream() for _ in range(8))
 
-        def wrapped(*args, _real=real, **kwargs):
-            t = _real(*args, **kwargs)
-            made.append(t)
-            return t
+    def uses_mma(self, dtype_name: str, requested: bool) -> bool:
+        return cc.use_mma(cc.CTYPES[dtype_name], self.arch, requested)
 
-        monkeypatch.setattr(torch, name, wrapped)
-    for name in ("to", "contiguous"):
-        real = getattr(torch.Tensor, name)
+    def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool):
+        return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma)
 
-        def method(self, *args, _real=real, **kwargs):
-            t = _real(self, *args, **kwargs)
-            made.append(t)
-            return t
+    def active(self):
+        return contextlib.nullcontext()
 
-        monkeypatch.setattr(torch.Tensor, name, method)
-    return made
+    def pointer(self, t):
+        if t is not None:
+            self.tensors.append(t)
+        return np.uint64(0 if t is None else t.data_ptr())
+
+    def current_stream(self):
+        return StandInStream()
+
+    def wait_value(self, stream, address: int, value: int) -> bool:
+        assert isinstance(stream, StandInStream)
+        self.waits.append((address, value))
+        return False
+
+    def launch(self, kernel, grid, block, smem, args, stream) -> None:
+        assert isinstance(stream, StandInStream)
+        self.launches.append((kernel, grid, block, smem, args))
 
 
 EMULATION = Path(__file__).resolve().parent / "cpu_emulation"
@@ -207,3 +206,58 @@ def emu(tmp_path_factory):
                  "emu_async_strays", "emu_async_leftovers"):
         getattr(lib, name).restype = ctypes.c_longlong
     return lib
+
+
+_C = {np.uint64: ctypes.c_void_p, np.float32: ctypes.c_float, np.int32: ctypes.c_int,
+      np.int64: ctypes.c_longlong}
+
+
+def _entry(name: str) -> tuple[str, int, int]:
+    """(emulation entry point, D_PAD, BT) of a name expression such as
+    ``ttt_linear_fwd_chain<float, 64, 16, false, true>``."""
+    base, _, targs = name.partition("<")
+    t, dp, bt, mma, *fuse = (a.strip() for a in targs.rstrip(">").split(","))
+    assert (t, mma) == ("float", "false"), f"{name}: only float SIMT instances run here"
+    return f"emu_{base.removeprefix('ttt_linear_')}{'_fused' if fuse == ['true'] else ''}", \
+        int(dp), int(bt)
+
+
+class EmulatedDevice(RecordingDevice):
+    """The launcher's device seam with each launch run by the emulation, the tensors of the
+    call registered as its arrays (prefetch hints and asynchronous copies must stay inside
+    them); ``ran``: the entry points run; ``inputs``: the caller's tensors (set before)."""
+
+    def __init__(self, emu):
+        super().__init__()
+        self.emu, self.ran, self.inputs = emu, [], []
+
+    def launch(self, kernel, grid, block, smem, args, stream) -> None:
+        super().launch(kernel, grid, block, smem, args, stream)
+        emu = self.emu
+        entry, dp, bt = _entry(kernel)
+        emu.emu_clear_buffers()
+        for t in self.tensors + self.inputs:
+            storage = t.untyped_storage()
+            emu.emu_add_buffer(ctypes.c_void_p(storage.data_ptr()),
+                               ctypes.c_longlong(storage.nbytes()))
+        c_args = [_C[type(a)](float(a) if isinstance(a, np.floating) else int(a))
+                  for a in args[:-1]]                    # (the last: the smem size)
+        rc = getattr(emu, entry)(ctypes.c_int(dp), ctypes.c_int(bt), ctypes.c_longlong(grid),
+                                 *c_args)
+        assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}"
+        assert emu.emu_prefetch_strays() == 0, f"{entry}: prefetch hints outside its arrays"
+        assert emu.emu_async_strays() == 0, f"{entry}: asynchronous copies outside its arrays"
+        assert emu.emu_async_leftovers() == 0, f"{entry}: asynchronous copies never waited for"
+        self.ran.append(entry)
+
+
+@pytest.fixture
+def recording():
+    """A :class:`RecordingDevice` for the launcher's ``device`` argument."""
+    return RecordingDevice()
+
+
+@pytest.fixture
+def emulated(emu):
+    """An :class:`EmulatedDevice` for the launcher's ``device`` argument."""
+    return EmulatedDevice(emu)

@@ -12,7 +12,7 @@ import ctypes
 
 import pytest
 
-from ttt_cupy.compile import bwd_chain_stage_floats, grads_split
+from ttt_cupy.smem import grads_split, traits
 
 np = pytest.importorskip("numpy")
 
@@ -81,11 +81,11 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
     ``fused``: fwd_chain's fused instance writes o and fwd_out is skipped; ``grads`` None then
     means a forward without backward (no slots, xhat or r: null pointers) and returns
-    (o, ht, hbt), None. ``seg`` > 0: the segmented launch order (launcher.segment_plan), seg
+    (o, ht, hbt), None. ``seg`` > 0: the segmented launch order (placement.segment_plan), seg
     groups per segment: each segment's chain, then its group kernels; the backward's segments
     in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
     writes dk, dv and per-group dw, db partials (where bwd_grads puts its), and bwd_grads
-    is skipped. ``overlap``: the overlapped passes (launcher._overlapped, one sync buffer per
+    is skipped. ``overlap``: the overlapped passes (streams.run_overlapped, one sync buffer per
     pass; the backward's bwd_local first): "chain first" runs the chain kernel, then the group
     kernel's tickets (kOverlap: every group is finished, none put back), then the cleanup
     launch (kCleanup: nothing to do); "out first" runs the group kernel's blocks before any
@@ -249,7 +249,7 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if any(min(_cdiv(length, BT), per_launch or length) > 1 for _, _, length in seqs):
         # the backward chain asked for the previous chunk's rows: the bounds check saw hints
         assert prefetches.get("bwd_chain", 0) > 0, "no prefetch hint reached the bounds check"
-    if "bwd_chain" in mma and bwd_chain_stage_floats(DP, BT) > 0:
+    if "bwd_chain" in mma and traits(DP, BT)["kBwdChainStage"]:
         # its rows came through cp.async: the copies' bounds and waits were checked
         assert copies.get("bwd_chain", 0) > 0, "no asynchronous copy reached the checks"
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
@@ -455,7 +455,7 @@ def _assert_variant_bitwise(emu, case, mma, what: str, **variant):
 @pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_segments_match_one_launch(emu, case, mma, seg):
-    """The segmented launch order (launcher.segment_plan: every pass split into launches over
+    """The segmented launch order (placement.segment_plan: every pass split into launches over
     ``seg`` groups of each sequence; a segment's chain starts from the slot its predecessor
     stored, the backward chain's from the slot cotangents dck, dckb) against one launch per
     kernel: the same arithmetic in the same order, so every output and gradient is bitwise

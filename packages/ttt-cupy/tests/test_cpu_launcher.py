@@ -14,60 +14,14 @@ pass's chain before its group kernel, whose blocks then find every group finishe
 
 from __future__ import annotations
 
-import ctypes
-import types
-
+import numpy as np
 import pytest
 import torch
 
 import ttt
 from ttt import make_problem
 from ttt_cupy import launcher
-
-np = pytest.importorskip("numpy")
-
-_C = {np.uint64: ctypes.c_void_p, np.float32: ctypes.c_float, np.int32: ctypes.c_int,
-      np.int64: ctypes.c_longlong}
-
-
-def _entry(name: str) -> tuple[str, int, int]:
-    """(emulation entry point, D_PAD, BT) of a name expression such as
-    ``ttt_linear_fwd_chain<float, 64, 16, false, true>``."""
-    base, _, targs = name.partition("<")
-    t, dp, bt, mma, *fuse = (a.strip() for a in targs.rstrip(">").split(","))
-    assert (t, mma) == ("float", "false"), f"{name}: only float SIMT instances run here"
-    return f"emu_{base.removeprefix('ttt_linear_')}{'_fused' if fuse == ['true'] else ''}", \
-        int(dp), int(bt)
-
-
-@pytest.fixture
-def emulated(emu, stand_in_device, allocations, monkeypatch):
-    """The launcher on device 0 (an sm_90 stand-in) with CPU tensors, each launch run by the
-    emulation with the tensors of the call registered as its arrays (prefetch hints and
-    asynchronous copies must stay inside them). Returns the emulation's state: ``ran``, the
-    entry points run; ``inputs``, the caller's tensors (to set before the call)."""
-    state = types.SimpleNamespace(ran=[], inputs=[])
-
-    def launch(kernel, index, grid, block, smem, args, stream):
-        entry, dp, bt = _entry(kernel.name)
-        emu.emu_clear_buffers()
-        for t in allocations + state.inputs:
-            storage = t.untyped_storage()
-            emu.emu_add_buffer(ctypes.c_void_p(storage.data_ptr()),
-                               ctypes.c_longlong(storage.nbytes()))
-        c_args = [_C[type(a)](float(a) if isinstance(a, np.floating) else int(a))
-                  for a in args[:-1]]                    # (the last: the smem size)
-        rc = getattr(emu, entry)(ctypes.c_int(dp), ctypes.c_int(bt), ctypes.c_longlong(grid),
-                                 *c_args)
-        assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}"
-        assert emu.emu_prefetch_strays() == 0, f"{entry}: prefetch hints outside its arrays"
-        assert emu.emu_async_strays() == 0, f"{entry}: asynchronous copies outside its arrays"
-        assert emu.emu_async_leftovers() == 0, f"{entry}: asynchronous copies never waited for"
-        state.ran.append(entry)
-
-    monkeypatch.setattr(launcher, "_launch", launch)
-    monkeypatch.setattr(launcher, "_stream_wait_value", lambda stream, address, value: False)
-    return state
+from ttt_cupy.config import AUTO, Schedule
 
 
 def _inputs(D, lens, H, param_dtype, init, seed=0):
@@ -91,27 +45,26 @@ def _inputs(D, lens, H, param_dtype, init, seed=0):
     return x, cu
 
 
-CASES = [  # D, sequence lengths, heads, eta / w / b dtype, initial states, environment
-    (64, (300,), 2, torch.float32, True, {launcher.OVERLAP_ENV: "0"}),     # one launch each
-    (64, (300,), 2, torch.bfloat16, False, {launcher.SEGMENT_ENV: "2"}),   # segments
-    (20, (150, 170), 1, torch.float16, True, {launcher.OVERLAP_ENV: "1"}),  # overlapped, varlen
-    (64, (90,), 2, torch.float64, True, {launcher.FUSE_ENV: "1"}),         # fused forward
-    (32, (40, 7, 60), 2, torch.bfloat16, False, {}),                       # the rule
+CASES = [  # D, sequence lengths, heads, eta / w / b dtype, initial states, schedule
+    (64, (300,), 2, torch.float32, True, Schedule(overlap=False)),          # one launch each
+    (64, (300,), 2, torch.bfloat16, False, Schedule(overlap=False, segments=2)),  # segments
+    (20, (150, 170), 1, torch.float16, True, Schedule(overlap=True)),       # overlapped, varlen
+    (64, (90,), 2, torch.float64, True, Schedule(fuse_forward=True)),       # fused forward
+    (32, (40, 7, 60), 2, torch.bfloat16, False, AUTO),                      # the rule
 ]
 
 
 def _id(case):
-    D, lens, H, dt, init, env = case
-    what = ",".join(f"{k.removeprefix('TTT_CUPY_')}={v}" for k, v in env.items()) or "rule"
+    D, lens, H, dt, init, schedule = case
+    what = ",".join(f"{k}={v}" for k, v in vars(schedule).items()
+                    if v != getattr(AUTO, k)) or "rule"
     return f"D{D}-{'+'.join(map(str, lens))}-H{H}-{str(dt).split('.')[1]}-" \
            f"{'h0' if init else 'no-h0'}-{what}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_launcher_end_to_end_matches_reference(emulated, monkeypatch, case):
-    D, lens, H, param_dtype, init, env = case
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+def test_launcher_end_to_end_matches_reference(emulated, case):
+    D, lens, H, param_dtype, init, schedule = case
     x, cu = _inputs(D, lens, H, param_dtype, init)
     scale, eps, bt = D ** -0.5, 1e-6, 16
     p = make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale=scale, eps=eps,
@@ -120,10 +73,12 @@ def test_launcher_end_to_end_matches_reference(emulated, monkeypatch, case):
                      cu_seqlens=cu)
     emulated.inputs = [t for t in (*x.values(), cu) if t is not None]
     before = {name: t.clone() for name, t in x.items()}
-    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True)
+    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True, schedule=schedule,
+                                                device=emulated)
     gen = torch.Generator().manual_seed(1)
     do, dht, dhbt = (torch.randn(t.shape, generator=gen) for t in (o, ht, hbt))
-    dq, dk, dv, dw, db, deta, dh0, dhb0 = launcher.ttt_linear_bwd(p, saved, do, dht, dhbt)
+    dq, dk, dv, dw, db, deta, dh0, dhb0 = launcher.ttt_linear_bwd(
+        p, saved, do, dht, dhbt, schedule=schedule, device=emulated)
     assert {"emu_fwd_chain", "emu_fwd_chain_fused"} & set(emulated.ran), emulated.ran
     for name, t in x.items():  # inputs are never mutated
         assert torch.equal(t, before[name]), name

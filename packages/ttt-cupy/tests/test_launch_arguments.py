@@ -3,15 +3,15 @@
 The launcher builds each kernel's arguments by hand (raw ``data_ptr()`` values and numpy
 scalars), and a kernel reads them by position: an argument too many, too few or of the wrong
 width is not an error CUDA reports, it is garbage. Here the whole forward and backward run on
-CPU tensors with a stand-in ``cupy`` (``conftest.fake_cupy``) and stand-in streams; each launch
+CPU tensors through the launcher's device seam (``conftest.RecordingDevice``); each launch
 is recorded and its arguments checked, one by one, against the parameters of the
 ``__global__`` function in ``csrc/*.cu`` (a pointer is a 64-bit address, ``float`` a numpy
 float32, ``int`` int32, ``long long`` int64): for the fused and unfused forward and backward,
 one launch and segmented passes, dense and varlen, with and without initial states, tensor-core
 and SIMT instances. It also checks which instances each pass launches and how often, the
 shared-memory size the kernel is told (its last argument) against the launch's, a block of
-whole warps, and that every pointer is null or inside a tensor of the call (an input, or one
-the launcher made).
+whole warps, and that every pointer is null or inside a tensor the launcher handed to the
+device.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import torch
 from ttt import make_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
+from ttt_cupy.config import Schedule, config
+from ttt_cupy.placement import segment_plan
+from ttt_cupy.smem import grads_split
 
 _SCALAR = {"float": np.float32, "int": np.int32, "long long": np.int64,
            "unsigned long long": np.uint64}
@@ -49,35 +52,6 @@ def _signatures() -> dict[str, list[type]]:
                 types.append(_SCALAR[" ".join(base.split())])
             sigs[m.group(1)] = types
     return sigs
-
-
-class _Launches(list):
-    """The recorded launches; ``waits``: the stream waits (address, value) asked for."""
-
-    waits: list
-
-
-@pytest.fixture
-def launches(stand_in_device, monkeypatch):
-    """The launches of the calls made in the test, as (kernel name, grid, block, smem, args);
-    the launcher sees device 0, an sm_90 stand-in, on CPU tensors."""
-    recorded = _Launches()
-
-    def record(kernel, index, grid, block, smem, args, stream):
-        assert isinstance(stream, stand_in_device)
-        recorded.append((kernel.name, grid, block, smem, args))
-
-    monkeypatch.setattr(launcher, "_launch", record)
-    waits = []  # (address, value) of each stream wait: checked with the overlapped passes
-
-    def wait_value(stream, address, value):
-        assert isinstance(stream, stand_in_device)
-        waits.append((address, value))
-        return False
-
-    monkeypatch.setattr(launcher, "_stream_wait_value", wait_value)
-    recorded.waits = waits
-    return recorded
 
 
 def _problem(dtype, D, lens, init, H=2, chunk_size=16):
@@ -112,30 +86,28 @@ def _inside(address: int, tensors) -> bool:
 @pytest.mark.parametrize("fuse", ["0", "1"], ids=["unfused", "fused"])
 @pytest.mark.parametrize("segments", ["1", "3", "overlap"],
                          ids=["one-launch", "3-segments", "overlapped"])
-def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeypatch, dtype, D,
-                                                  lens, init, fuse, segments):
-    monkeypatch.setenv(launcher.FUSE_ENV, fuse)
-    monkeypatch.setenv(launcher.FUSE_GRADS_ENV, fuse)
-    if segments == "overlap":  # the overlapped passes (no segments)
-        monkeypatch.setenv(launcher.OVERLAP_ENV, "1")
-    else:
-        monkeypatch.setenv(launcher.SEGMENT_ENV, segments)
+def test_launch_arguments_match_kernel_signatures(recording, dtype, D, lens, init, fuse,
+                                                  segments):
+    overlap = segments == "overlap"
+    schedule = Schedule(fuse_forward=fuse == "1", fuse_backward=fuse == "1", overlap=overlap,
+                        segments=None if overlap else int(segments))
+    launches = recording.launches
     p = _problem(dtype, D, lens, init)
-    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True)
+    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=True, schedule=schedule,
+                                                device=recording)
     n_fwd = len(launches)
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(o.shape, generator=gen).to(dtype)
     dht, dhbt = torch.randn(ht.shape, generator=gen), torch.randn(hbt.shape, generator=gen)
-    launcher.ttt_linear_bwd(p, saved, do, dht, dhbt)
-    launches_per_kernel = len(launcher.segment_plan(p, saved.groups.groups_max))
-    overlap = segments == "overlap"
+    launcher.ttt_linear_bwd(p, saved, do, dht, dhbt, schedule=schedule, device=recording)
+    launches_per_kernel = len(segment_plan(p, saved.groups.groups_max, schedule=schedule))
     assert launches_per_kernel == (1 if overlap else int(segments))  # (3 groups or more)
 
     # the instances each pass launched (pass_names: tensor-core ones for half inputs), fused
     # where asked (the backward: tensor cores, D_PAD <= 64 only), once per segment (the fused
     # forward: one launch; the overlapped one: fwd_chain, fwd_out and fwd_out's cleanup)
     ctype, dp = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"], cc.d_pad(D)
-    mma = dtype != torch.float32
+    mma = dtype != torch.float32 and config().mma   # (TTT_CUPY_MMA=0: the SIMT ones)
     fwd_names = cc.pass_names("fwd", ctype, dp, 16, mma)
     bwd_names = cc.pass_names("bwd", ctype, dp, 16, mma)
     fwd = [n for n, *_ in launches[:n_fwd]]
@@ -157,7 +129,7 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
     if overlap and fuse == "0":
         passes.append((launches[:3], 1))
     if overlap and chain == "bwd_chain":
-        passes.append((launches[n_fwd + 1:n_fwd + 4], cc.grads_split(dp, 16)))
+        passes.append((launches[n_fwd + 1:n_fwd + 4], grads_split(dp, 16)))
     syncs = []
     for three, per_item in passes:
         (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = three
@@ -168,12 +140,10 @@ def test_launch_arguments_match_kernel_signatures(launches, allocations, monkeyp
         assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H
         assert o_grid == k_grid == tickets
         syncs.append(sync)
-    assert launches.waits == [(a, p.N * p.H) for a in syncs], launches.waits
+    assert recording.waits == [(a, p.N * p.H) for a in syncs], recording.waits
 
     sigs = _signatures()
-    tensors = [p.q, p.k, p.v, p.cu_seqlens, p.initial_state, p.initial_state_bias, do, dht,
-               dhbt, *saved.f32, saved.groups.offsets, saved.groups.seq, *allocations]
-    tensors = [t for t in tensors if t is not None]
+    tensors = recording.tensors    # (every tensor whose address the launcher took)
     for name, grid, block, smem, args in launches:
         params = sigs[name.split("<")[0]]
         assert len(args) == len(params), \

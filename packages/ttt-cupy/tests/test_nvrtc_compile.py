@@ -47,18 +47,8 @@ def test_every_instance_compiles_for_sm80_and_sm90():
 
 def test_name_expressions_and_smem_formula():
     """No NVRTC needed: names and the shared-memory budget the launcher relies on."""
-    from ttt_cupy.compile import (
-        KERNELS,
-        PASSES,
-        bwd_chain_stage_floats,
-        d_pad,
-        grads_split,
-        kernel_name,
-        pass_smem,
-        smem_bytes,
-        threads,
-    )
-    from ttt_cupy.nvrtc_check import traits_field
+    from ttt_cupy.compile import KERNELS, PASSES, d_pad, kernel_name
+    from ttt_cupy.smem import grads_split, pass_smem, smem_bytes, threads, traits, traits_field
 
     assert KERNELS == ("fwd_chain", "fwd_out", "bwd_local", "bwd_chain", "bwd_grads")
     assert kernel_name("fwd_out", "__half", 64, 16) == "ttt_linear_fwd_out<__half, 64, 16, true>"
@@ -84,11 +74,10 @@ def test_name_expressions_and_smem_formula():
     # the backward chain's stage (cp.async rows): [BT, D_PAD + 4] floats for each of 6 arrays
     # and r, only where the block stays within an A100's 163 KiB; chunk 16 at every head dim
     h200, a100 = 227 * 1024, 163 * 1024
-    assert bwd_chain_stage_floats(64, 16) == 6 * 16 * 68 + 16
     assert smem_bytes("bwd_chain", 64, 16, True) == 4 * (4 * 16 * 65 + 12 * 4 * 16
                                                          + 6 * 16 * 68 + 16)
     staged = [(dp, bt) for dp in (16, 32, 64, 128) for bt in (16, 32, 64)
-              if bwd_chain_stage_floats(dp, bt)]
+              if traits(dp, bt)["kBwdChainStage"]]
     assert len(staged) == 9 and all(bt < 64 or dp < 64 for dp, bt in staged)
     assert all(smem_bytes("bwd_chain", dp, bt, True) <= a100 for dp, bt in staged)
     with pytest.raises(ValueError, match="fused"):
@@ -116,7 +105,8 @@ def test_name_expressions_and_smem_formula():
 
 def test_mma_instances_and_switch(monkeypatch):
     """No NVRTC needed: which instance of each kernel runs for which dtype, and TTT_CUPY_MMA."""
-    from ttt_cupy.compile import MMA_ENV, kernel_name, pass_names, program_names, use_mma
+    from ttt_cupy.compile import kernel_name, pass_names, program_names, use_mma
+    from ttt_cupy.config import MMA_ENV, CupyConfig
     from ttt_cupy.nvrtc_check import is_mma_instance
 
     assert (kernel_name("fwd_chain", "__half", 64, 16)
@@ -127,14 +117,15 @@ def test_mma_instances_and_switch(monkeypatch):
             == "ttt_linear_bwd_chain<__nv_bfloat16, 32, 32, false>")
     with pytest.raises(ValueError, match="float"):
         kernel_name("fwd_chain", "float", 64, 16, True)
-    monkeypatch.delenv(MMA_ENV, raising=False)
     assert use_mma("__half") and use_mma("__nv_bfloat16", "90") and use_mma("__half", 80)
     assert not use_mma("float") and not use_mma("__half", "75")
-    for value in ("0", " 0 "):
-        monkeypatch.setenv(MMA_ENV, value)
-        assert not use_mma("__half", "90") and not use_mma("__nv_bfloat16")
-    monkeypatch.setenv(MMA_ENV, "1")
-    assert use_mma("__half", "90")
+    assert not use_mma("__half", "90", requested=False)
+    for env, mma in (({}, True), ({MMA_ENV: "1"}, True), ({MMA_ENV: " 0 "}, False),
+                     ({MMA_ENV: ""}, True)):
+        assert CupyConfig.from_env(env).mma is mma
+    for bad in ("yes", "2", "off"):
+        with pytest.raises(ValueError, match=MMA_ENV):
+            CupyConfig.from_env({MMA_ENV: bad})
     assert pass_names("fwd", "float", 64, 16, True) == {
         "fwd_chain": "ttt_linear_fwd_chain<float, 64, 16, false>",
         "fwd_out": "ttt_linear_fwd_out<float, 64, 16, false>",
@@ -167,7 +158,7 @@ def test_mma_instances_and_switch(monkeypatch):
 
 
 def test_smem_reason_names_the_kernel():
-    from ttt_cupy.launcher import smem_reason
+    from ttt_cupy.smem import smem_reason
 
     h200, a100 = 227 * 1024, 163 * 1024
     for D in (60, 96, 128):
@@ -184,45 +175,56 @@ def test_smem_reason_names_the_kernel():
     assert smem_reason(128, 64, True, None) is None
 
 
-def test_fused_forward_rule(monkeypatch):
-    """No GPU needed: when the forward chain writes the outputs itself (launcher.FUSED), and
-    TTT_CUPY_FUSE forcing it either way."""
+def test_schedule_is_validated():
+    from ttt_cupy.config import Schedule
+
+    with pytest.raises(ValueError, match="overlap=False"):
+        Schedule(segments=2)                           # a segmented pass is not overlapped
+    with pytest.raises(ValueError, match="overlap=False"):
+        Schedule(segments=2, overlap=True)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="segments"):
+            Schedule(segments=bad, overlap=False)
+    with pytest.raises(ValueError, match="overlap_spins"):
+        Schedule(overlap_spins=-1)
+    with pytest.raises(TypeError, match="fuse_forward"):
+        Schedule(fuse_forward=1)
+    assert Schedule(segments=1, overlap=False).segments == 1
+
+
+def test_fused_forward_rule():
+    """No GPU needed: when the forward chain writes the outputs itself (placement.FUSED), and
+    Schedule.fuse_forward forcing it either way."""
     from types import SimpleNamespace
 
-    from ttt_cupy.launcher import FUSE_ENV, FUSED, fused_forward
+    from ttt_cupy.config import Schedule
+    from ttt_cupy.placement import FUSED, fused_forward
 
     assert FUSED == {"forward_inference": 128, "forward_training": 256, "backward": 256}
-    monkeypatch.delenv(FUSE_ENV, raising=False)
     assert fused_forward(SimpleNamespace(N=8, H=16), False)         # 128 chains, inference
     assert not fused_forward(SimpleNamespace(N=8, H=12), False)
     assert not fused_forward(SimpleNamespace(N=8, H=12), True)      # training: from 256
     assert fused_forward(SimpleNamespace(N=32, H=16), True)
-    for value, on in (("1", True), (" 0 ", False)):
-        monkeypatch.setenv(FUSE_ENV, value)
-        assert fused_forward(SimpleNamespace(N=1, H=2), False) is on
-        assert fused_forward(SimpleNamespace(N=32, H=16), True) is on
-    monkeypatch.setenv(FUSE_ENV, "")                                 # empty: the rule
-    assert not fused_forward(SimpleNamespace(N=1, H=2), False)
-    monkeypatch.setenv(FUSE_ENV, "yes")
-    with pytest.raises(ValueError, match=FUSE_ENV):
-        fused_forward(SimpleNamespace(N=2, H=2), False)
+    for on in (True, False):
+        forced = Schedule(fuse_forward=on)
+        assert fused_forward(SimpleNamespace(N=1, H=2), False, forced) is on
+        assert fused_forward(SimpleNamespace(N=32, H=16), True, forced) is on
 
 
-def test_segment_plan(monkeypatch):
-    """No GPU needed: the group ranges of a segmented pass (launcher.segment_plan) cover every
-    group once, in order; one launch with many chains or one group; TTT_CUPY_SEGMENTS forces
+def test_segment_plan():
+    """No GPU needed: the group ranges of a segmented pass (placement.segment_plan) cover every
+    group once, in order; one launch with many chains or one group; Schedule.segments forces
     the count."""
     from types import SimpleNamespace
 
-    from ttt_cupy.launcher import (
-        SEGMENT_ENV,
+    from ttt_cupy.config import Schedule
+    from ttt_cupy.placement import (
         SEGMENT_MAX_CHAINS,
         SEGMENT_MIN_GROUPS,
         SEGMENTS,
         segment_plan,
     )
 
-    monkeypatch.delenv(SEGMENT_ENV, raising=False)
     many = SimpleNamespace(N=1, H=SEGMENT_MAX_CHAINS + 1, D=64)
     for D, (at_least, least) in ((50, SEGMENT_MIN_GROUPS[64]), (100, SEGMENT_MIN_GROUPS[128])):
         few = SimpleNamespace(N=1, H=16, D=D)
@@ -239,36 +241,23 @@ def test_segment_plan(monkeypatch):
             assert segment_plan(few, groups) == [(0, 0)]
     few = SimpleNamespace(N=1, H=16, D=64)
     assert segment_plan(many, 128) == [(0, 0)]
-    monkeypatch.setenv(SEGMENT_ENV, "3")
-    assert segment_plan(many, 128) == [(0, 42), (42, 85), (85, 128)]
-    assert segment_plan(many, 128, backward=False) == segment_plan(many, 128)
-    monkeypatch.setenv(SEGMENT_ENV, "1")
-    assert segment_plan(few, 128) == [(0, 0)]
-    for bad in ("0", "two", "-2"):
-        monkeypatch.setenv(SEGMENT_ENV, bad)
-        with pytest.raises(ValueError, match=SEGMENT_ENV):
-            segment_plan(few, 128)
+    three = Schedule(overlap=False, segments=3)
+    assert segment_plan(many, 128, schedule=three) == [(0, 42), (42, 85), (85, 128)]
+    assert segment_plan(many, 128, False, three) == segment_plan(many, 128, schedule=three)
+    assert segment_plan(few, 128, schedule=Schedule(overlap=False, segments=1)) == [(0, 0)]
 
 
-def test_overlap_rule(monkeypatch):
-    """No GPU needed: when a pass runs its chain and group kernels at once (launcher.overlapped:
-    up to OVERLAP_MAX_CHAINS chains per pass, not fused, not forced into segments, tickets
-    within int32), TTT_CUPY_OVERLAP forcing it either way, and bad values of it and of
-    TTT_CUPY_OVERLAP_SPINS refused with the variable's name."""
+def test_overlap_rule():
+    """No GPU needed: when a pass runs its chain and group kernels at once
+    (placement.overlapped: up to OVERLAP_MAX_CHAINS chains per pass, not fused, tickets within
+    int32), Schedule.overlap forcing it either way, and a forced segment count never
+    overlapped."""
     from types import SimpleNamespace
 
-    from ttt_cupy import launcher
-    from ttt_cupy.launcher import (
-        OVERLAP_ENV,
-        OVERLAP_MAX_CHAINS,
-        OVERLAP_SPINS_ENV,
-        SEGMENT_ENV,
-        overlapped,
-    )
+    from ttt_cupy.config import Schedule
+    from ttt_cupy.placement import OVERLAP_MAX_CHAINS, backward_plan, forward_plan, overlapped
 
     assert OVERLAP_MAX_CHAINS == {"forward": 96, "backward": 32}
-    for env in (OVERLAP_ENV, SEGMENT_ENV, OVERLAP_SPINS_ENV):
-        monkeypatch.delenv(env, raising=False)
     at_fwd, at_bwd = SimpleNamespace(N=8, H=12), SimpleNamespace(N=2, H=16)  # 96, 32 chains
     over_fwd, over_bwd = SimpleNamespace(N=97, H=1), SimpleNamespace(N=1, H=33)
     assert overlapped(at_fwd, False) and not overlapped(over_fwd, False)
@@ -276,21 +265,16 @@ def test_overlap_rule(monkeypatch):
     assert not overlapped(over_bwd, False, backward=True) and overlapped(over_bwd, False)
     assert not overlapped(at_bwd, True)                              # fused: no group kernel
     assert not overlapped(at_bwd, False, tickets=2**31)              # past the int32 counters
-    monkeypatch.setenv(OVERLAP_ENV, "1")
-    assert overlapped(over_fwd, False) and overlapped(over_bwd, False, backward=True)
-    assert not overlapped(over_fwd, True)
-    monkeypatch.setenv(SEGMENT_ENV, "2")                             # segments win
-    assert not overlapped(at_fwd, False)
-    monkeypatch.delenv(SEGMENT_ENV)
-    monkeypatch.setenv(OVERLAP_ENV, "0")
-    assert not overlapped(at_bwd, False, backward=True)
-    monkeypatch.setenv(OVERLAP_ENV, "on")
-    with pytest.raises(ValueError, match=OVERLAP_ENV):
-        overlapped(at_fwd, False)
-    monkeypatch.delenv(OVERLAP_ENV)
-    assert launcher._overlap_wait_spins() == launcher.OVERLAP_WAIT_SPINS
-    monkeypatch.setenv("TTT_CUPY_OVERLAP_SPINS", "0")
-    assert launcher._overlap_wait_spins() == 0
-    monkeypatch.setenv("TTT_CUPY_OVERLAP_SPINS", "-1")
-    with pytest.raises(ValueError, match="TTT_CUPY_OVERLAP_SPINS"):
-        launcher._overlap_wait_spins()
+    on, off = Schedule(overlap=True), Schedule(overlap=False)
+    assert overlapped(over_fwd, False, schedule=on)
+    assert overlapped(over_bwd, False, backward=True, schedule=on)
+    assert not overlapped(over_fwd, True, schedule=on)
+    assert not overlapped(at_bwd, False, backward=True, schedule=off)
+    # the plans: a forced segment count is a segmented pass, never an overlapped one
+    p = SimpleNamespace(N=1, H=2, D=64, chunk_size=16)
+    seg = Schedule(overlap=False, segments=2)
+    assert forward_plan(p, 4, True, seg).segments == [(0, 2), (2, 4)]
+    assert not forward_plan(p, 4, True, seg).overlap
+    assert forward_plan(p, 4, True).overlap and forward_plan(p, 4, True).segments == [(0, 0)]
+    assert backward_plan(p, 4, 1, True, 227 * 1024).overlap
+    assert not backward_plan(p, 4, 1, True, 227 * 1024, seg).overlap

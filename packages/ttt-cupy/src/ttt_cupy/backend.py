@@ -6,7 +6,7 @@ per (sequence, head) carries only the state (forward) or its cotangent (backward
 the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
 block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
 inputs every kernel's tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
-turns that off).
+turns that off: :class:`ttt_cupy.config.CupyConfig`).
 
 Checks: the kernels compile with NVRTC for sm_80 and sm_90 without a GPU (``python -m
 ttt_cupy.nvrtc_check``), match a float64 oracle in a CPU emulation (tensor-core instances
@@ -48,17 +48,17 @@ class CupyBackend(Backend):
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
             "fused forward from 128 (sequence, head) chains (256 with a backward): the chain "
-            "writes the outputs, no fwd_out (launcher.FUSED; TTT_CUPY_FUSE=0/1 forces it)",
+            "writes the outputs, no fwd_out (placement.FUSED)",
             "few long sequences: each pass in segments of whole groups, the chain on a side "
             "stream and each segment's group kernels beside its next segment; bitwise the "
-            "results of one launch (launcher.segment_plan; TTT_CUPY_SEGMENTS=K forces K)",
+            "results of one launch (placement.segment_plan)",
             "shared memory bounds (chunk_size, head dim): every supported shape fits an "
             "H100/H200 (227 KiB per block; at head dim > 64 with chunk_size 64 bwd_grads "
             "runs two blocks per group, each with half of the state); a smaller device "
             "refuses what does not fit",
             "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200 "
             "with the tensor-core, the SIMT (TTT_CUPY_MMA=0) and the forced fused forward "
-            "(TTT_CUPY_FUSE=1) kernels",
+            "kernels",
         ),
     )
 
@@ -80,7 +80,8 @@ class CupyBackend(Backend):
         why = super().not_supported_reasons(problem)
         if why or problem.device.type != "cuda":
             return why
-        from .launcher import max_smem_optin, smem_reason
+        from .device import max_smem_optin
+        from .smem import smem_reason
 
         limit = max_smem_optin(problem.device) or DEFAULT_SMEM_LIMIT
         reason = smem_reason(problem.D, problem.chunk_size, problem.requires_grad, limit)
@@ -102,7 +103,7 @@ class CupyBackend(Backend):
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
-        from .launcher import Saved, ttt_linear_bwd
+        from .launcher import saved_of, ttt_linear_bwd
 
         # every gradient computed; the core keeps only those autograd asked for (needs)
-        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt))
+        return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt))

@@ -1,21 +1,14 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
-``python -m ttt_cupy.nvrtc_check`` compiles the five kernels (forward: fwd_chain, fwd_out;
-backward: bwd_local, bwd_chain, bwd_grads; and fwd_chain's fused instances, which write the
-outputs too) for every dtype x D_PAD x BT, one program per
-(pass, dtype, D_PAD, BT) as the backend does at run time, for each ``--arch`` (default
-sm_80 and sm_90): to cubins (NVRTC's front end, PTX code generation and ptxas), or with
-``--ptx-only ARCH`` to PTX for ``compute_ARCH`` (front end and code generation with that
-``__CUDA_ARCH__``, where arch-specific source differs, but no ptxas: half the time). It
-checks that the C++ shared-memory sizes equal
-:func:`ttt_cupy.compile.smem_bytes`. For half types every kernel is compiled twice (the
-tensor-core instance, MMA = true, and the SIMT one); the PTX of every kernel is checked to
-hold tf32 ``mma.sync`` instructions exactly when it is an MMA instance (so float never does).
-It uses ``cuda.bindings.nvrtc`` (``pip install './packages/ttt-cupy[compile-check]'``:
-cuda-python plus the NVRTC and CUDA-runtime header wheels), which load ``libnvrtc`` from
-site-packages; CuPy's compile path needs a driver, this does not. Exits 1 with the NVRTC log
-on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` restrict it to some
-programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
+``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT), as the
+backend does at run time, for each ``--arch`` (default sm_80 and sm_90): to cubins, or with
+``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel is
+compiled twice (tensor-core and SIMT instance). It checks that the C++ traits equal the
+generated table the launcher reads, and that the PTX of a kernel holds tf32 ``mma.sync``
+exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc`` (``pip install
+'./packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC log on the first
+failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some programs (e.g.
+``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
 """
 
 from __future__ import annotations
@@ -28,25 +21,17 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from ._traits_table import FIELDS, TRAITS
 from .compile import (
-    BLOCK_ROWS_KERNELS,
     BLOCK_TS,
     CTYPES,
     D_PADS,
-    FUSED_BWD_MAX_D_PAD,
-    FUSED_KERNEL,
-    KERNELS,
     NVRTC_OPTIONS,
     PASSES,
-    REGISTER_STATE_KERNELS,
-    bwd_chain_fused_smem_bytes,
     cuda_include_dir,
-    grads_split,
     include_options,
     program_names,
-    smem_bytes,
     source,
-    threads,
 )
 
 DEFAULT_ARCHS = ("80", "90")
@@ -104,44 +89,13 @@ def _nvrtc():
     return nvrtc
 
 
-def traits_field(kernel: str, register_state: bool = False, fused: bool = False) -> str:
-    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (or
-    kFwdChainTcBytes: the register-resident MMA instance; kFwdChainFusedTcBytes: its fused
-    instance)."""
-    name = "".join(part.capitalize() for part in kernel.split("_"))
-    return f"k{name}{'Fused' if fused else ''}{'Tc' if register_state else ''}Bytes"
-
-
 def smem_asserts() -> str:
-    """static_asserts tying the C++ traits to :func:`ttt_cupy.compile.smem_bytes` (and
-    :func:`ttt_cupy.compile.grads_split`, the launcher's bwd_grads grid)."""
-    lines = []
-
-    def check(dp: int, bt: int, field: str, value: int, python: str) -> None:
-        lines.append(f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {value}ull, "
-                     f"\"{python} != Traits::{field}\");")
-
-    for dp in D_PADS:
-        for bt in BLOCK_TS:
-            for kernel in KERNELS:
-                check(dp, bt, traits_field(kernel), smem_bytes(kernel, dp, bt),
-                      f"smem_bytes('{kernel}', {dp}, {bt})")
-                if kernel == FUSED_KERNEL:
-                    for mma in (False, True):
-                        check(dp, bt, traits_field(kernel, mma, fused=True),
-                              smem_bytes(kernel, dp, bt, mma, fused=True),
-                              f"smem_bytes('{kernel}', {dp}, {bt}, {mma}, fused=True)")
-                if kernel in REGISTER_STATE_KERNELS or kernel in BLOCK_ROWS_KERNELS:
-                    check(dp, bt, traits_field(kernel, True), smem_bytes(kernel, dp, bt, True),
-                          f"smem_bytes('{kernel}', {dp}, {bt}, True)")
-                if kernel in REGISTER_STATE_KERNELS:
-                    check(dp, bt, "kTcThreads", threads(dp, kernel, True),
-                          f"threads({dp}, '{kernel}', True)")
-            if dp <= FUSED_BWD_MAX_D_PAD:
-                check(dp, bt, "kBwdChainFusedTcBytes", bwd_chain_fused_smem_bytes(dp, bt),
-                      f"bwd_chain_fused_smem_bytes({dp}, {bt})")
-            check(dp, bt, "kGradsSplit", grads_split(dp, bt), f"grads_split({dp}, {bt})")
-    return "\n" + "\n".join(lines) + "\n"
+    """static_asserts tying the C++ traits to the generated table that the launcher reads
+    (:mod:`ttt_cupy._traits_table`)."""
+    return "\n" + "\n".join(
+        f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {value}ull, "
+        f"\"_traits_table.py is stale: Traits<{dp}, {bt}>::{field}\");"
+        for (dp, bt), row in TRAITS.items() for field, value in zip(FIELDS, row)) + "\n"
 
 
 def _check(result, what: str, nvrtc, prog=None) -> tuple:

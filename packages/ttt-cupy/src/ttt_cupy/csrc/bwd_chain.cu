@@ -19,7 +19,7 @@
 // deta's last row early, so that no load from device memory waits on the chain.
 // Shared memory (SIMT): dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
 //
-// Segments (g_lo < g_hi; launcher.segment_plan, launched last to first): the block runs only
+// Segments (g_lo < g_hi; placement.segment_plan, launched last to first): the block runs only
 // chunks [g_lo G, g_hi G) of its sequence, in reverse. The segment with the sequence's end
 // starts from dht / dhbt (and stores them as the final slot's cotangent); one before it from
 // the slot cotangent its successor stored last, dck and dckb (the cotangent of hb, kept for
@@ -51,9 +51,8 @@
 // copied them after cp.async.wait_all at its end; xh, do_pre, dg_loc, v and r once round 1's
 // barrier has passed (every thread has read this chunk's stage by then), read at the next
 // step's start in the accumulator layout (rows D_PAD + 4 floats apart: no bank conflicts).
-// No register holds them and nothing waits on them before the step's end: on an H200 the
-// chain takes 5.84 ms with the stage against 6.62 ms without on 1 x 32768 x 16 heads, D 64
-// (the same staging makes the forward chain slower: it keeps StagedTile). Elsewhere q and k are loaded into
+// No register holds them and nothing waits on them before the step's end. Elsewhere q and k
+// are loaded into
 // registers a step early (16-byte pieces kept raw until used, StagedTile) and the other rows
 // are asked into L1 (prefetch_spans), then read from there at the step's start.
 #include "ttt_common.cuh"

@@ -100,37 +100,13 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     using StagedF = ttt::StagedRows<float, D_PAD, BT, NT>;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, sub = lane / LPR;
-    // the block's (group, head) and share of the state rows: from blockIdx.x (kPlain), or
-    // from its ticket (ttt_common.cuh's overlapped passes): item u = ticket / SPLIT is group
-    // NG - 1 - u / n_chains (the k-th from its sequence's end, NG groups; none where negative)
-    // of chain c = u % n_chains, rows ticket % SPLIT
     int i_h, a0;
     ttt::Group gr;
-    if (mode == ttt::overlap::kPlain) {
-        const unsigned i_b = blockIdx.x / SPLIT;
-        a0 = (int)(blockIdx.x % SPLIT) * DA;
-        i_h = (int)(i_b % H);
-        gr = ttt::group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo,
-                               g_hi);
-        if (gr.nc <= 0) return;  // a segment past the end of this sequence
-    } else {
-        static __shared__ int s_ticket;  // (static: shared in the CPU emulation too)
-        if (tid == 0) s_ticket = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
-        __syncthreads();
-        const int t = s_ticket, nch = (int)n_chains;  // (32-bit: int32 tickets)
-        if (t < 0) return;  // put back, or no item
-        const int u = t / SPLIT, c = u % nch, k_end = u / nch;
-        a0 = (t % SPLIT) * DA;
-        i_h = c % H;
-        const ttt::Seq sq = ttt::seq_coords(c / H, T_len, BT, G, cu_seqlens, grp_offsets);
-        const long long j = (sq.nc + G - 1) / G - 1 - k_end;
-        if (j < 0) return;  // the sequence has no such group
-        gr = ttt::group_at(c / H, j, T_len, BT, G, cu_seqlens, grp_offsets);
-        if (mode == ttt::overlap::kOverlap) {
-            if (tid == 0) ttt::overlap_wait(sync, c, k_end + 1);
-            __syncthreads();
-        }
-    }
+    static __shared__ int s_ticket;
+    if (!ttt::group_block<SPLIT, DA, true>(i_h, a0, gr, s_ticket, sync, mode, n_chains,
+                                           wait_spins, T_len, H, BT, G, cu_seqlens,
+                                           grp_offsets, grp_seq, g_lo, g_hi))
+        return;
     const int rows = D - a0;                                // its valid rows (with a < DA)
     const int d1 = SPLIT == 1 ? D : min(D, a0 + DA);        // its columns: [a0, d1)
     const long long gid = gr.gid;

@@ -33,7 +33,7 @@
 // those loads hit L1. k's mma operands skip the tf32 rounding (bf16 / fp16 values are tf32
 // values already: tf32_operand).
 //
-// Segments (g_lo < g_hi; launcher.segment_plan): the block runs only chunks [g_lo G, g_hi G)
+// Segments (g_lo < g_hi; placement.segment_plan): the block runs only chunks [g_lo G, g_hi G)
 // of its sequence (clamped to its end); a segment after the first starts from the slot the
 // previous one stored last (its state before chunk g_lo G, not stored again), and the state
 // after the segment goes into the slot before chunk g_hi G (the final slot and ht / hbt only
@@ -44,7 +44,7 @@
 // forward): the block counts itself started and, after the barrier that ends each group's last
 // step, publishes the number of groups it finished, so that fwd_out's blocks run beside it.
 //
-// FUSE = true (the launcher's choice with many (sequence, head) chains, launcher.FUSED; as the
+// FUSE = true (the launcher's choice with many (sequence, head) chains, placement.FUSED; as the
 // Triton backend's FUSE_OUT): the block also writes each chunk's outputs from the state
 // before the chunk (q pre-scaled, e the per-row eta; the math of fwd_out.cu), and fwd_out is
 // not launched:

@@ -11,7 +11,7 @@
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
 //
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
-// are. A segmented launch (g_lo < g_hi; launcher.segment_plan) has a block per (sequence, group
+// are. A segmented launch (g_lo < g_hi; placement.segment_plan) has a block per (sequence, group
 // g_lo .. g_hi - 1, head) instead of one per group of the batch (group_coords); blocks past their
 // sequence's end return at once. Overlapped (mode kOverlap; ttt_common.cuh): the block takes
 // a group-major item instead and waits until fwd_chain, running at the same time, has finished
@@ -241,31 +241,13 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         __trap();
 
     extern __shared__ float smem[];
-    // the block's (group, head): from blockIdx.x (kPlain), or its item (ttt_common.cuh's
-    // overlapped forward): group j = u / n_chains of chain c = u % n_chains (nc = 0 where the
-    // sequence has no group j)
-    int i_h;
+    int i_h, a0;
     ttt::Group gr;
-    if (mode == ttt::overlap::kPlain) {
-        i_h = (int)(blockIdx.x % H);
-        gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq,
-                               g_lo, g_hi);
-        if (gr.nc <= 0) return;  // a segment past the end of this sequence
-    } else {
-        static __shared__ int s_item;  // (static: shared in the CPU emulation too)
-        if (threadIdx.x == 0) s_item = ttt::overlap_claim(sync, mode, n_chains, wait_spins);
-        __syncthreads();
-        const int u = s_item, nch = (int)n_chains;  // (32-bit: int32 tickets)
-        if (u < 0) return;  // put back, or no item
-        const int c = u % nch;
-        i_h = c % H;
-        gr = ttt::group_at(c / H, u / nch, T_len, BT, G, cu_seqlens, grp_offsets);
-        if (gr.nc <= 0) return;  // the sequence has no group j
-        if (mode == ttt::overlap::kOverlap) {
-            if (threadIdx.x == 0) ttt::overlap_wait(sync, c, u / nch + 1);
-            __syncthreads();
-        }
-    }
+    static __shared__ int s_item;
+    if (!ttt::group_block<1, D_PAD, false>(i_h, a0, gr, s_item, sync, mode, n_chains,
+                                           wait_spins, T_len, H, BT, G, cu_seqlens,
+                                           grp_offsets, grp_seq, g_lo, g_hi))
+        return;
     if constexpr (MMA) {
         ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
                                       scale, eps, T_len, H, D, G, gr, i_h);

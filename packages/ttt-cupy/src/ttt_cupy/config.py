@@ -1,0 +1,78 @@
+"""What may change how the cupy backend runs: the user's setting (:class:`CupyConfig`, read
+once from the environment) and a forced schedule (:class:`Schedule`, a parameter of
+:func:`ttt_cupy.launcher.ttt_linear_fwd` / ``ttt_linear_bwd`` for tests and A/B timing)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MMA_ENV = "TTT_CUPY_MMA"
+
+OVERLAP_WAIT_SPINS = 256
+"""Naps (about 0.25 us each) a group block of an overlapped pass waits for every chain block
+to have started before it hands its ticket to the cleanup launch: long enough that the stream
+wait (which orders the chain first) makes it never run out."""
+
+
+@dataclass(frozen=True)
+class CupyConfig:
+    """``mma``: half inputs run their tile products on tensor cores (tf32 ``mma.sync``);
+    False (``TTT_CUPY_MMA=0``) runs them as SIMT fp32 (IEEE products, slower)."""
+
+    mma: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> CupyConfig:
+        value = environ.get(MMA_ENV, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{MMA_ENV}: expected 0, 1 or unset, got {value!r}")
+        return cls(mma=value != "0")
+
+
+@functools.cache
+def config() -> CupyConfig:
+    """The process's :class:`CupyConfig`, read from the environment at first use."""
+    return CupyConfig.from_env()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Forces parts of a pass's schedule (``None``: :mod:`ttt_cupy.placement` decides).
+
+    ``fuse_forward`` / ``fuse_backward``: the fused chains on or off (the fused backward only
+    where it exists: half inputs on tensor cores, D_PAD <= 64, within the device's shared
+    memory). ``overlap``: chain and group kernel at the same time, or not. ``segments``: K
+    segments per pass (1: one launch per kernel); a segmented pass is not overlapped, so it
+    needs ``overlap=False``. ``overlap_spins``: :data:`OVERLAP_WAIT_SPINS`; 0 drops the stream
+    wait, so that group blocks hand their tickets to the cleanup launch (its tests)."""
+
+    fuse_forward: bool | None = None
+    fuse_backward: bool | None = None
+    overlap: bool | None = None
+    segments: int | None = None
+    overlap_spins: int = OVERLAP_WAIT_SPINS
+
+    def __post_init__(self) -> None:
+        for name in ("fuse_forward", "fuse_backward", "overlap"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"Schedule.{name}: expected True, False or None, got {value!r}")
+        if self.segments is not None:
+            if isinstance(self.segments, bool) or not isinstance(self.segments, int) \
+                    or self.segments < 1:
+                raise ValueError(f"Schedule.segments: expected a positive integer or None, "
+                                 f"got {self.segments!r}")
+            if self.overlap is not False:
+                raise ValueError(f"Schedule.segments: a segmented pass is not overlapped, "
+                                 f"expected overlap=False, got overlap={self.overlap!r}")
+        if isinstance(self.overlap_spins, bool) or not isinstance(self.overlap_spins, int) \
+                or self.overlap_spins < 0:
+            raise ValueError(f"Schedule.overlap_spins: expected a non-negative integer, "
+                             f"got {self.overlap_spins!r}")
+
+
+AUTO = Schedule()
+"""Every choice to the placement rules."""

@@ -1,0 +1,707 @@
+// Tensor-core (tf32 mma.sync) tile passes and the register-resident chain state.
+#pragma once
+
+#include "rows.cuh"
+#include "types.cuh"
+
+namespace ttt {
+
+// ---------------------------------------------------------------- tensor-core (tf32) tile passes
+// Used by every kernel's MMA instance for half inputs (MMA = true); float inputs keep the SIMT
+// passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
+// tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
+// read from the fp32 shared tiles and rounded to tf32 (to_tf32), fp32 accumulation. Fragment
+// layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
+//   A (16 x 8, row):  a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]
+//   B (8 x 8, col):   b0 = B[t][g], b1 = B[t + 4][g]
+//   C/D (16 x 8):     c0 = C[g][2t], c1 = C[g][2t + 1], c2 = C[g + 8][2t], c3 = C[g + 8][2t + 1]
+// Padded columns (>= D) and rows past the chunk's end are zero in the tiles, so they add
+// nothing; results outside [D, D] are not written back to the state.
+
+template <typename T> struct is_half_type { static constexpr bool value = true; };
+template <> struct is_half_type<float> { static constexpr bool value = false; };
+
+#if defined(__CUDA_ARCH__)
+// x rounded to tf32, to nearest with ties away from zero (cvt.rna's rounding, for finite x):
+// half a tf32 ulp (bit 12) is added to the bit pattern and mma.sync ignores the 13 low bits
+// of a .tf32 operand (CUTLASS's round_half_ulp_truncate). One integer add, where cvt.rna
+// takes several instructions on sm_90.
+__device__ __forceinline__ unsigned to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+
+// d += A B for one m16n8k8 tf32 tile (a warp-wide instruction: every lane must call it).
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the host launches the MMA instances on sm_80+ only
+#endif
+}
+#endif  // without __CUDA_ARCH__ (the CPU emulation) the harness defines both functions
+
+// An mma operand read from a tile of raw bf16 / fp16 inputs (converted to fp32: at most 11
+// significant bits, so already a tf32 value) needs no rounding: EXACT passes its bits as they
+// are, one integer add less per operand. Tiles of products (q * scale, g, ...) keep to_tf32.
+template <bool EXACT>
+__device__ __forceinline__ unsigned tf32_operand(float x) {
+    if constexpr (EXACT) {
+#if defined(__CUDA_ARCH__)
+        return __float_as_uint(x);
+#else
+        unsigned u;
+        std::memcpy(&u, &x, sizeof u);
+        return u;
+#endif
+    } else {
+        return to_tf32(x);
+    }
+}
+
+// The warp tile of every mma pass: acc += sum_k X(m, k) Y(k, n) over k in [kbeg, kend) (a
+// multiple of 16 long) for the 16 x 8 output tile at (m0, n0), with X(m, k) = x[m * xm + k * xk]
+// and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its transpose). Every lane of
+// the warp must call it. The k order is permuted, the same way in A and B (the sum does not
+// change): per block of KB = 32 (or 16) columns, mma step j gives slot t column (KB/4) t + j
+// and slot t + 4 column (KB/4) t + KB/8 + j. With row strides = 1 mod 32 (D_PAD + 1, BT + 1
+// for D_PAD, BT >= 32) lane (g, t) then reads bank g + 8 t + j: no bank conflicts in a 32
+// block (2-way in a 16 block), where the plain order (slot t = column t) has 4-way conflicts.
+template <int KB>
+__device__ __forceinline__ void mma_kblock(float (&acc)[4], const float* x0, int xm, int xk,
+                                           const float* y0, int yk) {
+#pragma unroll
+    for (int j = 0; j < KB / 8; ++j) {
+        const int ka = j, kb = KB / 8 + j;  // columns of slots t and t + 4, less (KB/4) t
+        const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
+                               to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
+        const unsigned b[2] = {to_tf32(y0[ka * yk]), to_tf32(y0[kb * yk])};
+        mma_m16n8k8_tf32(acc, a, b);
+    }
+}
+
+__device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, int xm, int xk,
+                                             const float* y, int yk, int yn, int m0, int n0,
+                                             int kbeg, int kend) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* xr = x + (m0 + g) * xm;  // A[g][slot t] = X(m0 + g, column of slot t)
+    const float* yc = y + (n0 + g) * yn;  // B[slot t][g] = Y(column of slot t, n0 + g)
+    int k = kbeg;
+#pragma unroll 2
+    for (; k + 32 <= kend; k += 32)
+        mma_kblock<32>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk);
+    if (k < kend)  // kend - k == 16
+        mma_kblock<16>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk);
+}
+
+// mma_tile_acc for NB tiles side by side: acc[j] += the 16 x 8 output tile at (m0, n0 + 8 j),
+// j < NB. Each k step reads the A fragment once for the NB products (NB times fewer A reads
+// from shared memory than NB mma_tile_acc calls). Same k order as mma_kblock.
+template <int KB, int NB>
+__device__ __forceinline__ void mma_kblock_n(float (&acc)[NB][4], const float* x0, int xm,
+                                             int xk, const float* y0, int yk, int ystep) {
+#pragma unroll
+    for (int j = 0; j < KB / 8; ++j) {
+        const int ka = j, kb = KB / 8 + j;
+        const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
+                               to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const unsigned b[2] = {to_tf32(y0[nb * ystep + ka * yk]),
+                                   to_tf32(y0[nb * ystep + kb * yk])};
+            mma_m16n8k8_tf32(acc[nb], a, b);
+        }
+    }
+}
+
+template <int NB>
+__device__ __forceinline__ void mma_tiles_acc(float (&acc)[NB][4], const float* x, int xm,
+                                              int xk, const float* y, int yk, int yn, int m0,
+                                              int n0, int kbeg, int kend) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* xr = x + (m0 + g) * xm;
+    const float* yc = y + (n0 + g) * yn;
+    int k = kbeg;
+#pragma unroll 1
+    for (; k + 32 <= kend; k += 32)
+        mma_kblock_n<32, NB>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk,
+                             8 * yn);
+    if (k < kend)  // kend - k == 16
+        mma_kblock_n<16, NB>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk,
+                             8 * yn);
+}
+
+// Four 16 x 8 accumulators side by side (a 16 x 32 block, acc[j] at columns 8 j ..) regrouped
+// within each quad of lanes: lane (g, t) gets out[h][c] = block[g + 8 h][8 t + c] (h < 2,
+// c < 8), which lane (g, c / 2) held as acc[t][2 h + c % 2]. Per (h, c % 2) a 4 x 4 transpose
+// over the quad's lanes in two xor-shuffle rounds (lane bit 2, then bit 1). A row-major
+// store of out then puts lane (g, t) on bank g + 8 t + c of rows 1 mod 32 apart: no bank
+// conflicts, where the accumulator layout's stores are 4-way conflicted.
+__device__ __forceinline__ void quad_transpose_4x4(float (&out)[2][8], const float (&acc)[4][4]) {
+    const int t = threadIdx.x & 3;
+    const bool hi2 = (t & 2) != 0, hi1 = (t & 1) != 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // r = 2 h + e: the entries acc[j][r], j < 4, of this lane
+        // round 1 (xor 2): keep the columns j with bit 1 = t's, swap the others: then this
+        // lane holds M[t][j], M[t ^ 2][j] for j in {t & 2, (t & 2) + 1}
+        const float s0 = hi2 ? acc[0][r] : acc[2][r], s1 = hi2 ? acc[1][r] : acc[3][r];
+        const float k0 = hi2 ? acc[2][r] : acc[0][r], k1 = hi2 ? acc[3][r] : acc[1][r];
+        const float p0 = __shfl_xor_sync(0xffffffffu, s0, 2);  // M[t ^ 2][j0]
+        const float p1 = __shfl_xor_sync(0xffffffffu, s1, 2);  // M[t ^ 2][j0 + 1]
+        // round 2 (xor 1): column t stays, column t ^ 1 goes to lane t ^ 1
+        const float own_t = hi1 ? k1 : k0, own_o = hi1 ? k0 : k1;    // M[t][t], M[t][t ^ 1]
+        const float par_t = hi1 ? p1 : p0, par_o = hi1 ? p0 : p1;    // M[t ^ 2][t], [t ^ 1]
+        const float q0 = __shfl_xor_sync(0xffffffffu, own_o, 1);     // M[t ^ 1][t]
+        const float q1 = __shfl_xor_sync(0xffffffffu, par_o, 1);     // M[t ^ 3][t]
+        // M[t'][t] for t' = t, t ^ 1, t ^ 2, t ^ 3 -> out[h][2 t' + e]
+        const int h = r >> 1, e = r & 1;
+        const float m_t[4] = {own_t, q0, par_t, q1};  // by t' ^ t = 0, 1, 2, 3
+#pragma unroll
+        for (int tp = 0; tp < 4; ++tp) {               // tp = t', x = t' ^ t
+            const int x = tp ^ t;
+            out[h][2 * tp + e] = x == 0 ? m_t[0] : x == 1 ? m_t[1] : x == 2 ? m_t[2] : m_t[3];
+        }
+    }
+}
+
+// Writes one m16n8 accumulator into the fp32 tile s (row stride LD) at (m0, n0), in the C/D
+// fragment layout above: lane (g, t) holds C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
+template <int LD>
+__device__ __forceinline__ void store_acc_tile(float* s, const float (&acc)[4], int m0, int n0) {
+    const int lane = threadIdx.x & 31;
+    float* out = s + (m0 + (lane >> 2)) * LD + n0 + 2 * (lane & 3);
+    out[0] = acc[0];
+    out[1] = acc[1];
+    out[8 * LD] = acc[2];
+    out[8 * LD + 1] = acc[3];
+}
+
+// The [M, N] output of an mma pass in 16 x 8 tiles, tile u to warp u % NW: for
+// each of its tiles a warp zeroes acc, runs body(acc, m0, n0) (mma_tile_acc calls) and then
+// epi(acc, m0, n0), where lane (g, t) holds acc[r] = out[m0 + g + 8 (r >> 1), n0 + 2 t + (r & 1)].
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN;
+    for (int u = threadIdx.x >> 5; u < TILES; u += NW) {
+        const int m0 = (u / NTN) * 16, n0 = (u % NTN) * 8;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        body(acc, m0, n0);
+        epi(acc, m0, n0);
+    }
+}
+
+// mma_tiles whose epilogues run after a __syncthreads (every thread must call it): the output
+// may overwrite an operand of the products. A warp holds its (at most ceil(TILES / NW))
+// tiles' accumulators in registers meanwhile.
+template <int M, int N, int NW, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
+    constexpr int NTN = N / 8, TILES = (M / 16) * NTN, TPW = (TILES + NW - 1) / NW;
+    const int warp = threadIdx.x >> 5;
+    float acc[TPW][4];
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
+        if (u < TILES) body(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int v = 0; v < TPW; ++v) {
+        const int u = warp + v * NW;
+        if (u < TILES) epi(acc[v], (u / NTN) * 16, (u % NTN) * 8);
+    }
+}
+
+// mma_tiles over blocks of NB tiles side by side: block u (16 x 8 NB at (m0, n0)) to warp
+// u % NW; body(acc, m0, n0) fills acc[j], the tile at (m0, n0 + 8 j) (mma_tiles_acc calls:
+// one A fragment read per k step for the NB products), then epi(acc[j], m0, n0 + 8 j) per tile.
+// SYNCED: the epilogues run after a __syncthreads (every thread must call it), as in
+// mma_tiles_synced.
+template <int M, int N, int NW, int NB, bool SYNCED = false, typename Body, typename Epi>
+__device__ __forceinline__ void mma_blocks(Body body, Epi epi) {
+    static_assert(N % (8 * NB) == 0, "mma_blocks: whole blocks");
+    constexpr int NBN = N / (8 * NB), BLOCKS = (M / 16) * NBN;
+    constexpr int BPW = SYNCED ? (BLOCKS + NW - 1) / NW : 1;  // blocks held per warp
+    const int warp = threadIdx.x >> 5;
+    if constexpr (SYNCED) {
+        float acc[BPW][NB][4] = {};
+#pragma unroll
+        for (int v = 0; v < BPW; ++v) {
+            const int u = warp + v * NW;
+            if (u < BLOCKS) body(acc[v], (u / NBN) * 16, (u % NBN) * 8 * NB);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int v = 0; v < BPW; ++v) {
+            const int u = warp + v * NW;
+            if (u >= BLOCKS) continue;
+#pragma unroll
+            for (int j = 0; j < NB; ++j) epi(acc[v][j], (u / NBN) * 16, (u % NBN) * 8 * NB + 8 * j);
+        }
+    } else {
+        for (int u = warp; u < BLOCKS; u += NW) {
+            const int m0 = (u / NBN) * 16, n0 = (u % NBN) * 8 * NB;
+            float acc[NB][4] = {};
+            body(acc, m0, n0);
+#pragma unroll
+            for (int j = 0; j < NB; ++j) epi(acc[j], m0, n0 + 8 * j);
+        }
+    }
+}
+
+// sOut[i, j] = sign (X_i . Y_j + add) for i, j < L and j <= i (LOWER) or j >= i (upper),
+// times scale[j] (or scale[i]: ROW_SCALE) when given; zero elsewhere (tri_dots on tensor
+// cores; X, Y [BT, D_PAD] tiles, sOut [BT, BT + 1]). The mma twin of tri_dots.
+template <int D_PAD, int BT, int NW, bool LOWER, bool ROW_SCALE = false>
+__device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
+                                             int L, float add, const float* scale = nullptr,
+                                             float sign = 1.f) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<BT, BT, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            const bool skip = LOWER ? n0 > m0 + 15 : n0 + 7 < m0;  // tile outside the triangle
+            if (!skip) mma_tile_acc(acc, sX, LD, 1, sY, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                float val = 0.f;
+                if (i < L && j < L && (LOWER ? j <= i : j >= i))
+                    val = sign * (acc[r] + add) *
+                          (scale != nullptr ? scale[ROW_SCALE ? i : j] : 1.f);
+                sOut[i * LA + j] = val;
+            }
+        });
+}
+
+
+// The eta_l of row j's chunk in a block of several chunks of BT rows (fwd_out.cu,
+// bwd_local.cu): eta at the chunk's last valid row (sE: the block's per-row eta, L valid rows;
+// j < L).
+template <int BT>
+__device__ __forceinline__ float chunk_eta_l(const float* sE, int j, int L) {
+    return sE[min((j / BT + 1) * BT, L) - 1];
+}
+
+// The group kernels' blocks of R rows (several chunks of BT rows; fwd_out.cu, bwd_local.cu):
+// sM[t, j] = (q_t . k_j + 1) e_t for j <= t in t's chunk, (q_t . k_j + 1) eta_l(chunk of j)
+// for j in an earlier chunk, zero elsewhere (t, j < L); with sA also sA[t, j] = q_t . k_j + 1
+// for every j <= t < L (zero elsewhere). sE: each row's eta (zero past L); sM, sA [R, R + 1].
+// Tensor cores; tiles wholly above the diagonal skip the product.
+template <int D_PAD, int R, int BT, int NW>
+__device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
+                                               int L, const float* sE, float* sA = nullptr) {
+    constexpr int LD = D_PAD + 1, LM = R + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mma_tiles<R, R, NW>(
+        [&](float (&acc)[4], int m0, int n0) {
+            if (n0 <= m0 + 15) mma_tile_acc(acc, sQ, LD, 1, sK, 1, LD, m0, n0, 0, D_PAD);
+        },
+        [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = m0 + g + 8 * (r >> 1), j = n0 + 2 * t + (r & 1);
+                const bool in = i < L && j <= i;
+                const float a = in ? acc[r] + 1.f : 0.f;
+                sM[i * LM + j] =
+                    in ? a * (i / BT == j / BT ? sE[i] : chunk_eta_l<BT>(sE, j, L)) : 0.f;
+                if (sA != nullptr) sA[i * LM + j] = a;
+            }
+        });
+}
+
+// M rows of W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a < rows, d < D (sW [M, D_PAD + 1];
+// X* [BT, M] tiles of row stride LDX, Y* [BT, D_PAD] tiles, zero past the valid rows; X2 / Y2
+// may be null). Tiles: (M / 16) x (D_PAD / 8), K = BT (or 2 BT). BLOCKS (at D_PAD >= 32): in
+// 16 x 32 blocks, below; else one 16 x 8 tile at a time, with fewer registers (fwd_out: 64
+// instead of 128 at D_PAD 64, chunk 16).
+template <int D_PAD, int BT, int NW, int M, int LDX, bool BLOCKS = true>
+__device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const float* sX1,
+                                                      const float* sY1, const float* sX2,
+                                                      const float* sY2, int rows, int D) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (BLOCKS && D_PAD % 32 == 0) {
+        // 16 x 32 blocks, block u to warp u % NW: each k step reads X^T's fragment once for
+        // four products (mma_tiles_acc), and the sums go into W through quad_transpose_4x4's
+        // layout (row-major, free of bank conflicts) instead of the accumulators'
+        constexpr int BN = D_PAD / 32, NBLOCKS = (M / 16) * BN;
+        for (int u = threadIdx.x >> 5; u < NBLOCKS; u += NW) {
+            const int m0 = (u / BN) * 16, n0 = (u % BN) * 32;
+            float acc[4][4] = {};
+            mma_tiles_acc<4>(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
+            if (sX2 != nullptr)  // uniform over the block
+                mma_tiles_acc<4>(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
+            float out[2][8];
+            quad_transpose_4x4(out, acc);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int a = m0 + g + 8 * h;
+#pragma unroll
+                for (int cc = 0; cc < 8; ++cc) {
+                    const int d = n0 + 8 * t + cc;
+                    if (a < rows && d < D) sW[a * LD + d] += c * out[h][cc];
+                }
+            }
+        }
+    } else {
+        mma_tiles<M, D_PAD, NW>(
+            [&](float (&acc)[4], int m0, int n0) {  // X^T: X(a, i) = sX[i * LDX + a]
+                mma_tile_acc(acc, sX1, 1, LDX, sY1, LD, 1, m0, n0, 0, BT);
+                if (sX2 != nullptr)  // uniform over the block
+                    mma_tile_acc(acc, sX2, 1, LDX, sY2, LD, 1, m0, n0, 0, BT);
+            },
+            [&](float (&acc)[4], int m0, int n0) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int a = m0 + g + 8 * (r >> 1), d = n0 + 2 * t + (r & 1);
+                    if (a < rows && d < D) sW[a * LD + d] += c * acc[r];
+                }
+            });
+    }
+}
+
+// W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
+// the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
+template <int D_PAD, int BT, int NW, bool BLOCKS = true>
+__device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
+                                                 const float* sY1, const float* sX2,
+                                                 const float* sY2, int D) {
+    state_rows_update_mma<D_PAD, BT, NW, D_PAD, D_PAD + 1, BLOCKS>(sW, c, sX1, sY1, sX2, sY2, D,
+                                                                   D);
+}
+
+// sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
+// [BT, D_PAD] q tile (pre-scaled), sW the state, sA [BT, BT + 1] the masked A = tril(q k^T +
+// 1), sG the g tile, sE [BT] the per-row eta. The products finish in every warp before the
+// result overwrites q (mma_tiles_synced; every thread must call it).
+//
+// ROW_SCALE false: sA already holds e (and any other per-entry factor): sQ <- q W - A g, sE
+// unused.
+template <int D_PAD, int BT, int NW, bool ROW_SCALE = true, int NB = 2>
+__device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const float* sA,
+                                            const float* sG, const float* sE) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    const int g = (threadIdx.x & 31) >> 2;
+    mma_blocks<BT, D_PAD, NW, NB, true>(  // NB tiles side by side: one A read for NB products
+        [&](float (&acc)[NB][4], int m0, int n0) {
+            float acc2[NB][4] = {};
+            mma_tiles_acc<NB>(acc, sQ, LD, 1, sW, LD, 1, m0, n0, 0, D_PAD);
+            mma_tiles_acc<NB>(acc2, sA, LA, 1, sG, LD, 1, m0, n0, 0, m0 + 16);  // A is lower
+#pragma unroll
+            for (int j = 0; j < NB; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    acc[j][r] -= (ROW_SCALE ? sE[m0 + g + 8 * (r >> 1)] : 1.f) * acc2[j][r];
+        },
+        [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
+}
+
+// The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db, in the row layout
+// of LPR lanes: its lane groups' sums are added first) summed over the warps in a fixed order
+// (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of shared memory), written to
+// dwp[o_p + d], dbp[o_p + d] for d in [d0, d1). Every thread must call it.
+template <int D_PAD, int NW, int NT, int LPR = 32, int P>
+__device__ __forceinline__ void store_partials(float* sA, float* sB, const float (&b_dw)[P],
+                                               const float (&b_db)[P], float* dwp, float* dbp,
+                                               long long o_p, int d0, int d1) {
+    constexpr int LD = D_PAD + 1;
+    const int warp = threadIdx.x >> 5;
+    float w_dw[P], w_db[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        w_dw[e] = b_dw[e];
+        w_db[e] = b_db[e];
+#pragma unroll
+        for (int m = 16; m >= LPR; m >>= 1) {  // the lane groups' sums, in a fixed order
+            w_dw[e] += __shfl_xor_sync(0xffffffffu, w_dw[e], m);
+            w_db[e] += __shfl_xor_sync(0xffffffffu, w_db[e], m);
+        }
+    }
+    if ((threadIdx.x & 31) < LPR) {
+        put_row<D_PAD, LPR>(sA + warp * LD, w_dw);
+        put_row<D_PAD, LPR>(sB + warp * LD, w_db);
+    }
+    __syncthreads();
+    for (int d = d0 + threadIdx.x; d < d1; d += NT) {
+        float sw = 0.f, sb = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            sw += sA[w * LD + d];
+            sb += sB[w * LD + d];
+        }
+        dwp[o_p + d] = sw;
+        dbp[o_p + d] = sb;
+    }
+}
+
+// hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
+template <int D_PAD, int BT, int NT>
+__device__ __forceinline__ void bias_axpy(float* sHb, float c, const float* sY, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float acc = 0.f;
+        for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
+        sHb[d] += c * acc;
+    }
+}
+
+// ---------------------------------------------------------------- register-resident chain state
+// The chain kernels' MMA instances keep the [D_PAD, D_PAD] state in registers, as mma
+// accumulators of its transpose (M = n, N = a): warp w owns the columns n = 16 w .. 16 w + 15
+// of W, and lane (g, t) holds, per block J < D_PAD / 8 of 8 accumulator columns, 4 entries
+//   frag[J][c] = W[a][n],   n = 16 w + g + 8 (c >> 1),   a = state_col(8 J + 2 t + (c & 1)).
+// The same registers are the A operand of W^T X^T (K = a) when the k slots t / t + 4 of block J
+// stand for the columns state_col(8 J + 2 t) / + 1: a = {c0, c2, c1, c3} (acc_as_a); so the
+// state never goes through shared memory. state_col permutes a inside blocks of
+// KB = min(D_PAD, 32) so that both products' B reads from a [BT, D_PAD + 1] tile are free of
+// bank conflicts (lane (g, t) reads column KB/4 t + 2 J of row g, or column KB/4 (g >> 1) +
+// 2 J + (g & 1) of row 2 t).
+template <int D_PAD>
+__device__ __forceinline__ int state_col(int j) {
+    constexpr int KB = D_PAD < 32 ? D_PAD : 32;
+    const int r = j % KB;  // r = 8 J + 2 t + e inside the block
+    return j - r + (KB / 4) * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
+}
+
+// f(J, c, a, n) for every entry frag[J][c] of this lane, which holds W[a][n] (see above).
+template <int D_PAD, typename F>
+__device__ __forceinline__ void for_each_state_entry(F f) {
+    const int lane = threadIdx.x & 31;
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            f(J, c, state_col<D_PAD>(8 * J + 2 * (lane & 3) + (c & 1)), n0 + 8 * (c >> 1));
+}
+
+// frag <- the state src [D, D] (zero when null), in the layout above; hb (per lane: columns
+// n, n + 8) <- srcb.
+template <int D_PAD>
+__device__ __forceinline__ void load_state_frag(float (&frag)[D_PAD / 8][4], float (&hb)[2],
+                                                const float* src, const float* srcb, int D) {
+    const int n0 = 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
+    for_each_state_entry<D_PAD>([&](int J, int c, int a, int n) {
+        frag[J][c] = (src != nullptr && a < D && n < D) ? src[a * D + n] : 0.f;
+    });
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        hb[h] = (srcb != nullptr && n0 + 8 * h < D) ? srcb[n0 + 8 * h] : 0.f;
+}
+
+// dst[a * D + n] = W[a][n] from frag; dstb[n] = hb (lanes t = 0) when dstb is given.
+template <int D_PAD>
+__device__ __forceinline__ void store_state_frag(float* dst, float* dstb,
+                                                 const float (&frag)[D_PAD / 8][4],
+                                                 const float (&hb)[2], int D) {
+    const int lane = threadIdx.x & 31;
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+    for_each_state_entry<D_PAD>([&](int J, int c, int a, int n) {
+        if (a < D && n < D) dst[a * D + n] = frag[J][c];
+    });
+    if (dstb != nullptr && (lane & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (n0 + 8 * h < D) dstb[n0 + 8 * h] = hb[h];
+    }
+}
+
+// This lane's two state columns n0, n0 + 8 of head i_h: whether each is a real column (< D)
+// and the LayerNorm weight and bias there (zero for padded columns).
+__device__ __forceinline__ void state_cols_ln(bool (&ok)[2], float (&lw)[2], float (&lb)[2],
+                                              const float* __restrict__ lnw,
+                                              const float* __restrict__ lnb, int i_h, int D) {
+    const int n0 = 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ok[h] = n0 + 8 * h < D;
+        lw[h] = ok[h] ? lnw[(long long)i_h * D + n0 + 8 * h] : 0.f;
+        lb[h] = ok[h] ? lnb[(long long)i_h * D + n0 + 8 * h] : 0.f;
+    }
+}
+
+// An m16n8 accumulator (M = n, N = 8 columns) as the A operand of a product over those
+// columns (k slots t, t + 4 = columns 2 t, 2 t + 1), times `mult`, rounded to tf32.
+__device__ __forceinline__ void acc_as_a(unsigned (&a)[4], const float (&acc)[4], float mult) {
+    a[0] = to_tf32(mult * acc[0]);
+    a[1] = to_tf32(mult * acc[2]);
+    a[2] = to_tf32(mult * acc[1]);
+    a[3] = to_tf32(mult * acc[3]);
+}
+
+// out[i] (M = n: this warp's 16 state columns, N = t: rows 8 i .. 8 i + 7 of the tile) =
+// W^T X^T, i.e. out[i][c] = (X W)[t][n] with t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)
+// (lane (g, t')). sX: a [BT, D_PAD + 1] fp32 tile. Tensor cores, tf32 operands (EXACT_X: sX
+// holds tf32 values already, see tf32_operand).
+template <int D_PAD, int BT, bool EXACT_X = false>
+__device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
+                                                      const float (&frag)[D_PAD / 8][4],
+                                                      const float* sX) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float odd[BT / 8][4];  // the odd blocks J accumulate apart: two chains of half the length
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[i][c] = odd[i][c] = 0.f;
+#pragma unroll
+    for (int J = 0; J < D_PAD / 8; ++J) {
+        unsigned a[4];
+        acc_as_a(a, frag[J], 1.f);
+        const int col = state_col<D_PAD>(8 * J + 2 * t);
+#pragma unroll
+        for (int i = 0; i < BT / 8; ++i) {
+            const float* x = sX + (8 * i + g) * LD + col;
+            const unsigned b[2] = {tf32_operand<EXACT_X>(x[0]), tf32_operand<EXACT_X>(x[1])};
+            mma_m16n8k8_tf32(J % 2 == 0 ? out[i] : odd[i], a, b);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[i][c] += odd[i][c];
+}
+
+// frag (W) += mult Y^T X over the tile's rows: Y^T given as accumulators y[i] in the layout of
+// tile_times_state_frag's output (M = n, N = t), X a [BT, D_PAD + 1] fp32 tile (rows past the
+// chunk's end zero). Tensor cores, tf32 operands (EXACT_X as in tile_times_state_frag).
+template <int D_PAD, int BT, bool EXACT_X = false>
+__device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
+                                                  const float (&y)[BT / 8][4], float mult,
+                                                  const float* sX) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i) {
+        unsigned a[4];
+        acc_as_a(a, y[i], mult);
+        const float* x0 = sX + (8 * i + 2 * t) * LD;
+#pragma unroll
+        for (int J = 0; J < D_PAD / 8; ++J) {
+            const int col = state_col<D_PAD>(8 * J + g);
+            const unsigned b[2] = {tf32_operand<EXACT_X>(x0[col]),
+                                   tf32_operand<EXACT_X>(x0[LD + col])};
+            mma_m16n8k8_tf32(frag[J], a, b);
+        }
+    }
+}
+
+// K floats moved as one shared-memory access (K = 2 or 4: ld/st.shared.v2 / .v4).
+template <int K>
+struct alignas(4 * K) FloatK {
+    float v[K];
+};
+
+// Row sums over all D_PAD columns of K (2 or 4) quantities for the rows of an accumulator
+// layout (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two
+// columns) and gets the row's total. Warp shuffles (a reduce-scatter), then per-warp partials
+// through red ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call
+// it; red must not be read by a pending round).
+template <int NW, int BT, int K>
+__device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* red) {
+    static_assert(K == 2 || K == 4, "K must be 2 or 4");
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, t0 = 2 * (lane & 3);
+    FloatK<K>* rows = reinterpret_cast<FloatK<K>*>(red);
+    // Reduce-scatter over the 8 lanes g of a row group (lane bits 2..4): the V values v[f],
+    // f = (2 i + e) K + j, halve at each of the three shuffle rounds (xor 16, 8, 4), each lane
+    // keeping the half its bit picks and adding the partner's copy of it: V / 2 + V / 4 + V / 8
+    // shuffles where a butterfly per value takes 3 V. The lane is left with the warp's sums of
+    // f = b2 V / 2 + b1 V / 4 + b0 V / 8 + m (m < V / 8; b0, b1, b2 = lane bits 2, 3, 4),
+    // which it writes to red.
+    constexpr int V = BT / 8 * 2 * K;
+    static_assert(V % 8 == 0, "frag_row_sums: a multiple of 8 values per lane");
+    float v1[V / 2], v2[V / 4], v3[V / 8];
+    {
+        const bool b = (lane >> 4) & 1;
+#pragma unroll
+        for (int m = 0; m < V / 2; ++m) {
+            const int lo = m, hi = m + V / 2;  // p[i][e][j] is v[(2 i + e) K + j]
+            const float v_lo = p[lo / (2 * K)][lo / K % 2][lo % K];
+            const float v_hi = p[hi / (2 * K)][hi / K % 2][hi % K];
+            const float keep = b ? v_hi : v_lo, send = b ? v_lo : v_hi;
+            v1[m] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+    }
+    {
+        const bool b = (lane >> 3) & 1;
+#pragma unroll
+        for (int m = 0; m < V / 4; ++m) {
+            const float keep = b ? v1[m + V / 4] : v1[m], send = b ? v1[m] : v1[m + V / 4];
+            v2[m] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+        }
+    }
+    {
+        const bool b = (lane >> 2) & 1;
+#pragma unroll
+        for (int m = 0; m < V / 8; ++m) {
+            const float keep = b ? v2[m + V / 8] : v2[m], send = b ? v2[m] : v2[m + V / 8];
+            v3[m] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+        }
+    }
+    const int f0 = ((lane >> 4) & 1) * (V / 2) + ((lane >> 3) & 1) * (V / 4) +
+                   ((lane >> 2) & 1) * (V / 8);
+#pragma unroll
+    for (int m = 0; m < V / 8; ++m) {
+        const int f = f0 + m, ie = f / K, j = f % K;  // ie = 2 i + e
+        red[(wid * BT + 8 * (ie >> 1) + t0 + (ie & 1)) * K + j] = v3[m];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int j = 0; j < K; ++j) p[i][e][j] = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const FloatK<K> part = rows[w * BT + 8 * i + t0 + e];
+#pragma unroll
+                for (int j = 0; j < K; ++j) p[i][e][j] += part.v[j];
+            }
+        }
+}
+
+// x[i][c] = rows[t * rs + n] at this lane's entries of a [BT, D_PAD] tile in the accumulator
+// layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero for t >= L or n >= D;
+// rows: the chunk's first row, rs: the row stride (32-bit: a chunk spans < 2^31 elements).
+template <int BT, typename S>
+__device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ rows,
+                                               int rs, int L, int D) {
+    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int t = 8 * i + t0 + (c & 1), n = n0 + 8 * (c >> 1);
+            x[i][c] = (t < L && n < D) ? to_f32(rows[t * rs + n]) : 0.f;
+        }
+}
+
+// load_frag_rows from a tile staged in shared memory (StagedRows: [BT, LDS], zero past the
+// rows and columns it was given): x[i][c] = s[t * LDS + n] at this lane's entries.
+template <int BT, int LDS, typename S>
+__device__ __forceinline__ void frag_rows_from_smem(float (&x)[BT / 8][4], const S* s) {
+    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            x[i][c] = to_f32(s[(8 * i + t0 + (c & 1)) * LDS + n0 + 8 * (c >> 1)]);
+}
+
+// Sum over this warp's 16 state columns (the lanes sharing t) of x0 + x1.
+__device__ __forceinline__ float frag_col_sum(float x0, float x1) {
+    float s = x0 + x1;
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 16);
+    return s;
+}
+
+}  // namespace ttt

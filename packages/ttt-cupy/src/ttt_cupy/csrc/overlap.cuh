@@ -1,0 +1,135 @@
+// The cross-stream protocol of the overlapped passes.
+#pragma once
+
+#include "types.cuh"
+
+namespace ttt {
+
+// ---------------------------------------------------------------- overlapped passes
+// The overlapped passes (placement.overlapped): a chain kernel and the group kernel that reads
+// it run at the same time, on two streams, and a group block starts on its group as soon as
+// the chain has finished that group, not after the whole chain: fwd_chain -> fwd_out (groups
+// in order) and bwd_chain -> bwd_grads (groups from each sequence's end). They share one
+// zeroed int32 buffer `sync`:
+//
+//   sync[kStarted]      chain blocks started        sync[kTicket]    group blocks started
+//   sync[kOverflow]     tickets put back (below)    sync[kProgress + c] groups chain c finished
+//   sync[kProgress + n_chains + i]  the tickets put back, in any order
+//
+// A chain block counts itself started first thing and, after each group (everything the
+// group block reads stored; a barrier, then a release by thread 0), publishes how many
+// groups it has finished. A group block takes the next ticket (group-major: the k-th group
+// the chains finish is item k / n_chains of chain k % n_chains, so the earliest finished
+// groups go first; bwd_grads: kGradsSplit tickets per item) and waits with an acquire for its
+// group. It waits only for chain blocks that have started, i.e. hold a place on the GPU and
+// will finish without anyone's help: if not all chain blocks have started after `wait_spins`
+// naps (the group blocks came first and may be holding the places the chain needs), it puts
+// its ticket back and ends. The launcher's cleanup launch (mode kCleanup, after both kernels)
+// runs the tickets put back. So no wait depends on a block that is not running: no deadlock,
+// whatever order the GPU places the blocks in (the launcher also holds the group kernel's
+// stream until every chain block has started). The arithmetic of every block is that of the
+// plain launches (bitwise; the group kernels read these buffers without the read-only path).
+namespace overlap {
+constexpr int kStarted = 0, kTicket = 1, kOverflow = 2, kProgress = 3;
+constexpr int kPlain = 0, kOverlap = 1, kCleanup = 2;  // fwd_out's modes
+}  // namespace overlap
+
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void nap() { __nanosleep(256); }
+#else  // the CPU emulation: blocks run one after the other, so plain accesses do
+inline int load_acquire(const int* p) { return *p; }
+inline void store_release(int* p, int v) { *p = v; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
+inline void nap() {}
+#endif
+
+// A chain block: counts itself started (thread 0; sync null: not overlapped).
+__device__ __forceinline__ void overlap_chain_started(int* sync) {
+    if (sync != nullptr && threadIdx.x == 0) atomicAdd(sync + overlap::kStarted, 1);
+}
+
+// A chain block: `groups` groups of chain `chain` are finished. Called after a barrier that
+// follows every thread's last store of them (the barrier orders those stores before thread 0's
+// release).
+__device__ __forceinline__ void overlap_chain_progress(int* sync, long long chain, int groups) {
+    if (sync != nullptr && threadIdx.x == 0)
+        store_release(sync + overlap::kProgress + chain, groups);
+}
+
+// A fwd_out block's item (thread 0 only): its ticket (kOverlap), or the blockIdx.x-th item put
+// back (kCleanup); -1: none (put back, or past the items put back).
+__device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_chains,
+                                             int wait_spins) {
+    if (mode == overlap::kCleanup)
+        return blockIdx.x < (unsigned)load_acquire(sync + overlap::kOverflow)
+                   ? sync[overlap::kProgress + n_chains + blockIdx.x]
+                   : -1;
+    const int u = atomicAdd(sync + overlap::kTicket, 1);
+    for (int s = 0; s < wait_spins && load_acquire(sync + overlap::kStarted) < n_chains; ++s)
+        nap();
+    if (load_acquire(sync + overlap::kStarted) < n_chains) {
+        sync[overlap::kProgress + n_chains + atomicAdd(sync + overlap::kOverflow, 1)] = u;
+        return -1;
+    }
+    return u;
+}
+
+// Thread 0 of a fwd_out block (kOverlap): waits until chain `chain` has finished `groups`
+// groups (it has started: overlap_claim).
+__device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
+    while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
+}
+
+// A group kernel's block: its (group, head) and, of SPLIT blocks per (group, head), its first
+// state row a0 (rows DA apart). kPlain: from blockIdx.x over the segment [g_lo, g_hi). Else
+// from the ticket it claims (overlap_claim): ticket t is item u = t / SPLIT, the k-th group
+// (k = u / n_chains) of chain c = u % n_chains, counted from the sequence's start, or with
+// REVERSE (the backward) from its end; in kOverlap it then waits until the chain has finished
+// that group. s_ticket: the kernel's own static __shared__ int (static: shared in the CPU
+// emulation too). False: nothing to do (past the sequence's groups, or the ticket put back).
+template <int SPLIT, int DA, bool REVERSE>
+__device__ __forceinline__ bool group_block(
+    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains, int wait_spins,
+    long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
+    long long g_hi) {
+    if (mode == overlap::kPlain) {
+        const unsigned i_b = blockIdx.x / SPLIT;
+        a0 = (int)(blockIdx.x % SPLIT) * DA;
+        i_h = (int)(i_b % H);
+        gr = group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo, g_hi);
+        if (gr.nc <= 0) return false;  // a segment past the end of this sequence
+        return true;
+    }
+    if (threadIdx.x == 0) s_ticket = overlap_claim(sync, mode, n_chains, wait_spins);
+    __syncthreads();
+    const int t = s_ticket, nch = (int)n_chains;  // (32-bit: int32 tickets)
+    if (t < 0) return false;  // put back, or no item
+    const int u = t / SPLIT, c = u % nch, k = u / nch;
+    a0 = (t % SPLIT) * DA;
+    i_h = c % H;
+    if constexpr (REVERSE) {
+        const Seq sq = seq_coords(c / H, T_len, BT, G, cu_seqlens, grp_offsets);
+        const long long j = (sq.nc + G - 1) / G - 1 - k;
+        if (j < 0) return false;  // the sequence has no such group
+        gr = group_at(c / H, j, T_len, BT, G, cu_seqlens, grp_offsets);
+    } else {
+        gr = group_at(c / H, k, T_len, BT, G, cu_seqlens, grp_offsets);
+        if (gr.nc <= 0) return false;  // the sequence has no group k
+    }
+    if (mode == overlap::kOverlap) {
+        if (threadIdx.x == 0) overlap_wait(sync, c, k + 1);
+        __syncthreads();
+    }
+    return true;
+}
+
+}  // namespace ttt

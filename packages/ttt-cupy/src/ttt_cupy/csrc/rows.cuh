@@ -1,0 +1,382 @@
+// Row passes: the LayerNorm, g and their backward, one row per warp or per lane group.
+#pragma once
+
+#include "types.cuh"
+
+namespace ttt {
+
+// ---------------------------------------------------------------- row passes (LPR lanes a row)
+// A row is held by a group of LPR consecutive lanes (LPR = 32 unless given: one warp a row;
+// Traits::kRowLanes for the group kernels' MMA instances, where a warp takes 32 / LPR rows at
+// once): lane l of its group (l = lane % LPR) holds columns d = l + LPR e, e < P =
+// cdiv(D_PAD, LPR); columns >= D hold zero. Every lane of a warp must call the helpers that
+// sum over a row (row_sum, row_dot and the passes built on them).
+
+// This lane's column for element e of a row (see above).
+template <int LPR = 32>
+__device__ __forceinline__ int row_col(int e) {
+    return (int)(threadIdx.x & (LPR - 1)) + LPR * e;
+}
+
+// x[e] = src[d] * mult for d < D, zero elsewhere (src: global or shared memory).
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void load_row(float (&x)[(D_PAD + LPR - 1) / LPR], const S* src, int D,
+                                         float mult) {
+#pragma unroll
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
+        x[e] = d < D ? to_f32(src[d]) * mult : 0.f;
+    }
+}
+
+// dst[d] = x[e] for d < D.
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
+                                          int D) {
+#pragma unroll
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
+        if (d < D) dst[d] = from_f32<S>(x[e]);
+    }
+}
+
+// x[e] = srow[d - a0] for the lane's columns d in [a0, a0 + M), zero elsewhere (a row of a
+// [BT, M] part of a tile holding columns a0 .. a0 + M - 1).
+template <int D_PAD, int M, int LPR = 32>
+__device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + LPR - 1) / LPR],
+                                              const float* srow, int a0) {
+#pragma unroll
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int dl = row_col<LPR>(e) - a0;
+        x[e] = dl >= 0 && dl < M ? srow[dl] : 0.f;
+    }
+}
+
+// dst[d] = x[e] for d in [d0, d1) (store_row for a range of columns).
+template <int D_PAD, int LPR = 32, typename S>
+__device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
+                                               int d0, int d1) {
+#pragma unroll
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
+        if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
+    }
+}
+
+// A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
+template <int D_PAD, int LPR = 32>
+__device__ __forceinline__ void put_row(float* srow, const float (&x)[(D_PAD + LPR - 1) / LPR]) {
+#pragma unroll
+    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
+        const int d = row_col<LPR>(e);
+        if (d < D_PAD) srow[d] = x[e];
+    }
+}
+
+template <int D_PAD, int LPR = 32>
+__device__ __forceinline__ void zero_row(float* srow) {
+    for (int d = row_col<LPR>(0); d < D_PAD; d += LPR) srow[d] = 0.f;
+}
+
+template <int LPR = 32, int P>
+__device__ __forceinline__ float row_dot(const float (&x)[P], const float (&y)[P]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) s += x[e] * y[e];
+    return group_sum<LPR>(s);
+}
+
+template <int LPR = 32, int P>
+__device__ __forceinline__ float row_sum(const float (&x)[P]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) s += x[e];
+    return group_sum<LPR>(s);
+}
+
+// out[d] = sum_a arow[a] M[a, d]   (arow: a shared row; M: a [D_PAD, D_PAD + 1] state)
+template <int D_PAD>
+__device__ __forceinline__ void row_times_state(float (&out)[(D_PAD + 31) / 32],
+                                                const float* arow, const float* sM) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        float acc = 0.f;
+        if (d < D_PAD) {
+#pragma unroll 8
+            for (int a = 0; a < D_PAD; ++a) acc += arow[a] * sM[a * LD + d];
+        }
+        out[e] = acc;
+    }
+}
+
+// out[d] = sum_c arow[c] M[d, c]   (the row times M^T)
+template <int D_PAD>
+__device__ __forceinline__ void row_times_state_t(float (&out)[(D_PAD + 31) / 32],
+                                                  const float* arow, const float* sM) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int d = lane + 32 * e;
+        float acc = 0.f;
+        if (d < D_PAD) {
+#pragma unroll 8
+            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[d * LD + c];
+        }
+        out[e] = acc;
+    }
+}
+
+// The row times M^T for M rows a0 .. a0 + M - 1 of a state (sM [M, D_PAD + 1]): out[d] =
+// sum_c arow[c] M[d - a0, c] for d in [a0, a0 + M), zero for the lane's other columns.
+template <int D_PAD, int M>
+__device__ __forceinline__ void row_times_state_rows_t(float (&out)[(D_PAD + 31) / 32],
+                                                       const float* arow, const float* sM,
+                                                       int a0) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
+        const int dl = lane + 32 * e - a0;
+        float acc = 0.f;
+        if (dl >= 0 && dl < M) {
+#pragma unroll 8
+            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[dl * LD + c];
+        }
+        out[e] = acc;
+    }
+}
+
+// In place: x <- LN(x) over the D valid columns (no affine); returns r = 1 / sqrt(var + eps).
+template <int LPR = 32, int P>
+__device__ __forceinline__ float layer_norm_row(float (&x)[P], int D, float eps) {
+    const float inv_d = 1.f / (float)D;
+    const float mean = row_sum<LPR>(x) * inv_d;
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        x[e] = row_col<LPR>(e) < D ? x[e] - mean : 0.f;
+        s += x[e] * x[e];
+    }
+    const float r = 1.f / sqrtf(group_sum<LPR>(s) * inv_d + eps);
+#pragma unroll
+    for (int e = 0; e < P; ++e) x[e] *= r;
+    return r;
+}
+
+// g and y of a row from xh and r: y = (xh w + b - v + k) w, g = r (y - mean(y) - xh mean(y xh)).
+template <int LPR = 32, int P>
+__device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], const float (&xh)[P],
+                                               float r, const float (&k)[P], const float (&v)[P],
+                                               const float (&w)[P], const float (&b)[P], int D) {
+    const float inv_d = 1.f / (float)D;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        y[e] = row_col<LPR>(e) < D ? (xh[e] * w[e] + b[e] - v[e] + k[e]) * w[e] : 0.f;
+    const float ym = row_sum<LPR>(y) * inv_d;
+    const float yx = row_dot<LPR>(y, xh) * inv_d;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        g[e] = row_col<LPR>(e) < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
+}
+
+// The row pass of the inner loss over one chunk (fwd_chain's SIMT instance): warp w takes rows
+// w, w + NW, ... < BT. kh = k_i W + hb (a SIMT row product), then xh, r (LayerNorm) and g
+// (inner_grad_row) into sG's row; rows >= L are zeroed. Writes xh of row i to xbuf (at
+// p_base + (row0 + i) * row_stride) and r to rbuf (at p_ebase + (row0 + i) * H): the group
+// kernels derive g from them (inner_grad_rows_saved); with OPTIONAL_SAVE, only when xbuf is
+// not null (the fused forward without a backward). b_w, b_b: the LayerNorm weight and bias
+// per lane.
+template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
+                                                const float* sHb, const T* __restrict__ v,
+                                                const float (&b_w)[P], const float (&b_b)[P],
+                                                long long p_base, long long p_ebase,
+                                                long long row0, long long row_stride, int L,
+                                                int H, int D, float eps, float* __restrict__ xbuf,
+                                                float* __restrict__ rbuf) {
+    constexpr int LD = D_PAD + 1;
+    const int lane = threadIdx.x & 31;
+    for (int i = threadIdx.x >> 5; i < BT; i += NW) {
+        if (i >= L) {
+            zero_row<D_PAD>(sG + i * LD);
+            continue;
+        }
+        const long long o_r = p_base + (row0 + i) * row_stride;
+        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+        row_times_state<D_PAD>(b_x, sK + i * LD, sW);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const int d = lane + 32 * e;
+            if (d < D) b_x[e] += sHb[d];
+        }
+        const float r = layer_norm_row(b_x, D, eps);
+        load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
+        load_row<D_PAD>(b_v, v + o_r, D, 1.f);
+        inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD>(sG + i * LD, b_g);
+        if (!OPTIONAL_SAVE || xbuf != nullptr) {
+            store_row<D_PAD>(xbuf + o_r, b_x, D);
+            if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+        }
+    }
+}
+
+// g of a block's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
+// no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT, 32 / LPR of them at once
+// (row w + NW (s + 32 / LPR u) to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
+// k_i, v_i) into sG's row, with k from sK and xh_i, v_i, r_i from `src(i, ok, b_x, b_v)`: it
+// loads xh and v into the lane's elements (zero past D, and everywhere for rows past L: !ok)
+// and returns r (0 past L). Rows >= L so run the pass on zeros (every lane takes part in the
+// row sums) and get g = 0. Row-local: no barrier between the rows. (Unrolling the passes, so
+// that all their loads are in flight together, made ptxas spill more in bwd_local's and
+// fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
+template <int D_PAD, int BT, int NW, int LPR, int P, typename Src>
+__device__ __forceinline__ void inner_grad_rows_from(float* sG, const float* sK,
+                                                     const float (&b_w)[P],
+                                                     const float (&b_b)[P], int L, int D,
+                                                     Src src) {
+    constexpr int LD = D_PAD + 1, RPP = 32 / LPR;  // rows per warp pass
+    static_assert(BT % (NW * RPP) == 0, "inner_grad_rows_from: whole passes");
+    const int sub = (threadIdx.x & 31) / LPR;
+    for (int i0 = threadIdx.x >> 5; i0 < BT; i0 += NW * RPP) {
+        const int i = i0 + NW * sub;
+        const bool ok = i < L;
+        float b_x[P], b_k[P], b_v[P], b_g[P], b_y[P];
+        const float r = src(i, ok, b_x, b_v);
+        load_row<D_PAD, LPR>(b_k, sK + i * LD, ok ? D : 0, 1.f);
+        inner_grad_row<LPR>(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
+        put_row<D_PAD, LPR>(sG + i * LD, b_g);
+    }
+}
+
+// inner_grad_rows_from with xh, v, r from device memory: fwd_chain's xbuf, rbuf and v at
+// block rows row0 + i.
+template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
+                                                      const T* __restrict__ v,
+                                                      const float* xbuf, const float* rbuf,
+                                                      const float (&b_w)[P],
+                                                      const float (&b_b)[P], long long p_base,
+                                                      long long p_ebase, long long row0,
+                                                      long long row_stride, int L, int H,
+                                                      int D) {
+    inner_grad_rows_from<D_PAD, BT, NW, LPR>(
+        sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
+            const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
+            load_row<D_PAD, LPR>(b_x, xbuf + o_r, ok ? D : 0, 1.f);
+            load_row<D_PAD, LPR>(b_v, v + o_r, ok ? D : 0, 1.f);
+            return ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+        });
+}
+
+// inner_grad_rows_from with xh, v, r staged in shared memory (StagedRows): row i of v at
+// sV + i * ldv, of xh at sX + i * ldx, r at sR[i].
+template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
+__device__ __forceinline__ void inner_grad_rows_staged(float* sG, const float* sK, const T* sV,
+                                                       int ldv, const float* sX, int ldx,
+                                                       const float* sR, const float (&b_w)[P],
+                                                       const float (&b_b)[P], int L, int D) {
+    inner_grad_rows_from<D_PAD, BT, NW, LPR>(
+        sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
+            load_row<D_PAD, LPR>(b_x, sX + i * ldx, ok ? D : 0, 1.f);
+            load_row<D_PAD, LPR>(b_v, sV + i * ldv, ok ? D : 0, 1.f);
+            return ok ? sR[i] : 0.f;
+        });
+}
+
+// o_pre of row i of a chunk (fwd_out, bwd_local), per lane: q_i W + hb - e_i sum_{j <= i}
+// A_ij g_j, zero past D. MMA: q W - e (A g) was left in sQ's row by out_pre_mma, so only hb
+// is added; else SIMT products (sA [BT, BT + 1] is the masked A, sE the per-row eta).
+// (LPR: the row layout; SIMT takes one warp a row.)
+template <int D_PAD, int BT, bool MMA, int LPR = 32, int P>
+__device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* sQ,
+                                            const float* sW, const float* sA, const float* sG,
+                                            const float* sHb, const float* sE, int D) {
+    constexpr int LD = D_PAD + 1, LA = BT + 1;
+    static_assert(MMA || LPR == 32, "the SIMT products take one warp a row");
+    if constexpr (MMA)
+        load_row<D_PAD, LPR>(o, sQ + i * LD, D_PAD, 1.f);
+    else
+        row_times_state<D_PAD>(o, sQ + i * LD, sW);
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const int d = row_col<LPR>(e);
+        if (d >= D) {
+            o[e] = 0.f;
+            continue;
+        }
+        o[e] += sHb[d];
+        if constexpr (!MMA) {
+            float acc = 0.f;
+            for (int jj = 0; jj <= i; ++jj) acc += sA[i * LA + jj] * sG[jj * LD + d];
+            o[e] -= sE[i] * acc;
+        }
+    }
+}
+
+// The fused post norm-residual for one row (fwd_out): o <- o + LN(o) w + b.
+template <int LPR = 32, int P>
+__device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P],
+                                              const float (&b)[P], int D, float eps) {
+    float n[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) n[e] = o[e];
+    layer_norm_row<LPR>(n, D, eps);
+#pragma unroll
+    for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
+}
+
+// The post norm-residual's backward for one row (bwd_local): o (o_pre in) becomes oh =
+// LN(o_pre), dout (do in) becomes do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)),
+// and the row's parts of dw (do oh) and db (do) are added to dw, db. Zero past D.
+template <int LPR = 32, int P>
+__device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P],
+                                                  const float (&w)[P], float (&dw)[P],
+                                                  float (&db)[P], int D, float eps) {
+    const float inv_d = 1.f / (float)D;
+    const float ro = layer_norm_row<LPR>(o, D, eps);      // o <- oh
+    float doh[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        doh[e] = dout[e] * w[e];
+        dw[e] += dout[e] * o[e];
+        db[e] += dout[e];
+    }
+    const float m1 = row_sum<LPR>(doh) * inv_d;
+    const float m2 = row_dot<LPR>(doh, o) * inv_d;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        dout[e] = row_col<LPR>(e) < D ? dout[e] + ro * (doh[e] - m1 - o[e] * m2) : 0.f;
+}
+
+// Backward of g(kh) for the cotangent dg: dkh and dy (see ttt_common.cuh).
+template <int LPR = 32, int P>
+__device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
+                                                   const float (&dg)[P], const float (&xh)[P],
+                                                   float r, const float (&y)[P],
+                                                   const float (&g)[P], const float (&w)[P],
+                                                   int D) {
+    const float inv_d = 1.f / (float)D;
+    const float a1 = row_sum<LPR>(dg) * inv_d;
+    const float a2 = row_dot<LPR>(dg, xh) * inv_d;
+    const float a3 = row_dot<LPR>(xh, y) * inv_d;
+    const float dr = row_dot<LPR>(dg, g) * r * inv_d;  // dr r^2 / D with dr = sum(dg g) / r
+    float dxh[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const bool m = row_col<LPR>(e) < D;
+        dy[e] = m ? r * (dg[e] - a1 - xh[e] * a2) : 0.f;
+        dxh[e] = m ? -r * (dg[e] * a3 + y[e] * a2) + dy[e] * (w[e] * w[e]) : 0.f;
+    }
+    const float c1 = row_sum<LPR>(dxh) * inv_d;
+    const float c2 = row_dot<LPR>(dxh, xh) * inv_d;
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+        dkh[e] = row_col<LPR>(e) < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+}
+
+}  // namespace ttt

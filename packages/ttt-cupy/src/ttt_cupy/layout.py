@@ -1,0 +1,181 @@
+"""The buffers of each pass and each kernel's arguments, in the order of its ``__global__``
+signature (csrc/*.cu): raw addresses as numpy uint64, scalars as numpy float32 / int32 /
+int64; the segment, the tail and the shared-memory size go last (:meth:`Kernel.launch`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ttt import Problem
+from ttt.chunking import ChunkGroups, group_offsets
+
+Segment = tuple[int, int]
+"""Group range [g_lo, g_hi) of each sequence; (0, 0): every group of the batch."""
+
+NO_SYNC = np.uint64(0)
+"""A chain kernel's ``sync`` argument when not overlapped (null)."""
+
+PLAIN_GROUP = (NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
+"""A group kernel's (sync, mode, n_chains, wait_spins) when not overlapped (mode kPlain)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel of a pass with its arguments up to the segment (built once per pass)."""
+
+    fn: Any
+    block: int
+    smem: int
+    args: tuple
+
+    def launch(self, device, grid: int, segment: Segment, tail: tuple, stream) -> None:
+        device.launch(self.fn, grid, self.block, self.smem,
+                      (*self.args, np.int64(segment[0]), np.int64(segment[1]), *tail,
+                       np.uint64(self.smem)), stream)
+
+
+def group_blocks(grp: ChunkGroups, N: int, segment: Segment) -> int:
+    """(group, head) blocks per head of a group kernel over ``segment``."""
+    g_lo, g_hi = segment
+    return grp.count if g_hi <= g_lo else N * (g_hi - g_lo)
+
+
+def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+@dataclass
+class Saved:
+    """What the forward keeps for the backward: the fp32 state slots, the LayerNorm's xhat and
+    r of every row (fwd_chain) and the grouping."""
+
+    ck: torch.Tensor          # [slots, H, D, D] fp32
+    ckb: torch.Tensor         # [slots, H, D] fp32
+    xbuf: torch.Tensor        # [B, T, H, D] fp32 xhat
+    rbuf: torch.Tensor        # [B, T, H] fp32 r
+    groups: ChunkGroups
+    f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
+
+    def tensors(self, p: Problem) -> list[torch.Tensor]:
+        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
+        (a packed batch's group offsets and group -> sequence map, and the fp32 casts of
+        eta, w, b that are not the inputs themselves: nothing is copied or cast again)."""
+        grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
+        casts = [t for name, t in zip(_CAST, self.f32) if name in _cast_names(p)]
+        return [self.ck, self.ckb, self.xbuf, self.rbuf, *grouping, *casts]
+
+    @classmethod
+    def of(cls, p: Problem, tensors: list[torch.Tensor], ckpt_interval: int) -> Saved:
+        """Back from :meth:`tensors`; the grouping's counts derived from ``p``."""
+        ck, ckb, xbuf, rbuf, *rest = tensors
+        grouping, casts = (rest[:2], rest[2:]) if p.is_varlen else ([], rest)
+        groups = ChunkGroups.of(p, ckpt_interval, tuple(grouping) or None)
+        cast = dict(zip(_cast_names(p), casts))
+        return cls(ck, ckb, xbuf, rbuf, groups,
+                   tuple(cast.get(name, getattr(p, name)) for name in _CAST))
+
+
+_CAST = ("eta", "w", "b")
+"""The inputs the kernels read in fp32 (:attr:`Saved.f32`)."""
+
+
+def _cast_names(p: Problem) -> list[str]:
+    """Those of :data:`_CAST` that :func:`f32` casts into new tensors (Problem tensors are
+    contiguous: the fp32 ones go to the kernels as they are)."""
+    return [name for name in _CAST if getattr(p, name).dtype != torch.float32]
+
+
+def saved_shapes(p: Problem, ckpt_interval: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
+    count = group_offsets(p, ckpt_interval)[-1]
+    B, T, H, D = p.q.shape
+    grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
+    casts = [(tuple(getattr(p, name).shape), torch.float32) for name in _cast_names(p)]
+    return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *grouping, *casts]
+
+
+def _shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
+    B, T, H, D = p.q.shape
+    return ((np.float32(p.scale),) + ((np.float32(p.eps),) if eps else ())
+            + (np.int64(T), np.int32(H), np.int32(D), np.int32(grp.G)))
+
+
+def fwd_chain_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
+                   xbuf, rbuf, o) -> tuple:
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(h0), ptr(hb0), ptr(ht),
+            ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens),
+            ptr(grp.offsets), *_shape_args(p, grp))
+
+
+def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
+                 o) -> tuple:
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ck), ptr(ckb),
+            ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens), ptr(grp.offsets), ptr(grp.seq),
+            *_shape_args(p, grp))
+
+
+@dataclass
+class BackwardBuffers:
+    """The backward's outputs and work buffers (fp32 but dq, dk, dv)."""
+
+    dopbuf: torch.Tensor     # [B, T, H, D] do_pre
+    dgbuf: torch.Tensor      # [B, T, H, D] dg_loc, then the full dg
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    deta: torch.Tensor       # [B, T, H, 1]
+    dwbp: torch.Tensor       # [2, 2, groups, H, D]: dw, db partials of bwd_local, bwd_grads
+    dh0: torch.Tensor | None  # [N, H, D, D]
+    dhb0: torch.Tensor | None  # [N, H, 1, D]
+    dck: torch.Tensor        # the slots' cotangents (bwd_chain -> bwd_grads)
+    dckb: torch.Tensor       # (of hb: a segment's start, bwd_chain only)
+
+    @classmethod
+    def of(cls, p: Problem, saved: Saved, want_dh0: bool) -> BackwardBuffers:
+        q = p.q
+        B, T, H, D = q.shape
+        f = dict(dtype=torch.float32, device=q.device)
+        dopbuf, dgbuf = torch.empty(q.shape, **f), torch.empty(q.shape, **f)
+        dq = torch.empty_like(q)
+        deta = torch.empty(B, T, H, 1, **f)
+        dwbp = torch.empty(2, 2, saved.groups.count, H, D, **f)
+        dh0 = torch.empty(p.N, H, D, D, **f) if want_dh0 else None
+        dhb0 = torch.empty(p.N, H, 1, D, **f) if want_dh0 else None
+        dck, dckb = torch.empty_like(saved.ck), torch.empty_like(saved.ckb)
+        dk, dv = torch.empty_like(q), torch.empty_like(q)
+        return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb)
+
+
+def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do) -> tuple:
+    eta, w, b = s.f32
+    dwp, dbp = g.dwbp[0], g.dwbp[1]
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(do), ptr(s.ck),
+            ptr(s.ckb), ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dq),
+            ptr(g.deta), ptr(dwp[0]), ptr(dbp[0]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
+            ptr(s.groups.seq), *_shape_args(p, s.groups))
+
+
+def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
+                   fused: bool) -> tuple:
+    """The fused chain's also take the slots, dk, dv and the per-group dw, db partials."""
+    eta, w, b = s.f32
+    dwp, dbp = g.dwbp[0], g.dwbp[1]
+    fused_args = (ptr(s.ck), ptr(g.dk), ptr(g.dv), ptr(dwp[1]), ptr(dbp[1])) if fused else ()
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.xbuf), ptr(s.rbuf),
+            ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.deta), ptr(dht), ptr(dhbt), ptr(g.dck),
+            ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), *fused_args, ptr(p.cu_seqlens),
+            ptr(s.groups.offsets), *_shape_args(p, s.groups, eps=False))
+
+
+def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers) -> tuple:
+    eta, w, b = s.f32
+    dwp, dbp = g.dwbp[0], g.dwbp[1]
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.ck), ptr(g.dck),
+            ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dk), ptr(g.dv),
+            ptr(dwp[1]), ptr(dbp[1]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
+            ptr(s.groups.seq), *_shape_args(p, s.groups, eps=False))

@@ -1,0 +1,135 @@
+"""Which schedule a pass runs: pure functions of the problem's shape (and a forced
+:class:`~ttt_cupy.config.Schedule`). Every schedule gives bitwise the results of one launch
+per kernel, except the fused chains, which compute the same math in another order.
+
+- fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway);
+- overlapped: chain and group kernel at the same time, on per-group flags (few chains);
+- segmented: the chain once per segment of whole groups, each segment's group kernels
+  beside the chain's next segment (few long chains);
+- plain: one launch per kernel, one after the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ttt import Problem
+
+from .compile import FUSED_BWD_MAX_D_PAD, d_pad
+from .config import AUTO, Schedule
+from .smem import bwd_chain_fused_smem_bytes
+
+CKPT_INTERVAL = 16
+"""G: chunks per group (a checkpoint slot every G chunks); the group kernels replay one group
+each, so G trades slot memory against group-parallel work."""
+
+FUSED = {"forward_inference": 128, "forward_training": 256, "backward": 256}
+"""(sequence, head) chains from which the fused chains pay: fusing puts the group kernel's
+work on the chains' critical path, which only a GPU full of chain blocks hides."""
+
+SEGMENTS = 16
+"""The most segments per backward pass (the forward takes half as many, at least 2): each
+segment costs host launches that more segments no longer cover."""
+
+SEGMENT_MAX_CHAINS = 128
+"""Segment only up to this many chains: with more, the chains fill the GPU themselves."""
+
+SEGMENT_MIN_GROUPS = {64: (16, 8), 128: (16, 2)}
+"""By padded head dim (64: every D_PAD up to 64): (groups a sequence needs to be segmented,
+least groups per segment); a shorter segment's chain does not cover its host work."""
+
+OVERLAP_MAX_CHAINS = {"forward": 96, "backward": 32}
+"""Overlap only up to this many chains: with more, the group blocks share the chains' SMs and
+slow their steps."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One pass's schedule: ``fuse`` (the fused chain), ``overlap``, and ``segments``, the
+    group ranges [g_lo, g_hi) launched one after the other ([(0, 0)]: every group at once)."""
+
+    fuse: bool
+    overlap: bool
+    segments: list[tuple[int, int]]
+
+
+def chains(p: Problem) -> int:
+    return p.N * p.H
+
+
+def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO) -> bool:
+    """Whether fwd_chain's fused instance writes the outputs (no fwd_out)."""
+    if schedule.fuse_forward is not None:
+        return schedule.fuse_forward
+    return chains(p) >= FUSED["forward_training" if save_for_backward else "forward_inference"]
+
+
+def fused_backward(p: Problem, mma: bool, smem_limit: int, schedule: Schedule = AUTO) -> bool:
+    """Whether the fused backward chain does bwd_grads' work: it exists for tensor-core
+    kernels at D_PAD <= FUSED_BWD_MAX_D_PAD, within ``smem_limit`` bytes per block."""
+    dp = d_pad(p.D)
+    if not mma or dp > FUSED_BWD_MAX_D_PAD:
+        return False
+    if bwd_chain_fused_smem_bytes(dp, p.chunk_size) > smem_limit:
+        return False
+    if schedule.fuse_backward is not None:
+        return schedule.fuse_backward
+    return chains(p) >= FUSED["backward"]
+
+
+def sync_words(n_chains: int, tickets: int) -> int:
+    """int32 words of an overlapped pass's sync buffer (overlap.cuh): three counters, each
+    chain's finished groups, room for every ticket."""
+    return 3 + n_chains + tickets
+
+
+def overlapped(p: Problem, fuse: bool, backward: bool = False, tickets: int = 0,
+               schedule: Schedule = AUTO) -> bool:
+    """Whether the pass runs its chain and group kernel at the same time: the group kernel
+    not fused away, its sync buffer within int32 counters, and at most
+    :data:`OVERLAP_MAX_CHAINS` chains (or ``schedule.overlap`` forcing it)."""
+    if fuse or schedule.overlap is False or sync_words(chains(p), tickets) >= 2**31:
+        return False
+    return schedule.overlap is True or \
+        chains(p) <= OVERLAP_MAX_CHAINS["backward" if backward else "forward"]
+
+
+def segment_count(p: Problem, groups_max: int, backward: bool) -> int:
+    """The rule's segments per pass (see :data:`SEGMENTS`, :data:`SEGMENT_MAX_CHAINS`,
+    :data:`SEGMENT_MIN_GROUPS`)."""
+    if chains(p) > SEGMENT_MAX_CHAINS:
+        return 1
+    least_groups, least_per_segment = SEGMENT_MIN_GROUPS[64 if p.D <= 64 else 128]
+    if groups_max < least_groups:
+        return 1
+    segments = min(SEGMENTS, groups_max // least_per_segment)
+    return max(2, segments // 2) if not backward and segments >= 2 else segments
+
+
+def segment_plan(p: Problem, groups_max: int, backward: bool = True,
+                 schedule: Schedule = AUTO) -> list[tuple[int, int]]:
+    """The group ranges [g_lo, g_hi) of each sequence launched one after the other, sizes
+    differing by at most one; [(0, 0)]: one launch per kernel over every group."""
+    segments = schedule.segments or segment_count(p, groups_max, backward)
+    segments = min(segments, groups_max)
+    if segments < 2:
+        return [(0, 0)]
+    edges = [i * groups_max // segments for i in range(segments + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def forward_plan(p: Problem, groups_max: int, save_for_backward: bool,
+                 schedule: Schedule = AUTO) -> Plan:
+    fuse = fused_forward(p, save_for_backward, schedule)
+    overlap = overlapped(p, fuse, tickets=chains(p) * groups_max, schedule=schedule)
+    segments = [(0, 0)] if fuse or overlap else segment_plan(p, groups_max, False, schedule)
+    return Plan(fuse, overlap, segments)
+
+
+def backward_plan(p: Problem, groups_max: int, split_rows: int, mma: bool, smem_limit: int,
+                  schedule: Schedule = AUTO) -> Plan:
+    fuse = fused_backward(p, mma, smem_limit, schedule)
+    tickets = chains(p) * groups_max * split_rows
+    overlap = overlapped(p, fuse, backward=True, tickets=tickets, schedule=schedule)
+    segments = [(0, 0)] if overlap else segment_plan(p, groups_max, True, schedule)
+    return Plan(fuse, overlap, segments)

@@ -1,0 +1,106 @@
+"""Threads and shared memory of every kernel instance, read from the C++ ``Traits``
+(csrc/traits.cuh) through the generated :mod:`ttt_cupy._traits_table`.
+
+Shared memory holds fp32 tiles with rows padded by one float, plus cp.async stages where the
+block stays within an A100's 163 KiB; at D_PAD 128 with chunk 64 bwd_grads runs
+:func:`grads_split` blocks per (group, head), each with part of the state's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ._traits_table import FIELDS, TRAITS
+from .compile import (
+    BLOCK_TS,
+    FUSED_BWD_MAX_D_PAD,
+    FUSED_KERNEL,
+    KERNELS,
+    PASSES,
+    REGISTER_STATE_KERNELS,
+    d_pad,
+)
+
+_TRAITS = {key: dict(zip(FIELDS, row)) for key, row in TRAITS.items()}
+
+
+def traits(dp: int, bt: int) -> dict[str, int]:
+    """The Traits<dp, bt> members of the table (e.g. ``kBwdGradsBytes``)."""
+    try:
+        return _TRAITS[(dp, bt)]
+    except KeyError:
+        raise ValueError(f"(D_PAD, BT): expected one of {sorted(_TRAITS)}, "
+                         f"got {(dp, bt)}") from None
+
+
+def traits_field(kernel: str, tc: bool = False, fused: bool = False) -> str:
+    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (``tc``: its
+    tensor-core instance's, kFwdChainTcBytes; ``fused``: the fused chain's)."""
+    name = "".join(part.capitalize() for part in kernel.split("_"))
+    return f"k{name}{'Fused' if fused else ''}{'Tc' if tc else ''}Bytes"
+
+
+def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
+    """Threads per block: kThreads, or kTcThreads (a warp per 16 state columns) for the
+    tensor-core instances of the chains."""
+    return traits(dp, 16)["kTcThreads" if mma and kernel in REGISTER_STATE_KERNELS
+                          else "kThreads"]
+
+
+def grads_split(dp: int, bt: int) -> int:
+    """Blocks per (group, head) of bwd_grads (kGradsSplit)."""
+    return traits(dp, bt)["kGradsSplit"]
+
+
+@functools.cache
+def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = False) -> int:
+    """Dynamic shared memory of one block of ``kernel``'s instance, in bytes."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if fused and kernel != FUSED_KERNEL:
+        raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
+    return traits(dp, bt)[traits_field(kernel, mma and kernel != "bwd_grads", fused)]
+
+
+def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
+    """Dynamic shared memory of the fused backward chain (kBwdChainFusedTcBytes)."""
+    if dp > FUSED_BWD_MAX_D_PAD:
+        raise ValueError(f"D_PAD: the fused backward chain needs at most {FUSED_BWD_MAX_D_PAD}, "
+                         f"got {dp}")
+    return traits(dp, bt)["kBwdChainFusedTcBytes"]
+
+
+def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
+    """(kernel, bytes) of the pass's kernel that needs the most shared memory (any instance,
+    the fused forward chain's included)."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
+    return max(((k, max(smem_bytes(k, dp, bt, mma, fused)
+                        for mma in (False, True)
+                        for fused in ((False, True) if k == FUSED_KERNEL else (False,))))
+                for k in PASSES[pass_]), key=lambda kv: kv[1])
+
+
+@functools.lru_cache(maxsize=1024)
+def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> str | None:
+    """Why the kernels of this shape do not fit ``limit`` bytes of shared memory per block
+    (None: they do, or the limit is unknown). Cached: the backend asks at every call."""
+    if limit is None:
+        return None
+    dp = d_pad(D)
+    passes = ("fwd", "bwd") if backward else ("fwd",)
+
+    def fits(bt: int) -> bool:
+        return all(pass_smem(pass_, dp, bt)[1] <= limit for pass_ in passes)
+
+    for pass_ in passes:
+        kernel, need = pass_smem(pass_, dp, chunk_size)
+        if need > limit:
+            what = "backward" if pass_ == "bwd" else "forward"
+            smaller = [bt for bt in BLOCK_TS if bt < chunk_size and fits(bt)]
+            hint = (f"chunk_size {max(smaller)} fits" if smaller
+                    else f"no chunk_size fits head dim {D} here")
+            return (f"the cupy {what} kernel {kernel} for head dim {D} (padded {dp}) and "
+                    f"chunk_size {chunk_size} needs {need // 1024} KiB of shared memory; this "
+                    f"device allows {limit // 1024} KiB per block ({hint})")
+    return None

@@ -1,0 +1,132 @@
+"""On a GPU: every schedule of the launcher (ttt_cupy.placement, forced with a
+``Schedule``): the segmented and overlapped passes (also the overlapped fallback path,
+``overlap_spins=0``) give bitwise the outputs, final states and gradients of one launch per
+kernel, also on a stream of the caller's; and every schedule, the fused chains included,
+matches the float64 reference within the suite's tolerances. Dense and varlen batches, every
+dtype. Skips without a CUDA GPU and cupy; on CPU the same launches run through the emulation
+(test_cpu_launcher.py, test_cpu_emulation.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import ttt
+from ttt import make_problem
+from ttt.testing.tolerances import TOLERANCES
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+    reason="needs a CUDA GPU and cupy")
+
+CASES = [
+    # B, T, H, D, dtype, varlen lengths (None: dense)
+    (2, 1000, 3, 64, torch.bfloat16, None),     # 63 chunks: 4 groups
+    (1, 4096, 2, 128, torch.float32, None),     # SIMT fp32, 16 groups
+    (3, 700, 2, 50, torch.float16, None),       # a padded head dim
+    (1, 2030, 2, 64, torch.bfloat16, [1300, 700, 30]),  # varlen: groups 6, 3 and 1
+]
+IDS = [f"T{c[1]}-D{c[3]}-{str(c[4]).removeprefix('torch.')}" + ("-varlen" if c[5] else "")
+       for c in CASES]
+
+
+def _inputs(case):
+    B, T, H, D, dtype, lens = case
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    N = B if lens is None else len(lens)
+    x = dict(q=randn(B, T, H, D), k=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1),
+             v=randn(B, T, H, D), w=1 + 0.1 * randn(H, D), b=0.1 * randn(H, D),
+             eta=0.1 * torch.rand(B, T, H, 1, generator=gen, device="cuda"))
+    x = {n: a.to(dtype) for n, a in x.items()}
+    x["initial_state"] = 0.1 * randn(N, H, D, D)
+    x["initial_state_bias"] = 0.1 * randn(N, H, 1, D)
+    cu = None
+    if lens is not None:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    cot = (randn(B, T, H, D).to(dtype), randn(N, H, D, D), randn(N, H, 1, D))
+    return x, cu, cot
+
+
+def _run(x, cu, cot, schedule):
+    """The launcher's outputs, final states and every gradient under ``schedule``."""
+    from ttt_cupy import launcher
+
+    p = make_problem(**x, output_final_state=True, cu_seqlens=cu)
+    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, True, schedule=schedule)
+    grads = launcher.ttt_linear_bwd(p, saved, *cot, schedule=schedule)
+    return [o, ht, hbt, *grads]
+
+
+def _assert_same(got, ref, what):
+    for i, (a, r) in enumerate(zip(got, ref)):
+        assert torch.isfinite(a).all(), f"result {i}: not finite {what}"
+        assert torch.equal(a, r), f"result {i}: {what} differs from one launch"
+
+
+def _plain():
+    from ttt_cupy.config import Schedule
+
+    return Schedule(overlap=False, segments=1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_segmented_passes_equal_one_launch(case):
+    from ttt_cupy.config import Schedule
+
+    x, cu, cot = _inputs(case)
+    ref = _run(x, cu, cot, _plain())
+    for segments in (2, 5):
+        got = _run(x, cu, cot, Schedule(overlap=False, segments=segments))
+        _assert_same(got, ref, f"with {segments} segments")
+    # on a stream of the caller's (the side streams start after its queued work, and it
+    # waits for theirs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = _run(x, cu, cot, Schedule(overlap=False, segments=3))
+    torch.cuda.current_stream().wait_stream(stream)
+    _assert_same(got, ref, "on the caller's side stream")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_overlapped_passes_equal_one_launch(case):
+    """Both passes overlapped, then with the fallback path (no stream wait, no naps: group
+    blocks placed before the chain's hand their tickets to the cleanup launch)."""
+    from ttt_cupy.config import Schedule
+
+    x, cu, cot = _inputs(case)
+    ref = _run(x, cu, cot, _plain())
+    for spins in (Schedule().overlap_spins, 0):
+        got = _run(x, cu, cot, Schedule(overlap=True, overlap_spins=spins))
+        _assert_same(got, ref, f"overlapped ({spins} spins)")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_every_schedule_matches_reference(case):
+    """Outputs, final states and every gradient of each schedule against the float64
+    reference (the fused backward chain exists for half inputs at D_PAD <= 64 only)."""
+    from ttt_cupy.config import AUTO, Schedule
+
+    x, cu, cot = _inputs(case)
+    ref_in = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, output_final_state=True, cu_seqlens=cu,
+                                         backend="reference")
+    grads = torch.autograd.grad((ro, rht, rhbt), list(ref_in.values()),
+                                tuple(c.double() for c in cot))
+    ref = [ro, rht, rhbt, *grads]
+    out_tol, grad_tol = TOLERANCES[case[4]]
+    schedules = {"rule": AUTO, "plain": _plain(), "segments": Schedule(overlap=False, segments=3),
+                 "overlapped": Schedule(overlap=True),
+                 "fused": Schedule(fuse_forward=True, fuse_backward=True)}
+    for what, schedule in schedules.items():
+        got = _run(x, cu, cot, schedule)
+        for i, (a, r) in enumerate(zip(got, ref)):
+            err = float((a.double() - r.detach()).norm() / r.detach().norm())
+            tol = out_tol if i < 3 else grad_tol
+            assert err < tol, f"{what}: result {i} relative error {err:.2e} (bound {tol})"
