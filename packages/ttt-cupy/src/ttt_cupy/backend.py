@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
+from ttt.registry import import_failure_reason
 
 MAX_HEAD_DIM = 128
 INSTALL_HINT = "pip install './packages/ttt-cupy[cuda13]' (or [cuda12])"
@@ -66,14 +67,14 @@ class CupyBackend(Backend):
         try:
             import cupy  # noqa: F401
         except ImportError as err:
-            return f"cupy cannot be imported ({err}); {INSTALL_HINT}"
+            return import_failure_reason(err, {"cupy": INSTALL_HINT})
         return None
 
     def versions(self) -> dict[str, str]:
         try:
             import cupy
         except ImportError:
-            return {"cupy": "not installed"}
+            return {}                       # the unavailable reason says why, once
         return {"cupy": cupy.__version__}
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
