@@ -37,7 +37,6 @@ import dataclasses
 import io
 import json
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,9 @@ import torch
 
 import ttt
 from ttt import registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import own_time_table  # noqa: E402
 
 SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64))
 """A tiny call and the decode call (one token for each of four sequences)."""
@@ -206,14 +208,7 @@ def profile(top: int, iters: int) -> str:
         for _ in range(iters):
             fn()
         prof.disable()
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (own time)
-    out = io.StringIO()
-    for (path, line, name), (_, calls, own, cum, _) in rows:
-        where = f"{Path(path).name}:{line}" if line else path
-        out.write(f"  {1e6 * own / iters:7.2f} us own, {1e6 * cum / iters:7.2f} cumulative, "
-                  f"{calls / iters:5.1f} calls  {name} ({where})\n")
-    return out.getvalue()
+    return own_time_table(prof, iters, top, 1e6, "us")
 
 
 def _extract(rev: str, into: str) -> str:

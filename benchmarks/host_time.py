@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import own_time_table  # noqa: E402
 from run import SHAPES, make_inputs, parse_shape  # noqa: E402
 
 import ttt  # noqa: E402
@@ -91,8 +92,6 @@ def forward_api_calls(backend: str, shape, iters: int) -> Counter:
 def forward_cprofile(backend: str, shape, iters: int, top: int) -> str:
     """cProfile's ``top`` functions by own time over ``iters`` forwards, per forward (ms)."""
     import cProfile
-    import io
-    import pstats
 
     device = torch.device("cuda")
     xs = [x.detach().requires_grad_() for x in make_inputs(shape, torch.bfloat16, device, 0)]
@@ -105,14 +104,7 @@ def forward_cprofile(backend: str, shape, iters: int, top: int) -> str:
             ttt.chunk_ttt_linear(*xs)
         prof.disable()
         torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (own time)
-    out = io.StringIO()
-    for (path, line, name), (_, calls, own, cum, _) in rows:
-        where = f"{Path(path).name}:{line}" if line else path
-        out.write(f"  {1e3 * own / iters:7.4f} ms own, {1e3 * cum / iters:7.4f} cumulative, "
-                  f"{calls / iters:5.1f} calls  {name} ({where})\n")
-    return out.getvalue()
+    return own_time_table(prof, iters, top, 1e3, "ms")
 
 
 def main() -> None:
