@@ -148,22 +148,30 @@ def _compare_runs(label, got, want, dtype, bitwise=False):
         _near(f"{label}: d{name}", got[1][name], grad, grad_tol, bitwise)
 
 
+def _assert_compiled_call_equals_eager(label, case, backend, backend_name, device,
+                                       **compile_options):
+    """``ttt.chunk_ttt_linear`` on ``case``'s inputs, compiled with ``compile_options``:
+    outputs, final states and every gradient equal eager's."""
+    inputs = _inputs(case, device)
+    skip_unless_supported(backend, inputs)
+    _skip_unless_compiles(device)
+    torch._dynamo.reset()
+
+    def fn(x):
+        return ttt.chunk_ttt_linear(**x, backend=backend_name)
+
+    eager = _loss_and_grads(fn, inputs)
+    got = _loss_and_grads(torch.compile(fn, **compile_options), inputs, eager[2])
+    _compare_runs(label, got, eager, case.dtype)
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in COMPILE_CASES.items()])
 def test_compile_fullgraph_function_equals_eager(case, ttt_backend, ttt_backend_name,
                                                  ttt_device):
     """A function calling ``ttt.chunk_ttt_linear`` (dense): compiled with fullgraph=True,
     its outputs, final states and every gradient equal eager's."""
-    inputs = _inputs(case, ttt_device)
-    skip_unless_supported(ttt_backend, inputs)
-    _skip_unless_compiles(ttt_device)
-    torch._dynamo.reset()
-
-    def fn(x):
-        return ttt.chunk_ttt_linear(**x, backend=ttt_backend_name)
-
-    eager = _loss_and_grads(fn, inputs)
-    got = _loss_and_grads(torch.compile(fn, fullgraph=True), inputs, eager[2])
-    _compare_runs("compiled function", got, eager, case.dtype)
+    _assert_compiled_call_equals_eager("compiled function", case, ttt_backend,
+                                       ttt_backend_name, ttt_device, fullgraph=True)
 
 
 class _Layer(torch.nn.Module):
@@ -245,17 +253,8 @@ def test_compile_varlen_with_a_graph_break_equals_eager(ttt_backend, ttt_backend
     """A tensor ``cu_seqlens`` is read on the host: dynamo breaks the graph there, and the
     rest runs through the op; outputs and gradients equal eager's."""
     case = Case(1, 27, H, D, CHUNK, F32, seq_lens=(7, 20))
-    inputs = _inputs(case, ttt_device)
-    skip_unless_supported(ttt_backend, inputs)
-    _skip_unless_compiles(ttt_device)
-    torch._dynamo.reset()
-
-    def fn(x):
-        return ttt.chunk_ttt_linear(**x, backend=ttt_backend_name)
-
-    eager = _loss_and_grads(fn, inputs)
-    got = _loss_and_grads(torch.compile(fn), inputs, eager[2])
-    _compare_runs("compiled varlen", got, eager, F32)
+    _assert_compiled_call_equals_eager("compiled varlen", case, ttt_backend, ttt_backend_name,
+                                       ttt_device)
 
 
 # --- autocast ----------------------------------------------------------------------------
