@@ -59,7 +59,10 @@ class Problem:
     def _of_fields(cls, **fields) -> Problem:
         """``Problem(**fields)`` given every field: the same object, built without the
         frozen dataclass's ``object.__setattr__`` per field (the core builds a few per
-        call)."""
+        call). Under ``torch.compile`` the plain constructor: dynamo (torch 2.11) cannot
+        trace ``__dict__.update``."""
+        if torch.compiler.is_compiling():
+            return cls(**fields)
         problem = object.__new__(cls)
         problem.__dict__.update(fields)
         return problem
