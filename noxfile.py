@@ -6,6 +6,7 @@ CPU machine (CI, laptops): each session makes a pip-based venv, installs torch 2
     nox -s lint tests          # ruff, then the conformance suite per backend (small cases)
     nox -s "tests(backend='triton')"   # one backend (Triton runs in its interpreter on CPU)
     nox -s demo                # python -m ttt demo
+    nox -s oldest_torch        # the core and the reference suite on the oldest torch we support
 
 Offline GPU runner (torch, triton, cupy preinstalled, no package registry): run on the
 current interpreter; the sessions then install only our packages, editable, without deps,
@@ -28,6 +29,10 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.error_on_missing_interpreters = False
 
 TORCH = "torch==2.13.0"
+OLDEST_TORCH = "torch==2.11.0"
+"""The oldest torch ``packages/ttt`` supports (its pyproject's lower bound). PyPI has only a
+CUDA build of it for Linux (about 3 GB with its CUDA libraries; it runs on a CPU machine), so
+CI does not run this session; run it when a change touches the custom op, dynamo or autocast."""
 TEST_DEPS = ["pytest>=7", "pytest-xdist", "numpy"]
 CPU_WORKERS = ["-n", "auto", "--dist", "loadgroup"]
 """pytest-xdist workers for CPU runs (one per core; a CI machine has 2); the tests of one
@@ -103,6 +108,15 @@ def tests(session: nox.Session, backend: str) -> None:
             selection.append("--ttt-allow-unavailable")
     session.run(_python(session), "-m", "pytest", *paths, "--backend", backend, *selection,
                 *session.posargs, env=env)
+
+
+@nox.session
+def oldest_torch(session: nox.Session) -> None:
+    """packages/ttt's tests and the reference backend's suite on ``OLDEST_TORCH`` (CPU)."""
+    session.install(OLDEST_TORCH, *TEST_DEPS)
+    session.install("--no-deps", "packages/ttt", *DECLARATIONS_ONLY)
+    session.run("python", "-m", "pytest", "shared_tests", "packages/ttt/tests",
+                "--backend", "reference", "-m", "not big", *CPU_WORKERS, *session.posargs)
 
 
 @nox.session
