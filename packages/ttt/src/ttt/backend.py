@@ -121,27 +121,27 @@ class WarmupShape:
                 raise ValueError(f"WarmupShape.{name}: expected a positive int, got {value!r}")
 
 
-WARMUP_CHAINS = {"many": 256, "most": 1024, "long_max": 128}
-"""(sequence, head) chains of the generic warm-up shapes: ``many`` and ``most`` reach the
-thresholds from which kernel backends choose other (fused) kernels; ``long_max`` chains of
-long sequences (:data:`WARMUP_LONG_CHUNKS` chunks) reach their rules for few long chains."""
+WARMUP_CHAINS = (32, 64, 128, 256, 1024)
+"""(sequence, head) chain counts of the generic warm-up shapes: kernel backends choose other
+kernels (fused chains, longer checkpoint groups, overlapped or segmented schedules) by the
+number of chains and their length, at thresholds within this range."""
 
-WARMUP_LONG_CHUNKS = 256
-"""Chunks per sequence of the generic warm-up's long sequences."""
+WARMUP_LONG_CHAIN_CHUNKS = 2**15
+"""Chunks over all chains of each long generic warm-up shape."""
 
 
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
     """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence with a
-    partial last chunk (few chains), one-chunk sequences giving at least
-    ``WARMUP_CHAINS["many"]`` and ``["most"]`` chains, at most ``["long_max"]`` chains of
-    :data:`WARMUP_LONG_CHUNKS` chunks; the first two also packed."""
-    few = WarmupShape(1, 2 * chunk_size + chunk_size // 2)
-    many = WarmupShape(math.ceil(WARMUP_CHAINS["many"] / heads), chunk_size)
-    most = WarmupShape(math.ceil(WARMUP_CHAINS["most"] / heads), chunk_size)
-    long = WarmupShape(max(1, WARMUP_CHAINS["long_max"] // heads),
-                       WARMUP_LONG_CHUNKS * chunk_size)
-    packed = [WarmupShape(s.sequences, s.seq_len, packed=True) for s in (few, many)]
-    return [few, many, most, long, *packed]
+    partial last chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
+    sequences (one chunk) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all);
+    the first two also packed."""
+    shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2)]
+    for chains in WARMUP_CHAINS:
+        sequences = math.ceil(chains / heads)
+        chunks = math.ceil(WARMUP_LONG_CHAIN_CHUNKS / (sequences * heads))
+        shapes += [WarmupShape(sequences, chunk_size),
+                   WarmupShape(sequences, chunks * chunk_size)]
+    return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes[:2]]
 
 
 class Backend:
