@@ -134,12 +134,15 @@ def cupy_loading_cubins(monkeypatch, tmp_path):
         def get_function(self, name):
             return ("kernel", name)
 
-    cuda = types.SimpleNamespace(compiler=types.SimpleNamespace(CompileException=RuntimeError))
+    cuda = types.SimpleNamespace(
+        compiler=types.SimpleNamespace(CompileException=RuntimeError),
+        runtime=types.SimpleNamespace(driverGetVersion=lambda: 13000))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
                                                                     cuda=cuda))
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
-    monkeypatch.setattr(cc, "_nvrtc_bindings", lambda: types.SimpleNamespace())
+    nvrtc = types.SimpleNamespace(nvrtcVersion=lambda: (0, 13, 0))
+    monkeypatch.setattr(cc, "_nvrtc_bindings", lambda: nvrtc)
     cc._module.cache_clear()
     yield made
     cc._module.cache_clear()
@@ -173,8 +176,19 @@ def test_module_falls_back_to_cupy(cupy_loading_cubins, monkeypatch):
     cc._module("fwd", "float", 64, 16, "120", False)
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
     cc._module("bwd", "float", 64, 16, "90", False)
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY")
+    monkeypatch.setattr(cc, "_nvrtc_bindings", lambda: None)            # no cuda-python
+    cc._module("fwd", "float", 32, 16, "90", False)
     assert [sorted(m) for m in cupy_loading_cubins] == [["code", "name_expressions",
-                                                         "options"]] * 2
+                                                         "options"]] * 3
+
+
+def test_module_falls_back_to_cupy_on_an_older_driver(cupy_loading_cubins, monkeypatch):
+    """A CUDA 12 driver does not load the cubins of NVRTC 13: CuPy compiles."""
+    monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "driverGetVersion", lambda: 12080)
+    monkeypatch.setattr(cc, "cached_cubin", lambda *a, **k: pytest.fail("cache used"))
+    cc._module("fwd", "float", 64, 16, "90", False)
+    assert sorted(cupy_loading_cubins[0]) == ["code", "name_expressions", "options"]
 
 
 @needs_nvrtc

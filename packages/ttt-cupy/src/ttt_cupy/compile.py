@@ -318,6 +318,17 @@ def cached_cubin(directory: Path, code: str, names: list[str], options: tuple[st
     return cubin_path, lowered
 
 
+def _driver_loads_cubins_of(nvrtc) -> bool:
+    """Whether the CUDA driver is at least as new as the major version of ``nvrtc`` (the
+    bindings module, or None), so that it loads that NVRTC's cubins."""
+    if nvrtc is None:
+        return False
+    import cupy
+
+    _, major, _ = nvrtc.nvrtcVersion()
+    return cupy.cuda.runtime.driverGetVersion() >= 1000 * major
+
+
 class _CachedProgram:
     """A RawModule loaded from a cached cubin, asked for kernels by name expression."""
 
@@ -339,7 +350,7 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> A
     names = list(pass_names(pass_, ctype, dp, bt, mma).values())
     options = NVRTC_OPTIONS + include_options()
     directory = disk_cache_dir()
-    if directory is not None and _nvrtc_bindings() is not None:
+    if directory is not None and _driver_loads_cubins_of(_nvrtc_bindings()):
         try:
             path, lowered = cached_cubin(directory, source(pass_), names,
                                          options + CACHE_OPTIONS, arch)
