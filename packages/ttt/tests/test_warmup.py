@@ -17,7 +17,7 @@ import ttt
 from ttt import WarmupShape, registry
 from ttt.backend import generic_warmup_shapes
 from ttt.reference import ReferenceBackend
-from ttt.warmup import DEFAULT_HEAD_DIMS, FORMS, ProgressBar, warmup
+from ttt.warmup import DEFAULT_HEAD_DIMS, FORMS, ProgressBar, param_dtypes, warmup
 
 
 class _Recorder(ReferenceBackend):
@@ -53,12 +53,17 @@ def test_reference_warmup_runs_every_form(recorder):
     report = warmup("recorder", dtypes=[torch.float32, torch.bfloat16], head_dims=[16],
                     chunk_sizes=[16], heads=[2], device="cpu", shapes=SMALL)
     assert [e.config.dtype for e in report.entries] == [torch.float32, torch.bfloat16]
-    per_config = len(SMALL) * len(FORMS) * 2
-    assert [e.calls for e in report.entries] == [per_config, per_config]
+    fp32_calls = len(SMALL) * len(FORMS) * 2
+    assert [e.calls for e in report.entries] == [fp32_calls, 2 * fp32_calls]  # bf16: 2 w dtypes
     assert report.skipped == [] and report.device == torch.device("cpu")
     forwards = [(p, grad) for kind, p, grad in recorder.calls if kind == "forward"]
     backwards = [(p, dht) for kind, p, dht in recorder.calls if kind == "backward"]
-    assert len(forwards) == 2 * per_config and len(backwards) == per_config
+    assert len(forwards) == 3 * fp32_calls and len(backwards) == 3 * fp32_calls // 2
+    bf16 = [p for p, _ in forwards if p.q.dtype == torch.bfloat16]
+    assert {(p.w.dtype, p.b.dtype, p.eta.dtype) for p in bf16} == {
+        (torch.bfloat16,) * 3, (torch.float32,) * 3}           # half activations, fp32 params
+    assert {p.eta_key.dtype for p in bf16 if p.eta_key is not None} == {torch.bfloat16,
+                                                                        torch.float32}
     assert {grad for _, grad in forwards} == {False, True}           # inference and training
     assert {p.is_varlen for p, _ in forwards} == {False, True}        # dense and packed
     assert {p.N for p, _ in forwards} == {1, 3}
@@ -95,6 +100,8 @@ def test_reference_default_shapes_and_defaults():
     assert report.entries[0].backend == "reference"
     assert report.entries[0].calls == 2 * len(FORMS) * 2
     assert DEFAULT_HEAD_DIMS == (64, 128)
+    assert param_dtypes(torch.float16) == (torch.float16, torch.float32)
+    assert param_dtypes(torch.float64) == (torch.float64,)
 
 
 def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatch):

@@ -11,9 +11,12 @@ the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real c
 - ``layer``: what ``ttt.nn.TTTLinear`` passes (initial states, ``eta_key``, the
   ``query_residual`` output), when the backend declares ``eta_key`` and that output.
 
-Each form runs once without gradients (inference) and, unless ``backward=False``, once
-more forward and backward. The compiled kernels land in the backends' on-disk caches
-(docs/warmup.md), so later processes start warm too.
+Each form runs with ``w``, ``b``, ``eta`` (and ``eta_key``) in the input dtype and, for
+half inputs, in float32 (float32 parameters with half activations, as under autocast):
+kernels are compiled per dtype of every tensor. Each of these runs once without gradients
+(inference) and, unless ``backward=False``, once more forward and backward. The compiled
+kernels land in the backends' on-disk caches (docs/warmup.md), so later processes start
+warm too.
 """
 
 from __future__ import annotations
@@ -130,23 +133,31 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     if not plans:
         reasons = "; ".join(f"{c.describe()}: {why}" for c, why in skipped)
         raise BackendNotSupportedError(f"nothing to warm up: {reasons}")
-    calls_per_form = 2 if backward else 1
-    total = sum(len(layouts) * len(forms) * calls_per_form for _, _, layouts, forms in plans)
+    grads = (False, True) if backward else (False,)
+    total = sum(len(layouts) * len(forms) * len(param_dtypes(config.dtype)) * len(grads)
+                for config, _, layouts, forms in plans)
     done, entries = 0, []
     for config, chosen, layouts, forms in plans:
         config_start = time.perf_counter()
         for layout in layouts:
             for form in forms:
-                for grad in (False, True)[:calls_per_form]:
-                    if progress is not None:
-                        progress(done, total, f"{chosen.name} {config.describe()}")
-                    _call(chosen.name, config, layout, form, grad, device)
-                    done += 1
+                for params in param_dtypes(config.dtype):
+                    for grad in grads:
+                        if progress is not None:
+                            progress(done, total, f"{chosen.name} {config.describe()}")
+                        _call(chosen.name, config, layout, form, params, grad, device)
+                        done += 1
         entries.append(WarmupEntry(config, chosen.name, done - sum(e.calls for e in entries),
                                    time.perf_counter() - config_start))
     if progress is not None:
         progress(done, total, "done")
     return WarmupReport(device, entries, skipped, time.perf_counter() - start)
+
+
+def param_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Dtypes of ``w``, ``b``, ``eta`` and ``eta_key`` in the warm-up calls of inputs of
+    ``dtype``: the input dtype, and float32 for half inputs."""
+    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
 
 
 def _device(device) -> torch.device:
@@ -196,16 +207,17 @@ def _takes_layer_form(backend: Backend) -> bool:
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
     inputs = _inputs(config, WarmupShape(1, config.chunk_size), CallForm("plain", False),
-                     device, grad=True)
+                     config.dtype, device, grad=True)
     problem = make_problem(**inputs, chunk_size=config.chunk_size)
     if name is not None:
         load_backend(name)
     return select_backend(problem, name)
 
 
-def _inputs(config: Config, layout: WarmupShape, form: CallForm, device: torch.device,
-            grad: bool) -> dict:
-    """Random inputs of one call (values matter little; they stay finite)."""
+def _inputs(config: Config, layout: WarmupShape, form: CallForm, params: torch.dtype,
+            device: torch.device, grad: bool) -> dict:
+    """Random inputs of one call, ``w``, ``b``, ``eta``, ``eta_key`` in ``params`` (values
+    matter little; they stay finite)."""
     N, T, H, D = layout.sequences, layout.seq_len, config.heads, config.head_dim
     B, L = (1, N * T) if layout.packed else (N, T)
     gen = torch.Generator(device).manual_seed(0)
@@ -217,14 +229,15 @@ def _inputs(config: Config, layout: WarmupShape, form: CallForm, device: torch.d
 
     k = rand(B, L, H, D)
     inputs = dict(q=rand(B, L, H, D), k=k / k.norm(dim=-1, keepdim=True), v=rand(B, L, H, D),
-                  w=1 + 0.1 * rand(H, D), b=0.1 * rand(H, D),
-                  eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device, dtype=dt))
+                  w=1 + 0.1 * rand(H, D, dtype=params), b=0.1 * rand(H, D, dtype=params),
+                  eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
+                                        dtype=params))
     if form.states:
         inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
                       initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
     if form.layer:
         inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
-                                             dtype=dt)
+                                             dtype=params)
     if grad:
         for t in inputs.values():
             t.requires_grad_(True)
@@ -233,10 +246,10 @@ def _inputs(config: Config, layout: WarmupShape, form: CallForm, device: torch.d
     return inputs
 
 
-def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm, grad: bool,
-          device: torch.device) -> None:
+def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
+          params: torch.dtype, grad: bool, device: torch.device) -> None:
     """One call: forward without gradients, or forward and backward."""
-    inputs = _inputs(config, layout, form, device, grad)
+    inputs = _inputs(config, layout, form, params, device, grad)
     kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.states,
                   backend=backend)
     if form.layer:
