@@ -229,7 +229,7 @@ def test_warmup_prints_what_it_compiled():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("compiled float32 D=16 chunk=16 H=2 on reference "
-                               "(forward + backward, 12 calls): ")
+                               "(forward + backward, 24 calls): ")
     assert lines[1].startswith("compiled bfloat16 D=16 chunk=16 H=2 on reference")
     assert lines[-1].startswith("warmup: 2 configuration(s) on cpu in ")
     assert out.stderr == ""                                # --quiet (and not a terminal)
@@ -238,7 +238,7 @@ def test_warmup_prints_what_it_compiled():
 def test_warmup_forward_only(capsys):
     assert cli.main([*WARMUP_SMALL, "--dtype", "fp32", "--no-backward"]) == 0
     out = capsys.readouterr()
-    assert "(forward, 6 calls)" in out.out and out.err == ""
+    assert "(forward, 12 calls)" in out.out and out.err == ""
 
 
 def test_warmup_lists_default_dtypes_the_backend_cannot_take(capsys, register):

@@ -68,9 +68,11 @@ def test_reference_warmup_runs_every_form(recorder):
     assert {p.is_varlen for p, _ in forwards} == {False, True}        # dense and packed
     assert {p.N for p, _ in forwards} == {1, 3}
     assert {(p.initial_state is not None, p.output_final_state) for p, _ in forwards} == {
-        (False, False), (True, True)}
+        (False, False), (True, False), (False, True), (True, True)}
     layer = [p for p, _ in forwards if p.eta_key is not None]        # the TTTLinear layer's
-    assert layer and {p.output for p in layer} == {"query_residual"}
+    assert {p.output for p in layer} == {"query_residual"}
+    assert {(p.initial_state is not None, p.output_final_state) for p in layer} == {
+        (True, False), (True, True)}                                 # training, with a cache
     assert {dht for _, dht in backwards} == {False, True}             # final-state cotangents
     assert all(p.q.dtype in (torch.float32, torch.bfloat16) and p.D == 16 and p.H == 2
                for p, _ in forwards)
@@ -174,7 +176,8 @@ def test_triton_interpreter_warmup():
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     entries, skipped = out.stdout.splitlines()[-2:]
-    calls = 2 * len(FORMS) * 2 if _declares_layer_form("triton") else 2 * (len(FORMS) - 1) * 2
+    forms = [f for f in FORMS if not f.layer or _declares_layer_form("triton")]
+    calls = 2 * len(forms) * 2                     # 2 shapes, fp32 (1 parameter dtype), fwd+bwd
     assert entries == repr([("torch.float32", "triton", calls)])
     assert skipped == repr(["torch.bfloat16"])                  # the interpreter: no bf16
 

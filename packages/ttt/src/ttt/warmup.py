@@ -6,10 +6,11 @@ of each new shape class, is slow. ``warmup`` runs the op forward and backward on
 inputs for each configuration (dtype, head dim, chunk size, heads), in each batch layout
 the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real calls use:
 
-- ``plain``: no initial states, no final states, the ``norm_residual`` output;
-- ``stateful``: initial states in, final states out (and their cotangents in backward);
-- ``layer``: what ``ttt.nn.TTTLinear`` passes (initial states, ``eta_key``, the
-  ``query_residual`` output), when the backend declares ``eta_key`` and that output.
+- with and without initial states, with and without final states (whose cotangents the
+  backward then gets): ``plain``, ``initial``, ``final``, ``states``;
+- ``layer`` and ``layer_cache``: what ``ttt.nn.TTTLinear`` passes in training and with a
+  generation cache (initial states, ``eta_key``, the ``query_residual`` output; final states
+  with the cache), when the backend declares ``eta_key`` and that output.
 
 Each form runs with ``w``, ``b``, ``eta`` (and ``eta_key``) in the input dtype and, for
 half inputs, in float32 (float32 parameters with half activations, as under autocast):
@@ -44,15 +45,19 @@ number of heads: warm up with the heads of your model."""
 
 @dataclass(frozen=True)
 class CallForm:
-    """How one warm-up call passes the optional arguments (see the module docstring)."""
+    """How one warm-up call passes the optional arguments (see the module docstring):
+    ``initial`` states, ``final`` states out, the ``layer``'s eta_key and output form."""
 
     name: str
-    states: bool
+    initial: bool
+    final: bool
     layer: bool = False
 
 
-FORMS = (CallForm("plain", states=False), CallForm("stateful", states=True),
-         CallForm("layer", states=True, layer=True))
+FORMS = (CallForm("plain", False, False), CallForm("initial", True, False),
+         CallForm("final", False, True), CallForm("states", True, True),
+         CallForm("layer", True, False, layer=True),
+         CallForm("layer_cache", True, True, layer=True))
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,7 @@ def _takes_layer_form(backend: Backend) -> bool:
 
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
-    inputs = _inputs(config, WarmupShape(1, config.chunk_size), CallForm("plain", False),
+    inputs = _inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
                      config.dtype, device, grad=True)
     problem = make_problem(**inputs, chunk_size=config.chunk_size)
     if name is not None:
@@ -232,7 +237,7 @@ def _inputs(config: Config, layout: WarmupShape, form: CallForm, params: torch.d
                   w=1 + 0.1 * rand(H, D, dtype=params), b=0.1 * rand(H, D, dtype=params),
                   eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
                                         dtype=params))
-    if form.states:
+    if form.initial:
         inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
                       initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
     if form.layer:
@@ -250,7 +255,7 @@ def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
           params: torch.dtype, grad: bool, device: torch.device) -> None:
     """One call: forward without gradients, or forward and backward."""
     inputs = _inputs(config, layout, form, params, device, grad)
-    kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.states,
+    kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.final,
                   backend=backend)
     if form.layer:
         kwargs.update(scale=1.0, output="query_residual")
