@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,8 +87,6 @@ def test_forward_only(recorder):
 
 
 def test_layer_form_only_where_declared(recorder, monkeypatch):
-    from dataclasses import replace
-
     monkeypatch.setattr(recorder, "capabilities", replace(recorder.capabilities,
                                                           eta_key=False))
     warmup("recorder", dtypes=[torch.float32], head_dims=[16], heads=[1], device="cpu",
@@ -107,8 +106,6 @@ def test_reference_default_shapes_and_defaults():
 
 
 def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatch):
-    from dataclasses import replace
-
     monkeypatch.setattr(recorder, "capabilities", replace(
         recorder.capabilities, dtypes=frozenset({torch.float32})))
     report = warmup("recorder", head_dims=[16], heads=[1], device="cpu", shapes=SMALL[:1])
@@ -194,20 +191,30 @@ REAL_SEQUENCES = (1, 2, 3, 8, 16, 64, 256)
 REAL_LENGTHS = (1, 16, 200, 2048, 8192, 32768)
 
 
-def _problem(N, T, H, D, chunk, dtype):
+def _problem(N, T, H, D, chunk, dtype, packed):
+    """A problem on the meta device (shapes only), dense or packed."""
     q = torch.empty(N, T, H, D, device="meta", dtype=dtype)
     w = torch.empty(H, D, device="meta")
     eta = torch.empty(N, T, H, 1, device="meta", dtype=dtype)
-    return ttt.make_problem(q, q, q, w, w, eta, chunk_size=chunk)
+    dense = ttt.make_problem(q, q, q, w, w, eta, chunk_size=chunk)
+    if not packed:
+        return dense
+    q = torch.empty(1, N * T, H, D, device="meta", dtype=dtype)
+    return replace(dense, q=q, k=q, v=q, eta=eta.reshape(1, N * T, H, 1),
+                   cu_seqlens=torch.empty(N + 1, device="meta", dtype=torch.int64),
+                   seq_lens=(T,) * N)
 
 
 def _reached(rule, H, D, chunk, dtype):
     """(the rule's choices over the generic warm-up shapes, those over a sweep of real
-    shapes) for one configuration."""
-    warm = {rule(_problem(s.sequences, s.seq_len, H, D, chunk, dtype))
-            for s in generic_warmup_shapes(H, chunk) if not s.packed}
-    real = {rule(_problem(N, T, H, D, chunk, dtype)) for N in REAL_SEQUENCES
-            for T in REAL_LENGTHS}
+    shapes, dense and packed) for one configuration; the rule's key includes packing."""
+    def key(p):
+        return (p.is_varlen, rule(p))
+
+    warm = {key(_problem(s.sequences, s.seq_len, H, D, chunk, dtype, s.packed))
+            for s in generic_warmup_shapes(H, chunk)}
+    real = {key(_problem(N, T, H, D, chunk, dtype, packed)) for N in REAL_SEQUENCES
+            for T in REAL_LENGTHS for packed in (False, True)}
     return warm, real
 
 

@@ -134,14 +134,14 @@ def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
     """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence with a
     partial last chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
     sequences (one chunk) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all);
-    the first two also packed."""
+    each as a dense and as a packed batch."""
     shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
         sequences = math.ceil(chains / heads)
         chunks = math.ceil(WARMUP_LONG_CHAIN_CHUNKS / (sequences * heads))
         shapes += [WarmupShape(sequences, chunk_size),
                    WarmupShape(sequences, chunks * chunk_size)]
-    return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes[:2]]
+    return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes]
 
 
 class Backend:
