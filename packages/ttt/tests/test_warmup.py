@@ -55,16 +55,17 @@ def test_reference_warmup_runs_every_form(recorder):
                     chunk_sizes=[16], heads=[2], device="cpu", shapes=SMALL)
     assert [e.config.dtype for e in report.entries] == [torch.float32, torch.bfloat16]
     fp32_calls = len(SMALL) * len(FORMS) * 2
-    assert [e.calls for e in report.entries] == [fp32_calls, 2 * fp32_calls]  # bf16: 2 w dtypes
+    assert [e.calls for e in report.entries] == [fp32_calls, 4 * fp32_calls]  # bf16: 4 mixes
     assert report.skipped == [] and report.device == torch.device("cpu")
     forwards = [(p, grad) for kind, p, grad in recorder.calls if kind == "forward"]
     backwards = [(p, dht) for kind, p, dht in recorder.calls if kind == "backward"]
-    assert len(forwards) == 3 * fp32_calls and len(backwards) == 3 * fp32_calls // 2
+    assert len(forwards) == 5 * fp32_calls and len(backwards) == 5 * fp32_calls // 2
     bf16 = [p for p, _ in forwards if p.q.dtype == torch.bfloat16]
-    assert {(p.w.dtype, p.b.dtype, p.eta.dtype) for p in bf16} == {
-        (torch.bfloat16,) * 3, (torch.float32,) * 3}           # half activations, fp32 params
-    assert {p.eta_key.dtype for p in bf16 if p.eta_key is not None} == {torch.bfloat16,
-                                                                        torch.float32}
+    half_or_float = {torch.bfloat16, torch.float32}
+    assert {(p.w.dtype, p.eta.dtype) for p in bf16} == {(a, r) for a in half_or_float
+                                                       for r in half_or_float}
+    assert all(p.b.dtype == p.w.dtype for p in bf16)
+    assert all(p.eta_key.dtype == p.eta.dtype for p in bf16 if p.eta_key is not None)
     assert {grad for _, grad in forwards} == {False, True}           # inference and training
     assert {p.is_varlen for p, _ in forwards} == {False, True}        # dense and packed
     assert {p.N for p, _ in forwards} == {1, 3}
@@ -101,8 +102,8 @@ def test_reference_default_shapes_and_defaults():
     assert report.entries[0].backend == "reference"
     assert report.entries[0].calls == 2 * len(FORMS) * 2
     assert DEFAULT_HEAD_DIMS == (64, 128)
-    assert param_dtypes(torch.float16) == (torch.float16, torch.float32)
-    assert param_dtypes(torch.float64) == (torch.float64,)
+    assert len(param_dtypes(torch.float16)) == 4
+    assert param_dtypes(torch.float64) == [(torch.float64, torch.float64)]
 
 
 def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatch):

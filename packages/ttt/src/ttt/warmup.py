@@ -12,12 +12,12 @@ the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real c
   generation cache (initial states, ``eta_key``, the ``query_residual`` output; final states
   with the cache), when the backend declares ``eta_key`` and that output.
 
-Each form runs with ``w``, ``b``, ``eta`` (and ``eta_key``) in the input dtype and, for
-half inputs, in float32 (float32 parameters with half activations, as under autocast):
-kernels are compiled per dtype of every tensor. Each of these runs once without gradients
-(inference) and, unless ``backward=False``, once more forward and backward. The compiled
-kernels land in the backends' on-disk caches (docs/warmup.md), so later processes start
-warm too.
+Each form runs with ``w``, ``b`` and with ``eta``, ``eta_key`` in the input dtype and, for
+half inputs, in float32 (float32 parameters, an ``eta`` given as a float, half activations
+under autocast; :func:`param_dtypes`): kernels are compiled per dtype of every tensor. Each
+of these runs once without gradients (inference) and, unless ``backward=False``, once more
+forward and backward. The compiled kernels land in the backends' on-disk caches
+(docs/warmup.md), so later processes start warm too.
 """
 
 from __future__ import annotations
@@ -159,10 +159,11 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     return WarmupReport(device, entries, skipped, time.perf_counter() - start)
 
 
-def param_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """Dtypes of ``w``, ``b``, ``eta`` and ``eta_key`` in the warm-up calls of inputs of
-    ``dtype``: the input dtype, and float32 for half inputs."""
-    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
+    """(dtype of ``w`` and ``b``, dtype of ``eta`` and ``eta_key``) of the warm-up calls of
+    inputs of ``dtype``: each the input dtype or, for half inputs, float32."""
+    each = (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+    return [(affine, rates) for affine in each for rates in each]
 
 
 def _device(device) -> torch.device:
@@ -212,21 +213,21 @@ def _takes_layer_form(backend: Backend) -> bool:
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
     inputs = _inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
-                     config.dtype, device, grad=True)
+                     (config.dtype, config.dtype), device, grad=True)
     problem = make_problem(**inputs, chunk_size=config.chunk_size)
     if name is not None:
         load_backend(name)
     return select_backend(problem, name)
 
 
-def _inputs(config: Config, layout: WarmupShape, form: CallForm, params: torch.dtype,
-            device: torch.device, grad: bool) -> dict:
-    """Random inputs of one call, ``w``, ``b``, ``eta``, ``eta_key`` in ``params`` (values
-    matter little; they stay finite)."""
+def _inputs(config: Config, layout: WarmupShape, form: CallForm,
+            params: tuple[torch.dtype, torch.dtype], device: torch.device, grad: bool) -> dict:
+    """Random inputs of one call, ``params`` the dtypes of (``w``, ``b``) and of (``eta``,
+    ``eta_key``) (values matter little; they stay finite)."""
     N, T, H, D = layout.sequences, layout.seq_len, config.heads, config.head_dim
     B, L = (1, N * T) if layout.packed else (N, T)
     gen = torch.Generator(device).manual_seed(0)
-    dt = config.dtype
+    dt, (affine, rates) = config.dtype, params
     state_dt = torch.float64 if dt == torch.float64 else torch.float32
 
     def rand(*shape, dtype=dt):
@@ -234,15 +235,15 @@ def _inputs(config: Config, layout: WarmupShape, form: CallForm, params: torch.d
 
     k = rand(B, L, H, D)
     inputs = dict(q=rand(B, L, H, D), k=k / k.norm(dim=-1, keepdim=True), v=rand(B, L, H, D),
-                  w=1 + 0.1 * rand(H, D, dtype=params), b=0.1 * rand(H, D, dtype=params),
+                  w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
                   eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
-                                        dtype=params))
+                                        dtype=rates))
     if form.initial:
         inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
                       initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
     if form.layer:
         inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
-                                             dtype=params)
+                                             dtype=rates)
     if grad:
         for t in inputs.values():
             t.requires_grad_(True)
@@ -252,7 +253,7 @@ def _inputs(config: Config, layout: WarmupShape, form: CallForm, params: torch.d
 
 
 def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
-          params: torch.dtype, grad: bool, device: torch.device) -> None:
+          params: tuple[torch.dtype, torch.dtype], grad: bool, device: torch.device) -> None:
     """One call: forward without gradients, or forward and backward."""
     inputs = _inputs(config, layout, form, params, device, grad)
     kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.final,
