@@ -228,9 +228,9 @@ def test_warmup_prints_what_it_compiled():
     out = _run(*WARMUP_SMALL, "--dtype", "fp32", "--dtype", "bf16", "--chunk-size", "16")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("compiled float32 D=16 chunk=16 H=2 on reference "
+    assert lines[0].startswith("warmed up float32 D=16 chunk=16 H=2 on reference "
                                "(forward + backward, 24 calls): ")
-    assert lines[1].startswith("compiled bfloat16 D=16 chunk=16 H=2 on reference")
+    assert lines[1].startswith("warmed up bfloat16 D=16 chunk=16 H=2 on reference")
     assert lines[-1].startswith("warmup: 2 configuration(s) on cpu in ")
     assert out.stderr == ""                                # --quiet (and not a terminal)
 
@@ -251,7 +251,7 @@ def test_warmup_lists_default_dtypes_the_backend_cannot_take(capsys, register):
     assert cli.main(["warmup", "--backend", "fp32only", "--device", "cpu", "--head-dim",
                      "16", "--heads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "compiled float32 D=16" in out
+    assert "warmed up float32 D=16" in out
     assert "skipped bfloat16 D=16 chunk=16 H=1: " in out and "dtype bfloat16" in out
 
 

@@ -229,7 +229,7 @@ def cmd_warmup(args) -> int:
                     device=device, progress=ProgressBar(quiet=args.quiet))
     passes = "forward" if args.no_backward else "forward + backward"
     for entry in report.entries:
-        print(f"compiled {entry.config.describe()} on {entry.backend} ({passes}, "
+        print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "
               f"{entry.calls} calls): {entry.seconds:.1f} s")
     for config, reason in report.skipped:
         print(f"skipped {config.describe()}: {reason}")
