@@ -168,17 +168,24 @@ def header(device: str, backends: dict) -> str:
 
     import ttt
 
+    sys.path.insert(0, str(HERE))
+    from run import _driver_version, _git_commit
+
     if device.startswith("cuda"):
         gpu = torch.cuda.get_device_name(torch.device(device))
+        driver = _driver_version()
+        gpu += f", driver {driver}" if driver else ""
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}): a smoke run, not a result"
     engines = "; ".join(f"{name}: " + (", ".join(f"{k} {v}" for k, v in s.versions.items())
                                         or "-") for name, s in backends.items())
+    commit, dirty = _git_commit()
     return "\n".join([
         f"# ttt first-call cost: {gpu}",
         "",
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), ttt "
-        f"{ttt.__version__}, python {platform.python_version()}; {engines}",
+        f"{ttt.__version__}, python {platform.python_version()}; {engines}; commit "
+        f"{commit}{' (uncommitted changes)' if dirty else ''}",
         f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; times are the first "
         "forward + backward of a new process (CUDA initialised before), in seconds",
     ])
@@ -211,6 +218,16 @@ def _shape(text: str) -> tuple[int, int]:
     return B, T
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,11 +237,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", help=argparse.SUPPRESS)            # the child's
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES),
                         help="repeatable (default: bf16 and fp32)")
-    parser.add_argument("--head-dim", type=int, action="append",
+    parser.add_argument("--head-dim", type=_positive, action="append",
                         help="repeatable (default: 64 and 128)")
-    parser.add_argument("--chunk-size", type=int, action="append", help="repeatable "
-                                                                         "(default: 16)")
-    parser.add_argument("--heads", type=int, action="append", help="repeatable (default: 16)")
+    parser.add_argument("--chunk-size", type=_positive, action="append",
+                        help="repeatable (default: 16)")
+    parser.add_argument("--heads", type=_positive, action="append",
+                        help="repeatable (default: 16)")
     parser.add_argument("--shape", type=_shape, default=None,
                         help="B,T of the measured call (default 8,2048; --quick 2,64)")
     parser.add_argument("--device", default=None, help="cuda (default) or cpu")
