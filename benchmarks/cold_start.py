@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=_positive, action="append",
                         help="repeatable (default: 16)")
     parser.add_argument("--heads", type=_positive, action="append",
-                        help="repeatable (default: 16)")
+                        help="repeatable (default: 32)")
     parser.add_argument("--shape", type=_shape, default=None,
                         help="B,T of the measured call (default 8,2048; --quick 2,64)")
     parser.add_argument("--device", default=None, help="cuda (default) or cpu")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.device = "cuda"
     quick = dict(dtype=["fp32"], head_dim=[16], heads=[2], shape=(2, 64))
-    defaults = dict(dtype=["bf16", "fp32"], head_dim=[64, 128], heads=[16], shape=(8, 2048))
+    defaults = dict(dtype=["bf16", "fp32"], head_dim=[64, 128], heads=[32], shape=(8, 2048))
     for key, value in (quick if args.quick else defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -281,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--chunk-size", type=_positive_int, action="append",
                       help="repeatable (default: 16)")
     warm.add_argument("--heads", type=_positive_int, action="append",
-                      help="number of heads, repeatable (default: 16; Triton compiles per "
+                      help="number of heads, repeatable (default: 32; Triton compiles per "
                            "number of heads)")
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -38,9 +38,9 @@ DEFAULT_DTYPES = (torch.bfloat16, torch.float32)
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_CHUNK_SIZES = (16,)
 """The official TTT-Linear layer uses head dim 64 and mini-batch (chunk) 16."""
-DEFAULT_HEADS = (16,)
-"""Heads of the official TTT-Linear 350M model. Triton specialises its kernels on the
-number of heads: warm up with the heads of your model."""
+DEFAULT_HEADS = (32,)
+"""Heads of the official TTT-Linear 1B configuration (32 heads of dim 64). Triton
+specialises its kernels on the number of heads: warm up with the heads of your model."""
 
 
 @dataclass(frozen=True)
