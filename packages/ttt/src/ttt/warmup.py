@@ -22,6 +22,7 @@ forward and backward. The compiled kernels land in the backends' on-disk caches
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -115,18 +116,48 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     backend's :meth:`~ttt.Backend.warmup_shapes`. Raises ``BackendNotSupportedError`` when
     the backend cannot take a configuration asked for explicitly."""
     device = _device(device)
-    explicit_dtypes = dtypes is not None
-    configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
-                       heads)
     if not isinstance(backward, bool):
         raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
+    configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
+                       heads)
     start = time.perf_counter()
+    plans, skipped = _plans(configs, backend, device, shapes, backward,
+                            strict=dtypes is not None)
+    total, done, entries = sum(len(plan.calls) for plan in plans), 0, []
+    for plan in plans:
+        plan_start = time.perf_counter()
+        for layout, form, params, grad in plan.calls:
+            if progress is not None:
+                progress(done, total, f"{plan.backend} {plan.config.describe()}")
+            _call(plan.backend, plan.config, layout, form, params, grad, device)
+            done += 1
+        entries.append(WarmupEntry(plan.config, plan.backend, len(plan.calls),
+                                   time.perf_counter() - plan_start))
+    if progress is not None:
+        progress(done, total, "done")
+    return WarmupReport(device, entries, skipped, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The calls of one configuration: (layout, form, parameter dtypes, with gradients)."""
+
+    config: Config
+    backend: str
+    calls: list[tuple[WarmupShape, CallForm, tuple[torch.dtype, torch.dtype], bool]]
+
+
+def _plans(configs: list[Config], backend: str | None, device: torch.device,
+           shapes: Sequence[WarmupShape] | None, backward: bool,
+           strict: bool) -> tuple[list[_Plan], list[tuple[Config, str]]]:
+    """Each configuration's calls on its backend, and the configurations it cannot take
+    (an error when ``strict``, or when none is left)."""
     plans, skipped = [], []
     for config in configs:
         try:
             chosen = _backend_for(config, backend, device)
         except BackendNotSupportedError as exc:
-            if explicit_dtypes:
+            if strict:
                 raise
             skipped.append((config, str(exc)))
             continue
@@ -134,29 +165,13 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
             config.heads, config.head_dim, config.chunk_size, config.dtype)
         _check_shapes(layouts)
         forms = [f for f in FORMS if not f.layer or _takes_layer_form(chosen)]
-        plans.append((config, chosen, layouts, forms))
+        grads = (False, True) if backward else (False,)
+        calls = list(itertools.product(layouts, forms, param_dtypes(config.dtype), grads))
+        plans.append(_Plan(config, chosen.name, calls))
     if not plans:
         reasons = "; ".join(f"{c.describe()}: {why}" for c, why in skipped)
         raise BackendNotSupportedError(f"nothing to warm up: {reasons}")
-    grads = (False, True) if backward else (False,)
-    total = sum(len(layouts) * len(forms) * len(param_dtypes(config.dtype)) * len(grads)
-                for config, _, layouts, forms in plans)
-    done, entries = 0, []
-    for config, chosen, layouts, forms in plans:
-        config_start = time.perf_counter()
-        for layout in layouts:
-            for form in forms:
-                for params in param_dtypes(config.dtype):
-                    for grad in grads:
-                        if progress is not None:
-                            progress(done, total, f"{chosen.name} {config.describe()}")
-                        _call(chosen.name, config, layout, form, params, grad, device)
-                        done += 1
-        entries.append(WarmupEntry(config, chosen.name, done - sum(e.calls for e in entries),
-                                   time.perf_counter() - config_start))
-    if progress is not None:
-        progress(done, total, "done")
-    return WarmupReport(device, entries, skipped, time.perf_counter() - start)
+    return plans, skipped
 
 
 def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
