@@ -121,7 +121,7 @@ def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatc
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(head_dims=[0]), ValueError, "head_dims"),
     (dict(heads=[]), ValueError, "heads"),
-    (dict(chunk_sizes=[True]), ValueError, "chunk_sizes"),
+    (dict(chunk_sizes=[True]), TypeError, "chunk_sizes"),
     (dict(dtypes=[torch.int32]), TypeError, "dtypes"),
     (dict(device="gpu0"), ValueError, "device"),
     (dict(backward=1), TypeError, "backward"),
@@ -136,6 +136,8 @@ def test_bad_arguments(kwargs, error, match):
 def test_warmup_shape_checks():
     with pytest.raises(ValueError, match="WarmupShape.seq_len"):
         WarmupShape(1, 0)
+    with pytest.raises(TypeError, match="WarmupShape.sequences: expected an int, got float"):
+        WarmupShape(1.0, 16)
 
 
 def test_progress_bar():

@@ -117,8 +117,11 @@ class WarmupShape:
     def __post_init__(self) -> None:
         for name in ("sequences", "seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"WarmupShape.{name}: expected a positive int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"WarmupShape.{name}: expected an int, got "
+                                f"{type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"WarmupShape.{name}: expected a positive int, got {value}")
 
 
 WARMUP_CHAINS = (32, 64, 128, 256, 1024)

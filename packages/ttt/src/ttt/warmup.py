@@ -194,8 +194,10 @@ def _device(device) -> torch.device:
 def _positive_ints(name: str, values) -> list[int]:
     values = list(values)
     for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}: expected positive ints, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected positive ints, got {type(v).__name__} {v!r}")
+        if v < 1:
+            raise ValueError(f"{name}: expected positive ints, got {v}")
     if not values:
         raise ValueError(f"{name}: expected at least one value, got none")
     return list(dict.fromkeys(values))
