@@ -1,5 +1,5 @@
-"""The command line: ``python -m ttt info``, ``capabilities`` and ``demo``; expected errors
-in one line on stderr with exit status 2."""
+"""The command line: ``python -m ttt info``, ``capabilities``, ``demo`` and ``warmup``;
+expected errors in one line on stderr with exit status 2."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import ttt
 from ttt import cli, registry
+from ttt.reference import ReferenceBackend
 
 REPO = Path(__file__).resolve().parents[3]
 CAPABILITIES_DOC = REPO / "docs" / "capabilities.md"
@@ -214,3 +216,69 @@ def test_capabilities_doc_is_the_commands_output():
     assert out.returncode == 0, out.stderr
     assert CAPABILITIES_DOC.read_text() == out.stdout, textwrap.dedent(f"""
         docs/capabilities.md is stale; regenerate it: {cli.CAPABILITIES_COMMAND}""")
+
+
+# --- python -m ttt warmup --------------------------------------------------------------------
+
+WARMUP_SMALL = ["warmup", "--backend", "reference", "--device", "cpu", "--head-dim", "16",
+                "--heads", "2", "--quiet"]
+
+
+def test_warmup_prints_what_it_compiled():
+    out = _run(*WARMUP_SMALL, "--dtype", "fp32", "--dtype", "bf16", "--chunk-size", "16")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("warmed up float32 D=16 chunk=16 H=2 on reference "
+                               "(forward + backward, 24 calls): ")
+    assert lines[1].startswith("warmed up bfloat16 D=16 chunk=16 H=2 on reference")
+    assert lines[-1].startswith("warmup: 2 configuration(s) on cpu in ")
+    assert out.stderr == ""                                # --quiet (and not a terminal)
+
+
+def test_warmup_forward_only(capsys):
+    assert cli.main([*WARMUP_SMALL, "--dtype", "fp32", "--no-backward"]) == 0
+    out = capsys.readouterr()
+    assert "(forward, 12 calls)" in out.out and out.err == ""
+
+
+def test_warmup_lists_default_dtypes_the_backend_cannot_take(capsys, register):
+    class _Fp32Reference(ReferenceBackend):
+        name = "fp32only"
+        capabilities = replace(ReferenceBackend.capabilities,
+                               dtypes=frozenset({torch.float32}))
+
+    register(_Fp32Reference())
+    assert cli.main(["warmup", "--backend", "fp32only", "--device", "cpu", "--head-dim",
+                     "16", "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "warmed up float32 D=16" in out
+    assert "skipped bfloat16 D=16 chunk=16 H=1: " in out and "dtype bfloat16" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["warmup", "--backend", "nope"], "unknown backend 'nope'"),
+    (["warmup", "--device", "tpu"], "--device: expected cpu or cuda"),
+    (["warmup", "--backend", "reference", "--device", "cpu", "--head-dim", "16",
+      "--heads", "1", "--chunk-size", "16", "--dtype", "fp64", "--quiet"], None),
+])
+def test_warmup_errors_are_one_line(capsys, argv, words):
+    if words is None:          # fp64 on the reference: fine (a control for the others)
+        assert cli.main(argv) == 0
+        return
+    assert words in _one_line_error(capsys, argv)
+
+
+def test_warmup_unsupported_dtype_is_one_line(capsys, register):
+    register(_Fake("fp32fake"))
+    line = _one_line_error(capsys, ["warmup", "--backend", "fp32fake", "--device", "cpu",
+                                    "--dtype", "bf16", "--head-dim", "16"])
+    assert "dtype bfloat16 not supported" in line
+
+
+def test_warmup_cuda_without_a_gpu_is_one_line(capsys, no_gpu):
+    assert "no CUDA GPU" in _one_line_error(capsys, ["warmup", "--device", "cuda"])
+
+
+def test_warmup_bad_number_is_a_usage_error():
+    out = _run("warmup", "--head-dim", "0")
+    assert out.returncode == 2 and "--head-dim: expected a positive integer" in out.stderr

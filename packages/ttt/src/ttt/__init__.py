@@ -5,7 +5,7 @@
 Importing ttt touches no GPU and compiles nothing.
 """
 
-from .backend import Backend, Capabilities, GradNeeds
+from .backend import Backend, Capabilities, GradNeeds, WarmupShape
 from .ops import chunk_ttt_linear
 from .problem import Gradients, Problem
 from .registry import (
@@ -17,6 +17,7 @@ from .registry import (
     set_backend,
 )
 from .validation import make_problem
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -28,11 +29,13 @@ __all__ = [
     "GradNeeds",
     "KNOWN_BACKENDS",
     "Problem",
+    "WarmupShape",
     "available_backends",
     "chunk_ttt_linear",
     "get_backend",
     "load_backend",
     "make_problem",
     "set_backend",
+    "warmup",
     "__version__",
 ]

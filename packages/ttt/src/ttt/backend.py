@@ -14,6 +14,12 @@ A backend is an object with a ``name``, a :class:`Capabilities` and three method
     running it: the custom op's fake implementation (torch.compile) builds ``saved`` from
     it. The default is ``[]`` (a backend that saves nothing).
 
+``warmup_shapes(heads, head_dim, chunk_size, dtype) -> [WarmupShape, ...]`` (optional)
+    the batch layouts whose calls, forward and backward, compile every kernel variant a
+    call of these heads, head dim, chunk size and dtype may use (``ttt.warmup`` runs them).
+    The default, :func:`generic_warmup_shapes`, spans few and many (sequence, head) chains,
+    short and long sequences, dense and packed batches.
+
 ``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
     ``saved`` is the forward's list; ``do`` is the cotangent of ``o`` (contiguous, never
     None); ``dht`` and ``dhbt`` those of the final states (None when they were not
@@ -26,6 +32,7 @@ autocast and dtype casts of gradients; nothing in the core special-cases a backe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +104,49 @@ class Capabilities:
         return why
 
 
+@dataclass(frozen=True)
+class WarmupShape:
+    """The batch layout of one warm-up call: ``sequences`` sequences of ``seq_len`` tokens
+    each, as a dense ``[sequences, seq_len]`` batch or, when ``packed``, one packed batch
+    (``cu_seqlens``)."""
+
+    sequences: int
+    seq_len: int
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sequences", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"WarmupShape.{name}: expected an int, got "
+                                f"{type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"WarmupShape.{name}: expected a positive int, got {value}")
+
+
+WARMUP_CHAINS = (32, 64, 128, 256, 1024)
+"""(sequence, head) chain counts of the generic warm-up shapes: kernel backends choose other
+kernels (fused chains, longer checkpoint groups, overlapped or segmented schedules) by the
+number of chains and their length, at thresholds within this range."""
+
+WARMUP_LONG_CHAIN_CHUNKS = 2**15
+"""Chunks over all chains of each long generic warm-up shape."""
+
+
+def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
+    """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence with a
+    partial last chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
+    sequences (one chunk) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all);
+    each as a dense and as a packed batch."""
+    shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2)]
+    for chains in WARMUP_CHAINS:
+        sequences = math.ceil(chains / heads)
+        chunks = math.ceil(WARMUP_LONG_CHAIN_CHUNKS / (sequences * heads))
+        shapes += [WarmupShape(sequences, chunk_size),
+                   WarmupShape(sequences, chunks * chunk_size)]
+    return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes]
+
+
 class Backend:
     """Base class for backends. Subclasses set ``name`` and ``capabilities``."""
 
@@ -128,6 +178,12 @@ class Backend:
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of the tensors ``forward`` saves for ``problem``."""
         return []
+
+    def warmup_shapes(self, heads: int, head_dim: int, chunk_size: int,
+                      dtype: torch.dtype) -> list[WarmupShape]:
+        """Batch layouts whose forward and backward compile every kernel variant that calls
+        with these heads, head dim, chunk size and dtype may use (see ``ttt.warmup``)."""
+        return generic_warmup_shapes(heads, chunk_size)
 
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,

@@ -1,5 +1,6 @@
 """``python -m ttt info`` (backends, versions, device), ``python -m ttt capabilities`` (the
-backends' declared capabilities as a markdown table) and ``python -m ttt demo``.
+backends' declared capabilities as a markdown table), ``python -m ttt demo`` and
+``python -m ttt warmup`` (compile ahead of time, see ``ttt.warmup``).
 
 An expected failure (an unknown or uninstalled backend, one that cannot run here or cannot
 take the inputs, a device that is not present) prints one line to stderr and exits 2.
@@ -214,6 +215,29 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_warmup(args) -> int:
+    from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
+
+    device = _demo_device(args.device)
+    if args.backend is not None:
+        _require_runnable(args.backend)
+    report = warmup(args.backend,
+                    dtypes=None if args.dtype is None else [DTYPES[d] for d in args.dtype],
+                    head_dims=args.head_dim or DEFAULT_HEAD_DIMS,
+                    chunk_sizes=args.chunk_size or DEFAULT_CHUNK_SIZES,
+                    heads=args.heads or DEFAULT_HEADS, backward=not args.no_backward,
+                    device=device, progress=ProgressBar(quiet=args.quiet))
+    passes = "forward" if args.no_backward else "forward + backward"
+    for entry in report.entries:
+        print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "
+              f"{entry.calls} calls): {entry.seconds:.1f} s")
+    for config, reason in report.skipped:
+        print(f"skipped {config.describe()}: {reason}")
+    print(f"warmup: {len(report.entries)} configuration(s) on {report.device} in "
+          f"{report.seconds:.1f} s")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -243,6 +267,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--head-dim", type=_positive_int, default=64)
     demo.add_argument("--chunk-size", type=_positive_int, default=16)
     demo.set_defaults(func=cmd_demo)
+    warm = sub.add_parser("warmup", help="compile ahead of time the kernels of some "
+                                         "configurations (forward and backward)")
+    warm.add_argument("--backend", default=None,
+                      help="backend name (default: the one each configuration's calls get)")
+    warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if "
+                                                     "present)")
+    warm.add_argument("--dtype", choices=sorted(DTYPES), action="append",
+                      help="input dtype, repeatable (default: bf16 and fp32, those the "
+                           "backend takes)")
+    warm.add_argument("--head-dim", type=_positive_int, action="append",
+                      help="repeatable (default: 64 and 128)")
+    warm.add_argument("--chunk-size", type=_positive_int, action="append",
+                      help="repeatable (default: 16)")
+    warm.add_argument("--heads", type=_positive_int, action="append",
+                      help="number of heads, repeatable (default: 32; Triton compiles per "
+                           "number of heads)")
+    warm.add_argument("--no-backward", action="store_true", help="forward only")
+    warm.add_argument("--quiet", action="store_true", help="no progress bar")
+    warm.set_defaults(func=cmd_warmup)
     return parser
 
 

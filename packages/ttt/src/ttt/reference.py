@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Backend, Capabilities, GradNeeds
+from .backend import Backend, Capabilities, GradNeeds, WarmupShape
 from .problem import OUTPUTS, Gradients, Problem
 
 
@@ -136,6 +136,10 @@ class ReferenceBackend(Backend):
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
+
+    def warmup_shapes(self, heads, head_dim, chunk_size, dtype) -> list[WarmupShape]:
+        """Nothing to compile: one short dense and one packed batch check that calls run."""
+        return [WarmupShape(1, chunk_size + 1), WarmupShape(2, chunk_size, packed=True)]
 
     def forward(self, problem: Problem, needs_backward: bool):
         with torch.no_grad():

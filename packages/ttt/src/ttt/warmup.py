@@ -1,0 +1,307 @@
+"""Ahead-of-time compilation: ``ttt.warmup(...)`` and ``python -m ttt warmup``.
+
+A kernel backend compiles on first use (Triton JITs each kernel specialisation, the cupy
+backend runs NVRTC once per program), so the first forward and backward of a process, and
+of each new shape class, is slow. ``warmup`` runs the op forward and backward on small
+inputs for each configuration (dtype, head dim, chunk size, heads), in each batch layout
+the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real calls use:
+
+- with and without initial states, with and without final states (whose cotangents the
+  backward then gets): ``plain``, ``initial``, ``final``, ``states``;
+- ``layer`` and ``layer_cache``: what ``ttt.nn.TTTLinear`` passes in training and with a
+  generation cache (initial states, ``eta_key``, the ``query_residual`` output; final states
+  with the cache), when the backend declares ``eta_key`` and that output.
+
+Each form runs with ``w``, ``b`` and with ``eta``, ``eta_key`` in the input dtype and, for
+half inputs, in float32 (float32 parameters, an ``eta`` given as a float, half activations
+under autocast; :func:`param_dtypes`): kernels are compiled per dtype of every tensor. Each
+of these runs once without gradients (inference) and, unless ``backward=False``, once more
+forward and backward. The compiled kernels land in the backends' on-disk caches
+(docs/warmup.md), so later processes start warm too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .backend import Backend, WarmupShape
+from .ops import chunk_ttt_linear
+from .registry import BackendNotSupportedError, load_backend, select_backend
+from .validation import make_problem
+
+DEFAULT_DTYPES = (torch.bfloat16, torch.float32)
+DEFAULT_HEAD_DIMS = (64, 128)
+DEFAULT_CHUNK_SIZES = (16,)
+"""The official TTT-Linear layer uses head dim 64 and mini-batch (chunk) 16."""
+DEFAULT_HEADS = (32,)
+"""Heads of the official TTT-Linear 1B configuration (32 heads of dim 64). Triton
+specialises its kernels on the number of heads: warm up with the heads of your model."""
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """How one warm-up call passes the optional arguments (see the module docstring):
+    ``initial`` states, ``final`` states out, the ``layer``'s eta_key and output form."""
+
+    name: str
+    initial: bool
+    final: bool
+    layer: bool = False
+
+
+FORMS = (CallForm("plain", False, False), CallForm("initial", True, False),
+         CallForm("final", False, True), CallForm("states", True, True),
+         CallForm("layer", True, False, layer=True),
+         CallForm("layer_cache", True, True, layer=True))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration a warm-up compiles for."""
+
+    dtype: torch.dtype
+    head_dim: int
+    chunk_size: int
+    heads: int
+
+    def describe(self) -> str:
+        return (f"{str(self.dtype).replace('torch.', '')} D={self.head_dim} "
+                f"chunk={self.chunk_size} H={self.heads}")
+
+
+@dataclass(frozen=True)
+class WarmupEntry:
+    """One configuration warmed up: on which backend, how many calls, how long."""
+
+    config: Config
+    backend: str
+    calls: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What :func:`warmup` compiled (``entries``), what it left out and why (``skipped``:
+    configurations of the default dtypes that the backend cannot take), the total time."""
+
+    device: torch.device
+    entries: list[WarmupEntry]
+    skipped: list[tuple[Config, str]]
+    seconds: float
+
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, label)``: called before each call and once at the end."""
+
+
+def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None = None,
+           head_dims: Iterable[int] = DEFAULT_HEAD_DIMS,
+           chunk_sizes: Iterable[int] = DEFAULT_CHUNK_SIZES,
+           heads: Iterable[int] = DEFAULT_HEADS, backward: bool = True,
+           device: str | torch.device | None = None,
+           shapes: Sequence[WarmupShape] | None = None,
+           progress: Progress | None = None) -> WarmupReport:
+    """Compile ahead of time the kernels calls of these configurations will use.
+
+    ``backend``: a backend name, or None for the backend each configuration's calls would
+    get (``ttt.set_backend``, ``TTT_BACKEND``, else the best that fits). ``dtypes``: input
+    dtypes (None: bfloat16 and float32, those of them the backend takes). ``device``:
+    default cuda when present, else cpu. ``shapes``: the batch layouts to run instead of the
+    backend's :meth:`~ttt.Backend.warmup_shapes`. Raises ``BackendNotSupportedError`` when
+    the backend cannot take a configuration asked for explicitly."""
+    device = _device(device)
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
+    configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
+                       heads)
+    start = time.perf_counter()
+    plans, skipped = _plans(configs, backend, device, shapes, backward,
+                            strict=dtypes is not None)
+    total, done, entries = sum(len(plan.calls) for plan in plans), 0, []
+    for plan in plans:
+        plan_start = time.perf_counter()
+        for layout, form, params, grad in plan.calls:
+            if progress is not None:
+                progress(done, total, f"{plan.backend} {plan.config.describe()}")
+            _call(plan.backend, plan.config, layout, form, params, grad, device)
+            done += 1
+        entries.append(WarmupEntry(plan.config, plan.backend, len(plan.calls),
+                                   time.perf_counter() - plan_start))
+    if progress is not None:
+        progress(done, total, "done")
+    return WarmupReport(device, entries, skipped, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The calls of one configuration: (layout, form, parameter dtypes, with gradients)."""
+
+    config: Config
+    backend: str
+    calls: list[tuple[WarmupShape, CallForm, tuple[torch.dtype, torch.dtype], bool]]
+
+
+def _plans(configs: list[Config], backend: str | None, device: torch.device,
+           shapes: Sequence[WarmupShape] | None, backward: bool,
+           strict: bool) -> tuple[list[_Plan], list[tuple[Config, str]]]:
+    """Each configuration's calls on its backend, and the configurations it cannot take
+    (an error when ``strict``, or when none is left)."""
+    plans, skipped = [], []
+    for config in configs:
+        try:
+            chosen = _backend_for(config, backend, device)
+        except BackendNotSupportedError as exc:
+            if strict:
+                raise
+            skipped.append((config, str(exc)))
+            continue
+        layouts = list(shapes) if shapes is not None else chosen.warmup_shapes(
+            config.heads, config.head_dim, config.chunk_size, config.dtype)
+        _check_shapes(layouts)
+        forms = [f for f in FORMS if not f.layer or _takes_layer_form(chosen)]
+        grads = (False, True) if backward else (False,)
+        calls = list(itertools.product(layouts, forms, param_dtypes(config.dtype), grads))
+        plans.append(_Plan(config, chosen.name, calls))
+    if not plans:
+        reasons = "; ".join(f"{c.describe()}: {why}" for c, why in skipped)
+        raise BackendNotSupportedError(f"nothing to warm up: {reasons}")
+    return plans, skipped
+
+
+def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
+    """(dtype of ``w`` and ``b``, dtype of ``eta`` and ``eta_key``) of the warm-up calls of
+    inputs of ``dtype``: each the input dtype or, for half inputs, float32."""
+    each = (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+    return [(affine, rates) for affine in each for rates in each]
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r}") from None
+
+
+def _positive_ints(name: str, values) -> list[int]:
+    values = list(values)
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected positive ints, got {type(v).__name__} {v!r}")
+        if v < 1:
+            raise ValueError(f"{name}: expected positive ints, got {v}")
+    if not values:
+        raise ValueError(f"{name}: expected at least one value, got none")
+    return list(dict.fromkeys(values))
+
+
+def _configs(dtypes, head_dims, chunk_sizes, heads) -> list[Config]:
+    dtypes = list(dict.fromkeys(dtypes))
+    for d in dtypes:
+        if not isinstance(d, torch.dtype) or not d.is_floating_point:
+            raise TypeError(f"dtypes: expected floating torch dtypes, got {d!r}")
+    if not dtypes:
+        raise ValueError("dtypes: expected at least one dtype, got none")
+    return [Config(dt, d, c, h) for dt in dtypes
+            for d in _positive_ints("head_dims", head_dims)
+            for c in _positive_ints("chunk_sizes", chunk_sizes)
+            for h in _positive_ints("heads", heads)]
+
+
+def _check_shapes(layouts) -> None:
+    if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
+        raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, got "
+                        f"{layouts!r}")
+
+
+def _takes_layer_form(backend: Backend) -> bool:
+    caps = backend.capabilities
+    return caps.eta_key and "query_residual" in caps.outputs
+
+
+def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
+    """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
+    inputs = _inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
+                     (config.dtype, config.dtype), device, grad=True)
+    problem = make_problem(**inputs, chunk_size=config.chunk_size)
+    if name is not None:
+        load_backend(name)
+    return select_backend(problem, name)
+
+
+def _inputs(config: Config, layout: WarmupShape, form: CallForm,
+            params: tuple[torch.dtype, torch.dtype], device: torch.device, grad: bool) -> dict:
+    """Random inputs of one call, ``params`` the dtypes of (``w``, ``b``) and of (``eta``,
+    ``eta_key``) (values matter little; they stay finite)."""
+    N, T, H, D = layout.sequences, layout.seq_len, config.heads, config.head_dim
+    B, L = (1, N * T) if layout.packed else (N, T)
+    gen = torch.Generator(device).manual_seed(0)
+    dt, (affine, rates) = config.dtype, params
+    state_dt = torch.float64 if dt == torch.float64 else torch.float32
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    k = rand(B, L, H, D)
+    inputs = dict(q=rand(B, L, H, D), k=k / k.norm(dim=-1, keepdim=True), v=rand(B, L, H, D),
+                  w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
+                  eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
+                                        dtype=rates))
+    if form.initial:
+        inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
+                      initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
+    if form.layer:
+        inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
+                                             dtype=rates)
+    if grad:
+        for t in inputs.values():
+            t.requires_grad_(True)
+    if layout.packed:
+        inputs["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=device, dtype=torch.int64)
+    return inputs
+
+
+def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
+          params: tuple[torch.dtype, torch.dtype], grad: bool, device: torch.device) -> None:
+    """One call: forward without gradients, or forward and backward."""
+    inputs = _inputs(config, layout, form, params, device, grad)
+    kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.final,
+                  backend=backend)
+    if form.layer:
+        kwargs.update(scale=1.0, output="query_residual")
+    with torch.set_grad_enabled(grad):
+        outputs = [t for t in chunk_ttt_linear(**inputs, **kwargs) if t is not None]
+        if grad:
+            leaves = [t for t in inputs.values() if t.requires_grad]
+            cotangents = [torch.randn_like(t) for t in outputs]
+            torch.autograd.grad(outputs, leaves, cotangents)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ProgressBar:
+    """A one-line progress bar on ``stream`` (stderr), redrawn in place; silent when the
+    stream is not a terminal or ``quiet``."""
+
+    WIDTH = 30
+
+    def __init__(self, stream=None, quiet: bool = False) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = not quiet and getattr(self.stream, "isatty", lambda: False)()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r[{bar}] {done}/{total} {label:<48.48}{end}")
+        self.stream.flush()

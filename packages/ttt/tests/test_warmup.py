@@ -1,0 +1,259 @@
+"""``ttt.warmup``: runs forward and backward per configuration, batch layout and call form;
+its generic warm-up shapes reach every launch choice the kernel backends' rules make for
+real shapes (so that after a warm-up a real call compiles nothing new)."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import ttt
+from ttt import WarmupShape, registry
+from ttt.backend import generic_warmup_shapes
+from ttt.reference import ReferenceBackend
+from ttt.warmup import DEFAULT_HEAD_DIMS, FORMS, ProgressBar, param_dtypes, warmup
+
+
+class _Recorder(ReferenceBackend):
+    """The reference backend, recording every problem it is asked to compute."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, problem, needs_backward):
+        self.calls.append(("forward", problem, needs_backward))
+        return super().forward(problem, needs_backward)
+
+    def backward(self, problem, saved, do, dht, dhbt, needs):
+        self.calls.append(("backward", problem, dht is not None))
+        return super().backward(problem, saved, do, dht, dhbt, needs)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    backend = _Recorder()
+    monkeypatch.setitem(registry.KNOWN_BACKENDS, backend.name, registry.KnownBackend(
+        "ttt_fake_recorder:Backend", "pip install ./packages/ttt-recorder", 1))
+    monkeypatch.setitem(registry._LOADED, backend.name, backend)
+    return backend
+
+
+SMALL = [WarmupShape(1, 20), WarmupShape(3, 16, packed=True)]
+
+
+def test_reference_warmup_runs_every_form(recorder):
+    report = warmup("recorder", dtypes=[torch.float32, torch.bfloat16], head_dims=[16],
+                    chunk_sizes=[16], heads=[2], device="cpu", shapes=SMALL)
+    assert [e.config.dtype for e in report.entries] == [torch.float32, torch.bfloat16]
+    fp32_calls = len(SMALL) * len(FORMS) * 2
+    assert [e.calls for e in report.entries] == [fp32_calls, 4 * fp32_calls]  # bf16: 4 mixes
+    assert report.skipped == [] and report.device == torch.device("cpu")
+    forwards = [(p, grad) for kind, p, grad in recorder.calls if kind == "forward"]
+    backwards = [(p, dht) for kind, p, dht in recorder.calls if kind == "backward"]
+    assert len(forwards) == 5 * fp32_calls and len(backwards) == 5 * fp32_calls // 2
+    bf16 = [p for p, _ in forwards if p.q.dtype == torch.bfloat16]
+    half_or_float = {torch.bfloat16, torch.float32}
+    assert {(p.w.dtype, p.eta.dtype) for p in bf16} == {(a, r) for a in half_or_float
+                                                       for r in half_or_float}
+    assert all(p.b.dtype == p.w.dtype for p in bf16)
+    assert all(p.eta_key.dtype == p.eta.dtype for p in bf16 if p.eta_key is not None)
+    assert {grad for _, grad in forwards} == {False, True}           # inference and training
+    assert {p.is_varlen for p, _ in forwards} == {False, True}        # dense and packed
+    assert {p.N for p, _ in forwards} == {1, 3}
+    assert {(p.initial_state is not None, p.output_final_state) for p, _ in forwards} == {
+        (False, False), (True, False), (False, True), (True, True)}
+    layer = [p for p, _ in forwards if p.eta_key is not None]        # the TTTLinear layer's
+    assert {p.output for p in layer} == {"query_residual"}
+    assert {(p.initial_state is not None, p.output_final_state) for p in layer} == {
+        (True, False), (True, True)}                                 # training, with a cache
+    assert {dht for _, dht in backwards} == {False, True}             # final-state cotangents
+    assert all(p.q.dtype in (torch.float32, torch.bfloat16) and p.D == 16 and p.H == 2
+               for p, _ in forwards)
+
+
+def test_forward_only(recorder):
+    report = warmup("recorder", dtypes=[torch.float32], head_dims=[16], heads=[1],
+                    backward=False, device="cpu", shapes=SMALL)
+    assert report.entries[0].calls == len(SMALL) * len(FORMS)
+    assert all(kind == "forward" and not grad for kind, _, grad in recorder.calls)
+
+
+def test_layer_form_only_where_declared(recorder, monkeypatch):
+    monkeypatch.setattr(recorder, "capabilities", replace(recorder.capabilities,
+                                                          eta_key=False))
+    warmup("recorder", dtypes=[torch.float32], head_dims=[16], heads=[1], device="cpu",
+           shapes=SMALL[:1])
+    assert all(p.eta_key is None for _, p, _ in recorder.calls)
+
+
+def test_reference_default_shapes_and_defaults():
+    """The reference backend compiles nothing: its warm-up is two small calls per form."""
+    report = ttt.warmup("reference", dtypes=[torch.float32], head_dims=[16], heads=[2],
+                        device="cpu")
+    assert report.entries[0].backend == "reference"
+    assert report.entries[0].calls == 2 * len(FORMS) * 2
+    assert DEFAULT_HEAD_DIMS == (64, 128)
+    assert len(param_dtypes(torch.float16)) == 4
+    assert param_dtypes(torch.float64) == [(torch.float64, torch.float64)]
+
+
+def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatch):
+    monkeypatch.setattr(recorder, "capabilities", replace(
+        recorder.capabilities, dtypes=frozenset({torch.float32})))
+    report = warmup("recorder", head_dims=[16], heads=[1], device="cpu", shapes=SMALL[:1])
+    assert [e.config.dtype for e in report.entries] == [torch.float32]
+    assert [c.dtype for c, _ in report.skipped] == [torch.bfloat16]
+    assert "dtype bfloat16 not supported" in report.skipped[0][1]
+    with pytest.raises(ttt.BackendNotSupportedError, match="bfloat16"):
+        warmup("recorder", dtypes=[torch.bfloat16], head_dims=[16], heads=[1], device="cpu",
+               shapes=SMALL[:1])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(head_dims=[0]), ValueError, "head_dims"),
+    (dict(heads=[]), ValueError, "heads"),
+    (dict(chunk_sizes=[True]), TypeError, "chunk_sizes"),
+    (dict(dtypes=[torch.int32]), TypeError, "dtypes"),
+    (dict(device="gpu0"), ValueError, "device"),
+    (dict(backward=1), TypeError, "backward"),
+    (dict(shapes=[(1, 16)]), TypeError, "shapes"),
+])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        warmup("reference", **{"dtypes": [torch.float32], "head_dims": [16], "heads": [1],
+                                "device": "cpu", **kwargs})
+
+
+def test_warmup_shape_checks():
+    with pytest.raises(ValueError, match="WarmupShape.seq_len"):
+        WarmupShape(1, 0)
+    with pytest.raises(TypeError, match="WarmupShape.sequences: expected an int, got float"):
+        WarmupShape(1.0, 16)
+
+
+def test_progress_bar():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = ProgressBar(tty)
+    bar(0, 4, "a")
+    bar(4, 4, "done")
+    assert "[" + "." * ProgressBar.WIDTH + "] 0/4 a" in tty.getvalue()
+    assert tty.getvalue().endswith("\n") and "4/4 done" in tty.getvalue()
+    quiet, pipe = Tty(), io.StringIO()
+    ProgressBar(quiet, quiet=True)(1, 2, "x")
+    ProgressBar(pipe)(1, 2, "x")
+    assert quiet.getvalue() == "" and pipe.getvalue() == ""
+
+
+TRITON_SCRIPT = """
+import torch, ttt
+from ttt import WarmupShape
+report = ttt.warmup("triton", head_dims=[16], heads=[2], device="cpu",
+                    shapes=[WarmupShape(1, 20), WarmupShape(2, 16, packed=True)])
+print([(str(e.config.dtype), e.backend, e.calls) for e in report.entries])
+print([str(c.dtype) for c, _ in report.skipped])
+"""
+
+
+def test_triton_interpreter_warmup():
+    """Under TRITON_INTERPRET=1 (set before triton is imported: a new process)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    pytest.importorskip("ttt_triton", reason="ttt-triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries, skipped = out.stdout.splitlines()[-2:]
+    forms = [f for f in FORMS if not f.layer or _declares_layer_form("triton")]
+    calls = 2 * len(forms) * 2                     # 2 shapes, fp32 (1 parameter dtype), fwd+bwd
+    assert entries == repr([("torch.float32", "triton", calls)])
+    assert skipped == repr(["torch.bfloat16"])                  # the interpreter: no bf16
+
+
+def _declares_layer_form(name: str) -> bool:
+    caps = registry.declared_capabilities(name)
+    return caps.eta_key and "query_residual" in caps.outputs
+
+
+# --- the generic shapes against the kernel backends' launch rules --------------------------
+
+HEADS = (1, 4, 12, 16, 32)
+REAL_SEQUENCES = (1, 2, 3, 8, 16, 64, 256)
+REAL_LENGTHS = (1, 16, 200, 2048, 8192, 32768)
+
+
+def _problem(N, T, H, D, chunk, dtype, packed):
+    """A problem on the meta device (shapes only), dense or packed."""
+    q = torch.empty(N, T, H, D, device="meta", dtype=dtype)
+    w = torch.empty(H, D, device="meta")
+    eta = torch.empty(N, T, H, 1, device="meta", dtype=dtype)
+    dense = ttt.make_problem(q, q, q, w, w, eta, chunk_size=chunk)
+    if not packed:
+        return dense
+    q = torch.empty(1, N * T, H, D, device="meta", dtype=dtype)
+    return replace(dense, q=q, k=q, v=q, eta=eta.reshape(1, N * T, H, 1),
+                   cu_seqlens=torch.empty(N + 1, device="meta", dtype=torch.int64),
+                   seq_lens=(T,) * N)
+
+
+def _reached(rule, H, D, chunk, dtype):
+    """(the rule's choices over the generic warm-up shapes, those over a sweep of real
+    shapes, dense and packed) for one configuration; the rule's key includes packing."""
+    def key(p):
+        return (p.is_varlen, rule(p))
+
+    warm = {key(_problem(s.sequences, s.seq_len, H, D, chunk, dtype, s.packed))
+            for s in generic_warmup_shapes(H, chunk)}
+    real = {key(_problem(N, T, H, D, chunk, dtype, packed)) for N in REAL_SEQUENCES
+            for T in REAL_LENGTHS for packed in (False, True)}
+    return warm, real
+
+
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_generic_shapes_reach_every_triton_choice(H, D, chunk, dtype):
+    pytest.importorskip("triton", reason="triton is not installed")
+    tuning = pytest.importorskip("ttt_triton.ops.ttt_linear.tuning",
+                                 reason="ttt-triton is not installed")
+    BD = max(16, 1 << (D - 1).bit_length())
+
+    def rule(p):                      # the specialisations: G and the fused chains
+        G = tuning.checkpoint_interval(p, BD, tuning.DEFAULT_TUNING)
+        return (G, tuning.fused_forward(p, False, tuning.DEFAULT_TUNING),
+                tuning.fused_forward(p, True, tuning.DEFAULT_TUNING),
+                tuning.fused_backward(p, tuning.DEFAULT_TUNING))
+
+    warm, real = _reached(rule, H, D, chunk, dtype)
+    assert real <= warm, f"real shapes reach {sorted(real - warm)}, the warm-up does not"
+
+
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("D", [64, 128])
+def test_generic_shapes_reach_every_cupy_schedule(H, D):
+    placement = pytest.importorskip("ttt_cupy.placement", reason="ttt-cupy is not installed")
+    smem = 227 * 1024
+
+    def rule(p):
+        groups = max(math.ceil(math.ceil(n / p.chunk_size) / placement.CKPT_INTERVAL)
+                     for n in p.seq_lens)
+        fwd = [placement.forward_plan(p, groups, save) for save in (False, True)]
+        bwd = placement.backward_plan(p, groups, 1, True, smem)
+        return tuple((plan.fuse, plan.overlap, len(plan.segments) > 1)
+                     for plan in (*fwd, bwd))
+
+    warm, real = _reached(rule, H, D, 16, torch.bfloat16)
+    assert real <= warm, f"real shapes reach {sorted(real - warm)}, the warm-up does not"
