@@ -118,7 +118,6 @@ def fake_cupy(monkeypatch):
                                  compiler=types.SimpleNamespace(CompileException=RuntimeError))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
                                                                     cuda=cuda))
-    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")    # the stand-in's programs: not on disk
     caches = (cc._module, cc._kernel_table, cc.device_arch)
     for cache in caches:
         cache.cache_clear()

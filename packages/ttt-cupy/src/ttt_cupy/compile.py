@@ -8,22 +8,14 @@ unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); flo
 always run SIMT fp32.
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
-
-Programs also persist on disk (:func:`disk_cache_dir`), where NVIDIA's NVRTC bindings
-(``cuda.bindings``) are installed: CuPy's own on-disk cache never serves a program compiled
-with name expressions, so NVRTC compiles the cubin here (:func:`cached_cubin`) and a later
-process loads it with its lowered names. Without the bindings CuPy compiles, in memory.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -205,160 +197,16 @@ def include_options() -> tuple[str, ...]:
     return () if inc is None else (f"-I{inc}",)
 
 
-CACHE_OPTIONS = ("-ftz=true",)
-"""Added to the compiles of the on-disk cache: CuPy adds it to every RawModule it compiles."""
-
-CACHE_SUBDIR = "ttt_cupy"
-CACHE_FORMAT = 1
-
-
-def disk_cache_dir() -> Path | None:
-    """Where compiled programs persist between processes: ``ttt_cupy/`` in CuPy's kernel
-    cache directory (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``); None under
-    CuPy's ``CUPY_CACHE_IN_MEMORY=1`` (nothing written to disk)."""
-    if os.environ.get("CUPY_CACHE_IN_MEMORY", "").strip() == "1":
-        return None
-    root = os.environ.get("CUPY_CACHE_DIR")
-    if root is not None and not root.strip():
-        raise ValueError("CUPY_CACHE_DIR: expected a directory, got an empty value")
-    return Path(root or "~/.cupy/kernel_cache").expanduser() / CACHE_SUBDIR
-
-
-def _nvrtc_bindings():
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return None
-    return nvrtc
-
-
-class NvrtcError(RuntimeError):
-    """An NVRTC call of :func:`compile_cubin` failed; the message holds the log."""
-
-
-def _nvrtc_ok(result, what: str, nvrtc, prog=None):
-    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        log = ""
-        if prog is not None:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-        raise NvrtcError(f"NVRTC {what} failed ({result[0]}):\n"
-                           f"{bytes(log).decode(errors='replace')}")
-    return result[1:]
-
-
-def compile_cubin(code: str, names: list[str], options: tuple[str, ...], arch: str,
-                  nvrtc=None) -> tuple[bytes, dict[str, str]]:
-    """NVRTC (``cuda.bindings.nvrtc``): a cubin for sm_``arch`` and {name expression: lowered
-    name}. Raises :class:`NvrtcError`."""
-    nvrtc = nvrtc or _nvrtc_bindings()
-    (prog,) = _nvrtc_ok(nvrtc.nvrtcCreateProgram(code.encode(), b"ttt_cupy_pass.cu", 0, [],
-                                                 []), "nvrtcCreateProgram", nvrtc)
-    try:
-        for name in names:
-            _nvrtc_ok(nvrtc.nvrtcAddNameExpression(prog, name.encode()), name, nvrtc)
-        opts = [o.encode() for o in (*options, f"-arch=sm_{arch}")]
-        _nvrtc_ok(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile of {names}",
-                  nvrtc, prog)
-        lowered = {}
-        for name in names:
-            (low,) = _nvrtc_ok(nvrtc.nvrtcGetLoweredName(prog, name.encode()), name, nvrtc)
-            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
-        (size,) = _nvrtc_ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-        cubin = b" " * size
-        _nvrtc_ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", nvrtc)
-        return bytes(cubin), lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def cache_key(code: str, names: list[str], options: tuple[str, ...], arch: str,
-              nvrtc_version: tuple[int, int]) -> str:
-    """The on-disk cache's file stem: a hash of everything the cubin depends on."""
-    text = json.dumps([CACHE_FORMAT, code, names, list(options), arch, list(nvrtc_version)])
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def cached_cubin(directory: Path, code: str, names: list[str], options: tuple[str, ...],
-                 arch: str, nvrtc=None) -> tuple[Path, dict[str, str]]:
-    """The cubin file of one program in ``directory`` and its lowered names: read when a
-    complete entry is there (its hash checked), else compiled (:func:`compile_cubin`) and
-    written atomically (a temporary file renamed into place), cubin before its index."""
-    nvrtc = nvrtc or _nvrtc_bindings()
-    _, major, minor = nvrtc.nvrtcVersion()
-    stem = cache_key(code, names, options, arch, (major, minor))
-    cubin_path, index_path = directory / f"{stem}.cubin", directory / f"{stem}.json"
-    try:
-        index = json.loads(index_path.read_text())
-        if hashlib.sha256(cubin_path.read_bytes()).hexdigest() == index["sha256"]:
-            return cubin_path, index["names"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass                                     # missing, partial or stale: compile again
-    cubin, lowered = compile_cubin(code, names, options, arch, nvrtc)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise RuntimeError(f"cannot create the cupy kernel cache {directory} (CUPY_CACHE_DIR "
-                           f"sets its parent): {err}") from err
-    _write_atomically(cubin_path, cubin)
-    index = {"sha256": hashlib.sha256(cubin).hexdigest(), "names": lowered}
-    _write_atomically(index_path, json.dumps(index).encode())
-    return cubin_path, lowered
-
-
-def _driver_loads_cubins_of(nvrtc) -> bool:
-    """Whether the CUDA driver is at least as new as the major version of ``nvrtc`` (the
-    bindings module, or None), so that it loads that NVRTC's cubins."""
-    if nvrtc is None:
-        return False
-    import cupy
-
-    _, major, _ = nvrtc.nvrtcVersion()
-    return cupy.cuda.runtime.driverGetVersion() >= 1000 * major
-
-
-class _CachedProgram:
-    """A RawModule loaded from a cached cubin, asked for kernels by name expression."""
-
-    def __init__(self, module: Any, lowered: Mapping[str, str]) -> None:
-        self.module, self.lowered = module, dict(lowered)
-
-    def get_function(self, name: str) -> Any:
-        return self.module.get_function(self.lowered[name])
-
-
 @functools.cache
 def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> Any:
-    """One program per (pass, C++ type, D_PAD, BT, arch, mma), compiled now: through the
-    on-disk cache (:func:`cached_cubin`) where NVIDIA's NVRTC bindings are installed, else by
-    CuPy. ``arch`` (the device's compute capability, e.g. "90") is part of the key: the
-    program is compiled for the current device."""
+    """One RawModule per (pass, C++ type, D_PAD, BT, arch, mma), compiled now. ``arch`` (the
+    device's compute capability, e.g. "90") is part of the key: CuPy compiles for the current
+    device."""
     import cupy
 
     names = list(pass_names(pass_, ctype, dp, bt, mma).values())
-    options = NVRTC_OPTIONS + include_options()
-    directory = disk_cache_dir()
-    if directory is not None and _driver_loads_cubins_of(_nvrtc_bindings()):
-        try:
-            path, lowered = cached_cubin(directory, source(pass_), names,
-                                         options + CACHE_OPTIONS, arch)
-        except NvrtcError:
-            pass          # (an arch this NVRTC does not know): CuPy compiles it, or says why
-        else:
-            return _CachedProgram(cupy.RawModule(path=str(path)), lowered)
-    module = cupy.RawModule(code=source(pass_), options=options, name_expressions=names)
+    module = cupy.RawModule(code=source(pass_), options=NVRTC_OPTIONS + include_options(),
+                            name_expressions=names)
     try:
         module.compile()
     except cupy.cuda.compiler.CompileException as err:
