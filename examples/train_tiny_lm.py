@@ -1,6 +1,6 @@
 """Train a tiny character-level language model of TTT-Linear blocks, then generate.
 
-    python examples/train_tiny_lm.py                      # CPU: about a minute
+    python examples/train_tiny_lm.py                      # CPU, tiny size
     python examples/train_tiny_lm.py --device cuda --steps 2000 --width 256 --layers 4
     python examples/train_tiny_lm.py --text my.txt --backend reference --compile
 
