@@ -84,7 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--mini-batch", type=int, default=16, help="TTT inner mini-batch (chunk)")
     p.add_argument("--lr", type=float, default=5e-3)
-    p.add_argument("--backend", default=None, help="ttt backend (default: chosen by ttt)")
+    p.add_argument("--backend", default=None,
+                   help="ttt backend of the TTTLinear layers (default: chosen by ttt; of the "
+                        "built-in backends only reference takes the layer's calls)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("tiny_lm_out"),
