@@ -1,0 +1,614 @@
+"""Same-run A/B of two revisions of the ttt packages on one GPU: base against head.
+
+    python benchmarks/compare.py --base main                       # main -> this checkout
+    python benchmarks/compare.py --base-tree .ab/base --backends cupy --shapes 8,2048,12,64
+    python benchmarks/compare.py --base main --head my-branch --rounds 5 --out /tmp/ab
+    python benchmarks/compare.py --base main --device cpu --quick  # no GPU: checks the path
+
+Each side is a ``packages/`` tree: ``--base REV`` / ``--head REV`` extract git revision
+``REV``'s (``git archive REV packages``) into a temporary folder, ``--base-tree DIR`` /
+``--head DIR`` take a folder holding one, and the head is this checkout by default. Each side
+runs in a child process whose ``PYTHONPATH`` starts with that tree's
+``packages/{ttt,ttt-triton,ttt-cupy}/src`` (ahead of the editable installs); the child checks
+that ``ttt`` (and ``ttt_triton``, ``ttt_cupy``) come from its tree and exits otherwise. The
+measuring code is this checkout's ``benchmarks/`` (``run.measure``: the same inputs, timing
+and budget as ``run.py``) on both sides: only the packages differ.
+
+The two children take turns, cell by cell, for ``--rounds`` rounds (base first in even
+rounds, head first in odd ones), so that a drift of the clocks or of the machine's load hits
+both sides. Per backend, shape and pass (fwd, fwd+bwd) the table shows each side's median
+over the rounds of ``run.measure``'s median, its spread (min-max over the rounds), the ratio
+head/base and whether the two spreads overlap (then the ratio is within the noise).
+
+Correctness, before any timing: each side runs ``run.correctness`` (``o`` and the six
+gradients with float32 inputs, ``o`` with bfloat16 inputs, against that side's reference
+backend in float64, on a small shape) judged by the suite's ``TOLERANCES``; and per backend
+and timed shape, the head's ``o`` and gradients on the timed inputs (same seed, ``--dtype``)
+are compared with the base's: within twice the dtype's tolerance, the most two results
+within the tolerance of the same float64 answer can differ by.
+
+Exit status: 0 when every cell was measured on both sides and every check passed, 1 when a
+check failed or a cell could not be measured, 2 on a usage error (no CUDA device, a bad
+revision or tree). See benchmarks/README.md, "Comparing two revisions".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"ttt": "packages/ttt/src", "ttt_triton": "packages/ttt-triton/src",
+            "ttt_cupy": "packages/ttt-cupy/src"}
+"""Each package's module name -> its source folder inside a tree."""
+SIDES = ("base", "head")
+PASSES = (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms"))
+DEFAULT_BACKENDS = {"cuda": ["triton", "cupy"], "cpu": ["reference"]}
+DEFAULT_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
+CROSS_FACTOR = 2.0
+"""Head against base: bound = CROSS_FACTOR x the dtype's tolerance against the oracle."""
+
+
+class UsageError(Exception):
+    """A bad revision, tree or option: reported on stderr, exit status 2."""
+
+
+# ----------------------------------------------------------------------------- the two trees
+
+
+@dataclasses.dataclass
+class Side:
+    name: str            # "base" or "head"
+    tree: Path           # a folder holding packages/
+    label: str           # what the header says: the revision and its hash, or the folder
+
+
+def _git(*argv: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0:
+        raise UsageError(f"git {' '.join(argv)} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def extract_revision(rev: str, into: Path) -> Path:
+    """``packages/`` of git revision ``rev`` (``git archive REV packages``), under ``into``."""
+    _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "packages"],
+                             capture_output=True, check=True, timeout=120).stdout
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def check_tree(tree: Path, option: str) -> Path:
+    """``tree`` resolved, when it holds ``packages/ttt/src/ttt``; UsageError otherwise."""
+    tree = tree.expanduser().resolve()
+    if not (tree / PACKAGES["ttt"] / "ttt" / "__init__.py").is_file():
+        raise UsageError(f"{option}: expected a folder holding packages/ttt/src/ttt "
+                         f"(e.g. from git archive REV packages | tar -x -C DIR), got {tree}")
+    return tree
+
+
+def _tree_label(tree: Path) -> str:
+    """The folder, and the revision its REVISION file names (written when it was made)."""
+    stamp = tree / "REVISION"
+    if stamp.is_file():
+        return f"{tree} (REVISION: {stamp.read_text().strip()[:80]})"
+    return str(tree)
+
+
+def _checkout_label() -> str:
+    commit, dirty = run._git_commit()
+    state = {True: ", with uncommitted changes", False: "", None: ""}[dirty]
+    return f"this checkout {REPO} ({commit}{state})"
+
+
+def resolve_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
+    if args.base_tree is not None:
+        base = Side("base", check_tree(args.base_tree, "--base-tree"),
+                    _tree_label(check_tree(args.base_tree, "--base-tree")))
+    else:
+        tree = extract_revision(args.base, scratch / "base")
+        base = Side("base", tree, f"{args.base} ({_git('rev-parse', args.base)})")
+    if args.head is None:
+        head = Side("head", REPO, _checkout_label())
+    elif Path(args.head).is_dir():
+        tree = check_tree(Path(args.head), "--head")
+        head = Side("head", tree, _tree_label(tree))
+    else:
+        tree = extract_revision(args.head, scratch / "head")
+        head = Side("head", tree, f"{args.head} ({_git('rev-parse', args.head)})")
+    return [base, head]
+
+
+# ----------------------------------------------------------------------------- child process
+
+
+def import_problems(tree: Path) -> list[str]:
+    """Why this process's ttt packages are not the ones of ``tree`` (empty: they are)."""
+    import importlib
+
+    problems = []
+    for module_name, src in PACKAGES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            if (tree / src / module_name).is_dir():
+                problems.append(f"{module_name} is in {tree / src} but does not import")
+            continue
+        where = Path(module.__file__).resolve()
+        if not where.is_relative_to((tree / src).resolve()):
+            problems.append(f"{module_name} imports from {where}, not from {tree / src}")
+    return problems
+
+
+class Child:
+    """The measuring side of one tree: answers one JSON request per line (see ``serve``)."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        self.torch = torch
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = run.DTYPES[args.dtype]
+        self.providers: dict[str, object] = {}
+
+    def hello(self) -> dict:
+        from _providers import discover
+
+        import ttt
+
+        torch = self.torch
+        versions = {"python": sys.version.split()[0], "torch": torch.__version__,
+                    "cuda": torch.version.cuda or "none",
+                    "ttt": getattr(ttt, "__version__", "unknown")}
+        for name in ("triton", "cupy"):
+            try:
+                versions[name] = __import__(name).__version__
+            except Exception:  # noqa: BLE001 - absent or broken: a version string says so
+                versions[name] = "absent"
+        if self.device.type == "cuda":
+            device_name = torch.cuda.get_device_name(self.device)
+        else:
+            device_name = "CPU (times are a smoke test, not a benchmark)"
+        found = discover(self.args.backends, self.args.chunk_size)
+        self.providers = {p.name.removeprefix("ttt."): p for p in found.providers}
+        return {"ttt_file": ttt.__file__, "versions": versions, "device_name": device_name,
+                "driver": run._driver_version() if self.device.type == "cuda" else None,
+                "backends": sorted(self.providers), "skipped": found.skipped}
+
+    def check(self, backend: str) -> dict:
+        """``run.correctness`` of ``backend`` on the small shape, judged by TOLERANCES."""
+        from ttt.testing.tolerances import TOLERANCES
+
+        torch = self.torch
+        shape = run.CHECK_SHAPE_CPU if self.device.type == "cpu" else run.CHECK_SHAPE_CUDA
+        result = run.correctness(self.providers[backend], shape, self.args, self.device)
+        bounds = {"o_fp32": TOLERANCES[torch.float32][0],
+                  "o_bf16": TOLERANCES[torch.bfloat16][0]}
+        errors = {k: result[k] for k in bounds if k in result}
+        for name, value in result.get("grads_fp32", {}).items():
+            errors[f"{name}_fp32"] = value
+            bounds[f"{name}_fp32"] = TOLERANCES[torch.float32][1]
+        failed = [f"{k} {v:.2g} > {bounds[k]:.2g}" for k, v in errors.items()
+                  if not v <= bounds[k]]
+        if "o_fp32" not in errors:
+            failed.append(f"fp32 not checked: {result['status']}")
+        return {"shape": result["shape"], "errors": errors, "failed": failed,
+                "note": "" if result["status"] == "ok" else result["status"]}
+
+    def dump(self, backend: str, shape: list[int], path: str) -> dict:
+        """``o`` and the six gradients on the timed inputs of ``shape``, saved to ``path``."""
+        torch = self.torch
+        shape = tuple(shape)
+        provider = self.providers[backend]
+        leaves = run._grad_leaves(run.make_inputs(shape, self.dtype, self.device,
+                                                  self.args.seed))
+        reason = provider.support(*leaves, chunk_size=self.args.chunk_size)
+        if reason:
+            return {"status": f"unsupported: {reason}"}
+        o = provider.fn(*leaves)
+        do = run.make_cotangent(shape, self.dtype, self.device, self.args.seed)
+        grads = torch.autograd.grad(o, leaves, grad_outputs=do)
+        names = ("o", "dq", "dk", "dv", "dw", "db", "deta")
+        torch.save({n: t.detach().cpu() for n, t in zip(names, (o, *grads))}, path)
+        return {"status": "ok"}
+
+    def diff(self, mine: str, theirs: str) -> dict:
+        """Relative difference of each tensor of dump ``mine`` from dump ``theirs``."""
+        from ttt.testing.tolerances import TOLERANCES
+
+        torch = self.torch
+        a, b = torch.load(mine), torch.load(theirs)
+        out_tol, grad_tol = TOLERANCES[self.dtype]
+        errors = {n: run._rel(a[n], b[n]) for n in a}
+        bounds = {n: CROSS_FACTOR * (out_tol if n == "o" else grad_tol) for n in a}
+        failed = [f"{n} {errors[n]:.2g} > {bounds[n]:.2g}" for n in a
+                  if not errors[n] <= bounds[n]]
+        return {"errors": errors, "failed": failed}
+
+    def time(self, backend: str, shape: list[int]) -> dict:
+        row = run.measure(self.providers[backend], tuple(shape), self.args, self.device)
+        run._free(self.device)
+        return {"fwd_ms": row.fwd_ms, "fwdbwd_ms": row.fwdbwd_ms, "status": row.status}
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Child: check the imports, then answer each JSON request of stdin on one line."""
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                   # anything else printed goes to stderr, not the protocol
+    problems = import_problems(args.tree)
+    if problems:
+        print(f"compare.py ({args.side}): wrong packages: " + "; ".join(problems),
+              file=sys.stderr)
+        return 3
+    child = Child(args)
+
+    def reply(payload: dict) -> None:
+        protocol.write(json.dumps(payload) + "\n")
+        protocol.flush()
+
+    reply(child.hello())
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        try:
+            reply(getattr(child, op)(**request))
+        except Exception as exc:  # noqa: BLE001 - the parent records it in the cell
+            reply({"error": run._short_error(exc)})
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+class SideProcess:
+    """A running child for one side."""
+
+    def __init__(self, side: Side, args: argparse.Namespace, backends: list[str]):
+        self.side = side
+        env = dict(os.environ)
+        srcs = [str(side.tree / src) for src in PACKAGES.values()]
+        env["PYTHONPATH"] = os.pathsep.join(srcs + [p for p in [env.get("PYTHONPATH")] if p])
+        if args.device == "cpu" and "triton" in backends:
+            env["TRITON_INTERPRET"] = "1"     # the only way triton runs without a GPU
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve", side.name,
+                "--tree", str(side.tree), "--device", args.device, "--dtype", args.dtype,
+                "--chunk-size", str(args.chunk_size), "--seed", str(args.seed),
+                "--warmup", str(args.warmup), "--rep", str(args.rep),
+                "--min-iters", str(args.min_iters), "--backends", *backends]
+        if args.fwd_only:
+            argv.append("--fwd-only")
+        self.proc = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.side.name} child ({self.side.tree}) ended with "
+                               f"exit status {self.proc.wait()}; its stderr is above")
+        return json.loads(line)
+
+    def ask(self, op: str, **kwargs) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cross_checks(children: list[SideProcess], backends: list[str], shapes, scratch: Path,
+                 ) -> dict[tuple[str, tuple], dict]:
+    """Per (backend, shape): the head's outputs and gradients against the base's."""
+    results = {}
+    for backend in backends:
+        for shape in shapes:
+            paths = [str(scratch / f"{c.side.name}.pt") for c in children]
+            dumps = [c.ask("dump", backend=backend, shape=list(shape), path=p)
+                     for c, p in zip(children, paths)]
+            problems = [f"{c.side.name}: {d.get('error') or d['status']}"
+                        for c, d in zip(children, dumps) if d.get("status") != "ok"]
+            if problems:
+                results[backend, shape] = {"failed": [], "note": "; ".join(problems)}
+            else:
+                results[backend, shape] = children[1].ask("diff", mine=paths[1],
+                                                          theirs=paths[0])
+            for path in paths:
+                Path(path).unlink(missing_ok=True)
+    return results
+
+
+def time_rounds(children: list[SideProcess], backends: list[str], shapes,
+                rounds: int) -> dict[tuple[str, tuple], list[list[dict]]]:
+    """Per (backend, shape): [base's replies, head's replies], one per round, in turns."""
+    samples = {(b, s): [[], []] for b in backends for s in shapes}
+    for r in range(rounds):
+        for backend in backends:
+            for shape in shapes:
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
+                    reply = children[i].ask("time", backend=backend, shape=list(shape))
+                    samples[backend, shape][i].append(reply)
+                    _log(f"round {r + 1}/{rounds} {children[i].side.name} {backend} "
+                         f"{shape}: fwd {run._report.fmt(reply.get('fwd_ms'))} ms, fwd+bwd "
+                         f"{run._report.fmt(reply.get('fwdbwd_ms'))} ms "
+                         f"[{reply.get('error') or reply.get('status')}]")
+    return samples
+
+
+def summarise(replies: list[dict], key: str) -> dict | None:
+    """Median and min-max over the rounds of one side's ``key``; None if a round failed."""
+    values = [r.get(key) for r in replies]
+    if not values or any(v is None for v in values):
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": values}
+
+
+def build_rows(samples, checks_cross, args) -> list[dict]:
+    rows = []
+    for (backend, shape), (base, head) in samples.items():
+        cross = checks_cross.get((backend, shape), {})
+        for label, key in PASSES:
+            if key == "fwdbwd_ms" and args.fwd_only:
+                continue
+            b, h = summarise(base, key), summarise(head, key)
+            row = {"backend": backend, "shape": ",".join(map(str, shape)), "pass": label,
+                   "base": b, "head": h, "ratio": None, "overlap": None,
+                   "cross_check": cross,
+                   "status": _cell_status(base, head)}
+            if b and h:
+                row["ratio"] = h["median"] / b["median"]
+                row["overlap"] = h["min"] <= b["max"] and b["min"] <= h["max"]
+            rows.append(row)
+    return rows
+
+
+def _cell_status(base: list[dict], head: list[dict]) -> str:
+    notes = []
+    for name, replies in zip(SIDES, (base, head)):
+        bad = {r.get("error") or r["status"] for r in replies
+               if r.get("error") or r.get("status") != "ok"}
+        notes += [f"{name}: {text}" for text in sorted(bad)]
+    return "; ".join(notes) or "ok"
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _ms(summary: dict | None) -> str:
+    return "-" if summary is None else f"{summary['median']:.4g}"
+
+
+def _spread(summary: dict | None) -> str:
+    return "-" if summary is None else f"{summary['min']:.4g}-{summary['max']:.4g}"
+
+
+def _cross_text(cross: dict) -> str:
+    if cross.get("error"):
+        return f"error: {cross['error']}"
+    if cross.get("failed"):
+        return "FAIL: " + ", ".join(cross["failed"])
+    if cross.get("note"):
+        return f"not compared: {cross['note']}"
+    worst = max(cross.get("errors", {}).items(), key=lambda kv: kv[1], default=None)
+    return "-" if worst is None else f"ok (max {worst[0]} {worst[1]:.1e})"
+
+
+def header_text(meta: dict) -> str:
+    lines = [f"# A/B: base -> head, {meta['device_name']}", ""]
+    if meta["driver"]:
+        lines.append(f"- driver {meta['driver']}")
+    for name in SIDES:
+        side = meta["sides"][name]
+        versions = ", ".join(f"{k} {v}" for k, v in side["versions"].items())
+        lines.append(f"- {name}: {side['label']}; ttt from {side['ttt_file']}; {versions}")
+    lines.append(f"- dtype {meta['dtype']}, chunk size {meta['chunk_size']}, seed "
+                 f"{meta['seed']}, {meta['rounds']} rounds taking turns; {meta['timing']}")
+    lines.append(f"- exit status {meta['exit_status']}")
+    return "\n".join(lines)
+
+
+def checks_table(meta: dict) -> str:
+    lines = ["| side | backend | shape | worst error | result |", "|---|---|---|---|---|"]
+    for check in meta["oracle_checks"]:
+        worst = max(check.get("errors", {}).items(), key=lambda kv: kv[1], default=None)
+        worst_text = "-" if worst is None else f"{worst[0]} {worst[1]:.1e}"
+        if check.get("error"):
+            result = f"error: {check['error']}"
+        elif check["failed"]:
+            result = "FAIL: " + ", ".join(check["failed"])
+        else:
+            result = "ok" + (f" ({check['note']})" if check.get("note") else "")
+        lines.append(f"| {check['side']} | {check['backend']} | {check.get('shape', '-')} "
+                     f"| {worst_text} | {result} |")
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| backend | B,T,H,D | pass | base ms | base min-max | head ms | head min-max "
+             "| head/base | spreads overlap | head vs base outputs | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        overlap = {None: "-", True: "yes (noise)", False: "no"}[row["overlap"]]
+        lines.append(f"| {row['backend']} | {row['shape']} | {row['pass']} | "
+                     f"{_ms(row['base'])} | {_spread(row['base'])} | {_ms(row['head'])} | "
+                     f"{_spread(row['head'])} | {ratio} | {overlap} | "
+                     f"{_cross_text(row['cross_check'])} | {row['status']} |")
+    return "\n".join(lines)
+
+
+def report_text(meta: dict, rows: list[dict]) -> str:
+    return (f"{header_text(meta)}\n\nEach side against its reference backend in float64 "
+            f"(suite tolerances):\n\n{checks_table(meta)}\n\nTimes (ms; median and min-max "
+            f"over the rounds of each round's median):\n\n{markdown_table(rows)}\n")
+
+
+def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(report_text(meta, rows))
+    (out / "compare.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1)
+                                      + "\n")
+    _log(f"wrote {out / 'compare.md'} and {out / 'compare.json'}")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--base", metavar="REV", help="git revision of the base side")
+    base.add_argument("--base-tree", type=Path, metavar="DIR",
+                      help="a folder holding the base's packages/ (a copy without .git)")
+    p.add_argument("--head", metavar="DIR_OR_REV",
+                   help="a folder holding packages/, or a git revision (default: this "
+                        "checkout)")
+    p.add_argument("--shapes", nargs="+", type=run.parse_shape, metavar="B,T,H,D",
+                   help="default: run.py's anchor shapes (one tiny shape with --quick)")
+    p.add_argument("--backends", nargs="+", metavar="NAME",
+                   help="ttt backends (default: triton cupy; reference with --device cpu)")
+    p.add_argument("--dtype", choices=sorted(run.DTYPES),
+                   help="default bf16 (fp32 with --device cpu)")
+    p.add_argument("--chunk-size", type=int, default=16, help="default 16")
+    p.add_argument("--rounds", type=int, default=3, help="turns of the two sides (default 3)")
+    p.add_argument("--fwd-only", action="store_true", help="skip the fwd+bwd timings")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, short timings")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu only with --quick: checks the path, the times mean nothing")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--warmup", type=float, help="ms per measurement (run.py's default)")
+    p.add_argument("--rep", type=float, help="ms per measurement (run.py's default)")
+    p.add_argument("--min-iters", type=int, help="fewest timed calls (run.py's default)")
+    p.add_argument("--out", type=Path, help="also write compare.md and compare.json here")
+    p.add_argument("--serve", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def _complete(args: argparse.Namespace) -> None:
+    """Defaults that depend on other options; UsageError for bad combinations."""
+    if args.base is None and args.base_tree is None:
+        raise UsageError("give --base REV or --base-tree DIR")
+    if args.device == "cpu" and not args.quick:
+        raise UsageError("--device cpu only checks the path: add --quick")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.chunk_size < 1:
+        raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
+    args.dtype = args.dtype or DEFAULT_DTYPE[args.device]
+    args.warmup = args.warmup if args.warmup is not None else (10.0 if args.quick else 50.0)
+    args.rep = args.rep if args.rep is not None else (30.0 if args.quick else 300.0)
+    args.min_iters = args.min_iters if args.min_iters is not None else (3 if args.quick else 10)
+    args.backends = [n for item in args.backends or DEFAULT_BACKENDS[args.device]
+                     for n in item.split(",") if n.strip()]
+    if not args.shapes:
+        quick = run.QUICK_SHAPES_CPU if args.device == "cpu" else run.QUICK_SHAPES_CUDA
+        args.shapes = quick if args.quick else run.SHAPES
+
+
+def compare(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("no CUDA device here; use --device cpu --quick to check the path")
+    with tempfile.TemporaryDirectory(prefix="ttt-compare-") as tmp:
+        scratch = Path(tmp)
+        sides = resolve_sides(args, scratch)
+        children = []
+        try:
+            for side in sides:
+                children.append(SideProcess(side, args, args.backends))
+                _log(f"{side.name}: ttt from {children[-1].hello['ttt_file']}")
+            return _measure_and_report(args, children, scratch)
+        finally:
+            for child in children:
+                child.close()
+
+
+def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int:
+    backends = [b for b in args.backends
+                if all(b in c.hello["backends"] for c in children)]
+    for child in children:
+        for name, why in child.hello["skipped"].items():
+            _log(f"{child.side.name}: skip {name}: {why}")
+    if not backends:
+        _log("compare.py: no backend runs on both sides; see the lines above")
+        return 1
+    oracle = []
+    for backend in backends:
+        for child in children:
+            _log(f"check {child.side.name} {backend} against its float64 reference ...")
+            check = child.ask("check", backend=backend)
+            oracle.append({"side": child.side.name, "backend": backend,
+                           "failed": [], **check})
+    _log("compare head's outputs and gradients with base's on the timed shapes ...")
+    cross = cross_checks(children, backends, args.shapes, scratch)
+    samples = time_rounds(children, backends, args.shapes, args.rounds)
+    rows = build_rows(samples, cross, args)
+
+    failed = (any(c["failed"] or c.get("error") for c in oracle)
+              or any(x.get("failed") or x.get("error") for x in cross.values())
+              or any(r["status"] != "ok" or r["ratio"] is None for r in rows)
+              or len(backends) < len(args.backends))
+    hello = children[0].hello
+    meta = {"device_name": hello["device_name"], "driver": hello["driver"],
+            "sides": {c.side.name: {"label": c.side.label, "tree": str(c.side.tree),
+                                    "ttt_file": c.hello["ttt_file"],
+                                    "versions": c.hello["versions"]} for c in children},
+            "dtype": args.dtype, "chunk_size": args.chunk_size, "seed": args.seed,
+            "rounds": args.rounds, "backends": backends, "argv": sys.argv[1:],
+            "timing": _timing_text(args), "oracle_checks": oracle,
+            "exit_status": 1 if failed else 0}
+    if args.out:
+        write_outputs(args.out, meta, rows)
+    print(report_text(meta, rows), end="")
+    return meta["exit_status"]
+
+
+def _timing_text(args: argparse.Namespace) -> str:
+    if args.device == "cpu":
+        return "wall clock on CPU: a check of the path, not a benchmark"
+    return (f"run.measure: triton.testing.do_bench median, L2 flushed, warm-up "
+            f"{args.warmup:g} ms, timed >= {args.rep:g} ms and >= {args.min_iters} calls")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.serve:
+        return serve(args)
+    try:
+        _complete(args)
+        return compare(args)
+    except UsageError as exc:
+        _log(f"compare.py: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
