@@ -28,8 +28,9 @@ are compared with the base's: within twice the dtype's tolerance, the most two r
 within the tolerance of the same float64 answer can differ by.
 
 Exit status: 0 when every cell was measured on both sides and every check passed, 1 when a
-check failed or a cell could not be measured, 2 on a usage error (no CUDA device, a bad
-revision or tree). See benchmarks/README.md, "Comparing two revisions".
+check failed or a cell could not be measured, 2 when it cannot run (no CUDA device, a bad
+revision or tree, a side whose packages do not come from its tree, a child process that
+died). See benchmarks/README.md, "Comparing two revisions".
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ CROSS_FACTOR = 2.0
 
 
 class UsageError(Exception):
-    """A bad revision, tree or option: reported on stderr, exit status 2."""
+    """A bad revision, tree or option, or a child that died: on stderr, exit status 2."""
 
 
 # ----------------------------------------------------------------------------- the two trees
@@ -141,19 +142,22 @@ def resolve_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
 
 def import_problems(tree: Path) -> list[str]:
     """Why this process's ttt packages are not the ones of ``tree`` (empty: they are)."""
-    import importlib
+    import importlib.util
 
     problems = []
     for module_name, src in PACKAGES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
+        if module_name in sys.modules:                  # imported already (ttt, by run)
+            origin = sys.modules[module_name].__file__
+        else:                                           # where it would come from
+            spec = importlib.util.find_spec(module_name)
+            origin = spec.origin if spec is not None else None
+        if origin is None:
             if (tree / src / module_name).is_dir():
-                problems.append(f"{module_name} is in {tree / src} but does not import")
+                problems.append(f"{module_name} is in {tree / src} but not found")
             continue
-        where = Path(module.__file__).resolve()
+        where = Path(origin).resolve()
         if not where.is_relative_to((tree / src).resolve()):
-            problems.append(f"{module_name} imports from {where}, not from {tree / src}")
+            problems.append(f"{module_name} comes from {where}, not from {tree / src}")
     return problems
 
 
@@ -210,7 +214,8 @@ class Child:
                   if not v <= bounds[k]]
         if "o_fp32" not in errors:
             failed.append(f"fp32 not checked: {result['status']}")
-        return {"shape": result["shape"], "errors": errors, "failed": failed,
+        return {"shape": result["shape"], "errors": errors,
+                "bounds": {k: bounds[k] for k in errors}, "failed": failed,
                 "note": "" if result["status"] == "ok" else result["status"]}
 
     def dump(self, backend: str, shape: list[int], path: str) -> dict:
@@ -241,7 +246,7 @@ class Child:
         bounds = {n: CROSS_FACTOR * (out_tol if n == "o" else grad_tol) for n in a}
         failed = [f"{n} {errors[n]:.2g} > {bounds[n]:.2g}" for n in a
                   if not errors[n] <= bounds[n]]
-        return {"errors": errors, "failed": failed}
+        return {"errors": errors, "bounds": bounds, "failed": failed}
 
     def time(self, backend: str, shape: list[int]) -> dict:
         row = run.measure(self.providers[backend], tuple(shape), self.args, self.device)
@@ -255,7 +260,7 @@ def serve(args: argparse.Namespace) -> int:
     os.dup2(2, 1)                   # anything else printed goes to stderr, not the protocol
     problems = import_problems(args.tree)
     if problems:
-        print(f"compare.py ({args.side}): wrong packages: " + "; ".join(problems),
+        print(f"compare.py ({args.serve} side): wrong packages: " + "; ".join(problems),
               file=sys.stderr)
         return 3
     child = Child(args)
@@ -302,8 +307,8 @@ class SideProcess:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.side.name} child ({self.side.tree}) ended with "
-                               f"exit status {self.proc.wait()}; its stderr is above")
+            raise UsageError(f"the {self.side.name} side's child process ({self.side.tree}) "
+                             f"ended with exit status {self.proc.wait()}; its stderr is above")
         return json.loads(line)
 
     def ask(self, op: str, **kwargs) -> dict:
@@ -382,6 +387,7 @@ def build_rows(samples, checks_cross, args) -> list[dict]:
                    "status": _cell_status(base, head)}
             if b and h:
                 row["ratio"] = h["median"] / b["median"]
+            if b and h and args.rounds > 1:
                 row["overlap"] = h["min"] <= b["max"] and b["min"] <= h["max"]
             rows.append(row)
     return rows
@@ -407,6 +413,15 @@ def _spread(summary: dict | None) -> str:
     return "-" if summary is None else f"{summary['min']:.4g}-{summary['max']:.4g}"
 
 
+def _worst(check: dict) -> str:
+    """The error nearest its bound: 'name error / bound', or '-'."""
+    errors, bounds = check.get("errors", {}), check.get("bounds", {})
+    if not errors:
+        return "-"
+    name = max(errors, key=lambda n: errors[n] / bounds[n])
+    return f"{name} {errors[name]:.1e} / {bounds[name]:.0e}"
+
+
 def _cross_text(cross: dict) -> str:
     if cross.get("error"):
         return f"error: {cross['error']}"
@@ -414,8 +429,7 @@ def _cross_text(cross: dict) -> str:
         return "FAIL: " + ", ".join(cross["failed"])
     if cross.get("note"):
         return f"not compared: {cross['note']}"
-    worst = max(cross.get("errors", {}).items(), key=lambda kv: kv[1], default=None)
-    return "-" if worst is None else f"ok (max {worst[0]} {worst[1]:.1e})"
+    return f"ok ({_worst(cross)})"
 
 
 def header_text(meta: dict) -> str:
@@ -433,10 +447,10 @@ def header_text(meta: dict) -> str:
 
 
 def checks_table(meta: dict) -> str:
-    lines = ["| side | backend | shape | worst error | result |", "|---|---|---|---|---|"]
+    lines = ["| side | backend | shape | error nearest its bound | result |",
+             "|---|---|---|---|---|"]
     for check in meta["oracle_checks"]:
-        worst = max(check.get("errors", {}).items(), key=lambda kv: kv[1], default=None)
-        worst_text = "-" if worst is None else f"{worst[0]} {worst[1]:.1e}"
+        worst_text = _worst(check)
         if check.get("error"):
             result = f"error: {check['error']}"
         elif check["failed"]:
