@@ -57,6 +57,9 @@ PACKAGES = {"ttt": "packages/ttt/src", "ttt_triton": "packages/ttt-triton/src",
 """Each package's module name -> its source folder inside a tree."""
 SIDES = ("base", "head")
 PASSES = (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms"))
+HOST_PASSES = (("host fwd", "host_fwd_ms"), ("host bwd", "host_bwd_ms"),
+               ("wall fwd+bwd", "wall_ms"))
+"""--host: host_time.host_times' three figures."""
 DEFAULT_BACKENDS = {"cuda": ["triton", "cupy"], "cpu": ["reference"]}
 DEFAULT_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
 CROSS_FACTOR = 2.0
@@ -248,6 +251,16 @@ class Child:
                   if not errors[n] <= bounds[n]]
         return {"errors": errors, "bounds": bounds, "failed": failed}
 
+    def host(self, backend: str, shape: list[int]) -> dict:
+        """``host_time.host_times``: host ms per forward and backward, wall ms per both."""
+        import host_time
+
+        self.providers[backend]             # a KeyError for a backend not found here
+        fwd, bwd, wall = host_time.host_times(
+            backend, tuple(shape), self.args.iters, self.args.host_warmup, self.dtype,
+            self.args.chunk_size, self.device)
+        return {"host_fwd_ms": fwd, "host_bwd_ms": bwd, "wall_ms": wall, "status": "ok"}
+
     def time(self, backend: str, shape: list[int]) -> dict:
         row = run.measure(self.providers[backend], tuple(shape), self.args, self.device)
         run._free(self.device)
@@ -297,7 +310,8 @@ class SideProcess:
                 "--tree", str(side.tree), "--device", args.device, "--dtype", args.dtype,
                 "--chunk-size", str(args.chunk_size), "--seed", str(args.seed),
                 "--warmup", str(args.warmup), "--rep", str(args.rep),
-                "--min-iters", str(args.min_iters), "--backends", *backends]
+                "--min-iters", str(args.min_iters), "--iters", str(args.iters),
+                "--host-warmup", str(args.host_warmup), "--backends", *backends]
         if args.fwd_only:
             argv.append("--fwd-only")
         self.proc = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE,
@@ -347,20 +361,21 @@ def cross_checks(children: list[SideProcess], backends: list[str], shapes, scrat
     return results
 
 
-def time_rounds(children: list[SideProcess], backends: list[str], shapes,
-                rounds: int) -> dict[tuple[str, tuple], list[list[dict]]]:
+def time_rounds(children: list[SideProcess], backends: list[str], shapes, rounds: int,
+                host: bool) -> dict[tuple[str, tuple], list[list[dict]]]:
     """Per (backend, shape): [base's replies, head's replies], one per round, in turns."""
     samples = {(b, s): [[], []] for b in backends for s in shapes}
+    op, passes = ("host", HOST_PASSES) if host else ("time", PASSES)
     for r in range(rounds):
         for backend in backends:
             for shape in shapes:
                 for i in (0, 1) if r % 2 == 0 else (1, 0):
-                    reply = children[i].ask("time", backend=backend, shape=list(shape))
+                    reply = children[i].ask(op, backend=backend, shape=list(shape))
                     samples[backend, shape][i].append(reply)
+                    figures = ", ".join(f"{label} {run._report.fmt(reply.get(key))} ms"
+                                        for label, key in passes)
                     _log(f"round {r + 1}/{rounds} {children[i].side.name} {backend} "
-                         f"{shape}: fwd {run._report.fmt(reply.get('fwd_ms'))} ms, fwd+bwd "
-                         f"{run._report.fmt(reply.get('fwdbwd_ms'))} ms "
-                         f"[{reply.get('error') or reply.get('status')}]")
+                         f"{shape}: {figures} [{reply.get('error') or reply.get('status')}]")
     return samples
 
 
@@ -377,7 +392,7 @@ def build_rows(samples, checks_cross, args) -> list[dict]:
     rows = []
     for (backend, shape), (base, head) in samples.items():
         cross = checks_cross.get((backend, shape), {})
-        for label, key in PASSES:
+        for label, key in HOST_PASSES if args.host else PASSES:
             if key == "fwdbwd_ms" and args.fwd_only:
                 continue
             b, h = summarise(base, key), summarise(head, key)
@@ -478,8 +493,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 def report_text(meta: dict, rows: list[dict]) -> str:
     return (f"{header_text(meta)}\n\nEach side against its reference backend in float64 "
-            f"(suite tolerances):\n\n{checks_table(meta)}\n\nTimes (ms; median and min-max "
-            f"over the rounds of each round's median):\n\n{markdown_table(rows)}\n")
+            f"(suite tolerances):\n\n{checks_table(meta)}\n\nTimes (ms; per side the median and "
+            f"the min-max over the rounds):\n\n{markdown_table(rows)}\n")
 
 
 def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -519,6 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="ms per measurement (run.py's default)")
     p.add_argument("--rep", type=float, help="ms per measurement (run.py's default)")
     p.add_argument("--min-iters", type=int, help="fewest timed calls (run.py's default)")
+    p.add_argument("--host", action="store_true",
+                   help="time host_time.py's figures instead: host ms of one forward and "
+                        "of one backward (until the call returns), wall ms of both")
+    p.add_argument("--iters", type=int,
+                   help="with --host: calls per measurement (default 20; 3 with --quick)")
+    p.add_argument("--host-warmup", type=int,
+                   help="with --host: untimed calls first (default 3; 1 with --quick)")
     p.add_argument("--out", type=Path, help="also write compare.md and compare.json here")
     p.add_argument("--serve", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
@@ -539,6 +561,12 @@ def _complete(args: argparse.Namespace) -> None:
     args.warmup = args.warmup if args.warmup is not None else (10.0 if args.quick else 50.0)
     args.rep = args.rep if args.rep is not None else (30.0 if args.quick else 300.0)
     args.min_iters = args.min_iters if args.min_iters is not None else (3 if args.quick else 10)
+    args.iters = args.iters if args.iters is not None else (3 if args.quick else 20)
+    args.host_warmup = args.host_warmup if args.host_warmup is not None else (
+        1 if args.quick else 3)
+    if args.iters < 1 or args.host_warmup < 0:
+        raise UsageError(f"--iters must be at least 1 and --host-warmup at least 0, got "
+                         f"{args.iters} and {args.host_warmup}")
     args.backends = [n for item in args.backends or DEFAULT_BACKENDS[args.device]
                      for n in item.split(",") if n.strip()]
     if not args.shapes:
@@ -583,7 +611,7 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
                            "failed": [], **check})
     _log("compare head's outputs and gradients with base's on the timed shapes ...")
     cross = cross_checks(children, backends, args.shapes, scratch)
-    samples = time_rounds(children, backends, args.shapes, args.rounds)
+    samples = time_rounds(children, backends, args.shapes, args.rounds, args.host)
     rows = build_rows(samples, cross, args)
 
     failed = (any(c["failed"] or c.get("error") for c in oracle)
@@ -606,6 +634,9 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
 
 
 def _timing_text(args: argparse.Namespace) -> str:
+    if args.host:
+        return (f"host_time.host_times: {args.iters} calls after {args.host_warmup} untimed; "
+                f"host ms until each call returns, wall ms of fwd+bwd")
     if args.device == "cpu":
         return "wall clock on CPU: a check of the path, not a benchmark"
     return (f"run.measure: triton.testing.do_bench median, L2 flushed, warm-up "
