@@ -12,7 +12,7 @@
 # so prepare the base on your machine, from the repository root:
 #   mkdir -p .ab/base && git archive REV packages | tar -x -C .ab/base
 #   git rev-parse REV > .ab/base/REVISION          # the header names the base by it
-#   echo .ab >> .git/info/exclude                  # once: git ignores .ab, the tool carries it
+#   echo .ab >> "$(git rev-parse --git-path info/exclude)"   # once: git ignores .ab
 # then call with carry=[".whl", ".ab"], e.g. `TTT_COMMIT=$(git rev-parse HEAD) bash .ci/gpu.sh
 # info compare`; COMPARE_ARGS adds options (e.g. "--backends cupy --shapes 8,2048,12,64").
 set -euo pipefail

@@ -232,8 +232,10 @@ class Child:
         if reason:
             return {"status": f"unsupported: {reason}"}
         o = provider.fn(*leaves)
-        do = run.make_cotangent(shape, self.dtype, self.device, self.args.seed)
-        grads = torch.autograd.grad(o, leaves, grad_outputs=do)
+        grads = ()
+        if not self.args.fwd_only:
+            do = run.make_cotangent(shape, self.dtype, self.device, self.args.seed)
+            grads = torch.autograd.grad(o, leaves, grad_outputs=do)
         names = ("o", "dq", "dk", "dv", "dw", "db", "deta")
         torch.save({n: t.detach().cpu() for n, t in zip(names, (o, *grads))}, path)
         return {"status": "ok"}
@@ -333,7 +335,11 @@ class SideProcess:
     def close(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _log(message: str) -> None:
