@@ -19,6 +19,8 @@ rounds, head first in odd ones), so that a drift of the clocks or of the machine
 both sides. Per backend, shape and pass (fwd, fwd+bwd) the table shows each side's median
 over the rounds of ``run.measure``'s median, its spread (min-max over the rounds), the ratio
 head/base and whether the two spreads overlap (then the ratio is within the noise).
+``--host`` times ``host_time.host_times`` instead: the host ms of one forward and of one
+backward (until the call returns) and the wall ms of both.
 
 Correctness, before any timing: each side runs ``run.correctness`` (``o`` and the six
 gradients with float32 inputs, ``o`` with bfloat16 inputs, against that side's reference
@@ -49,21 +51,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _ab_child  # noqa: E402
+import _ab_report  # noqa: E402
 import run  # noqa: E402
+from _ab_report import SIDES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = {"ttt": "packages/ttt/src", "ttt_triton": "packages/ttt-triton/src",
-            "ttt_cupy": "packages/ttt-cupy/src"}
-"""Each package's module name -> its source folder inside a tree."""
-SIDES = ("base", "head")
 PASSES = (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms"))
 HOST_PASSES = (("host fwd", "host_fwd_ms"), ("host bwd", "host_bwd_ms"),
                ("wall fwd+bwd", "wall_ms"))
 """--host: host_time.host_times' three figures."""
 DEFAULT_BACKENDS = {"cuda": ["triton", "cupy"], "cpu": ["reference"]}
 DEFAULT_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
-CROSS_FACTOR = 2.0
-"""Head against base: bound = CROSS_FACTOR x the dtype's tolerance against the oracle."""
 
 
 class UsageError(Exception):
@@ -102,7 +101,7 @@ def extract_revision(rev: str, into: Path) -> Path:
 def check_tree(tree: Path, option: str) -> Path:
     """``tree`` resolved, when it holds ``packages/ttt/src/ttt``; UsageError otherwise."""
     tree = tree.expanduser().resolve()
-    if not (tree / PACKAGES["ttt"] / "ttt" / "__init__.py").is_file():
+    if not (tree / _ab_child.PACKAGES["ttt"] / "ttt" / "__init__.py").is_file():
         raise UsageError(f"{option}: expected a folder holding packages/ttt/src/ttt "
                          f"(e.g. from git archive REV packages | tar -x -C DIR), got {tree}")
     return tree
@@ -142,159 +141,6 @@ def resolve_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
 
 # ----------------------------------------------------------------------------- child process
 
-
-def import_problems(tree: Path) -> list[str]:
-    """Why this process's ttt packages are not the ones of ``tree`` (empty: they are)."""
-    import importlib.util
-
-    problems = []
-    for module_name, src in PACKAGES.items():
-        if module_name in sys.modules:                  # imported already (ttt, by run)
-            origin = sys.modules[module_name].__file__
-        else:                                           # where it would come from
-            spec = importlib.util.find_spec(module_name)
-            origin = spec.origin if spec is not None else None
-        if origin is None:
-            if (tree / src / module_name).is_dir():
-                problems.append(f"{module_name} is in {tree / src} but not found")
-            continue
-        where = Path(origin).resolve()
-        if not where.is_relative_to((tree / src).resolve()):
-            problems.append(f"{module_name} comes from {where}, not from {tree / src}")
-    return problems
-
-
-class Child:
-    """The measuring side of one tree: answers one JSON request per line (see ``serve``)."""
-
-    def __init__(self, args: argparse.Namespace):
-        import torch
-
-        self.torch = torch
-        self.args = args
-        self.device = torch.device(args.device)
-        self.dtype = run.DTYPES[args.dtype]
-        self.providers: dict[str, object] = {}
-
-    def hello(self) -> dict:
-        from _providers import discover
-
-        import ttt
-
-        torch = self.torch
-        versions = {"python": sys.version.split()[0], "torch": torch.__version__,
-                    "cuda": torch.version.cuda or "none",
-                    "ttt": getattr(ttt, "__version__", "unknown")}
-        for name in ("triton", "cupy"):
-            try:
-                versions[name] = __import__(name).__version__
-            except Exception:  # noqa: BLE001 - absent or broken: a version string says so
-                versions[name] = "absent"
-        if self.device.type == "cuda":
-            device_name = torch.cuda.get_device_name(self.device)
-        else:
-            device_name = "CPU (times are a smoke test, not a benchmark)"
-        found = discover(self.args.backends, self.args.chunk_size)
-        self.providers = {p.name.removeprefix("ttt."): p for p in found.providers}
-        return {"ttt_file": ttt.__file__, "versions": versions, "device_name": device_name,
-                "driver": run._driver_version() if self.device.type == "cuda" else None,
-                "backends": sorted(self.providers), "skipped": found.skipped}
-
-    def check(self, backend: str) -> dict:
-        """``run.correctness`` of ``backend`` on the small shape, judged by TOLERANCES."""
-        from ttt.testing.tolerances import TOLERANCES
-
-        torch = self.torch
-        shape = run.CHECK_SHAPE_CPU if self.device.type == "cpu" else run.CHECK_SHAPE_CUDA
-        result = run.correctness(self.providers[backend], shape, self.args, self.device)
-        bounds = {"o_fp32": TOLERANCES[torch.float32][0],
-                  "o_bf16": TOLERANCES[torch.bfloat16][0]}
-        errors = {k: result[k] for k in bounds if k in result}
-        for name, value in result.get("grads_fp32", {}).items():
-            errors[f"{name}_fp32"] = value
-            bounds[f"{name}_fp32"] = TOLERANCES[torch.float32][1]
-        failed = [f"{k} {v:.2g} > {bounds[k]:.2g}" for k, v in errors.items()
-                  if not v <= bounds[k]]
-        if "o_fp32" not in errors:
-            failed.append(f"fp32 not checked: {result['status']}")
-        return {"shape": result["shape"], "errors": errors,
-                "bounds": {k: bounds[k] for k in errors}, "failed": failed,
-                "note": "" if result["status"] == "ok" else result["status"]}
-
-    def dump(self, backend: str, shape: list[int], path: str) -> dict:
-        """``o`` and the six gradients on the timed inputs of ``shape``, saved to ``path``."""
-        torch = self.torch
-        shape = tuple(shape)
-        provider = self.providers[backend]
-        leaves = run._grad_leaves(run.make_inputs(shape, self.dtype, self.device,
-                                                  self.args.seed))
-        reason = provider.support(*leaves, chunk_size=self.args.chunk_size)
-        if reason:
-            return {"status": f"unsupported: {reason}"}
-        o = provider.fn(*leaves)
-        grads = ()
-        if not self.args.fwd_only:
-            do = run.make_cotangent(shape, self.dtype, self.device, self.args.seed)
-            grads = torch.autograd.grad(o, leaves, grad_outputs=do)
-        names = ("o", "dq", "dk", "dv", "dw", "db", "deta")
-        torch.save({n: t.detach().cpu() for n, t in zip(names, (o, *grads))}, path)
-        return {"status": "ok"}
-
-    def diff(self, mine: str, theirs: str) -> dict:
-        """Relative difference of each tensor of dump ``mine`` from dump ``theirs``."""
-        from ttt.testing.tolerances import TOLERANCES
-
-        torch = self.torch
-        a, b = torch.load(mine), torch.load(theirs)
-        out_tol, grad_tol = TOLERANCES[self.dtype]
-        errors = {n: run._rel(a[n], b[n]) for n in a}
-        bounds = {n: CROSS_FACTOR * (out_tol if n == "o" else grad_tol) for n in a}
-        failed = [f"{n} {errors[n]:.2g} > {bounds[n]:.2g}" for n in a
-                  if not errors[n] <= bounds[n]]
-        return {"errors": errors, "bounds": bounds, "failed": failed}
-
-    def host(self, backend: str, shape: list[int]) -> dict:
-        """``host_time.host_times``: host ms per forward and backward, wall ms per both."""
-        import host_time
-
-        self.providers[backend]             # a KeyError for a backend not found here
-        fwd, bwd, wall = host_time.host_times(
-            backend, tuple(shape), self.args.iters, self.args.host_warmup, self.dtype,
-            self.args.chunk_size, self.device)
-        return {"host_fwd_ms": fwd, "host_bwd_ms": bwd, "wall_ms": wall, "status": "ok"}
-
-    def time(self, backend: str, shape: list[int]) -> dict:
-        row = run.measure(self.providers[backend], tuple(shape), self.args, self.device)
-        run._free(self.device)
-        return {"fwd_ms": row.fwd_ms, "fwdbwd_ms": row.fwdbwd_ms, "status": row.status}
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Child: check the imports, then answer each JSON request of stdin on one line."""
-    protocol = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)                   # anything else printed goes to stderr, not the protocol
-    problems = import_problems(args.tree)
-    if problems:
-        print(f"compare.py ({args.serve} side): wrong packages: " + "; ".join(problems),
-              file=sys.stderr)
-        return 3
-    child = Child(args)
-
-    def reply(payload: dict) -> None:
-        protocol.write(json.dumps(payload) + "\n")
-        protocol.flush()
-
-    reply(child.hello())
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.pop("op")
-        try:
-            reply(getattr(child, op)(**request))
-        except Exception as exc:  # noqa: BLE001 - the parent records it in the cell
-            reply({"error": run._short_error(exc)})
-    return 0
-
-
 # ----------------------------------------------------------------------------- parent
 
 
@@ -304,7 +150,7 @@ class SideProcess:
     def __init__(self, side: Side, args: argparse.Namespace, backends: list[str]):
         self.side = side
         env = dict(os.environ)
-        srcs = [str(side.tree / src) for src in PACKAGES.values()]
+        srcs = [str(side.tree / src) for src in _ab_child.PACKAGES.values()]
         env["PYTHONPATH"] = os.pathsep.join(srcs + [p for p in [env.get("PYTHONPATH")] if p])
         if args.device == "cpu" and "triton" in backends:
             env["TRITON_INTERPRET"] = "1"     # the only way triton runs without a GPU
@@ -421,94 +267,6 @@ def _cell_status(base: list[dict], head: list[dict]) -> str:
                if r.get("error") or r.get("status") != "ok"}
         notes += [f"{name}: {text}" for text in sorted(bad)]
     return "; ".join(notes) or "ok"
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _ms(summary: dict | None) -> str:
-    return "-" if summary is None else f"{summary['median']:.4g}"
-
-
-def _spread(summary: dict | None) -> str:
-    return "-" if summary is None else f"{summary['min']:.4g}-{summary['max']:.4g}"
-
-
-def _worst(check: dict) -> str:
-    """The error nearest its bound: 'name error / bound', or '-'."""
-    errors, bounds = check.get("errors", {}), check.get("bounds", {})
-    if not errors:
-        return "-"
-    name = max(errors, key=lambda n: errors[n] / bounds[n])
-    return f"{name} {errors[name]:.1e} / {bounds[name]:.0e}"
-
-
-def _cross_text(cross: dict) -> str:
-    if cross.get("error"):
-        return f"error: {cross['error']}"
-    if cross.get("failed"):
-        return "FAIL: " + ", ".join(cross["failed"])
-    if cross.get("note"):
-        return f"not compared: {cross['note']}"
-    return f"ok ({_worst(cross)})"
-
-
-def header_text(meta: dict) -> str:
-    lines = [f"# A/B: base -> head, {meta['device_name']}", ""]
-    if meta["driver"]:
-        lines.append(f"- driver {meta['driver']}")
-    for name in SIDES:
-        side = meta["sides"][name]
-        versions = ", ".join(f"{k} {v}" for k, v in side["versions"].items())
-        lines.append(f"- {name}: {side['label']}; ttt from {side['ttt_file']}; {versions}")
-    lines.append(f"- dtype {meta['dtype']}, chunk size {meta['chunk_size']}, seed "
-                 f"{meta['seed']}, {meta['rounds']} rounds taking turns; {meta['timing']}")
-    lines.append(f"- exit status {meta['exit_status']}")
-    return "\n".join(lines)
-
-
-def checks_table(meta: dict) -> str:
-    lines = ["| side | backend | shape | error nearest its bound | result |",
-             "|---|---|---|---|---|"]
-    for check in meta["oracle_checks"]:
-        worst_text = _worst(check)
-        if check.get("error"):
-            result = f"error: {check['error']}"
-        elif check["failed"]:
-            result = "FAIL: " + ", ".join(check["failed"])
-        else:
-            result = "ok" + (f" ({check['note']})" if check.get("note") else "")
-        lines.append(f"| {check['side']} | {check['backend']} | {check.get('shape', '-')} "
-                     f"| {worst_text} | {result} |")
-    return "\n".join(lines)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| backend | B,T,H,D | pass | base ms | base min-max | head ms | head min-max "
-             "| head/base | spreads overlap | head vs base outputs | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        overlap = {None: "-", True: "yes (noise)", False: "no"}[row["overlap"]]
-        lines.append(f"| {row['backend']} | {row['shape']} | {row['pass']} | "
-                     f"{_ms(row['base'])} | {_spread(row['base'])} | {_ms(row['head'])} | "
-                     f"{_spread(row['head'])} | {ratio} | {overlap} | "
-                     f"{_cross_text(row['cross_check'])} | {row['status']} |")
-    return "\n".join(lines)
-
-
-def report_text(meta: dict, rows: list[dict]) -> str:
-    return (f"{header_text(meta)}\n\nEach side against its reference backend in float64 "
-            f"(suite tolerances):\n\n{checks_table(meta)}\n\nTimes (ms; per side the median and "
-            f"the min-max over the rounds):\n\n{markdown_table(rows)}\n")
-
-
-def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(report_text(meta, rows))
-    (out / "compare.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1)
-                                      + "\n")
-    _log(f"wrote {out / 'compare.md'} and {out / 'compare.json'}")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -634,8 +392,8 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
             "timing": _timing_text(args), "oracle_checks": oracle,
             "exit_status": 1 if failed else 0}
     if args.out:
-        write_outputs(args.out, meta, rows)
-    print(report_text(meta, rows), end="")
+        _ab_report.write_outputs(args.out, meta, rows)
+    print(_ab_report.report_text(meta, rows), end="")
     return meta["exit_status"]
 
 
@@ -652,7 +410,7 @@ def _timing_text(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.serve:
-        return serve(args)
+        return _ab_child.serve(args)
     try:
         _complete(args)
         return compare(args)
