@@ -119,6 +119,8 @@ class Child:
             grads = torch.autograd.grad(o, leaves, grad_outputs=do)
         names = ("o", "dq", "dk", "dv", "dw", "db", "deta")
         torch.save({n: t.detach().cpu() for n, t in zip(names, (o, *grads))}, path)
+        del leaves, o, grads
+        run._free(self.device)
         return {"status": "ok"}
 
     def diff(self, mine: str, theirs: str) -> dict:

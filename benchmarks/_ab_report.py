@@ -38,8 +38,7 @@ def _cross_text(cross: dict) -> str:
 
 def header_text(meta: dict) -> str:
     lines = [f"# A/B: base -> head, {meta['device_name']}", ""]
-    if meta["driver"]:
-        lines.append(f"- driver {meta['driver']}")
+    lines.append(f"- {meta['date']}" + (f", driver {meta['driver']}" if meta["driver"] else ""))
     for name in SIDES:
         side = meta["sides"][name]
         versions = ", ".join(f"{k} {v}" for k, v in side["versions"].items())

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import io
 import json
 import os
@@ -387,6 +388,7 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
             "sides": {c.side.name: {"label": c.side.label, "tree": str(c.side.tree),
                                     "ttt_file": c.hello["ttt_file"],
                                     "versions": c.hello["versions"]} for c in children},
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "dtype": args.dtype, "chunk_size": args.chunk_size, "seed": args.seed,
             "rounds": args.rounds, "backends": backends, "argv": sys.argv[1:],
             "timing": _timing_text(args), "oracle_checks": oracle,
