@@ -215,10 +215,11 @@ def cross_checks(children: list[SideProcess], backends: list[str], shapes, scrat
 
 
 def time_rounds(children: list[SideProcess], backends: list[str], shapes, rounds: int,
-                host: bool) -> dict[tuple[str, tuple], list[list[dict]]]:
+                host: bool, fwd_only: bool) -> dict[tuple[str, tuple], list[list[dict]]]:
     """Per (backend, shape): [base's replies, head's replies], one per round, in turns."""
     samples = {(b, s): [[], []] for b in backends for s in shapes}
     op, passes = ("host", HOST_PASSES) if host else ("time", PASSES)
+    passes = [(label, key) for label, key in passes if not (fwd_only and key == "fwdbwd_ms")]
     for r in range(rounds):
         for backend in backends:
             for shape in shapes:
@@ -376,7 +377,8 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
                            "failed": [], **check})
     _log("compare head's outputs and gradients with base's on the timed shapes ...")
     cross = cross_checks(children, backends, args.shapes, scratch)
-    samples = time_rounds(children, backends, args.shapes, args.rounds, args.host)
+    samples = time_rounds(children, backends, args.shapes, args.rounds, args.host,
+                          args.fwd_only)
     rows = build_rows(samples, cross, args)
 
     failed = (any(c["failed"] or c.get("error") for c in oracle)
