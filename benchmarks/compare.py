@@ -29,8 +29,9 @@ and timed shape, the head's ``o`` and gradients on the timed inputs (same seed, 
 are compared with the base's: within twice the dtype's tolerance, the most two results
 within the tolerance of the same float64 answer can differ by.
 
-Exit status: 0 when every cell was measured on both sides and every check passed, 1 when a
-check failed or a cell could not be measured, 2 when it cannot run (no CUDA device, a bad
+Exit status: 0 when every cell was measured on both sides (or is unsupported by both) and
+every check passed; 1 when a check failed, a side raised an error, a cell was measured on one
+side only or a backend is missing on a side; 2 when it cannot run (no CUDA device, a bad
 revision or tree, a side whose packages do not come from its tree, a child process that
 died). See benchmarks/README.md, "Comparing two revisions".
 """
@@ -124,8 +125,8 @@ def _checkout_label() -> str:
 
 def resolve_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
     if args.base_tree is not None:
-        base = Side("base", check_tree(args.base_tree, "--base-tree"),
-                    _tree_label(check_tree(args.base_tree, "--base-tree")))
+        tree = check_tree(args.base_tree, "--base-tree")
+        base = Side("base", tree, _tree_label(tree))
     else:
         tree = extract_revision(args.base, scratch / "base")
         base = Side("base", tree, f"{args.base} ({_git('rev-parse', args.base)})")
@@ -140,9 +141,7 @@ def resolve_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
     return [base, head]
 
 
-# ----------------------------------------------------------------------------- child process
-
-# ----------------------------------------------------------------------------- parent
+# ----------------------------------------------------------------------------- the children
 
 
 class SideProcess:
@@ -214,12 +213,18 @@ def cross_checks(children: list[SideProcess], backends: list[str], shapes, scrat
     return results
 
 
-def time_rounds(children: list[SideProcess], backends: list[str], shapes, rounds: int,
-                host: bool, fwd_only: bool) -> dict[tuple[str, tuple], list[list[dict]]]:
+def passes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, reply key) of each figure a cell reports."""
+    chosen = HOST_PASSES if args.host else PASSES
+    return [(label, key) for label, key in chosen
+            if not (args.fwd_only and key == "fwdbwd_ms")]
+
+
+def time_rounds(children: list[SideProcess], backends: list[str], shapes,
+                args: argparse.Namespace) -> dict[tuple[str, tuple], list[list[dict]]]:
     """Per (backend, shape): [base's replies, head's replies], one per round, in turns."""
     samples = {(b, s): [[], []] for b in backends for s in shapes}
-    op, passes = ("host", HOST_PASSES) if host else ("time", PASSES)
-    passes = [(label, key) for label, key in passes if not (fwd_only and key == "fwdbwd_ms")]
+    op, rounds = ("host" if args.host else "time"), args.rounds
     for r in range(rounds):
         for backend in backends:
             for shape in shapes:
@@ -227,7 +232,7 @@ def time_rounds(children: list[SideProcess], backends: list[str], shapes, rounds
                     reply = children[i].ask(op, backend=backend, shape=list(shape))
                     samples[backend, shape][i].append(reply)
                     figures = ", ".join(f"{label} {run._report.fmt(reply.get(key))} ms"
-                                        for label, key in passes)
+                                        for label, key in passes(args))
                     _log(f"round {r + 1}/{rounds} {children[i].side.name} {backend} "
                          f"{shape}: {figures} [{reply.get('error') or reply.get('status')}]")
     return samples
@@ -246,9 +251,7 @@ def build_rows(samples, checks_cross, args) -> list[dict]:
     rows = []
     for (backend, shape), (base, head) in samples.items():
         cross = checks_cross.get((backend, shape), {})
-        for label, key in HOST_PASSES if args.host else PASSES:
-            if key == "fwdbwd_ms" and args.fwd_only:
-                continue
+        for label, key in passes(args):
             b, h = summarise(base, key), summarise(head, key)
             row = {"backend": backend, "shape": ",".join(map(str, shape)), "pass": label,
                    "base": b, "head": h, "ratio": None, "overlap": None,
@@ -258,6 +261,9 @@ def build_rows(samples, checks_cross, args) -> list[dict]:
                 row["ratio"] = h["median"] / b["median"]
             if b and h and args.rounds > 1:
                 row["overlap"] = h["min"] <= b["max"] and b["min"] <= h["max"]
+            errored = any(r.get("error") or r.get("status", "").startswith("error")
+                          for r in base + head)
+            row["failed"] = errored or (b is None) != (h is None)
             rows.append(row)
     return rows
 
@@ -377,13 +383,12 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
                            "failed": [], **check})
     _log("compare head's outputs and gradients with base's on the timed shapes ...")
     cross = cross_checks(children, backends, args.shapes, scratch)
-    samples = time_rounds(children, backends, args.shapes, args.rounds, args.host,
-                          args.fwd_only)
+    samples = time_rounds(children, backends, args.shapes, args)
     rows = build_rows(samples, cross, args)
 
     failed = (any(c["failed"] or c.get("error") for c in oracle)
               or any(x.get("failed") or x.get("error") for x in cross.values())
-              or any(r["status"] != "ok" or r["ratio"] is None for r in rows)
+              or any(r["failed"] for r in rows)
               or len(backends) < len(args.backends))
     hello = children[0].hello
     meta = {"device_name": hello["device_name"], "driver": hello["driver"],
