@@ -201,13 +201,15 @@ def cross_checks(children: list[SideProcess], backends: list[str], shapes, scrat
             paths = [str(scratch / f"{c.side.name}.pt") for c in children]
             dumps = [c.ask("dump", backend=backend, shape=list(shape), path=p)
                      for c, p in zip(children, paths)]
-            problems = [f"{c.side.name}: {d.get('error') or d['status']}"
-                        for c, d in zip(children, dumps) if d.get("status") != "ok"]
-            if problems:
-                results[backend, shape] = {"failed": [], "note": "; ".join(problems)}
-            else:
+            texts = [d.get("error") or d["status"] for d in dumps]
+            if texts == ["ok", "ok"]:
                 results[backend, shape] = children[1].ask("diff", mine=paths[1],
                                                           theirs=paths[0])
+            elif texts[0] == texts[1] and texts[0].startswith("unsupported"):
+                results[backend, shape] = {"failed": [], "note": "unsupported by both"}
+            else:          # an error, or a result on one side only: nothing to compare
+                results[backend, shape] = {"failed": [f"{name}: {text}" for name, text
+                                                      in zip(SIDES, texts) if text != "ok"]}
             for path in paths:
                 Path(path).unlink(missing_ok=True)
     return results
@@ -269,12 +271,12 @@ def build_rows(samples, checks_cross, args) -> list[dict]:
 
 
 def _cell_status(base: list[dict], head: list[dict]) -> str:
-    notes = []
-    for name, replies in zip(SIDES, (base, head)):
-        bad = {r.get("error") or r["status"] for r in replies
-               if r.get("error") or r.get("status") != "ok"}
-        notes += [f"{name}: {text}" for text in sorted(bad)]
-    return "; ".join(notes) or "ok"
+    """'ok', or what went otherwise: once for both sides when they say the same."""
+    bad = [sorted({r.get("error") or r["status"] for r in replies
+                   if r.get("error") or r.get("status") != "ok"}) for replies in (base, head)]
+    if bad[0] == bad[1]:
+        return "; ".join(f"both: {text}" for text in bad[0]) or "ok"
+    return "; ".join(f"{name}: {text}" for name, texts in zip(SIDES, bad) for text in texts)
 
 
 # ----------------------------------------------------------------------------- CLI
