@@ -140,7 +140,12 @@ class Child:
         """``host_time.host_times``: host ms per forward and backward, wall ms per both."""
         import host_time
 
-        self.providers[backend]             # a KeyError for a backend not found here
+        provider = self.providers[backend]
+        xs = run.make_inputs(tuple(shape), self.dtype, self.device, self.args.seed)
+        reason = provider.support(*xs, chunk_size=self.args.chunk_size)
+        del xs
+        if reason:
+            return {"status": f"unsupported: {reason}"}
         fwd, bwd, wall = host_time.host_times(
             backend, tuple(shape), self.args.iters, self.args.host_warmup, self.dtype,
             self.args.chunk_size, self.device)

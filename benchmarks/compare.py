@@ -327,6 +327,8 @@ def _complete(args: argparse.Namespace) -> None:
         raise UsageError("give --base REV or --base-tree DIR")
     if args.device == "cpu" and not args.quick:
         raise UsageError("--device cpu only checks the path: add --quick")
+    if args.host and args.fwd_only:
+        raise UsageError("--fwd-only does not apply to --host (host_times times both passes)")
     if args.rounds < 1:
         raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
     if args.chunk_size < 1:
