@@ -54,6 +54,8 @@ class Child:
         self.torch = torch
         self.args = args
         self.device = torch.device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)     # two sides' thread pools would fight over the cores
         self.dtype = run.DTYPES[args.dtype]
         self.providers: dict[str, object] = {}
 
