@@ -56,7 +56,10 @@ for stage in $stages; do
     compare)
       [ -d .ab/base/packages ] || { echo "compare: no .ab/base/packages (see the header)" >&2
                                     exit 2; }
-      timeout ${COMPARE_TIMEOUT:-540} python3 benchmarks/compare.py --base-tree .ab/base \
+      # this tree's packages for the parent too, installed (stage info) or not
+      src=$PWD/packages/ttt/src:$PWD/packages/ttt-triton/src:$PWD/packages/ttt-cupy/src
+      PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH} \
+        timeout ${COMPARE_TIMEOUT:-540} python3 benchmarks/compare.py --base-tree .ab/base \
         --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tee "$OUT/compare.log" | tail -60 ;;
     *)
       echo "unknown stage: $stage" >&2
