@@ -5,8 +5,16 @@
 # on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
 # fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
 # on the GPU fails its suite.
-#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_simt bench
+#   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_simt bench compare
 #                                   (default: info ref triton cupy bench)
+# Stage compare (benchmarks/compare.py): an A/B of a base revision's packages, carried in
+# .ab/base, against this tree's, in the same run on this GPU. The runner's copy has no .git,
+# so prepare the base on your machine, from the repository root:
+#   mkdir -p .ab/base && git archive REV packages | tar -x -C .ab/base
+#   git rev-parse REV > .ab/base/REVISION          # the header names the base by it
+#   echo .ab >> "$(git rev-parse --git-path info/exclude)"   # once: git ignores .ab
+# then call with carry=[".whl", ".ab"], e.g. `TTT_COMMIT=$(git rev-parse HEAD) bash .ci/gpu.sh
+# info compare`; COMPARE_ARGS adds options (e.g. "--backends cupy --shapes 8,2048,12,64").
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttt-gpu}
@@ -45,6 +53,14 @@ for stage in $stages; do
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
         2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    compare)
+      [ -d .ab/base/packages ] || { echo "compare: no .ab/base/packages (see the header)" >&2
+                                    exit 2; }
+      # this tree's packages for the parent too, installed (stage info) or not
+      src=$PWD/packages/ttt/src:$PWD/packages/ttt-triton/src:$PWD/packages/ttt-cupy/src
+      PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH} \
+        timeout ${COMPARE_TIMEOUT:-540} python3 benchmarks/compare.py --base-tree .ab/base \
+        --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tee "$OUT/compare.log" | tail -60 ;;
     *)
       echo "unknown stage: $stage" >&2
       exit 2 ;;

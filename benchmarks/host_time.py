@@ -31,29 +31,39 @@ from run import SHAPES, make_inputs, parse_shape  # noqa: E402
 import ttt  # noqa: E402
 
 
-def host_times(backend: str, shape, iters: int, warmup: int) -> tuple[float, float, float]:
-    """(host ms per forward, host ms per backward, wall ms per fwd+bwd) on CUDA, bf16."""
-    device = torch.device("cuda")
-    xs = [x.detach().requires_grad_() for x in make_inputs(shape, torch.bfloat16, device, 0)]
+def host_times(backend: str, shape, iters: int, warmup: int, dtype=torch.bfloat16,
+               chunk_size: int = 16, device=None) -> tuple[float, float, float]:
+    """(host ms per forward, host ms per backward, wall ms per fwd+bwd), on CUDA unless
+    ``device`` says otherwise (on a CPU the wall time is a plain clock's)."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    xs = [x.detach().requires_grad_() for x in make_inputs(shape, dtype, device, 0)]
     do = torch.randn_like(xs[0])
     fwd = bwd = 0.0
+    on_cuda = device.type == "cuda"
     with ttt.set_backend(backend):
         for _ in range(warmup):
-            o, _, _ = ttt.chunk_ttt_linear(*xs)
+            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
             torch.autograd.grad(o, xs, do)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if on_cuda:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+        wall = time.perf_counter()
         for _ in range(iters):
             t0 = time.perf_counter()
-            o, _, _ = ttt.chunk_ttt_linear(*xs)
+            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
             t1 = time.perf_counter()
             torch.autograd.grad(o, xs, do)
             fwd += t1 - t0
             bwd += time.perf_counter() - t1
-        end.record()
-        torch.cuda.synchronize()
-    return 1e3 * fwd / iters, 1e3 * bwd / iters, start.elapsed_time(end) / iters
+        if on_cuda:
+            end.record()
+            torch.cuda.synchronize()
+            wall_ms = start.elapsed_time(end) / iters
+        else:
+            wall_ms = 1e3 * (time.perf_counter() - wall) / iters
+    return 1e3 * fwd / iters, 1e3 * bwd / iters, wall_ms
 
 
 API_CALL = re.compile(r"(cuda|cu)[A-Z]\w*$")

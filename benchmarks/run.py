@@ -66,6 +66,13 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device,
     return [x.to(dtype).contiguous() for x in (q, k, v, w, b, eta)]
 
 
+def make_cotangent(shape: Shape, dtype: torch.dtype, device: torch.device,
+                   seed: int) -> torch.Tensor:
+    """The fixed random cotangent of ``o`` for the fwd+bwd timings (seeded with ``seed + 1``)."""
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
 def _grad_leaves(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
@@ -122,9 +129,7 @@ def measure(provider: Provider, shape: Shape, args: argparse.Namespace,
     _free(device)
 
     if not args.fwd_only:
-        gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-        do = torch.randn(B, T, H, D, generator=gen, device=device, dtype=torch.float32)
-        do = do.to(dtype)
+        do = make_cotangent(shape, dtype, device, args.seed)
 
         def forward_backward() -> None:
             o = provider.fn(*leaves)
