@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the offline GPU runner (torch, triton, cupy preinstalled; nox and fla-core
-# carried as wheels in .whl/, which git ignores: the device tool must carry it, carry=[".whl"],
-# or nox is missing there): install our packages, run the conformance suite for every backend
+# as wheels in .whl/, a git-ignored folder sent along with the working tree, or nox is
+# missing there): install our packages, run the conformance suite for every backend
 # on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
 # fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
 # on the GPU fails its suite.
@@ -13,8 +13,8 @@
 #   mkdir -p .ab/base && git archive REV packages | tar -x -C .ab/base
 #   git rev-parse REV > .ab/base/REVISION          # the header names the base by it
 #   echo .ab >> "$(git rev-parse --git-path info/exclude)"   # once: git ignores .ab
-# then call with carry=[".whl", ".ab"], e.g. `TTT_COMMIT=$(git rev-parse HEAD) bash .ci/gpu.sh
-# info compare`; COMPARE_ARGS adds options (e.g. "--backends cupy --shapes 8,2048,12,64").
+# send .ab (and .whl) along with the working tree, then run e.g.
+# `TTT_COMMIT=$(git rev-parse HEAD) bash .ci/gpu.sh info compare`; COMPARE_ARGS adds options (e.g. "--backends cupy --shapes 8,2048,12,64").
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttt-gpu}
