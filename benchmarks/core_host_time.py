@@ -15,8 +15,9 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd``: one forward, inputs without ``requires_grad``;
 - ``fwd grad``: one forward, inputs with ``requires_grad`` (the autograd graph recorded);
 - ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs;
-- ``fwd auto``: ``fwd`` with no backend named (the automatic choice, where the null
-  backend comes after the GPU backends and before ``reference``);
+- ``fwd auto``: ``fwd`` with no backend named (no ``set_backend``; with ``TTT_BACKEND``
+  unset, the automatic choice, where the null backend comes after the GPU backends and
+  before ``reference``);
 - ``fwd eta float``: ``fwd`` with a float ``eta``.
 
 And the automatic choice alone: ``registry.select_backend`` over the backends installed
@@ -140,9 +141,8 @@ def one_call(mode: str, shape, packed: bool):
     if mode == "fwd eta float":
         xs[5] = 0.1
     if mode == "fwd auto":
-        automatic = contextvars.copy_context()     # no backend named in it
-        automatic.run(ttt.set_backend, None)
-        return lambda: automatic.run(op, *xs, **kwargs)
+        unset = contextvars.Context()       # no set_backend in it: TTT_BACKEND, else automatic
+        return lambda: unset.run(op, *xs, **kwargs)
     if mode != "fwd+bwd":
         return lambda: op(*xs, **kwargs)
     do = torch.randn_like(xs[0])
