@@ -8,6 +8,8 @@ is not in the table, or when all backends are listed, never at ``import ttt``.
 
 The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
 ``backend=`` argument > ``set_backend`` in the current context > ``TTT_BACKEND`` > automatic.
+The automatic choice is kept per problem signature for ``RETRY_IMPORT_S`` seconds while the
+backends known and loaded, the entry points and ``sys.path`` stay the same.
 """
 
 from __future__ import annotations
@@ -355,6 +357,8 @@ def _kept_choice(signature: tuple) -> Backend | None:
 
 
 def _keep_choice(signature: tuple, backend: Backend) -> None:
+    """Keeps ``backend`` as the automatic choice for ``signature``; the first one kept (or
+    the first after MAX_KEPT_CHOICES) starts the interval and records what it was made in."""
     global _kept_since, _kept_world, _kept_path
     if not _KEPT or len(_KEPT) >= MAX_KEPT_CHOICES:
         _KEPT.clear()
