@@ -14,10 +14,14 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 
 - ``fwd``: one forward, inputs without ``requires_grad``;
 - ``fwd grad``: one forward, inputs with ``requires_grad`` (the autograd graph recorded);
-- ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs.
+- ``fwd+bwd``: one forward and ``torch.autograd.grad`` of ``o`` for the six inputs;
+- ``fwd auto``: ``fwd`` with no backend named (no ``set_backend``; with ``TTT_BACKEND``
+  unset, the automatic choice, where the null backend comes after the GPU backends and
+  before ``reference``);
+- ``fwd eta float``: ``fwd`` with a float ``eta``.
 
 And the automatic choice alone: ``registry.select_backend`` over the backends installed
-here (the null backend is not among them), for the first shape.
+here and the null backend, for the first shape.
 
 ``--compare-with REV`` extracts ``packages/ttt/src/ttt`` of git revision ``REV`` into a
 temporary folder and runs the same measurement (same inputs, same null backend) in two
@@ -32,6 +36,7 @@ compare lines, not totals).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import cProfile
 import dataclasses
 import io
@@ -55,8 +60,11 @@ from _timing import own_time_table  # noqa: E402
 
 SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64))
 """A tiny call and the decode call (one token for each of four sequences)."""
-MODES = ("fwd", "fwd grad", "fwd+bwd")
+MODES = ("fwd", "fwd grad", "fwd+bwd", "fwd auto", "fwd eta float")
 NULL = "null"
+NULL_PRIORITY = 999
+"""The null backend's place in the automatic choice: after the GPU backends (which decline
+CPU inputs), before ``reference``."""
 
 
 def _fields(cls) -> set[str]:
@@ -102,8 +110,11 @@ class NullBackend(ttt.Backend):
 
 
 def register_null_backend() -> None:
-    """Makes ``backend="null"`` / ``ttt.set_backend("null")`` resolve to a NullBackend."""
+    """Makes ``backend="null"`` / ``ttt.set_backend("null")`` resolve to a NullBackend, and
+    the automatic choice take it (see NULL_PRIORITY)."""
     registry._LOADED[NULL] = NullBackend()
+    registry.KNOWN_BACKENDS[NULL] = registry.KnownBackend(
+        f"{__name__}:NullBackend", "registered by benchmarks/core_host_time.py", NULL_PRIORITY)
 
 
 def make_case(shape, packed: bool, requires_grad: bool, seed: int = 0):
@@ -125,8 +136,13 @@ def make_case(shape, packed: bool, requires_grad: bool, seed: int = 0):
 
 def one_call(mode: str, shape, packed: bool):
     """A zero-argument function making one call of ``mode``."""
-    xs, kwargs = make_case(shape, packed, requires_grad=mode != "fwd")
+    xs, kwargs = make_case(shape, packed, requires_grad=mode in ("fwd grad", "fwd+bwd"))
     op = ttt.chunk_ttt_linear
+    if mode == "fwd eta float":
+        xs[5] = 0.1
+    if mode == "fwd auto":
+        unset = contextvars.Context()       # no set_backend in it: TTT_BACKEND, else automatic
+        return lambda: unset.run(op, *xs, **kwargs)
     if mode != "fwd+bwd":
         return lambda: op(*xs, **kwargs)
     do = torch.randn_like(xs[0])

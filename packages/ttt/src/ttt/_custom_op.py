@@ -54,7 +54,10 @@ def _no_autocast(device: torch.device):
     off already: the common case, without the cost of entering an autocast region)."""
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING_TO_SWITCH
+
+
+_NOTHING_TO_SWITCH = contextlib.nullcontext()   # (reusable, reentrant)
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
@@ -234,12 +237,15 @@ def _eager_and_plain(tensors) -> bool:
             or torch._C._get_tracing_state() is not None
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
-    return all(t is None or (type(t) in _PLAIN_TYPES and not t.is_meta) for t in tensors)
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
+            return False
+    return True
 
 
 def _checked(name: str, args: tuple, run):
     """``run()``, the op ``name``'s work on ``args``, below the autograd keys; its outputs
-    checked as the op's are."""
+    checked as the op's are (against the tensors among ``args``: the rest cannot alias)."""
     with torch._C._AutoDispatchBelowAutograd():
         result = run()
     torch._library.utils._c_check_aliasing_constraint(name, args, {}, result)
@@ -248,7 +254,8 @@ def _checked(name: str, args: tuple, run):
 
 def _checked_forward(args: tuple, problem: Problem):
     """The forward op's implementation on ``args``, given their Problem (the wrapper's)."""
-    return _checked("chunk_ttt_linear_fwd", args, lambda: _run_forward(problem, args[-2]))
+    return _checked("chunk_ttt_linear_fwd", args[:_TENSOR_ARGS],
+                    lambda: _run_forward(problem, args[-2]))
 
 
 class _EagerForward(torch.autograd.Function):

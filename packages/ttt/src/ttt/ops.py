@@ -16,7 +16,8 @@ from .validation import make_problem
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Inside an autocast region, q, k, v in its dtype for their device type, as a matmul
     takes them (float64 is left alone); nothing else is cast."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
         return q, k, v
     device_type = q.device.type
     if not torch.is_autocast_enabled(device_type):

@@ -8,12 +8,15 @@ is not in the table, or when all backends are listed, never at ``import ttt``.
 
 The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
 ``backend=`` argument > ``set_backend`` in the current context > ``TTT_BACKEND`` > automatic.
+The automatic choice is kept per problem signature for ``RETRY_IMPORT_S`` seconds while the
+backends known and loaded, the entry points and ``sys.path`` stay the same.
 """
 
 from __future__ import annotations
 
 import contextvars
 import importlib
+import math
 import os
 import sys
 import time
@@ -293,7 +296,8 @@ def _load_for_automatic_choice(name: str) -> Backend:
 
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:
-    """The backend for one call: the requested or active one, else the best that fits."""
+    """The backend for one call: the requested or active one, else the best that fits
+    (the automatic choice, kept per problem signature: see :func:`_kept_choice`)."""
     name = requested if requested is not None else get_backend()
     if name != AUTO:
         backend = load_backend(name)
@@ -303,7 +307,68 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
                 f"backend {name!r} cannot take these inputs ({problem.describe()}): "
                 f"{'; '.join(reasons)}")
         return backend
+    signature = _signature(problem)
+    backend = _kept_choice(signature)
+    if backend is None:
+        backend = _automatic_choice(problem)
+        _keep_choice(signature, backend)
+    return backend
 
+
+def _signature(problem: Problem) -> tuple:
+    """Everything of ``problem`` but its tensors' values: shapes, dtypes, device, options
+    (the tensors are contiguous; the other tensors' shapes follow from q's and N)."""
+    p = problem
+    return (p.q.shape, p.q.dtype, p.q.device, p.w.dtype, p.b.dtype, p.eta.dtype,
+            None if p.eta_key is None else p.eta_key.dtype,
+            None if p.initial_state is None else p.initial_state.dtype,
+            None if p.initial_state_bias is None else p.initial_state_bias.dtype,
+            p.cu_seqlens is not None, p.seq_lens, p.scale, p.eps, p.chunk_size,
+            p.output_final_state, p.eta_is_tensor, p.requires_grad, p.output)
+
+
+MAX_KEPT_CHOICES = 1024
+"""The automatic choices kept at most (packed batches of new lengths are new signatures)."""
+_KEPT: dict[tuple, Backend] = {}
+_kept_since: float = -math.inf
+_kept_world: tuple = ()
+_kept_path: list[str] = []
+
+
+def _world() -> tuple:
+    """What the automatic choice reads besides the problem: the backends known and loaded
+    (compared item by item, by identity first) and the entry points read."""
+    return (_ENTRY_POINTS, *KNOWN_BACKENDS.items(), *_LOADED.items())
+
+
+def _kept_choice(signature: tuple) -> Backend | None:
+    """The automatic choice made for ``signature``, if made less than RETRY_IMPORT_S ago
+    with the same ``sys.path``, known, loaded and entry-point backends (what a backend
+    installed since, or one registered or loaded since, would change); else None. A
+    backend's own ``not_supported_reasons`` is asked again at most once per interval, as a
+    backend not installed is imported again."""
+    if not _KEPT:
+        return None
+    if (not 0 <= _clock() - _kept_since < RETRY_IMPORT_S or _kept_world != _world()
+            or _kept_path != sys.path):
+        _KEPT.clear()
+        return None
+    return _KEPT.get(signature)
+
+
+def _keep_choice(signature: tuple, backend: Backend) -> None:
+    """Keeps ``backend`` as the automatic choice for ``signature``; the first one kept (or
+    the first after MAX_KEPT_CHOICES) starts the interval and records what it was made in."""
+    global _kept_since, _kept_world, _kept_path
+    if not _KEPT or len(_KEPT) >= MAX_KEPT_CHOICES:
+        _KEPT.clear()
+        _kept_since, _kept_world, _kept_path = _clock(), _world(), list(sys.path)
+    _KEPT[signature] = backend
+
+
+def _automatic_choice(problem: Problem) -> Backend:
+    """The first backend by priority that takes ``problem``; warns once where installed
+    backends were passed over on a device other than the CPU."""
     skipped: dict[str, list[str]] = {}
     for candidate in sorted(known_names(), key=_priority):
         try:
@@ -319,7 +384,7 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
                 if key not in _WARNED:
                     _WARNED.add(key)
                     warnings.warn(f"ttt: using backend {candidate!r}; skipped "
-                                  f"{_reasons_text(installed_but_unfit)}", stacklevel=4)
+                                  f"{_reasons_text(installed_but_unfit)}", stacklevel=5)
             return backend
         skipped[candidate] = reasons
     raise BackendNotSupportedError(

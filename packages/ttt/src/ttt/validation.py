@@ -14,6 +14,7 @@ import torch
 from .problem import OUTPUTS, Problem
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -25,7 +26,7 @@ def _require_tensor(name: str, value, rank: int) -> torch.Tensor:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if value.dim() != rank:
         raise ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(value.shape)}")
-    if value.dtype not in FLOAT_DTYPES:
+    if value.dtype not in _FLOAT_DTYPE_SET:
         raise TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
                         f"got {_name(value.dtype)}")
     return value
@@ -119,6 +120,32 @@ def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
         _require_device(name, state, device)
 
 
+MAX_CONSTANT_ETAS = 4
+"""The constant ``eta`` tensors kept at most (CPU only, see :func:`_constant_eta`)."""
+_CONSTANT_ETAS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """``torch.full(shape, value)``: on the CPU one tensor per value, shape and dtype, kept
+    while nothing wrote to it (its version counter stays 0), not made again per call; made
+    outside inference mode (an inference tensor has no version counter, and autograd cannot
+    save one). On other devices a new tensor each call: one kept there would be read by
+    kernels of other streams and CUDA graphs, unordered with the kernel that filled it;
+    under torch.compile too (the graph makes its own)."""
+    if device.type != "cpu" or value == 0 or torch.compiler.is_compiling():   # (0.0, -0.0)
+        return torch.full(shape, value, dtype=dtype, device=device)
+    key = (value, shape, dtype)
+    kept = _CONSTANT_ETAS.get(key)
+    if kept is None or kept._version != 0:
+        if len(_CONSTANT_ETAS) >= MAX_CONSTANT_ETAS:
+            _CONSTANT_ETAS.clear()
+        with torch.inference_mode(False):
+            kept = torch.full(shape, value, dtype=dtype, device=device)
+        _CONSTANT_ETAS[key] = kept
+    return kept
+
+
 def _any_requires_grad(tensors) -> bool:
     for t in tensors:
         if t is not None and t.requires_grad:
@@ -166,12 +193,12 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
         _require_tensor("eta", eta, 4)
         _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
         _require_device("eta", eta, device)
-    elif isinstance(eta, numbers.Real) and not isinstance(eta, bool):
+    elif type(eta) is float or (isinstance(eta, numbers.Real) and not isinstance(eta, bool)):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
         # float32 (float64 for float64 inputs) keeps the constant exact to float32 precision
         eta_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        eta = torch.full((B, T, H, 1), float(eta), dtype=eta_dtype, device=device)
+        eta = _constant_eta(float(eta), (B, T, H, 1), eta_dtype, device)
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
