@@ -66,6 +66,14 @@ def test_environment_variable_sets_the_default(monkeypatch):
         assert ttt.get_backend() == "auto"
 
 
+def test_unknown_name_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("TTT_BACKEND", "bogus")
+    q = torch.randn(1, 16, 1, 16)
+    with pytest.raises(registry.UnknownBackendError,
+                       match=r"^TTT_BACKEND: unknown backend 'bogus'"):
+        ttt.chunk_ttt_linear(q, q, q, torch.ones(1, 16), torch.zeros(1, 16), 0.1)
+
+
 def test_context_is_per_thread():
     import threading
     seen = []

@@ -300,7 +300,13 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     (the automatic choice, kept per problem signature: see :func:`_kept_choice`)."""
     name = requested if requested is not None else get_backend()
     if name != AUTO:
-        backend = load_backend(name)
+        try:
+            backend = load_backend(name)
+        except UnknownBackendError as exc:
+            if requested is None and _CURRENT.get() is None:   # the name came from the env
+                raise UnknownBackendError(
+                    f"TTT_BACKEND: {str(exc).removeprefix('backend: ')}") from None
+            raise
         reasons = backend.not_supported_reasons(problem)
         if reasons:
             raise BackendNotSupportedError(
