@@ -87,6 +87,7 @@ def _worker(rank: int, init_file: str, result_file: str) -> None:
         grads = {kind: _gradients(_model(), kind, rank) for kind in KINDS}
         if rank == 0:
             torch.save(grads, result_file)
+        dist.barrier()   # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
