@@ -23,6 +23,19 @@ def _nvrtc_available() -> str | None:
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
+def test_a_compile_with_an_empty_log_leaves_the_interpreter_intact():
+    """NVRTC writes its log (here only the terminating NUL) into a buffer we hand it; a
+    one-byte ``b" "`` would be CPython's shared object, and every ``" ".encode()`` of the
+    process would then give ``b"\\x00"``."""
+    from ttt_cupy import nvrtc_check
+
+    code = 'extern "C" __global__ void empty_log_kernel() {}'
+    compiled = nvrtc_check.compile_instance(code, [], "90", [], cubin=False)
+    assert compiled.log == ""
+    assert chr(0x20).encode()[0] == 0x20   # the shared one-byte object is still a space
+
+
+@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
 def test_every_instance_compiles_for_sm80_and_sm90():
     """sm_90 (the H200 this backend is tuned on) through ptxas to cubins; sm_80 to PTX for
     compute_80 (the front end and code generation under __CUDA_ARCH__ 800, where the

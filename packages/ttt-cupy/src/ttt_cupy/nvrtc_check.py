@@ -107,9 +107,16 @@ def _check(result, what: str, nvrtc, prog=None) -> tuple:
     return result[1:]
 
 
+def _out_buffer(size: int) -> bytearray:
+    """A fresh buffer NVRTC writes ``size`` bytes into. Never ``b" " * size``: for size 1
+    (an empty log: its NUL alone) that is CPython's shared one-byte ``b" "``, and NVRTC's
+    write turns every ``b" "`` of the process into ``b"\\x00"``."""
+    return bytearray(size)
+
+
 def _log(nvrtc, prog) -> str:
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
+    buf = _out_buffer(size)
     nvrtc.nvrtcGetProgramLog(prog, buf)
     return buf.decode(errors="replace").rstrip("\x00").strip()
 
@@ -142,7 +149,7 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
             if size <= 0:
                 raise CheckError(f"empty cubin for {names} on sm_{arch}")
         (ptx_size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
-        ptx = b" " * ptx_size
+        ptx = _out_buffer(ptx_size)
         _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
         mma = mma_counts(ptx.decode(errors="replace"), lowered)
         return Compiled(arch, lowered, int(size), _log(nvrtc, prog), mma)
