@@ -32,6 +32,19 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return err / denom if denom > 0 else err
 
 
+def expect(condition: object, message: str) -> None:
+    """The suite's check: AssertionError with ``message`` unless ``condition`` holds (an
+    ``assert`` statement would vanish under ``python -O``)."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def expect_close(label: str, x: torch.Tensor, ref: torch.Tensor, bound: float) -> None:
+    """``rel_error(x, ref) <= bound``, else AssertionError naming ``label`` and both."""
+    err = rel_error(x, ref)
+    expect(err <= bound, f"{label}: relative error {err:.3e} > {bound:.1e}")
+
+
 def _rms(t: torch.Tensor) -> float:
     return t.norm().item() / math.sqrt(max(t.numel(), 1))
 

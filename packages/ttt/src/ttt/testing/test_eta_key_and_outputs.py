@@ -21,7 +21,7 @@ from .cases import (
     differentiable,
     make_inputs,
 )
-from .compare import rel_error
+from .compare import expect, expect_close
 from .tolerances import TOLERANCES
 
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (F32, BF16, F16)]
@@ -33,11 +33,6 @@ def _case(dtype, seq_lens) -> Case:
     if seq_lens:
         return Case(1, sum(seq_lens), 2, 32, 16, dtype, seq_lens=seq_lens)
     return Case(2, 37, 2, 32, 16, dtype)
-
-
-def _within(label: str, x: torch.Tensor, ref: torch.Tensor, bound: float) -> None:
-    err = rel_error(x, ref)
-    assert err <= bound, f"{label}: relative error {err:.3e} > {bound:.1e}"
 
 
 @pytest.mark.parametrize("seq_lens", LAYOUTS)
@@ -56,12 +51,13 @@ def test_eta_key_of_ones_equals_none(dtype, seq_lens, ttt_backend, ttt_backend_n
     out_none, grads_none = outputs_and_grads(ttt_backend_name, plain)
     out_ones, grads_ones = outputs_and_grads(ttt_backend_name, ones)
     for label, a, b in zip(("o", "final_state", "final_state_bias"), out_ones, out_none):
-        _within(label, a, b, 2 * out_tol)
+        expect_close(label, a, b, 2 * out_tol)
     for name, grad in grads_none.items():
-        _within(f"d{name}", grads_ones[name], grad, 2 * grad_tol)
+        expect_close(f"d{name}", grads_ones[name], grad, 2 * grad_tol)
     deta_key = grads_ones["eta_key"]
-    assert deta_key is not None and deta_key.dtype == ones["eta_key"].dtype
-    assert torch.isfinite(deta_key).all() and deta_key.abs().sum() > 0, "d eta_key"
+    expect(deta_key is not None and deta_key.dtype == ones["eta_key"].dtype,
+           "d eta_key: missing or not in eta_key's dtype")
+    expect(torch.isfinite(deta_key).all() and deta_key.abs().sum() > 0, "d eta_key")
 
 
 def _outputs_and_grads_per_form(backend, backend_name, inputs):
@@ -96,13 +92,14 @@ def test_output_forms_are_consistent(dtype, seq_lens, ttt_backend, ttt_backend_n
         return tol * sum(p.detach().to(F64).norm().item() for p in parts) / ref.norm().item()
 
     post_norm = o_norm.detach().to(F64) - o_raw.detach().to(F64)
-    _within("query_residual - q against norm_residual - raw", o_query.detach().to(F64) - q,
-            post_norm, bound(out_tol, post_norm, o_query, o_norm, o_raw))
+    expect_close("query_residual - q against norm_residual - raw",
+                 o_query.detach().to(F64) - q, post_norm,
+                 bound(out_tol, post_norm, o_query, o_norm, o_raw))
     cotangent = torch.randn(o_norm.shape, generator=torch.Generator().manual_seed(7))
     cotangent = cotangent.to(device=o_norm.device, dtype=o_norm.dtype)   # as outputs_and_grads
     for name, grad in grads_query.items():
         want = grads_norm[name].to(F64) - grads_raw[name].to(F64)
         if name == "q":
             want = want + cotangent.to(F64)
-        _within(f"d{name} of query_residual against norm_residual - raw", grad.to(F64), want,
-                bound(grad_tol, want, grad, grads_norm[name], grads_raw[name]))
+        expect_close(f"d{name} of query_residual against norm_residual - raw", grad.to(F64),
+                     want, bound(grad_tol, want, grad, grads_norm[name], grads_raw[name]))

@@ -16,7 +16,7 @@ from .cases import (
     differentiable,
     make_inputs,
 )
-from .compare import rel_error
+from .compare import expect, expect_close
 from .expected import oracle_forward
 from .tolerances import TOLERANCES
 
@@ -27,11 +27,6 @@ def _cotangents(outputs, seed=7):
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
             for x in outputs]
-
-
-def _assert_close(label, x, ref, tol):
-    err = rel_error(x, ref)
-    assert err <= tol, f"{label}: relative error {err:.3e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
@@ -60,22 +55,22 @@ def test_varlen_equals_each_sequence_alone(dtype, ttt_backend, ttt_backend_name,
         for name in STATE_NAMES:
             alone[name] = packed[name][n:n + 1].detach().clone().requires_grad_(True)
         out_n = run_op(ttt_backend_name, alone)
-        _assert_close(f"o of sequence {n}", o[:, sl], out_n[0], out_tol)
-        _assert_close(f"final_state of sequence {n}", ht[n:n + 1], out_n[1], out_tol)
-        _assert_close(f"final_state_bias of sequence {n}", hbt[n:n + 1], out_n[2], out_tol)
+        expect_close(f"o of sequence {n}", o[:, sl], out_n[0], out_tol)
+        expect_close(f"final_state of sequence {n}", ht[n:n + 1], out_n[1], out_tol)
+        expect_close(f"final_state_bias of sequence {n}", hbt[n:n + 1], out_n[2], out_tol)
         grads_n = gradients(alone, list(out_n), [cots[0][:, sl], cots[1][n:n + 1],
                                                  cots[2][n:n + 1]])
         for name in ("q", "k", "v", "eta"):
-            _assert_close(f"d{name} of sequence {n}", grads[name][:, sl], grads_n[name],
-                          grad_tol)
+            expect_close(f"d{name} of sequence {n}", grads[name][:, sl], grads_n[name],
+                         grad_tol)
         for name in STATE_NAMES:
-            _assert_close(f"d{name} of sequence {n}", grads[name][n:n + 1], grads_n[name],
-                          grad_tol)
+            expect_close(f"d{name} of sequence {n}", grads[name][n:n + 1], grads_n[name],
+                         grad_tol)
         for name in shared:
             shared[name] += grads_n[name].double()
         start += length
     for name, total in shared.items():
-        _assert_close(f"d{name} (sum over the sequences alone)", grads[name], total, grad_tol)
+        expect_close(f"d{name} (sum over the sequences alone)", grads[name], total, grad_tol)
 
 
 @pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
@@ -97,9 +92,9 @@ def test_split_at_chunk_boundary_equals_one_call(dtype, ttt_backend, ttt_backend
     o2, ht2, hbt2 = run_op(ttt_backend_name, {**second, "initial_state": ht1,
                                           "initial_state_bias": hbt1})
     out_tol, grad_tol = TOLERANCES[dtype]
-    _assert_close("o", torch.cat([o1, o2], dim=1), o, out_tol)
-    _assert_close("final_state", ht2, ht, out_tol)
-    _assert_close("final_state_bias", hbt2, hbt, out_tol)
+    expect_close("o", torch.cat([o1, o2], dim=1), o, out_tol)
+    expect_close("final_state", ht2, ht, out_tol)
+    expect_close("final_state_bias", hbt2, hbt, out_tol)
 
     g = torch.Generator(device="cpu").manual_seed(7)
     cots = [torch.randn(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
@@ -108,7 +103,7 @@ def test_split_at_chunk_boundary_equals_one_call(dtype, ttt_backend, ttt_backend
     split_grads = torch.autograd.grad(
         [torch.cat([o1, o2], dim=1), ht2, hbt2], [whole[n] for n in names], cots)
     for name, grad in zip(names, split_grads):
-        _assert_close(f"d{name}", grad, grads[name], grad_tol)
+        expect_close(f"d{name}", grad, grads[name], grad_tol)
 
 
 @pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
@@ -126,9 +121,9 @@ def test_bitwise_deterministic(dtype, varlen, ttt_backend, ttt_backend_name, ttt
     for _ in range(2):
         out, grads = outputs_and_grads(ttt_backend_name, inputs)
         for i, (a, b) in enumerate(zip(out, first_out)):
-            assert torch.equal(a, b), f"output {i} differs between identical calls"
+            expect(torch.equal(a, b), f"output {i} differs between identical calls")
         for name in grads:
-            assert torch.equal(grads[name], first_grads[name]), f"d{name} differs between calls"
+            expect(torch.equal(grads[name], first_grads[name]), f"d{name} differs between calls")
 
 
 @pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
@@ -139,7 +134,7 @@ def test_inputs_are_not_modified(dtype, ttt_backend, ttt_backend_name, ttt_devic
     before = {n: t.detach().clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
     outputs_and_grads(ttt_backend_name, inputs)
     for name, saved in before.items():
-        assert torch.equal(inputs[name].detach(), saved), f"{name} was modified"
+        expect(torch.equal(inputs[name].detach(), saved), f"{name} was modified")
 
 
 @pytest.mark.parametrize("dtype", PROPERTY_DTYPES)
@@ -157,15 +152,16 @@ def test_strided_views_give_the_contiguous_results(dtype, ttt_backend, ttt_backe
     for name in ("q", "k", "v", "eta"):  # [B, H, T, D] storage seen as [B, T, H, D]
         x = inputs[name].detach().transpose(1, 2).contiguous().transpose(1, 2)
         strided[name] = x.requires_grad_(True)
-        assert not strided[name].is_contiguous() or name == "eta"
+        expect(not strided[name].is_contiguous() or name == "eta",
+               f"{name}: the strided view came out contiguous")
     strided["w"] = inputs["w"].detach().t().contiguous().t().requires_grad_(True)
     strided["initial_state"] = (inputs["initial_state"].detach().transpose(-1, -2)
                                 .contiguous().transpose(-1, -2).requires_grad_(True))
     (o2, ht2, hbt2), grads2 = outputs_and_grads(ttt_backend_name, strided)
     for label, a, b in (("o", o2, o), ("final_state", ht2, ht), ("final_state_bias", hbt2, hbt)):
-        assert torch.equal(a, b), f"{label} differs for non-contiguous inputs"
+        expect(torch.equal(a, b), f"{label} differs for non-contiguous inputs")
     for name in grads:
-        assert torch.equal(grads2[name], grads[name]), f"d{name} differs for non-contiguous inputs"
+        expect(torch.equal(grads2[name], grads[name]), f"d{name} differs for non-contiguous inputs")
 
 
 def test_runs_on_the_current_stream(ttt_backend, ttt_backend_name, ttt_device):
@@ -192,18 +188,19 @@ def test_runs_on_the_current_stream(ttt_backend, ttt_backend_name, ttt_device):
         out, grads = outputs_and_grads(ttt_backend_name, late)
     side.synchronize()
     for i, (a, b) in enumerate(zip(out, want_out)):
-        assert torch.equal(a, b), f"output {i}: not run on the current stream (read NaN inputs)"
+        expect(torch.equal(a, b), f"output {i}: not run on the current stream (read NaN inputs)")
     for name in want_grads:
-        assert torch.equal(grads[name], want_grads[name]), \
-            f"d{name}: not run on the current stream (read NaN inputs)"
+        expect(torch.equal(grads[name], want_grads[name]),
+               f"d{name}: not run on the current stream (read NaN inputs)")
 
 
 def test_final_states_none_unless_requested(ttt_backend, ttt_backend_name, ttt_device):
     inputs = make_inputs(Case(1, 20, 1, 16, 16, F32, final_state=False), ttt_device)
     skip_unless_supported(ttt_backend, inputs, requires_grad=False)
     o, ht, hbt = run_op(ttt_backend_name, inputs)
-    assert ht is None and hbt is None
-    assert o.shape == inputs["q"].shape and o.dtype == F32
+    expect(ht is None and hbt is None, "final states returned though not requested")
+    expect(o.shape == inputs["q"].shape and o.dtype == F32,
+           f"o: {o.dtype}{tuple(o.shape)}, expected float32 of q's shape")
 
 
 def test_partial_chunk_padding_takes_no_part(ttt_backend, ttt_backend_name, ttt_device):
@@ -221,16 +218,16 @@ def test_partial_chunk_padding_takes_no_part(ttt_backend, ttt_backend_name, ttt_
         longer[name] = inputs[name]
     o, ht, hbt = run_op(ttt_backend_name, inputs)
     o_long, _, _ = run_op(ttt_backend_name, longer)
-    _assert_close("o (first 20 tokens)", o, o_long[:, :20], 1e-6)
+    expect_close("o (first 20 tokens)", o, o_long[:, :20], 1e-6)
     first = {**inputs, **{n: inputs[n][:, :16] for n in ("q", "k", "v", "eta")}}
     o16, ht16, hbt16 = run_op(ttt_backend_name, first)
-    _assert_close("o (first chunk)", o[:, :16], o16, 1e-6)
+    expect_close("o (first chunk)", o[:, :16], o16, 1e-6)
     tol = TOLERANCES[F32][0]
     labels = [f"{name} after {t} tokens" for t in (20, 16)
               for name in ("o", "final_state", "final_state_bias")]
     for label, got, want in zip(labels, (o, ht, hbt, o16, ht16, hbt16),
                                 (*oracle_forward(inputs), *oracle_forward(first))):
-        _assert_close(label, got, want, tol)
+        expect_close(label, got, want, tol)
 
 
 @pytest.mark.big
@@ -267,6 +264,6 @@ def test_more_than_2_31_elements(ttt_backend, ttt_backend_name, ttt_device):
     o_last, _, _ = run_op(ttt_backend_name, {**inputs, **last})
     grads_last = torch.autograd.grad(o_last, list(last.values()), do[-1:])
     out_tol, grad_tol = TOLERANCES[dtype]
-    _assert_close("o of the last batch element", o[-1:], o_last, out_tol)
+    expect_close("o of the last batch element", o[-1:], o_last, out_tol)
     for name, full, alone in zip(("q", "k", "v", "eta"), (dq, dk, dv, deta), grads_last):
-        _assert_close(f"d{name} of the last batch element", full[-1:], alone, grad_tol)
+        expect_close(f"d{name} of the last batch element", full[-1:], alone, grad_tol)

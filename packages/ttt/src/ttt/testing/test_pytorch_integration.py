@@ -16,7 +16,7 @@ import ttt
 
 from .calls import gradients, op_arguments, run_op, skip_unless_supported
 from .cases import BF16, F16, F32, GRAD_NAMES, Case, differentiable, make_inputs, with_requires_grad
-from .compare import rel_error
+from .compare import expect, expect_close
 from .tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 16, 16
@@ -39,16 +39,15 @@ def _inputs(case: Case, device, seed: int = 3) -> dict:
 def _near(label: str, got: torch.Tensor | None, want: torch.Tensor | None, bound: float,
           bitwise: bool = False) -> None:
     if want is None:
-        assert got is None, f"{label}: expected None"
+        expect(got is None, f"{label}: expected None")
         return
-    assert got is not None, f"{label}: missing"
-    assert got.dtype == want.dtype and got.shape == want.shape, \
-        f"{label}: {got.dtype}{tuple(got.shape)}, expected {want.dtype}{tuple(want.shape)}"
+    expect(got is not None, f"{label}: missing")
+    expect(got.dtype == want.dtype and got.shape == want.shape,
+           f"{label}: {got.dtype}{tuple(got.shape)}, expected {want.dtype}{tuple(want.shape)}")
     if bitwise:
-        assert torch.equal(got, want), f"{label}: not bitwise equal"
+        expect(torch.equal(got, want), f"{label}: not bitwise equal")
         return
-    err = rel_error(got, want)
-    assert err <= bound, f"{label}: relative error {err:.3e} > {bound:.0e}"
+    expect_close(label, got, want, bound)
 
 
 def _cotangents(outputs, seed: int = 5) -> list:
@@ -87,7 +86,8 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
     args = list(op_arguments(ttt_backend_name, inputs))
     args[-1] = True                                          # needs_backward
     o, finals, saved = torch.ops.ttt.chunk_ttt_linear_fwd(*args)
-    assert len(saved) == len(ttt_backend.saved_shapes(ttt.make_problem(**inputs)))
+    expect(len(saved) == len(ttt_backend.saved_shapes(ttt.make_problem(**inputs))),
+           "saved tensors do not match the backend's saved_shapes")
     do, dht, dhbt = _cotangents([o, *finals])
     if not final_cotangents:
         dht = dhbt = None
@@ -106,11 +106,11 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
     torch.library.opcheck(torch.ops.ttt.chunk_ttt_linear_bwd, bwd_args, test_utils=utils)
     grads = torch.ops.ttt.chunk_ttt_linear_bwd(*bwd_args)
     after = [t for t in bwd_args if isinstance(t, torch.Tensor)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), "an input was modified"
+    expect(all(torch.equal(a, b) for a, b in zip(before, after)), "an input was modified")
     storages = {t.untyped_storage().data_ptr() for t in after}
-    assert not any(g.untyped_storage().data_ptr() in storages for g in grads), \
-        "a gradient aliases an input"
-    assert len(grads) == sum(needs)
+    expect(not any(g.untyped_storage().data_ptr() in storages for g in grads),
+           "a gradient aliases an input")
+    expect(len(grads) == sum(needs), f"{len(grads)} gradients for {sum(needs)} needed")
 
 
 # --- torch.compile -----------------------------------------------------------------------
@@ -283,12 +283,12 @@ def test_autocast_casts_q_k_v_only(seq_lens, ttt_backend, ttt_backend_name, ttt_
     with torch.autocast(ttt_device.type, dtype=dtype):
         out = run_op(ttt_backend_name, inputs)
     want = run_op(ttt_backend_name, precast)
-    assert out[0].dtype == dtype, f"o: {out[0].dtype} under autocast to {dtype}"
+    expect(out[0].dtype == dtype, f"o: {out[0].dtype} under autocast to {dtype}")
     cotangents = _cotangents(want)
     grads = gradients(inputs, list(out), cotangents)
     want_grads = gradients(precast, list(want), cotangents)
     for name in ("q", "k", "v"):
-        assert grads[name].dtype == F32, f"d{name}: {grads[name].dtype}, q, k, v are float32"
+        expect(grads[name].dtype == F32, f"d{name}: {grads[name].dtype}, q, k, v are float32")
         want_grads[name] = want_grads[name].to(F32)
     bitwise = ttt_backend.capabilities.deterministic
     _compare_runs("autocast", (out, grads), (want, want_grads), dtype, bitwise)
