@@ -90,10 +90,17 @@ class CupyBackend(Backend):
             why.append(reason)
         return why
 
+    def launch_device(self, problem: Problem):
+        """The launcher's device seam for ``problem`` (None: the inputs' CUDA device). The
+        package's CPU tests run this backend with a stand-in that runs each launch in the
+        kernels' C++ emulation."""
+        return None
+
     def forward(self, problem: Problem, needs_backward: bool):
         from .launcher import ttt_linear_fwd
 
-        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward,
+                                           device=self.launch_device(problem))
         return o, ht, hbt, [] if saved is None else saved.tensors(problem)
 
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -107,4 +114,5 @@ class CupyBackend(Backend):
         from .launcher import saved_of, ttt_linear_bwd
 
         # every gradient computed; the core keeps only those autograd asked for (needs)
-        return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt))
+        return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt,
+                                         device=self.launch_device(problem)))

@@ -161,5 +161,6 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, schedule: Schedul
                     grads.launch(device, local_blocks(seg) * split, seg, PLAIN_GROUP,
                                  fork.group(i))
             fork.join()
-    dw, db = g.dwbp.sum((1, 2)).unbind(0)       # (one reduction for both)
+    dw = g.dwbp[0].sum((0, 1))                  # [H, D]: each its own tensor (the custom
+    db = g.dwbp[1].sum((0, 1))                  # op refuses returns that share storage)
     return g.dq, g.dk, g.dv, dw, db, g.deta, g.dh0, g.dhb0
