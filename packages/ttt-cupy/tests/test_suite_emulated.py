@@ -136,6 +136,13 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
                                             ttt_backend_name, ttt_device)
 
 
+@pytest.mark.parametrize("case", list(integration_suite.OPCHECK_CASES))
+def test_eager_shortcut_equals_the_dispatcher_path(case, ttt_backend, ttt_backend_name,
+                                                   ttt_device):
+    integration_suite.test_eager_shortcut_equals_the_dispatcher_path(
+        integration_suite.OPCHECK_CASES[case], ttt_backend, ttt_backend_name, ttt_device)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_bitwise_deterministic(varlen, ttt_backend, ttt_backend_name, ttt_device):
     property_suite.test_bitwise_deterministic(F32, varlen, ttt_backend, ttt_backend_name,
