@@ -3,29 +3,42 @@
     python examples/train_tiny_lm.py                      # CPU, tiny size
     python examples/train_tiny_lm.py --device cuda --steps 2000 --width 256 --layers 4
     python examples/train_tiny_lm.py --text my.txt --backend reference --compile
+    torchrun --nproc-per-node 2 examples/train_tiny_lm.py --parallel ddp     # one GPU a process
+    torchrun --nproc-per-node 2 examples/train_tiny_lm.py --parallel fsdp2 --mixed-precision bf16
 
 Each block is pre-norm residual: ``x + TTTLinear(LN(x))``, then ``x + MLP(LN(x))``. The
 default text is ``examples/tiny_corpus.txt`` (a few KB written for this repository). At
 the end the model generates from a prompt with a :class:`ttt.nn.TTTCache`: one prefill of
 the prompt, then one token per step. A progress bar uses tqdm when it is installed, and the
 loss curve is saved as a PNG when matplotlib is.
+
+Under torchrun, ``--parallel ddp`` (DistributedDataParallel) or ``--parallel fsdp2``
+(``fully_shard`` on every block and on the model) trains one replica a process: NCCL and
+``cuda:LOCAL_RANK`` on GPUs, gloo with ``--device cpu``. ``--batch-size`` is per process;
+each rank draws its own windows (seed + rank) and the printed loss is the mean over ranks.
+Rank 0 alone prints, saves the full state dict and generates with a plain copy of the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ttt.nn import TTTCache, TTTLinear
 
 DEFAULT_TEXT = Path(__file__).with_name("tiny_corpus.txt")
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class CharTokenizer:
@@ -74,38 +87,142 @@ class TinyLM(nn.Module):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="training text file")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="training windows per step (per process under --parallel)")
     p.add_argument("--seq-len", type=int, default=64, help="training window in characters")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="residual blocks")
+    p.add_argument("--heads", type=int, default=4, help="TTT heads per block")
     p.add_argument("--mini-batch", type=int, default=16, help="TTT inner mini-batch (chunk)")
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate")
     p.add_argument("--backend", default=None,
-                   help="ttt backend of the TTTLinear layers (default: chosen by ttt; of the "
+                   help="ttt backend of the TTTLinear layers; None: chosen by ttt (of the "
                         "built-in backends only reference takes the layer's calls)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (under --parallel each process takes cuda:LOCAL_RANK)")
+    p.add_argument("--parallel", choices=("none", "ddp", "fsdp2"), default="none",
+                   help="data parallelism over torchrun's processes: DistributedDataParallel "
+                        "or FSDP2 (fully_shard)")
+    p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                   help="bf16: FSDP2's MixedPrecisionPolicy (bf16 parameters, float32 "
+                        "gradient reduction), else torch.autocast")
     p.add_argument("--out", type=Path, default=Path("tiny_lm_out"),
                    help="folder for loss.png and model.pt")
-    p.add_argument("--prompt", default="The keeper ")
-    p.add_argument("--sample-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="The keeper ", help="generation prompt")
+    p.add_argument("--sample-tokens", type=int, default=200, help="characters to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model and of the windows (rank r draws with seed + r)")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "width", "layers", "heads", "mini_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int")
     if not args.temperature > 0 or args.sample_tokens < 0:
         p.error("--temperature: expected > 0; --sample-tokens: expected >= 0")
+    check_launch(p, args)
     return args
 
 
-def progress(iterable, total: int):
-    """tqdm when installed, else a one-line text bar on stderr."""
+def check_launch(p: argparse.ArgumentParser, args) -> None:
+    """One-line errors for a launch that cannot work."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.parallel == "none":
+        if world > 1:
+            p.error(f"torchrun started {world} processes but --parallel is none: pass "
+                    "--parallel ddp or --parallel fsdp2 (or run with plain python)")
+        return
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        p.error(f"--parallel {args.parallel}: launch with torchrun, e.g. `torchrun "
+                f"--nproc-per-node 2 {sys.argv[0]} --parallel {args.parallel}` (missing "
+                f"environment: {', '.join(missing)})")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--parallel {args.parallel}: expected --device cpu (gloo) or cuda (NCCL), "
+                f"got {args.device}")
+    if device.type == "cuda":
+        if device.index is not None:
+            p.error(f"--device {args.device}: under --parallel each process takes "
+                    "cuda:LOCAL_RANK; pass --device cuda")
+        local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= count:
+            p.error(f"LOCAL_RANK {local_rank} but {count} CUDA device(s) here: start at "
+                    f"most {count} processes a node (torchrun --nproc-per-node {count}), "
+                    "or pass --device cpu")
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place: rank 0 of 1 without --parallel."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(args) -> Rank:
+    """The process group from torchrun's environment: NCCL on cuda:LOCAL_RANK, else gloo."""
+    if args.parallel == "none":
+        return Rank(device=torch.device(args.device))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return Rank(dist.get_rank(), dist.get_world_size(), device)
+
+
+def wrap_model(model: TinyLM, args, rank: Rank) -> nn.Module:
+    """The module the training steps call: the model itself, DDP around it, or the model
+    with every block and the whole model sharded in place by FSDP2 (``fully_shard``)."""
+    if args.parallel == "ddp":
+        ids = [rank.device.index] if rank.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if args.parallel == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(rank.device.type, (rank.world,))
+        policy = MixedPrecisionPolicy()
+        if args.mixed_precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def autocast(args, rank: Rank):
+    """bf16 autocast for --mixed-precision bf16 without FSDP2 (whose policy casts)."""
+    if args.mixed_precision == "bf16" and args.parallel != "fsdp2":
+        return torch.autocast(rank.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def mean_over_ranks(loss: torch.Tensor, rank: Rank) -> float:
+    """The loss averaged over the ranks (SUM then divide: gloo has no AVG)."""
+    loss = loss.detach().float()
+    if rank.world > 1:
+        dist.all_reduce(loss)
+        loss /= rank.world
+    return loss.item()
+
+
+def progress(iterable, total: int, show: bool = True):
+    """tqdm when installed, else a one-line text bar on stderr; nothing when not ``show``."""
+    if not show:
+        return iterable
     try:
         from tqdm import tqdm
     except ImportError:
@@ -129,28 +246,41 @@ def random_windows(data: torch.Tensor, batch: int, length: int, gen: torch.Gener
     return rows[:, :-1], rows[:, 1:]
 
 
-def train(model: nn.Module, data: torch.Tensor, args) -> list[float]:
-    step_model = torch.compile(model) if args.compile else model
+def train(model: TinyLM, data: torch.Tensor, args, rank: Rank) -> list[float]:
+    """``args.steps`` AdamW steps; the loss of each step (the mean over the ranks)."""
+    wrapped = wrap_model(model, args, rank)
+    step_model = torch.compile(wrapped) if args.compile else wrapped
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + rank.rank)
     losses = []
-    bar = progress(range(args.steps), args.steps)
+    bar = progress(range(args.steps), args.steps, show=rank.main)
     for step in bar:
         lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))   # cosine decay
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = (t.to(args.device) for t in
+        inputs, targets = (t.to(rank.device) for t in
                            random_windows(data, args.batch_size, args.seq_len, gen))
-        logits = step_model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with autocast(args, rank):
+            logits = step_model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(mean_over_ranks(loss, rank))
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
+
+
+def full_state_dict(model: nn.Module, args) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU, on rank 0 (empty on the other ranks); every rank
+    must call it under --parallel."""
+    if args.parallel == "none":
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 @torch.no_grad()
@@ -189,34 +319,64 @@ def save_plot(losses: list[float], path: Path) -> None:
     print(f"loss plot: {path}")
 
 
+def build_model(vocab: int, args, device: torch.device) -> TinyLM:
+    torch.manual_seed(args.seed)                 # the same initial model on every rank
+    return TinyLM(vocab, args.width, args.layers, args.heads, args.mini_batch,
+                  args.backend).to(device)
+
+
+def plain_model(model: TinyLM, state: dict[str, torch.Tensor], vocab: int, args,
+                device: torch.device) -> TinyLM:
+    """The trained model as a plain single-process module: itself without --parallel, else
+    a fresh one loaded with the gathered state dict."""
+    if args.parallel == "none":
+        return model
+    plain = build_model(vocab, args, device)
+    plain.load_state_dict(state)
+    return plain
+
+
+def finish(model: TinyLM, state: dict[str, torch.Tensor], losses: list[float],
+           tokenizer: CharTokenizer, data: torch.Tensor, args, device: torch.device) -> None:
+    """Rank 0: save the model and the plot, then generate with the plain model."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, args.out / "model.pt")
+    save_plot(losses, args.out / "loss.png")
+    model = plain_model(model, state, len(tokenizer.chars), args, device)
+    prompt = tokenizer.encode(args.prompt)       # characters not in the text are dropped
+    if prompt.numel() == 0:
+        prompt = data[:1]
+    sampled = generate(model, prompt.to(device), args.sample_tokens, args.temperature,
+                       torch.Generator().manual_seed(args.seed))
+    print("sample:\n" + tokenizer.decode(prompt.tolist()) + tokenizer.decode(sampled))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
     text = args.text.read_text(encoding="utf-8")
     tokenizer = CharTokenizer(text)
     data = tokenizer.encode(text)
     if data.numel() <= args.seq_len + 1:
         raise SystemExit(f"--text: {args.text} has {data.numel()} characters, "
                          f"need more than --seq-len + 1 = {args.seq_len + 1}")
-    model = TinyLM(len(tokenizer.chars), args.width, args.layers, args.heads,
-                   args.mini_batch, args.backend).to(args.device)
-    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, vocab "
-          f"{len(tokenizer.chars)}, {data.numel():,} characters, device {args.device}")
-
-    start = time.perf_counter()
-    losses = train(model, data, args)
-    print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, "
-          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), args.out / "model.pt")
-    save_plot(losses, args.out / "loss.png")
-
-    prompt = tokenizer.encode(args.prompt)       # characters not in the text are dropped
-    if prompt.numel() == 0:
-        prompt = data[:1]
-    sampled = generate(model, prompt.to(args.device), args.sample_tokens, args.temperature,
-                       torch.Generator().manual_seed(args.seed))
-    print("sample:\n" + tokenizer.decode(prompt.tolist()) + tokenizer.decode(sampled))
+    rank = init_distributed(args)
+    try:
+        model = build_model(len(tokenizer.chars), args, rank.device)
+        if rank.main:
+            where = (f"{rank.world} processes ({args.parallel}), device {rank.device.type}"
+                     if args.parallel != "none" else f"device {args.device}")
+            print(f"{sum(p.numel() for p in model.parameters()):,} parameters, vocab "
+                  f"{len(tokenizer.chars)}, {data.numel():,} characters, {where}")
+        start = time.perf_counter()
+        losses = train(model, data, args, rank)
+        state = full_state_dict(model, args)
+        if rank.main:
+            print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, "
+                  f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            finish(model, state, losses, tokenizer, data, args, rank.device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
