@@ -231,7 +231,7 @@ def backend_skip_reason(name: str, device: torch.device) -> str | None:
     try:
         backend = ttt.load_backend(name)
     except BACKEND_ERRORS as exc:
-        return f"backend {name} is not installed: {exc}"
+        return f"backend {name}: {exc}"
     reason = backend.unavailable_reason()
     if reason:
         return f"backend {name} is unavailable: {reason}"
@@ -264,6 +264,22 @@ def test_two_cpu_processes_follow_the_single_process_curve(cpu_curves):
     finally:
         torch.set_num_threads(threads)
     check_curves(setup, curves, single)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_backend_verdict_on_the_layer_calls(backend):
+    """The skip check of the GPU variants runs here too: the layer's three kinds of calls
+    are recorded, the check gives a verdict (here: CPU tensors), and the reference backend
+    takes them all."""
+    calls = layer_calls(backend, torch.device("cpu"))
+    assert len(calls) == 3 * len(TinyModel(backend).layers)
+    assert {(c["q"].dtype, c["w"].dtype) for c in calls} == {
+        (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16)}
+    reason = backend_skip_reason(backend, torch.device("cpu"))
+    assert reason is None or isinstance(reason, str)
+    if backend == "reference":
+        assert reason is None, reason
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
