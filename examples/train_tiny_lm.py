@@ -369,9 +369,10 @@ def main(argv=None) -> None:
                   f"{len(tokenizer.chars)}, {data.numel():,} characters, {where}")
         start = time.perf_counter()
         losses = train(model, data, args, rank)
-        state = full_state_dict(model, args)
+        elapsed = time.perf_counter() - start
+        state = full_state_dict(model, args)     # a collective: every rank takes part
         if rank.main:
-            print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, "
+            print(f"{args.steps} steps in {elapsed:.1f} s, "
                   f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             finish(model, state, losses, tokenizer, data, args, rank.device)
     finally:
