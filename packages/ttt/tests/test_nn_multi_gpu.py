@@ -14,7 +14,7 @@ reduce_dtype=float32)`` for FSDP2, ``torch.autocast`` bfloat16 for DDP) that is 
 bfloat16 output bound, 1e-2: the loss is a mean of the model's outputs, whose error against
 float32 the suite bounds by that tolerance, and the few small steps move the weights by
 much less than the bfloat16 rounding of the activations. Measured on CPU with the reference
-backend: at most about 3e-4 after 5 steps. The float32 variant (CPU only) bounds the
+backend: at most about 6e-4 over 5 steps (float32: 1e-7). The float32 variant (CPU only) bounds the
 difference, which then comes from the order of the gradient sums alone, by float32's 3e-6.
 
 Variants:
