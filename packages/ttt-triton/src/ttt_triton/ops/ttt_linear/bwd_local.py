@@ -136,11 +136,10 @@ def ttt_linear_bwd_local_kernel(
         if NEED_DQ:
             b_dq = mm(b_dop, tl.trans(b_W), PREC)                          # [BS, BD]
             b_dq = mm_acc(-(b_P * b_dS), b_k, b_dq, PREC)
-            if OUTPUT == "query_residual":
-                b_dq = b_dq * scale + b_do                                 # [BS, BD]
+            if OUTPUT == "query_residual":    # + the unscaled q's residual term
+                tl.store(dq + o_x, (b_dq * scale + b_do).to(dq.dtype.element_ty), mask=m_2d)
             else:
-                b_dq = b_dq * scale
-            tl.store(dq + o_x, b_dq.to(dq.dtype.element_ty), mask=m_2d)
+                tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
         if NEED_DETA:
             tl.store(deta + o_e, b_de, mask=m_t)
         if STORE_BUFS:
