@@ -47,6 +47,13 @@ KERNELS = (
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
 
+DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm_residual",
+                    NEED_DETA_KEY=False, NEED_DQ=True, NEED_DK=True, NEED_DV=True,
+                    NEED_DETA=True, NEED_DW=True, NEED_DB=True, STORE_DHB0=True,
+                    STORE_BUFS=True, FEED_GRADS=True)
+"""The constexprs of a default call (no eta_key, norm_residual, every gradient), where a
+kernel has them."""
+
 
 def _signature(fn, dtype: str, consts: dict) -> dict:
     sig = {}
@@ -107,6 +114,8 @@ def main() -> None:
                         continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=G,
                                   IS_VARLEN=False, PREC=prec, **extra)
+                    consts.update({k: v for k, v in DEFAULT_FORM.items()
+                                   if k in fn.arg_names and k not in consts})
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     if rows is not None:
