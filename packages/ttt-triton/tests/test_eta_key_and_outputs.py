@@ -91,15 +91,17 @@ def _triton(problem, cotangents, tuning, needs=None):
     return got
 
 
-def _check(T, H, D, chunk, seq_lens, seed, tuning, output, eta_key=True):
+def _check(T, H, D, chunk, seq_lens, seed, tuning, output, eta_key=True,
+           dtype=torch.float32):
     x, cu = _inputs(T, H, D, seq_lens, seed, eta_key)
-    x = {n: t.to(torch.float32).to(F64) for n, t in x.items()}            # as run
+    x = {n: t.to(torch.float32 if n.startswith("initial") else dtype).to(F64)   # as run
+         for n, t in x.items()}
     cotangents = _cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
     want = _oracle(x, cu, chunk, output, cotangents)
-    got = _triton(_problem(x, cu, chunk, output), cotangents, tuning)
+    got = _triton(_problem(x, cu, chunk, output, dtype), cotangents, tuning)
     got = {n: t.detach().to("cpu", F64) for n, t in got.items() if t is not None}
     assert set(got) == set(want)
-    out_tol, grad_tol = TOLERANCES[torch.float32]
+    out_tol, grad_tol = TOLERANCES[dtype]
     errs = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
     bad = {n: f"{e:.2e} > {grad_tol if n.startswith('d') else out_tol:.0e}"
            for n, e in errs.items() if not e <= (grad_tol if n.startswith("d") else out_tol)}
@@ -139,6 +141,24 @@ def test_eta_key_with_blocks_of_chunks_and_chunk_32():
     tuning = Tuning(fuse_forward=False, fuse_backward=False, checkpoint_interval=2,
                     rows_out=64, rows_local=64, rows_grads=64)
     _check(150, 2, 32, 32, None, 25, tuning, "query_residual")
+
+
+NEEDS_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the tests above run every path "
+    "in float32 (the interpreter's bf16 tl.dot is wrong)")
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("output", OUTPUTS)
+@pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("D,chunk", [(50, 16), (64, 32), (128, 64)])
+def test_eta_key_and_output_forms_on_gpu(dtype, output, fuse, D, chunk):
+    """Every dtype and output form with eta_key, fused and split chains, at an unaligned head
+    dim, the IEEE K-blocked dots (float32 at D 128) and the wide backward (half inputs at D
+    128, chunk 64), against the oracle within the conformance suite's bounds."""
+    tuning = Tuning(fuse_forward=fuse, fuse_backward=fuse)
+    _check(180, 3, D, chunk, (60, 120), 9, tuning, output, dtype=dtype)
 
 
 NEEDS = {
