@@ -43,7 +43,9 @@ CAPABILITIES = Capabilities(
         "eta_key and the output forms are compile-time switches of the same kernels: "
         "without eta_key, norm_residual compiles to the code it had before them",
         "the backward computes only the gradients autograd asks for (frozen w, b; no "
-        "initial state; a float eta): unneeded stores, buffers and kernels are left out",
+        "initial state; a float eta): unneeded stores, buffers and kernels are left out; "
+        "each pattern of needed gradients compiles its own kernel variants on first use "
+        "(ttt.warmup compiles the every-gradient one)",
         "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
     ),
 )

@@ -20,14 +20,15 @@ block, ``q`` pre-scaled, ``A = q k^\top + 1``, ``P`` the eta mask of ``fwd_out.p
     &dg_{loc} = -(P^= \odot A)^\top do_{pre}\\
     &W \leftarrow W - (\eta \odot k)^\top g, \qquad hb \leftarrow hb - \textstyle\sum_j \eta_j g_j
 
-(``g`` scaled by the per-key factor ``l`` row by row under ``HAS_ETA_KEY``: ``dg_loc`` is
-the cotangent of the scaled ``g``). ``NEED_*`` leave out the gradients autograd does not
-ask for, ``STORE_BUFS`` the buffers when no later kernel runs (``dq`` alone).
 (``dq`` takes the earlier chunks' updates of ``W`` through ``P``; their cotangents of ``g``
 and of the last-row eta travel through the state's cotangent, in ``bwd_chain.py``). It
 writes ``dq`` (final), ``deta`` (final except the last-row term, added by
 ``bwd_grads.py``, or by ``bwd_chain.py`` when it is fused), the post-norm part of ``dw``/``db`` (per-program partials), and for the
 later kernels ``do_pre`` and ``dg_loc`` (fp32).
+
+With ``HAS_ETA_KEY``, ``g`` is scaled by the per-key factor ``l`` row by row (``dg_loc`` is
+the cotangent of the scaled ``g``). ``NEED_*`` leave out the gradients autograd does not
+ask for, and without ``STORE_BUFS`` (no later kernel runs: ``dq`` alone) the buffers.
 """
 
 import triton
