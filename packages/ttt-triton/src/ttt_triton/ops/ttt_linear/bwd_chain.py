@@ -77,7 +77,7 @@ def _load_step(q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, r0, o_t, o_d
 def ttt_linear_bwd_chain_kernel(
     q, k, v, eta, w, b,
     eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    deta_key,           # [B, T, H] fp32 its gradient (when NEED_DETA_KEY)
+    deta_key,           # [B, T, H, 1] fp32 its gradient (when NEED_DETA_KEY)
     xbuf, rbuf, dopbuf,  # from bwd_local
     dgbuf,              # dg_loc from bwd_local in, the full dg out
     desum,              # [B * T, H] fp32: g_i . (k_i dW + dhb) per row

@@ -9,9 +9,10 @@ One program per (sequence, head). The only work on the chain from one chunk to t
     W \leftarrow W - \eta_{last}\, k^\top g, \quad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
 with ``eta_last`` the eta of the chunk's last valid row and, with ``HAS_ETA_KEY``, ``g``
-scaled row by row by the per-key factor ``l`` (``eta_key``; ``xhat`` and ``r`` stay unscaled). The program writes ``xhat`` and
-``r`` (fp32; ``g`` is row-local in them) for the output kernel and the backward, the fp32 state into checkpoint slot ``s`` before chunk ``s * G``
-and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
+scaled row by row by the per-key factor ``l`` (``eta_key``; ``xhat`` and ``r`` stay
+unscaled). The program writes ``xhat`` and ``r`` (fp32; ``g`` is row-local in them) for the
+output kernel and the backward, the fp32 state into checkpoint slot ``s`` before chunk
+``s * G`` and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
 (which need ``q``) are left to the parallel kernel in ``fwd_out.py``. The next chunk's
 ``k``, ``v`` and ``eta_last`` are loaded one step early so their latency leaves the chain.
 
