@@ -219,3 +219,43 @@ def test_a_float_eta_gets_no_gradient():
     got = _triton(problem, _cotangents(40, 2, 16, 1, 33), Tuning())
     assert got["deta"] is None and got["deta_key"] is None
     assert got["dq"] is not None and got["dinitial_state"] is not None
+
+
+class _LaunchCount:
+    """Stands in for a kernel in the launcher: counts launches, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_the_backend_launches_only_what_autograd_needs(monkeypatch):
+    """Through ``ttt.chunk_ttt_linear``: with only q requiring grad (frozen w, b, a float
+    eta, no initial state) the backward launches bwd_local alone; dq equals that of a call
+    where every input requires grad, bitwise."""
+    from ttt_triton.ops.ttt_linear import launcher
+
+    counts = {}
+    for name in ("ttt_linear_bwd_local_kernel", "ttt_linear_bwd_chain_kernel",
+                 "ttt_linear_bwd_grads_kernel"):
+        counts[name] = _LaunchCount(getattr(launcher, name))
+        monkeypatch.setattr(launcher, name, counts[name])
+    x, _ = _inputs(40, 2, 16, None, 35)
+    args = {n: x[n].to(DEVICE, torch.float32) for n in ("q", "k", "v", "w", "b", "eta_key")}
+    do = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+    def dq_of(grad_leaves):
+        leaves = {n: t.clone().requires_grad_(n in grad_leaves) for n, t in args.items()}
+        o, _, _ = ttt.chunk_ttt_linear(**leaves, eta=0.05, chunk_size=16,
+                                       output="query_residual", backend="triton")
+        return torch.autograd.grad(o, [leaves[n] for n in grad_leaves], do)[0]
+
+    dq = dq_of(["q"])
+    assert [c.launches for c in counts.values()] == [1, 0, 0]
+    dq_full = dq_of(["q", "k", "v", "w", "b", "eta_key"])
+    assert [c.launches for c in counts.values()] == [2, 1, 1]
+    assert torch.equal(dq, dq_full)
