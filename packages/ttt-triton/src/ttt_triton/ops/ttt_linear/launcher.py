@@ -161,8 +161,10 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
     None where not needed: ``needs`` (a :class:`ttt.GradNeeds`, every gradient when None)
     does not ask for it, or it does not apply (dh0/dhb0 without initial states, deta of a
     float eta, deta_key without eta_key). Only the kernels, stores and buffers the needed
-    ones take run or are allocated; each needed gradient is bitwise that of a backward that
-    computes them all. Every returned tensor is freshly allocated."""
+    ones take run or are allocated; each needed gradient comes from the same operations as in
+    a backward that computes them all (bitwise equal under the interpreter; on a GPU the
+    compiler may contract a multiply-add differently once unneeded code is gone). Every
+    returned tensor is freshly allocated."""
     p = problem
     q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
     eta_key = p.eta_key
