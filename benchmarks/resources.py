@@ -47,6 +47,17 @@ KERNELS = (
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
 
+DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm_residual",
+                    NEED_DETA_KEY=False, NEED_DQ=True, NEED_DK=True, NEED_DV=True,
+                    NEED_DETA=True, NEED_DW=True, NEED_DB=True, STORE_DHB0=True,
+                    STORE_BUFS=True, FEED_GRADS=True)
+"""The constexprs of a default call (no eta_key, norm_residual, every gradient), where a
+kernel has them."""
+
+LAYER_FORM = dict(DEFAULT_FORM, HAS_ETA_KEY=True, OUTPUT="query_residual",
+                  NEED_DETA_KEY=True)
+"""``--layer``: the form ``ttt.nn.TTTLinear`` calls (eta_key, query_residual)."""
+
 
 def _signature(fn, dtype: str, consts: dict) -> dict:
     sig = {}
@@ -89,6 +100,9 @@ def main() -> None:
     parser.add_argument("--bd", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--bt", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
+    parser.add_argument("--layer", action="store_true",
+                        help="the layer's form (eta_key, query_residual) instead of the "
+                             "default one")
     parser.add_argument("--unaligned", dest="aligned", action="store_false",
                         help="no 16-byte alignment hint on the pointers (default: hinted, as "
                              "a launch with torch tensors compiles)")
@@ -107,6 +121,10 @@ def main() -> None:
                         continue
                     consts = dict(H=16, D=BD, BT=BT, BD=BD, G=G,
                                   IS_VARLEN=False, PREC=prec, **extra)
+                    form = LAYER_FORM if args.layer else DEFAULT_FORM
+                    consts.update({k: v for k, v in form.items()
+                                   if k in fn.arg_names and k not in consts
+                                   and not (args.layer and k in ("eta_key", "deta_key"))})
                     if "HALF" in fn.arg_names:
                         consts["HALF"] = dtype != "fp32"
                     if rows is not None:

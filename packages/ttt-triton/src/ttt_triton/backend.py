@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
+from ttt.problem import OUTPUTS
 from ttt.registry import import_failure_reason
 
 from ._env import interpreting
@@ -28,6 +29,8 @@ CAPABILITIES = Capabilities(
     varlen_backward=True,
     backward=True,
     deterministic=True,
+    eta_key=True,
+    outputs=frozenset(OUTPUTS),
     notes=(
         "fp32 state and accumulation; IEEE dots for float32 inputs",
         "sequential chains carry only the state; outputs and gradients come from "
@@ -37,6 +40,12 @@ CAPABILITIES = Capabilities(
         "and dk, dv (tuning.FUSED)",
         f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
         "D = 256 does not fit the state in one program's registers",
+        "eta_key and the output forms are compile-time switches of the same kernels: "
+        "without eta_key, norm_residual compiles to the code it had before them",
+        "the backward computes only the gradients autograd asks for (frozen w, b; no "
+        "initial state; a float eta): unneeded stores, buffers and kernels are left out; "
+        "each pattern of needed gradients compiles its own kernel variants on first use "
+        "(ttt.warmup compiles the every-gradient one)",
         "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
     ),
 )
@@ -97,5 +106,6 @@ class TritonBackend(Backend):
         from .ops.ttt_linear import ttt_linear_bwd
         from .ops.ttt_linear.launcher import Saved
 
-        # every gradient computed; the core keeps only those autograd asked for (needs)
-        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt))
+        # only the gradients autograd asks for (needs), each a fresh tensor
+        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt,
+                                         needs=needs))

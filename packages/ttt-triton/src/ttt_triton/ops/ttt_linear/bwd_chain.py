@@ -12,7 +12,11 @@ stored ``xhat`` and ``r`` (row-local); ``dg_loc`` and ``do_pre`` were stored by
     dW &\leftarrow dW + q^\top do_{pre} + k^\top dkh, \qquad
         dhb \leftarrow dhb + \textstyle\sum_i do_{pre,i} + \textstyle\sum_i dkh_i
 
-The full ``dg`` replaces ``dg_loc`` in its buffer. The last-row term of ``deta``,
+With ``HAS_ETA_KEY`` the state takes ``l \odot g`` (``l`` the per-key factor, ``g`` as
+stored, unscaled): ``dg`` above is the cotangent of ``l \odot g``, the per-key factor's
+gradient is final here, ``dl_i = dg_i \cdot g_i``, and the inner-grad backward takes
+``l \odot dg``. The full ``dg`` (times ``l`` with ``HAS_ETA_KEY``: the cotangent of the
+unscaled ``g``) replaces ``dg_loc`` in its buffer. The last-row term of ``deta``,
 
 .. math::
 
@@ -35,7 +39,9 @@ the chunk's own slot at a group start) and ``dW`` the cotangent of the state aft
     dk = dy\, w + dkh\, W^\top - \eta_{last}\, g\, dW^\top + C_q\, q, \quad
     (C_q)_{ij} = -[j \ge i]\, e_j\, (g_i \cdot do_{pre,j}), \quad dv = -dy\, w
 
-and the chunk's last-row ``deta`` term is added in place. This puts more work on the
+and the chunk's last-row ``deta`` term is added in place. ``NEED_*`` leave out what
+autograd does not ask for; without ``FEED_GRADS`` (no ``bwd_grads`` after the chain) ``dg``
+and the slot cotangents are not stored. This puts more work on the
 chain, which pays when there are enough chains to hide it (``tuning.FUSED``).
 """
 
@@ -70,6 +76,8 @@ def _load_step(q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, r0, o_t, o_d
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_chain_kernel(
     q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
+    deta_key,           # [B, T, H, 1] fp32 its gradient (when NEED_DETA_KEY)
     xbuf, rbuf, dopbuf,  # from bwd_local
     dgbuf,              # dg_loc from bwd_local in, the full dg out
     desum,              # [B * T, H] fp32: g_i . (k_i dW + dhb) per row
@@ -93,6 +101,15 @@ def ttt_linear_bwd_chain_kernel(
     IS_VARLEN: tl.constexpr,
     FUSE_GRADS: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    NEED_DETA_KEY: tl.constexpr,
+    STORE_DHB0: tl.constexpr,
+    NEED_DK: tl.constexpr,
+    NEED_DV: tl.constexpr,
+    NEED_DETA: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    FEED_GRADS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -117,10 +134,11 @@ def ttt_linear_bwd_chain_kernel(
         m_jgei = o_t[:, None] <= o_t[None, :]                              # [BT, BT] j >= i
         # W^T, so that dkh W^T needs no transpose of a computed tile (fewer registers)
         o_ddt = o_d[:, None] + o_d[None, :] * D                            # [BD, BD]
-        b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_dd, other=0.)     # [BD, BD] after
+        if NEED_DK:
+            b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_dd, other=0.)  # [BD, BD] after
         b_dw = tl.zeros([BD], dtype=tl.float32)                            # [BD]
         b_db = tl.zeros([BD], dtype=tl.float32)                            # [BD]
-    else:
+    elif FEED_GRADS:
         tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
     p_base = (bos * H + i_h) * D
@@ -153,46 +171,66 @@ def ttt_linear_bwd_chain_kernel(
             r_el = last_row_eta(eta, p_ebase, i_p, seq_len, BT, H)
 
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
+        b_g0 = b_g                                                         # [BT, BD] unscaled
+        if HAS_ETA_KEY:
+            b_l = tl.load(eta_key + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)
+            b_g = b_g0 * b_l[:, None]                                      # [BT, BD] l g
         b_kdW = mm(b_k, b_dW, PREC)                                        # [BT, BD]
         b_dg = tl.where(m_2d, b_dgl - b_el * (b_kdW + b_dhb[None, :]), 0.)
-        b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
+        if HAS_ETA_KEY:
+            if NEED_DETA_KEY:
+                tl.store(deta_key + p_ebase + o_e, tl.sum(b_dg * b_g0, 1), mask=m_t)
+            b_dg = b_dg * b_l[:, None]                                     # [BT, BD] of g0
+        b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g0, b_w, m_2d, D)
         b_rs = tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1)                    # [BT]
         if FUSE_GRADS:
             b_dyw = b_dy * b_w[None, :]                                    # [BT, BD]
-            b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
-            b_db += tl.sum(b_dyw, 0)
-            tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
-            o_last = p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
-            tl.store(deta + o_last, tl.load(deta + o_last) - tl.sum(b_rs, 0))
-            b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
-            b_S1 = mm(b_g, tl.trans(b_dop), PREC)                          # [BT, BT]
-            b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1              # [BT, BT]
-            # dk in accumulated parts, the state's term last (the state is stepped back
-            # right before it); v, the dw/db/dv inputs, die before the products
-            b_dk = mm_acc(b_g * -b_el, tl.trans(b_dW), b_dyw, PREC)
-            b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)                           # [BT, BD]
-            # the state before the chunk: its own slot at a group start, else stepped back
-            if i_c % G == 0:
-                i_cs = (slot_base + i_c // G) * H + i_h
-                b_Wt = tl.load(ck + i_cs * D * D + o_ddt, mask=m_dd, other=0.)
-            else:
-                b_Wt = mm_acc(tl.trans(b_g * b_el), b_k, b_Wt, PREC)
-            b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                         # [BT, BD]
-            tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
+            if NEED_DW:
+                b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k),
+                               0)
+            if NEED_DB:
+                b_db += tl.sum(b_dyw, 0)
+            if NEED_DV:
+                tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
+            if NEED_DETA:
+                o_last = p_ebase + (tl.minimum((i_c + 1) * BT, seq_len) - 1).to(tl.int64) * H
+                tl.store(deta + o_last, tl.load(deta + o_last) - tl.sum(b_rs, 0))
+            if NEED_DK:
+                b_e = tl.load(eta + p_ebase + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
+                b_S1 = mm(b_g, tl.trans(b_dop), PREC)                      # [BT, BT]
+                b_Cq = -tl.where(m_jgei, b_e[None, :], 0.) * b_S1          # [BT, BT]
+                # dk in accumulated parts, the state's term last (the state is stepped
+                # back right before it); v, the dw/db/dv inputs, die before the products
+                b_dk = mm_acc(b_g * -b_el, tl.trans(b_dW), b_dyw, PREC)
+                b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)                       # [BT, BD]
+                # the state before the chunk: its own slot at a group start, else stepped
+                # back
+                if i_c % G == 0:
+                    i_cs = (slot_base + i_c // G) * H + i_h
+                    b_Wt = tl.load(ck + i_cs * D * D + o_ddt, mask=m_dd, other=0.)
+                else:
+                    b_Wt = mm_acc(tl.trans(b_g * b_el), b_k, b_Wt, PREC)
+                b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                     # [BT, BD]
+                tl.store(dk + o_x, b_dk.to(dk.dtype.element_ty), mask=m_2d)
         else:
-            tl.store(dgbuf + o_x, b_dg, mask=m_2d)
-            tl.store(desum + p_ebase + o_e, b_rs, mask=m_t)
+            if FEED_GRADS:
+                tl.store(dgbuf + o_x, b_dg, mask=m_2d)
+            if NEED_DETA:
+                tl.store(desum + p_ebase + o_e, b_rs, mask=m_t)
         b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
         b_dW = mm_acc(tl.trans(b_k), b_dkh, b_dW, PREC)
         b_dhb += tl.sum(b_dop, 0) + tl.sum(b_dkh, 0)
-        if not FUSE_GRADS and i_c % G == 0:
+        if not FUSE_GRADS and FEED_GRADS and i_c % G == 0:
             i_ck = (slot_base + i_c // G) * H + i_h
             tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
     if FUSE_GRADS:
         o_p = i_nh.to(tl.int64) * D + o_d
-        tl.store(dwc + o_p, b_dw, mask=m_d)
-        tl.store(dbc + o_p, b_db, mask=m_d)
+        if NEED_DW:
+            tl.store(dwc + o_p, b_dw, mask=m_d)
+        if NEED_DB:
+            tl.store(dbc + o_p, b_db, mask=m_d)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * D * D + o_dd, b_dW, mask=m_dd)
+    if STORE_DHB0:
         tl.store(dhb0 + i_nh.to(tl.int64) * D + o_d, b_dhb, mask=m_d)

@@ -27,7 +27,11 @@ blocks:
     W \leftarrow W + (\eta \odot k)^\top g \quad (\text{undoing the block's updates}),
     \qquad dW \leftarrow dW + q^\top do_{pre} + k^\top dkh
 
-starting from the slots at the group's end (state from the forward chain, cotangent from
+With ``HAS_ETA_KEY``, ``g`` above is scaled by the per-key factor ``l`` row by row and the
+stored ``dg`` is already the cotangent of the unscaled ``g`` (``bwd_chain.py``), which the
+inner-grad backward takes as is. ``NEED_*`` leave out the gradients autograd does not ask
+for (without ``NEED_DK`` no state, cotangent or product is touched). The state walk starts
+from the slots at the group's end (state from the forward chain, cotangent from
 the backward chain); the group's first block takes its state from its own exact slot
 (stepping back all the way to a zero initial state is ill-conditioned in float32).
 """
@@ -40,6 +44,7 @@ from .common import (
     group_coords,
     inner_grad_bwd,
     inner_grad_from_xhat,
+    key_scaled,
     mm,
     mm_acc,
     split_cols,
@@ -49,6 +54,7 @@ from .common import (
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_grads_kernel(
     q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
     ck,                 # state slots (forward chain)
     dck,                # cotangent slots (backward chain)
     xbuf, rbuf, dopbuf, dgbuf,  # xhat, r, do_pre (bwd_local) and the full dg (bwd_chain)
@@ -68,6 +74,12 @@ def ttt_linear_bwd_grads_kernel(
     IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    NEED_DK: tl.constexpr,
+    NEED_DV: tl.constexpr,
+    NEED_DETA: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
 ):
     gid, i_h = tl.program_id(0), tl.program_id(1)
     # SPLIT programs per (group, head), program i_p owning the columns o_k of k (the rows of
@@ -100,8 +112,9 @@ def ttt_linear_bwd_grads_kernel(
     m_ddt = m_d[:, None] & m_k[None, :]
     o_dd = o_k[:, None] * D + o_d[None, :]                                 # [BK, BD]
     m_dd = m_k[:, None] & m_d[None, :]
-    b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_ddt, other=0.)        # [BD, BK]
-    b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)         # [BK, BD]
+    if NEED_DK:
+        b_Wt = tl.load(ck + i_ck * D * D + o_ddt, mask=m_ddt, other=0.)    # [BD, BK]
+        b_dW = tl.load(dck + i_ck * D * D + o_dd, mask=m_dd, other=0.)     # [BK, BD]
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
 
@@ -113,11 +126,13 @@ def ttt_linear_bwd_grads_kernel(
         r0 = r_beg + (n_blk - 1 - jr) * BS
         o_x, o_e, m_2d, m_t, m_last, b_e, b_el = block_rows(
             eta, p_base, p_ebase, r0, o_s, o_d, m_d, seq_len, H, D, BT)
-        # the last-row terms of deta, from the backward chain
-        b_rs = tl.load(desum + o_e, mask=m_t, other=0.)                    # [BS]
-        b_dl = -tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_rs[None, :], 0.), 1)
-        m_last = m_last & m_own
-        tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl, mask=m_last)
+        if NEED_DETA:
+            # the last-row terms of deta, from the backward chain
+            b_rs = tl.load(desum + o_e, mask=m_t, other=0.)                # [BS]
+            b_dl = -tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_rs[None, :], 0.), 1)
+            m_last = m_last & m_own
+            tl.store(deta + o_e, tl.load(deta + o_e, mask=m_last, other=0.) + b_dl,
+                     mask=m_last)
         # row-local: g, y, then dkh, dy from the full dg; dv, dw, db
         b_k = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
         b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)         # [BS, BD]
@@ -126,42 +141,50 @@ def ttt_linear_bwd_grads_kernel(
         b_dg = tl.load(dgbuf + o_x, mask=m_2d, other=0.)                   # [BS, BD]
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
+        b_g = key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)              # [BS, BD]
         b_dyw = b_dy * b_w[None, :]                                        # [BS, BD]
-        b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
-        b_db += tl.sum(b_dyw, 0)
-        tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d & m_own[:, None])
-        if SPLIT == 1:
-            o_xk, m_2dk, b_kk = o_x, m_2d, b_k                             # [BS, BD]
-            b_dk = b_dyw
-        else:
-            o_xk = p_base + (r0 + o_s).to(tl.int64)[:, None] * (H * D) + o_k[None, :]
-            m_2dk = m_t[:, None] & m_k[None, :]                            # [BS, BK]
-            b_kk = tl.load(k + o_xk, mask=m_2dk, other=0.).to(tl.float32)  # [BS, BK]
-            b_dk = split_cols(b_dyw, i_p, SPLIT)                           # [BS, BK]
+        if NEED_DW:
+            b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
+        if NEED_DB:
+            b_db += tl.sum(b_dyw, 0)
+        if NEED_DV:
+            tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d & m_own[:, None])
+        if NEED_DK:
+            if SPLIT == 1:
+                o_xk, m_2dk, b_kk = o_x, m_2d, b_k                         # [BS, BD]
+                b_dk = b_dyw
+            else:
+                o_xk = p_base + (r0 + o_s).to(tl.int64)[:, None] * (H * D) + o_k[None, :]
+                m_2dk = m_t[:, None] & m_k[None, :]                        # [BS, BK]
+                b_kk = tl.load(k + o_xk, mask=m_2dk, other=0.).to(tl.float32)  # [BS, BK]
+                b_dk = split_cols(b_dyw, i_p, SPLIT)                       # [BS, BK]
 
-        # the state before the block
-        if jr == n_blk - 1:
-            b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_ddt, other=0.)
-        else:
-            b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_kk, b_Wt, PREC)
-        # dk in accumulated parts
-        b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                             # [BS, BK]
-        b_dk = mm_acc(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, PREC)
-        b_S2 = mm(b_g, tl.trans(b_dkh), PREC)                              # [BS, BS]
-        b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
-            - tl.where(m_later, b_el[:, None] * b_S2, 0.)                  # [BS, BS]
-        b_dk = mm_acc(b_Ck, b_kk, b_dk, PREC)
-        b_q = tl.load(q + o_xk, mask=m_2dk, other=0.).to(tl.float32) * scale  # [BS, BK]
-        b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)                 # [BS, BD]
-        b_S1 = mm(b_g, tl.trans(b_dop), PREC)                              # [BS, BS]
-        b_Cq = -tl.where(m_same, b_e[None, :], tl.where(m_later, b_el[:, None], 0.)) * b_S1
-        b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)
-        tl.store(dk + o_xk, b_dk.to(dk.dtype.element_ty), mask=m_2dk)
-        # the cotangent of the state before the block
-        b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
-        b_dW = mm_acc(tl.trans(b_kk), b_dkh, b_dW, PREC)
+            # the state before the block
+            if jr == n_blk - 1:
+                b_Wt = tl.load(ck + i_ck0 * D * D + o_ddt, mask=m_ddt, other=0.)
+            else:
+                b_Wt = mm_acc(tl.trans(b_g * b_el[:, None]), b_kk, b_Wt, PREC)
+            # dk in accumulated parts
+            b_dk = mm_acc(b_dkh, b_Wt, b_dk, PREC)                         # [BS, BK]
+            b_dk = mm_acc(b_g * -b_el[:, None], tl.trans(b_dW), b_dk, PREC)
+            b_S2 = mm(b_g, tl.trans(b_dkh), PREC)                          # [BS, BS]
+            b_Ck = -tl.where(m_earlier, b_el[None, :] * tl.trans(b_S2), 0.) \
+                - tl.where(m_later, b_el[:, None] * b_S2, 0.)              # [BS, BS]
+            b_dk = mm_acc(b_Ck, b_kk, b_dk, PREC)
+            b_q = tl.load(q + o_xk, mask=m_2dk, other=0.).to(tl.float32) * scale  # [BS, BK]
+            b_dop = tl.load(dopbuf + o_x, mask=m_2d, other=0.)             # [BS, BD]
+            b_S1 = mm(b_g, tl.trans(b_dop), PREC)                          # [BS, BS]
+            b_Cq = -tl.where(m_same, b_e[None, :],
+                             tl.where(m_later, b_el[:, None], 0.)) * b_S1  # [BS, BS]
+            b_dk = mm_acc(b_Cq, b_q, b_dk, PREC)
+            tl.store(dk + o_xk, b_dk.to(dk.dtype.element_ty), mask=m_2dk)
+            # the cotangent of the state before the block
+            b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
+            b_dW = mm_acc(tl.trans(b_kk), b_dkh, b_dW, PREC)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
     m_dw = m_d & ((o_d * 0 + i_p) == 0)
-    tl.store(dwp + o_p, b_dw, mask=m_dw)
-    tl.store(dbp + o_p, b_db, mask=m_dw)
+    if NEED_DW:
+        tl.store(dwp + o_p, b_dw, mask=m_dw)
+    if NEED_DB:
+        tl.store(dbp + o_p, b_db, mask=m_dw)

@@ -12,6 +12,8 @@ block, ``q`` pre-scaled, ``A = q k^\top + 1``, ``P`` the eta mask of ``fwd_out.p
     &o_{pre} = q W + hb - (P \odot A)\, g\\
     &do_{pre} = do + r_o (d\hat o - \overline{d\hat o} - \hat o\, \overline{d\hat o\, \hat o}),
         \quad d\hat o = do \odot w \quad (\text{post norm-residual})\\
+    &\quad (\text{``query\_residual'': without the first } do \text{ and } dq
+        \mathrel{+}= do; \text{ ``raw'': } do_{pre} = do)\\
     &dS = do_{pre}\, g^\top, \quad dq = \mathrm{scale}\,(do_{pre} W^\top
         - (P \odot dS)\, k), \quad d\eta_i = -\textstyle\sum_{j \le i,\ \text{same chunk}}
         A_{ij} dS_{ij}\\
@@ -23,6 +25,10 @@ and of the last-row eta travel through the state's cotangent, in ``bwd_chain.py`
 writes ``dq`` (final), ``deta`` (final except the last-row term, added by
 ``bwd_grads.py``, or by ``bwd_chain.py`` when it is fused), the post-norm part of ``dw``/``db`` (per-program partials), and for the
 later kernels ``do_pre`` and ``dg_loc`` (fp32).
+
+With ``HAS_ETA_KEY``, ``g`` is scaled by the per-key factor ``l`` row by row (``dg_loc`` is
+the cotangent of the scaled ``g``). ``NEED_*`` leave out the gradients autograd does not
+ask for, and without ``STORE_BUFS`` (no later kernel runs: ``dq`` alone) the buffers.
 """
 
 import triton
@@ -32,6 +38,7 @@ from .common import (
     block_g,
     block_rows,
     group_coords,
+    key_scaled,
     mm,
     mm_acc,
     post_norm,
@@ -43,6 +50,7 @@ from .common import (
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_local_kernel(
     q, k, v, eta, w, b, do,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
     ck, ckb,            # checkpoint slots of the forward chain
     xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r (forward chain)
     dopbuf, dgbuf,      # [B * T, H, D] fp32: do_pre and dg_loc
@@ -61,6 +69,13 @@ def ttt_linear_bwd_local_kernel(
     IS_VARLEN: tl.constexpr,
     HALF: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    OUTPUT: tl.constexpr,
+    NEED_DQ: tl.constexpr,
+    NEED_DETA: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    STORE_BUFS: tl.constexpr,
 ):
     gid, i_h = tl.program_id(0), tl.program_id(1)
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
@@ -90,6 +105,7 @@ def ttt_linear_bwd_local_kernel(
                                                        m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
+        b_g = key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)              # [BS, BD]
         b_k = r_k.to(tl.float32)                                           # [BS, BD]
 
         # the forward of the block
@@ -102,22 +118,34 @@ def ttt_linear_bwd_local_kernel(
 
         # post norm-residual backward
         b_do = tl.load(do + o_x, mask=m_2d, other=0.).to(tl.float32)       # [BS, BD]
-        b_on, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
-        b_dw += tl.sum(b_do * b_oh, 0)
-        b_db += tl.sum(b_do, 0)
-        b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D)              # [BS, BD]
+        if OUTPUT == "raw":
+            b_dop = b_do                                                   # [BS, BD]
+        else:
+            b_on, b_oh, b_ro = post_norm(b_o, b_o, b_w, b_b, m_2d, D, eps)
+            if NEED_DW:
+                b_dw += tl.sum(b_do * b_oh, 0)
+            if NEED_DB:
+                b_db += tl.sum(b_do, 0)
+            b_dop = post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D, OUTPUT)  # [BS, BD]
 
         # h-cotangent-free gradients
         b_dS = mm(b_dop, tl.trans(b_g), PREC)                              # [BS, BS]
-        b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)                # [BS]
-        b_dgl = -mm(tl.trans(b_Ps * b_A), b_dop, PREC)                     # [BS, BD]
-        b_dq = mm(b_dop, tl.trans(b_W), PREC)                              # [BS, BD]
-        b_dq = mm_acc(-(b_P * b_dS), b_k, b_dq, PREC)
-
-        tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
-        tl.store(deta + o_e, b_de, mask=m_t)
-        tl.store(dopbuf + o_x, b_dop, mask=m_2d)
-        tl.store(dgbuf + o_x, b_dgl, mask=m_2d)
+        if NEED_DETA:
+            b_de = -tl.sum(tl.where(m_same, b_A * b_dS, 0.), 1)            # [BS]
+        if STORE_BUFS:
+            b_dgl = -mm(tl.trans(b_Ps * b_A), b_dop, PREC)                 # [BS, BD]
+        if NEED_DQ:
+            b_dq = mm(b_dop, tl.trans(b_W), PREC)                          # [BS, BD]
+            b_dq = mm_acc(-(b_P * b_dS), b_k, b_dq, PREC)
+            if OUTPUT == "query_residual":    # + the unscaled q's residual term
+                tl.store(dq + o_x, (b_dq * scale + b_do).to(dq.dtype.element_ty), mask=m_2d)
+            else:
+                tl.store(dq + o_x, (b_dq * scale).to(dq.dtype.element_ty), mask=m_2d)
+        if NEED_DETA:
+            tl.store(deta + o_e, b_de, mask=m_t)
+        if STORE_BUFS:
+            tl.store(dopbuf + o_x, b_dop, mask=m_2d)
+            tl.store(dgbuf + o_x, b_dgl, mask=m_2d)
 
         # k again (a cache hit) rather than a copy kept live through the block
         b_ke = tl.load(k + o_x, mask=m_2d, other=0.).to(tl.float32) * -b_el[:, None]
@@ -125,5 +153,7 @@ def ttt_linear_bwd_local_kernel(
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
     o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
-    tl.store(dwp + o_p, b_dw, mask=m_d)
-    tl.store(dbp + o_p, b_db, mask=m_d)
+    if NEED_DW:
+        tl.store(dwp + o_p, b_dw, mask=m_d)
+    if NEED_DB:
+        tl.store(dbp + o_p, b_db, mask=m_d)

@@ -10,6 +10,13 @@ Notation (per chunk of ``L <= BT`` valid rows; rows past the sequence end are ze
     g &= r\,(y - \overline{y} - \hat x\,\overline{y \hat x})
 
 ``g`` is the gradient of the inner loss ``1/2 ||LN(kh) w + b - (v - k)||^2`` w.r.t. ``kh``.
+With a per-key factor ``l`` (``eta_key``, ``HAS_ETA_KEY``) the kernels use ``l \odot g``
+(:func:`key_scaled`) wherever the state takes ``g``; the helpers here compute the unscaled
+``g``, and :func:`inner_grad_bwd` takes the cotangent of the unscaled ``g`` (``l \odot dg``).
+
+Output forms (``OUTPUT``, :func:`output_form`), with ``o_pre`` the inner model's prediction:
+``"norm_residual"`` ``o_pre + LN(o_pre) w + b``, ``"query_residual"`` ``q + LN(o_pre) w + b``
+(``q`` unscaled) and ``"raw"`` ``o_pre``.
 
 Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)``); slot
 ``s < NG`` holds the state before chunk ``s * G`` and slot ``NG`` the final state. A
@@ -219,21 +226,49 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
 
 
 @triton.jit
-def post_norm(b_o, b_w, b_b, m_2d, D: tl.constexpr, eps):
-    """The fused post norm-residual: o + LN(o) w + b (LayerNorm over D, no affine);
-    returns it with LN(o) and its r."""
+def key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY: tl.constexpr):
+    """``l * g`` [BT, BD] (row by row) with ``l`` the per-key factors of the rows at ``eta_key + o_e``
+    ([BT] offsets; rows outside ``m_t`` read 0); ``g`` itself without ``HAS_ETA_KEY``."""
+    if HAS_ETA_KEY:
+        b_l = tl.load(eta_key + o_e, mask=m_t, other=0.).to(tl.float32)  # [BT]
+        b_g = b_g * b_l[:, None]
+    return b_g
+
+
+@triton.jit
+def post_norm(b_o, b_res, b_w, b_b, m_2d, D: tl.constexpr, eps):
+    """The fused post norm with residual ``b_res``: res + LN(o) w + b (LayerNorm over D, no
+    affine); returns it with LN(o) and its r."""
     b_mean = tl.sum(tl.where(m_2d, b_o, 0.), 1) / D                        # [BT]
     b_xc = tl.where(m_2d, b_o - b_mean[:, None], 0.)                       # [BT, BD]
     b_ro = 1. / tl.sqrt(tl.sum(b_xc * b_xc, 1) / D + eps)                  # [BT]
     b_oh = b_xc * b_ro[:, None]                                            # [BT, BD]
-    return b_o + b_oh * b_w[None, :] + b_b[None, :], b_oh, b_ro
+    return b_res + b_oh * b_w[None, :] + b_b[None, :], b_oh, b_ro
 
 
 @triton.jit
-def post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D: tl.constexpr):
-    """Cotangent of the pre-norm output: do + r (do w - mean(do w) - oh mean(do w oh))."""
+def output_form(b_o, r_q, b_w, b_b, m_2d, D: tl.constexpr, eps, OUTPUT: tl.constexpr):
+    """The output of the pre-norm output ``b_o`` [BT, BD] in form ``OUTPUT`` (module
+    docstring); ``r_q`` the raw (unscaled) q tile."""
+    if OUTPUT == "raw":
+        b_out = b_o
+    elif OUTPUT == "query_residual":
+        b_out, _, _ = post_norm(b_o, r_q.to(tl.float32), b_w, b_b, m_2d, D, eps)
+    else:
+        b_out, _, _ = post_norm(b_o, b_o, b_w, b_b, m_2d, D, eps)
+    return b_out
+
+
+@triton.jit
+def post_norm_bwd(b_do, b_oh, b_ro, b_w, m_2d, D: tl.constexpr, OUTPUT: tl.constexpr):
+    """Cotangent of the pre-norm output: r (do w - mean(do w) - oh mean(do w oh)), plus do for
+    ``"norm_residual"`` (whose residual is the pre-norm output itself)."""
     b_doh = b_do * b_w[None, :]                                            # [BT, BD]
     b_m1 = tl.sum(b_doh, 1) / D
     b_m2 = tl.sum(b_doh * b_oh, 1) / D
-    b_dop = b_do + b_ro[:, None] * (b_doh - b_m1[:, None] - b_oh * b_m2[:, None])
+    b_dn = b_ro[:, None] * (b_doh - b_m1[:, None] - b_oh * b_m2[:, None])  # [BT, BD]
+    if OUTPUT == "norm_residual":
+        b_dop = b_do + b_dn
+    else:
+        b_dop = b_dn
     return tl.where(m_2d, b_dop, 0.)

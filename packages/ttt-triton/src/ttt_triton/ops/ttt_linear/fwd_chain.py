@@ -8,9 +8,11 @@ One program per (sequence, head). The only work on the chain from one chunk to t
     kh = k W + hb \;\to\; g \text{ (inner-loss gradient, see common.py)} \;\to\;
     W \leftarrow W - \eta_{last}\, k^\top g, \quad hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
-with ``eta_last`` the eta of the chunk's last valid row. The program writes ``xhat`` and
-``r`` (fp32; ``g`` is row-local in them) for the output kernel and the backward, the fp32 state into checkpoint slot ``s`` before chunk ``s * G``
-and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
+with ``eta_last`` the eta of the chunk's last valid row and, with ``HAS_ETA_KEY``, ``g``
+scaled row by row by the per-key factor ``l`` (``eta_key``; ``xhat`` and ``r`` stay
+unscaled). The program writes ``xhat`` and ``r`` (fp32; ``g`` is row-local in them) for the
+output kernel and the backward, the fp32 state into checkpoint slot ``s`` before chunk
+``s * G`` and the final state into the last slot (and into ``ht``/``hbt`` when asked). The outputs
 (which need ``q``) are left to the parallel kernel in ``fwd_out.py``. The next chunk's
 ``k``, ``v`` and ``eta_last`` are loaded one step early so their latency leaves the chain.
 
@@ -22,6 +24,8 @@ chunk (``q`` pre-scaled, ``e`` the per-row eta):
     o_{pre} = q W + hb - (P \odot (q k^\top + 1))\, g, \quad P_{ij} = [j \le i]\, e_i,
     \qquad o = o_{pre} + \mathrm{LN}(o_{pre})\, w + b
 
+(the ``"norm_residual"`` form; ``OUTPUT`` picks another, common.py).
+
 This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
 forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
 picks it when there are enough chains to hide the latency (``tuning.FUSED``).
@@ -30,12 +34,21 @@ picks it when there are enough chains to hide the latency (``tuning.FUSED``).
 import triton
 import triton.language as tl
 
-from .common import inner_grad, last_row_eta, mm, post_norm, qk_plus_one, row_offsets, seq_coords
+from .common import (
+    inner_grad,
+    last_row_eta,
+    mm,
+    output_form,
+    qk_plus_one,
+    row_offsets,
+    seq_coords,
+)
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_chain_kernel(
     q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
     o,                  # [B, T, H, D] input dtype (when FUSE_OUT)
     h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
     ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
@@ -57,6 +70,8 @@ def ttt_linear_fwd_chain_kernel(
     SAVE: tl.constexpr,
     HALF: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    OUTPUT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -86,6 +101,8 @@ def ttt_linear_fwd_chain_kernel(
     r_k = tl.load(k + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
     r_v = tl.load(v + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
     r_el = last_row_eta(eta, p_ebase, 0, seq_len, BT, H)
+    if HAS_ETA_KEY:
+        r_l = tl.load(eta_key + p_ebase + o_e0, mask=m_t0, other=0.)      # [BT]
     if FUSE_OUT:
         r_q = tl.load(q + o_x0, mask=m_2d0, other=0.)                      # [BT, BD]
         r_e = tl.load(eta + p_ebase + o_e0, mask=m_t0, other=0.)          # [BT]
@@ -104,9 +121,14 @@ def ttt_linear_fwd_chain_kernel(
         r_k = tl.load(k + o_xn, mask=m_2dn, other=0.)
         r_v = tl.load(v + o_xn, mask=m_2dn, other=0.)
         r_el = last_row_eta(eta, p_ebase, tl.minimum(i_c + 1, NC - 1), seq_len, BT, H)
+        if HAS_ETA_KEY:
+            b_l = r_l.to(tl.float32)                                       # [BT]
+            r_l = tl.load(eta_key + p_ebase + o_en, mask=m_tn, other=0.)
 
         b_kh = mm(b_k, b_W, PREC) + b_hb[None, :]                          # [BT, BD]
         b_g, b_xh, b_rstd, b_y = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_2d, D, eps)
+        if HAS_ETA_KEY:
+            b_g = b_g * b_l[:, None]                                       # [BT, BD] l g
         if SAVE:
             tl.store(xbuf + o_x, b_xh, mask=m_2d)
             tl.store(rbuf + p_ebase + o_e, b_rstd, mask=m_t)
@@ -118,7 +140,7 @@ def ttt_linear_fwd_chain_kernel(
             b_A = tl.where(m_tril, b_e.to(tl.float32)[:, None], 0.) * b_A
             b_o = mm(c_q.to(tl.float32) * scale, b_W, PREC) \
                 + b_hb[None, :] - mm(b_A, b_g, PREC)                       # [BT, BD]
-            b_o, _, _ = post_norm(b_o, b_w, b_b, m_2d, D, eps)
+            b_o = output_form(b_o, c_q, b_w, b_b, m_2d, D, eps, OUTPUT)
             tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
         b_W = b_W - b_el * mm(tl.trans(b_k), b_g, PREC)
         b_hb = b_hb - b_el * tl.sum(b_g, 0)

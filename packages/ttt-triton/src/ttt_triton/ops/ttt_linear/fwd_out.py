@@ -13,10 +13,12 @@ of ``BS`` rows (``BS / BT`` chunks), starting from the group's checkpoint slot. 
     P_{ij} = \begin{cases} \eta_j & \text{chunk}(j) < \text{chunk}(i)\\
                            e_i & \text{chunk}(j) = \text{chunk}(i),\ j \le i\\
                            0 & \text{otherwise}\end{cases}\\
-    o &= o_{pre} + \mathrm{LN}(o_{pre})\, w + b\\
+    o &= o_{pre} + \mathrm{LN}(o_{pre})\, w + b \quad (\text{or another ``OUTPUT`` form,
+        common.py})\\
     W &\leftarrow W - (\eta \odot k)^\top g, \qquad hb \leftarrow hb - \textstyle\sum_j \eta_j g_j
 
-(the chunk-by-chunk state updates of the rows before row ``i`` in the block, folded into
+with ``g`` scaled by the per-key factor ``l`` row by row under ``HAS_ETA_KEY`` (the
+chunk-by-chunk state updates of the rows before row ``i`` in the block, folded into
 one masked ``[BS, BS]`` product). Groups are independent, so this kernel fills the GPU
 however few (sequence, head) pairs there are; blocks of ``BS = 64`` rows give the tensor
 cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
@@ -25,12 +27,13 @@ cores ``[64, 64]`` tiles instead of ``[16, 64]`` ones.
 import triton
 import triton.language as tl
 
-from .common import block_g, block_rows, group_coords, mm, post_norm, qk_plus_one
+from .common import block_g, block_rows, group_coords, key_scaled, mm, output_form, qk_plus_one
 
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_out_kernel(
     q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
     ck, ckb,            # checkpoint slots of the chain kernel
     xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r
     o,                  # [B, T, H, D] input dtype
@@ -47,6 +50,8 @@ def ttt_linear_fwd_out_kernel(
     IS_VARLEN: tl.constexpr,
     HALF: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    OUTPUT: tl.constexpr,
 ):
     gid, i_h = tl.program_id(0), tl.program_id(1)
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
@@ -74,6 +79,7 @@ def ttt_linear_fwd_out_kernel(
                                                        m_d, seq_len, H, D, BT)
         r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
         r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
+        b_g = key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)              # [BS, BD]
 
         b_A = qk_plus_one(r_q, r_k, scale, HALF, PREC)                    # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], tl.where(m_same, b_e[:, None], 0.))
@@ -81,7 +87,7 @@ def ttt_linear_fwd_out_kernel(
         b_q = r_q.to(tl.float32) * scale                                  # [BS, BD]
         b_o = mm(b_q, b_W, PREC) + b_hb[None, :] \
             - mm(b_A, b_g, PREC)                                           # [BS, BD]
-        b_o, b_oh, b_ro = post_norm(b_o, b_w, b_b, m_2d, D, eps)
+        b_o = output_form(b_o, r_q, b_w, b_b, m_2d, D, eps, OUTPUT)
         tl.store(o + o_x, b_o.to(o.dtype.element_ty), mask=m_2d)
 
         b_ke = r_k.to(tl.float32) * b_el[:, None]                          # [BS, BD]

@@ -13,7 +13,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from ttt import Problem
+from ttt import GradNeeds, Problem
 from ttt.chunking import ChunkGroups, group_offsets
 
 from ..._env import interpreting
@@ -155,31 +155,52 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     varlen = cu_seqlens is not None
     half = q.dtype != torch.float32
     o = torch.empty_like(q)
+    eta_key = p.eta_key
+    forms = dict(HAS_ETA_KEY=eta_key is not None, OUTPUT=p.output)
 
     ttt_linear_fwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
+        q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
         grp.offsets, float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
         STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
-        HALF=half, PREC=prec, **_launch("chain", BD, q.dtype, tune))
+        HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune))
     if not fuse:
         ttt_linear_fwd_out_kernel[(grp.count, H)](
-            q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets, grp.seq,
-            float(p.scale), float(p.eps), T,
+            q, k, v, eta, w, b, eta_key, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets,
+            grp.seq, float(p.scale), float(p.eps), T,
             H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
-            IS_VARLEN=varlen, HALF=half, PREC=prec, **_launch("group", BD, q.dtype, tune))
+            IS_VARLEN=varlen, HALF=half, PREC=prec, **forms,
+            **_launch("group", BD, q.dtype, tune))
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
 
 @_refusing_unfit_tunings
 def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
-                   tuning: Tuning = DEFAULT_TUNING):
-    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
-    fp32, dh0/dhb0 None without initial states."""
+                   tuning: Tuning = DEFAULT_TUNING, needs: GradNeeds | None = None):
+    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the order of
+    :class:`ttt.Gradients`); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32. Each is
+    None where not needed: ``needs`` (a :class:`ttt.GradNeeds`, every gradient when None)
+    does not ask for it, or it does not apply (dh0/dhb0 without initial states, deta of a
+    float eta, deta_key without eta_key). Only the kernels, stores and buffers the needed
+    ones take run or are allocated; each needed gradient comes from the same operations as in
+    a backward that computes them all (bitwise equal under the interpreter; on a GPU the
+    compiler may contract a multiply-add differently once unneeded code is gone). Every
+    returned tensor is freshly allocated."""
     p = problem
     q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
-    want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
+    eta_key = p.eta_key
+    needs = GradNeeds() if needs is None else needs
+    has_h0 = p.initial_state is not None or p.initial_state_bias is not None
+    n_dq, n_dk, n_dv, n_dw, n_db = needs.q, needs.k, needs.v, needs.w, needs.b
+    n_deta = needs.eta and p.eta_is_tensor
+    n_dh0 = has_h0 and needs.initial_state
+    n_dhb0 = has_h0 and needs.initial_state_bias
+    n_dl = eta_key is not None and needs.eta_key
+    n_grads = n_dk or n_dv or n_dw or n_db or n_deta     # bwd_grads' (or the fused chain's)
+    n_chain = n_grads or n_dh0 or n_dhb0 or n_dl
+    if not (n_dq or n_chain):
+        return (None,) * 9
     B, T, H, D = q.shape
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
@@ -191,56 +212,78 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
+    def empty(shape, needed, **like):
+        return torch.empty(shape, **(like or f32)) if needed else None
+
     xbuf, rbuf = saved.xbuf, saved.rbuf
-    dopbuf = torch.empty(q.shape, **f32)
-    dgbuf = torch.empty(q.shape, **f32)
-    dq = torch.empty_like(q)
-    deta = torch.empty(B, T, H, 1, **f32)
+    dopbuf = empty(q.shape, n_chain)
+    dgbuf = empty(q.shape, n_chain)
+    dq = empty(q.shape, n_dq, dtype=q.dtype, device=dev)
+    deta = empty((B, T, H, 1), n_deta)
     fuse = fused_backward(p, tune)          # bwd_grads' work done by the backward chain
-    dwp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
-    dbp = torch.empty(1 if fuse else 2, grp.count, H, D, **f32)
+    split = grads_split(q.dtype, BD, BT, tune)
+    parts = 1 if fuse or not n_grads else 2
+    dwp = empty((parts, grp.count, H, D), n_dw)
+    dbp = empty((parts, grp.count, H, D), n_db)
+    dwp0 = None if dwp is None else dwp[0]
+    dbp0 = None if dbp is None else dbp[0]
     group_launch = _launch("group", BD, q.dtype, tune)
     if group_launch and wide_backward(q.dtype, BD, BT):
         group_launch["num_stages"] = WIDE_BACKWARD["stages"]
+    forms = dict(HAS_ETA_KEY=eta_key is not None)
     ttt_linear_bwd_local_kernel[(grp.count, H)](
-        q, k, v, eta, w, b, do, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
-        dq, deta, dwp[0], dbp[0], cu_seqlens, grp.offsets, grp.seq,
+        q, k, v, eta, w, b, do, eta_key, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
+        dq, deta, dwp0, dbp0, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec, **group_launch)
+        IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec, **forms,
+        OUTPUT=p.output, NEED_DQ=n_dq, NEED_DETA=n_deta, NEED_DW=n_dw, NEED_DB=n_db,
+        STORE_BUFS=n_chain, **group_launch)
+    if not n_chain:
+        return dq, None, None, _reduced(dwp), _reduced(dbp), deta, None, None, None
 
-    dh0 = dhb0 = None
-    if want_dh0:
-        dh0 = torch.empty(N, H, D, D, **f32)
-        dhb0 = torch.empty(N, H, 1, D, **f32)
+    dh0 = empty((N, H, D, D), n_dh0)
+    dhb0 = empty((N, H, 1, D), n_dhb0)
+    deta_key = empty((B, T, H, 1), n_dl)
     use_dht = dht is not None or dhbt is not None
     if use_dht:
         dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
         dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
-    dk = torch.empty_like(q)
-    dv = torch.empty_like(q)
+    dk = empty(q.shape, n_dk, dtype=q.dtype, device=dev)
+    dv = empty(q.shape, n_dv, dtype=q.dtype, device=dev)
+    feed = n_grads and not fuse           # bwd_grads runs after the chain
     dck = desum = dwc = dbc = None
     if fuse:
-        dwc = torch.empty(N, H, D, **f32)
-        dbc = torch.empty(N, H, D, **f32)
+        dwc = empty((N, H, D), n_dw)
+        dbc = empty((N, H, D), n_db)
     else:
-        dck = torch.empty_like(saved.ck)
-        desum = torch.empty(B, T, H, **f32)
+        dck = empty(saved.ck.shape, feed)
+        desum = empty((B, T, H), n_deta)
+    needs_flags = dict(NEED_DK=n_dk, NEED_DV=n_dv, NEED_DETA=n_deta, NEED_DW=n_dw,
+                       NEED_DB=n_db)
     ttt_linear_bwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0, dhb0,
-        saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets, float(p.scale), T,
-        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=want_dh0,
-        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec,
+        q, k, v, eta, w, b, eta_key, deta_key, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt,
+        dck, dh0, dhb0, saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets,
+        float(p.scale), T,
+        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=n_dh0,
+        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec, **forms, NEED_DETA_KEY=n_dl,
+        STORE_DHB0=n_dhb0, **needs_flags, FEED_GRADS=feed,
         **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))
     if fuse:
-        return dq, dk, dv, dwp[0].sum(0) + dwc.sum(0), dbp[0].sum(0) + dbc.sum(0), deta, \
-            dh0, dhb0
+        dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
+        db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)
+        return dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key
+    if feed:
+        ttt_linear_bwd_grads_kernel[(grp.count, H, split if n_dk else 1)](
+            q, k, v, eta, w, b, eta_key, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
+            dk, dv, deta, None if dwp is None else dwp[1], None if dbp is None else dbp[1],
+            cu_seqlens, grp.offsets, grp.seq, float(p.scale), T,
+            H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
+            IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
+            **needs_flags, **group_launch)
+    return dq, dk, dv, _reduced(dwp), _reduced(dbp), deta, dh0, dhb0, deta_key
 
-    split = grads_split(q.dtype, BD, BT, tune)
-    ttt_linear_bwd_grads_kernel[(grp.count, H, split)](
-        q, k, v, eta, w, b, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
-        dk, dv, deta, dwp[1], dbp[1], cu_seqlens, grp.offsets, grp.seq,
-        float(p.scale), T,
-        H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, PREC=prec, SPLIT=split, **group_launch)
-    return dq, dk, dv, dwp.sum((0, 1)), dbp.sum((0, 1)), deta, dh0, dhb0
+
+def _reduced(partials: torch.Tensor | None) -> torch.Tensor | None:
+    """dw or db [H, D] from its partials [parts, groups, H, D] (a fresh tensor)."""
+    return None if partials is None else partials.sum((0, 1))
