@@ -19,9 +19,8 @@ from . import __version__
 from .backend import Capabilities
 from .registry import (
     KNOWN_BACKENDS,
+    BackendError,
     BackendNotInstalledError,
-    BackendNotSupportedError,
-    UnknownBackendError,
     available_backends,
     backend_status,
     declared_capabilities,
@@ -36,8 +35,7 @@ class CommandError(Exception):
     """An expected failure of a command: reported in one line, exit status 2."""
 
 
-EXPECTED_ERRORS = (CommandError, UnknownBackendError, BackendNotInstalledError,
-                   BackendNotSupportedError)
+EXPECTED_ERRORS = (CommandError, BackendError)
 
 
 def _device_line() -> str:
