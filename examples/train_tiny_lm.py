@@ -73,28 +73,42 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))                               # [B, T, vocab]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where the help says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="training text file")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                   help="training text file (default: examples/tiny_corpus.txt)")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="training windows per step")
     p.add_argument("--seq-len", type=int, default=64, help="training window in characters")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="TTT-Linear blocks")
+    p.add_argument("--heads", type=int, default=4, help="heads per TTT-Linear layer")
     p.add_argument("--mini-batch", type=int, default=16, help="TTT inner mini-batch (chunk)")
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
     p.add_argument("--backend", default=None,
                    help="ttt backend of the TTTLinear layers (default: chosen by ttt; of the "
                         "built-in backends only reference takes the layer's calls)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda if present, else cpu)")
     p.add_argument("--out", type=Path, default=Path("tiny_lm_out"),
                    help="folder for loss.png and model.pt")
-    p.add_argument("--prompt", default="The keeper ")
-    p.add_argument("--sample-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="The keeper ", help="start of the generated text")
+    p.add_argument("--sample-tokens", type=int, default=200,
+                   help="characters generated after the prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "width", "layers", "heads", "mini_batch"):
         if getattr(args, name) < 1:
