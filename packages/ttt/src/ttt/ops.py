@@ -13,6 +13,18 @@ from .registry import select_backend
 from .validation import make_problem
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether an autocast region is on for ``device_type``; False for a device type autocast
+    does not know (meta: ``torch.is_autocast_enabled("meta")`` raises)."""
+    if device_type in ("cpu", "cuda"):
+        return torch.is_autocast_enabled(device_type)
+    try:
+        return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
+            device_type)
+    except RuntimeError:
+        return False
+
+
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Inside an autocast region, q, k, v in its dtype for their device type, as a matmul
     takes them (float64 is left alone); nothing else is cast."""
@@ -20,7 +32,7 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             and isinstance(v, torch.Tensor)):
         return q, k, v
     device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not _autocast_enabled(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
 

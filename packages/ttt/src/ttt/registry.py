@@ -388,7 +388,7 @@ def _keep_choice(signature: tuple, backend: Backend) -> None:
 
 def _automatic_choice(problem: Problem) -> Backend:
     """The first backend by priority that takes ``problem``; warns once where installed
-    backends were passed over on a device other than the CPU."""
+    backends were passed over on a device other than the CPU (or meta: nothing runs)."""
     skipped: dict[str, list[str]] = {}
     for candidate in sorted(known_names(), key=_priority):
         try:
@@ -399,7 +399,7 @@ def _automatic_choice(problem: Problem) -> Backend:
         reasons = backend.not_supported_reasons(problem)
         if not reasons:
             installed_but_unfit = {n: r for n, r in skipped.items() if n in _LOADED}
-            if installed_but_unfit and problem.device.type != "cpu":
+            if installed_but_unfit and problem.device.type not in ("cpu", "meta"):
                 key = tuple(sorted(_reasons_text(installed_but_unfit)))
                 if key not in _WARNED:
                     _WARNED.add(key)

@@ -64,6 +64,10 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
     _require_device("cu_seqlens", cu_seqlens, device)
+    if cu_seqlens.is_meta:
+        raise ValueError("cu_seqlens: expected a tensor with values (the offsets are read on "
+                         "the host), got a meta tensor; pass the inputs and cu_seqlens on a "
+                         "real device")
     if B != 1:
         raise ValueError(f"cu_seqlens: packed batches need q with batch size B == 1 "
                          f"(sequences concatenated along T), got B = {B}")
