@@ -23,7 +23,7 @@ BATCH, SEQ, WIDTH = 4, 11, 16
 FP64_RTOL = 1e-10
 FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 """FSDP2 (fully_shard) runs on the CPU only where its stream has ``record_event`` (not in
-torch 2.6)."""
+torch 2.5 and 2.6)."""
 KINDS = ("ddp", "fsdp2") if FSDP2_ON_CPU else ("ddp",)
 
 

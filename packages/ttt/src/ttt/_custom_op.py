@@ -107,7 +107,7 @@ _FWD_SCHEMA = (
     "float scale, float eps, SymInt chunk_size, bool output_final_state, bool eta_is_tensor, "
     "str output, str backend, bool needs_backward) -> (Tensor, Tensor[], Tensor[])")
 """The forward op's schema, as recent torch infers it from ``_forward_impl``'s annotations;
-given explicitly, since older torch (2.6) cannot read ``list[int]`` or ``X | None``."""
+given explicitly, since older torch (2.5, 2.6) cannot read ``list[int]`` or ``X | None``."""
 
 chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=(),
                                                schema=_FWD_SCHEMA)(_forward_impl)
@@ -245,7 +245,7 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 SHORTCUT_AVAILABLE = (hasattr(torch._library.utils, "_c_check_aliasing_constraint")
                       and hasattr(torch._C, "_AutoDispatchBelowAutograd"))
-"""Whether this torch has the private APIs the shortcut uses (torch 2.6 lacks
+"""Whether this torch has the private APIs the shortcut uses (torch 2.5 and 2.6 lack
 ``_c_check_aliasing_constraint``); without them every call takes the op."""
 
 
