@@ -86,9 +86,19 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))                               # [B, T, vocab]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where the help says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="training text file")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16,
@@ -100,11 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mini-batch", type=int, default=16, help="TTT inner mini-batch (chunk)")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate")
     p.add_argument("--backend", default=None,
-                   help="ttt backend of the TTTLinear layers; None: chosen by ttt (of the "
-                        "built-in backends only reference takes the layer's calls)")
+                   help="ttt backend of the TTTLinear layers (default: chosen by ttt, the "
+                        "best that takes the layer's calls: a GPU backend on CUDA, reference "
+                        "on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu or cuda (under --parallel each process takes cuda:LOCAL_RANK)")
+                   help="cpu or cuda (default: cuda if present; under --parallel each process "
+                        "takes cuda:LOCAL_RANK)")
     p.add_argument("--parallel", choices=("none", "ddp", "fsdp2"), default="none",
                    help="data parallelism over torchrun's processes: DistributedDataParallel "
                         "or FSDP2 (fully_shard)")

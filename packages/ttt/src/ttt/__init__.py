@@ -10,7 +10,11 @@ from .ops import chunk_ttt_linear
 from .problem import Gradients, Problem
 from .registry import (
     KNOWN_BACKENDS,
+    BackendError,
+    BackendNotInstalledError,
     BackendNotSupportedError,
+    BackendUnavailableError,
+    UnknownBackendError,
     available_backends,
     get_backend,
     load_backend,
@@ -23,12 +27,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BackendError",
+    "BackendNotInstalledError",
     "BackendNotSupportedError",
+    "BackendUnavailableError",
     "Capabilities",
     "Gradients",
     "GradNeeds",
     "KNOWN_BACKENDS",
     "Problem",
+    "UnknownBackendError",
     "WarmupShape",
     "available_backends",
     "chunk_ttt_linear",

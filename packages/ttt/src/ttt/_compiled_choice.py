@@ -47,6 +47,6 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     try:
         return select_backend(problem, requested).name
     except BackendNotSupportedError as err:
-        raise BackendNotSupportedError(
+        raise type(err)(
             f"{err} [chosen while torch.compile traced the call: its batch size and length "
             f"are not known there, the ones shown are stand-ins]") from None

@@ -101,8 +101,16 @@ def _run_forward(problem: Problem, backend: str):
     return o.contiguous(), finals, saved
 
 
-chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd",
-                                               mutates_args=())(_forward_impl)
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor w, Tensor b, Tensor eta, Tensor? eta_key, "
+    "Tensor? initial_state, Tensor? initial_state_bias, Tensor? cu_seqlens, SymInt[] seq_lens, "
+    "float scale, float eps, SymInt chunk_size, bool output_final_state, bool eta_is_tensor, "
+    "str output, str backend, bool needs_backward) -> (Tensor, Tensor[], Tensor[])")
+"""The forward op's schema, as recent torch infers it from ``_forward_impl``'s annotations;
+given explicitly, since older torch (2.5, 2.6) cannot read ``list[int]`` or ``X | None``."""
+
+chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=(),
+                                               schema=_FWD_SCHEMA)(_forward_impl)
 
 
 @chunk_ttt_linear_fwd.register_fake
@@ -164,8 +172,16 @@ def _backward_impl(
     return result
 
 
-chunk_ttt_linear_bwd = torch.library.custom_op("ttt::chunk_ttt_linear_bwd",
-                                               mutates_args=())(_backward_impl)
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor? dht, Tensor? dhbt, Tensor q, Tensor k, Tensor v, Tensor w, Tensor b, "
+    "Tensor eta, Tensor? eta_key, Tensor? initial_state, Tensor? initial_state_bias, "
+    "Tensor? cu_seqlens, Tensor[] saved, SymInt[] seq_lens, float scale, float eps, "
+    "SymInt chunk_size, bool output_final_state, bool eta_is_tensor, str output, str backend, "
+    "bool[] needs) -> Tensor[]")
+"""The backward op's schema (see ``_FWD_SCHEMA``)."""
+
+chunk_ttt_linear_bwd = torch.library.custom_op("ttt::chunk_ttt_linear_bwd", mutates_args=(),
+                                               schema=_BWD_SCHEMA)(_backward_impl)
 
 
 @chunk_ttt_linear_bwd.register_fake
@@ -227,10 +243,17 @@ chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
+SHORTCUT_AVAILABLE = (hasattr(torch._library.utils, "_c_check_aliasing_constraint")
+                      and hasattr(torch._C, "_AutoDispatchBelowAutograd"))
+"""Whether this torch has the private APIs the shortcut uses (torch 2.5 and 2.6 lack
+``_c_check_aliasing_constraint``); without them every call takes the op."""
+
 
 def _eager_and_plain(tensors) -> bool:
     """Whether the dispatcher would take an op on ``tensors`` straight to its autograd
     formula and implementation, nothing watching or transforming it."""
+    if not SHORTCUT_AVAILABLE:
+        return False
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled()
             or torch._C._autograd._profiler_enabled()

@@ -9,7 +9,9 @@ take the inputs, a device that is not present) prints one line to stderr and exi
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import statistics
 import sys
 import time
 
@@ -19,9 +21,8 @@ from . import __version__
 from .backend import Capabilities
 from .registry import (
     KNOWN_BACKENDS,
+    BackendError,
     BackendNotInstalledError,
-    BackendNotSupportedError,
-    UnknownBackendError,
     available_backends,
     backend_status,
     declared_capabilities,
@@ -36,8 +37,7 @@ class CommandError(Exception):
     """An expected failure of a command: reported in one line, exit status 2."""
 
 
-EXPECTED_ERRORS = (CommandError, UnknownBackendError, BackendNotInstalledError,
-                   BackendNotSupportedError)
+EXPECTED_ERRORS = (CommandError, BackendError)
 
 
 def _device_line() -> str:
@@ -185,17 +185,25 @@ def cmd_demo(args) -> int:
     def cotangents(*outs):
         return [torch.randn(x.shape, generator=gc, dtype=torch.float64).to(x) for x in outs]
 
-    gc.manual_seed(1)
-    step()  # warm-up: compilation and caches
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    gc.manual_seed(1)
-    start = time.perf_counter()
-    (o, ht, hbt), grads = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    print(f"  forward + backward: {elapsed * 1e3:.2f} ms (one call after a warm-up)")
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):         # compilation, autotuning, caches
+        gc.manual_seed(1)
+        step()
+    sync()
+    times = []
+    for _ in range(args.repeat):
+        gc.manual_seed(1)
+        start = time.perf_counter()
+        (o, ht, hbt), grads = step()
+        sync()
+        times.append(time.perf_counter() - start)
+    times_ms = sorted(t * 1e3 for t in times)
+    print(f"  forward + backward: {statistics.median(times_ms):.2f} ms median of "
+          f"{args.repeat} calls (min {times_ms[0]:.2f}, max {times_ms[-1]:.2f}) after "
+          f"{args.warmup} warm-up call(s)")
 
     ref_inputs = {n: t.detach().double().requires_grad_(True) for n, t in inputs.items()}
     ref = oracle_chunk_ttt_linear(**ref_inputs, chunk_size=C)
@@ -248,27 +256,66 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, "(default: X)", except where there is none to show
+    (None, a flag's False) or the help says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ttt", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ttt", description=__doc__,
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backends, versions, device").set_defaults(func=cmd_info)
+    sub.add_parser("info", help="backends, versions, device", formatter_class=HelpFormatter,
+                   description="ttt, torch and Python versions, the device, every backend "
+                               "and whether it runs here").set_defaults(func=cmd_info)
     sub.add_parser("capabilities", help="the backends' declared capabilities, a markdown "
-                                        "table (docs/capabilities.md)"
+                                        "table (docs/capabilities.md)",
+                   formatter_class=HelpFormatter,
+                   description="the backends' declared capabilities as a markdown table"
                    ).set_defaults(func=cmd_capabilities)
     demo = sub.add_parser("demo", help="forward + backward on the best backend, "
-                                       "checked against the float64 oracle")
+                                       "checked against the float64 oracle",
+                          formatter_class=HelpFormatter,
+                          description="A TTT-linear forward + backward, timed (the median "
+                                      "of several calls after warm-up), checked against "
+                                      "the float64 oracle; exit status 1 if an error is "
+                                      "above its bound.")
     demo.add_argument("--backend", default=None, help="backend name (default: the best here)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                      help="default: bf16 on cuda, fp32 on cpu")
-    demo.add_argument("--batch", type=_positive_int, default=2)
-    demo.add_argument("--seq-len", type=_positive_int, default=256)
-    demo.add_argument("--heads", type=_positive_int, default=4)
-    demo.add_argument("--head-dim", type=_positive_int, default=64)
-    demo.add_argument("--chunk-size", type=_positive_int, default=16)
+                      help="input dtype (default: bf16 on cuda, fp32 on cpu)")
+    demo.add_argument("--batch", type=_positive_int, default=2, help="batch size B")
+    demo.add_argument("--seq-len", type=_positive_int, default=256, help="sequence length T")
+    demo.add_argument("--heads", type=_positive_int, default=4, help="heads H")
+    demo.add_argument("--head-dim", type=_positive_int, default=64, help="head dim D")
+    demo.add_argument("--chunk-size", type=_positive_int, default=16,
+                      help="tokens per inner mini-batch")
+    demo.add_argument("--warmup", type=_non_negative_int, default=2,
+                      help="untimed calls first (compilation, autotuning, caches)")
+    demo.add_argument("--repeat", type=_positive_int, default=10,
+                      help="timed calls; their median is reported")
     demo.set_defaults(func=cmd_demo)
     warm = sub.add_parser("warmup", help="compile ahead of time the kernels of some "
-                                         "configurations (forward and backward)")
+                                         "configurations (forward and backward)",
+                          formatter_class=HelpFormatter,
+                          description="Compile ahead of time the kernels of some "
+                                      "configurations, forward and backward.")
     warm.add_argument("--backend", default=None,
                       help="backend name (default: the one each configuration's calls get)")
     warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if "
@@ -289,12 +336,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _run_command(parser: argparse.ArgumentParser, args) -> int:
     try:
         return args.func(args)
     except EXPECTED_ERRORS as exc:
         message = " ".join(str(exc).split())
         print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        status = _run_command(parser, args)
+        sys.stdout.flush()           # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        # the reader went away (``python -m ttt info | head -2``): nothing more to say. Point
+        # stdout at devnull so that the interpreter's own flush at exit stays quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status

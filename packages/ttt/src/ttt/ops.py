@@ -7,10 +7,22 @@ import operator
 
 import torch
 
-from . import _custom_op
+from . import _custom_op, _empty
 from .problem import Problem
 from .registry import select_backend
 from .validation import make_problem
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether an autocast region is on for ``device_type``; False for a device type autocast
+    does not know (meta: ``torch.is_autocast_enabled("meta")`` raises)."""
+    if device_type in ("cpu", "cuda"):
+        return torch.is_autocast_enabled(device_type)
+    try:
+        return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
+            device_type)
+    except RuntimeError:
+        return False
 
 
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -20,7 +32,7 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             and isinstance(v, torch.Tensor)):
         return q, k, v
     device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not _autocast_enabled(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -95,7 +107,11 @@ def chunk_ttt_linear(
         states float32 (float64 for float64 inputs), or None unless requested.
 
     Positions past a sequence's end (in its last, partial chunk) take no part in any
-    update. Inputs are never modified. See docs/math.md for the exact definition.
+    update. Inputs are never modified. An empty sequence (``T == 0``, or two equal offsets
+    in ``cu_seqlens``) computes nothing, on every backend: its outputs are empty, its final
+    states are its initial states (zeros when none are given), and its gradients are zeros,
+    those of its initial states being the final states' cotangents. See docs/math.md for
+    the exact definition.
 
     Inside an autocast region, q, k and v are cast to its dtype for their device type (as
     a matmul takes them), nothing else. The work is one custom op,
@@ -109,7 +125,16 @@ def chunk_ttt_linear(
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            eta_key=eta_key, output=output)
+    if _empty.has_no_tokens(problem):                 # nothing to compute, on any backend
+        _backend_name(problem, backend)               # (the choice's errors all the same)
+        o, ht, hbt = _empty.no_tokens(problem)
+        return (o, ht, hbt) if problem.output_final_state else (o, None, None)
+    full = index = None
+    if _empty.has_empty_sequences(problem):           # the backend gets the others only
+        full, (problem, index) = problem, _empty.without_empty_sequences(problem)
     o, finals, _ = _custom_op.forward(problem, _backend_name(problem, backend))
     if not problem.output_final_state:
         return o, None, None
+    if full is not None:
+        return (o, *_empty.scatter_final_states(full, index, finals[0], finals[1]))
     return o, finals[0], finals[1]

@@ -57,21 +57,34 @@ _ENTRY_POINTS: dict[str, metadata.EntryPoint] | None = None
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
 
 
-class BackendNotSupportedError(ValueError):
-    """The chosen backend (or every backend) cannot take these inputs; says why."""
+class BackendError(Exception):
+    """No backend here for this call: the base of every backend error, so one
+    ``except ttt.BackendError`` catches an unknown name, a backend that is not installed,
+    one that cannot run on this machine and one that cannot take the inputs."""
 
 
-class UnknownBackendError(ValueError):
+class UnknownBackendError(BackendError, ValueError):
     """A backend name that is neither built in nor registered by an entry point."""
 
 
-class BackendNotInstalledError(ImportError):
+class BackendNotInstalledError(BackendError, ImportError):
     """A known backend whose module cannot be imported; ``reason`` names the missing module
     and how to install it."""
 
     def __init__(self, name: str, reason: str):
         super().__init__(f"ttt backend {name!r} is not installed: {reason}")
+        self.backend = name
         self.reason = reason
+
+
+class BackendNotSupportedError(BackendError, ValueError):
+    """The chosen backend (or every backend) cannot take these inputs; says why."""
+
+
+class BackendUnavailableError(BackendNotSupportedError):
+    """A backend asked for by name is installed but cannot run on this machine (its engine
+    or a device it needs is missing); says why. A :class:`BackendNotSupportedError`, as
+    such a call raised before this class existed."""
 
 
 def import_failure_reason(err: ImportError, hints: Mapping[str, str]) -> str:
@@ -309,9 +322,10 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
             raise
         reasons = backend.not_supported_reasons(problem)
         if reasons:
-            raise BackendNotSupportedError(
-                f"backend {name!r} cannot take these inputs ({problem.describe()}): "
-                f"{'; '.join(reasons)}")
+            error = (BackendUnavailableError if backend.unavailable_reason() is not None
+                     else BackendNotSupportedError)
+            raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
+                        f"{'; '.join(reasons)}")
         return backend
     signature = _signature(problem)
     backend = _kept_choice(signature)
@@ -374,7 +388,7 @@ def _keep_choice(signature: tuple, backend: Backend) -> None:
 
 def _automatic_choice(problem: Problem) -> Backend:
     """The first backend by priority that takes ``problem``; warns once where installed
-    backends were passed over on a device other than the CPU."""
+    backends were passed over on a device other than the CPU (or meta: nothing runs)."""
     skipped: dict[str, list[str]] = {}
     for candidate in sorted(known_names(), key=_priority):
         try:
@@ -385,7 +399,7 @@ def _automatic_choice(problem: Problem) -> Backend:
         reasons = backend.not_supported_reasons(problem)
         if not reasons:
             installed_but_unfit = {n: r for n, r in skipped.items() if n in _LOADED}
-            if installed_but_unfit and problem.device.type != "cpu":
+            if installed_but_unfit and problem.device.type not in ("cpu", "meta"):
                 key = tuple(sorted(_reasons_text(installed_but_unfit)))
                 if key not in _WARNED:
                     _WARNED.add(key)

@@ -64,6 +64,10 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
     _require_device("cu_seqlens", cu_seqlens, device)
+    if cu_seqlens.is_meta:
+        raise ValueError("cu_seqlens: expected a tensor with values (the offsets are read on "
+                         "the host), got a meta tensor; pass the inputs and cu_seqlens on a "
+                         "real device")
     if B != 1:
         raise ValueError(f"cu_seqlens: packed batches need q with batch size B == 1 "
                          f"(sequences concatenated along T), got B = {B}")
@@ -74,9 +78,10 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] == T == {T}, got {offsets[-1]}")
     lengths = tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     for i, length in enumerate(lengths):
-        if length <= 0:
-            raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got "
-                             f"cu_seqlens[{i}] = {offsets[i]} >= cu_seqlens[{i + 1}] = "
+        if length < 0:
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets (increasing, or "
+                             f"equal for an empty sequence), got "
+                             f"cu_seqlens[{i}] = {offsets[i]} > cu_seqlens[{i + 1}] = "
                              f"{offsets[i + 1]}")
     return lengths
 
@@ -178,8 +183,9 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
             raise TypeError(f"{name}: expected dtype {_name(q.dtype)} (the dtype of q), "
                             f"got {_name(t.dtype)}")
         _require_device(name, t, device)
-    if T < 1 or B < 1 or H < 1 or D < 1:
-        raise ValueError(f"q: expected non-empty [B, T, H, D], got shape {tuple(q.shape)}")
+    if H < 1 or D < 1:
+        raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
+                         f"(B and T may be 0), got shape {tuple(q.shape)}")
 
     w = _require_tensor("w", w, 2)
     b = _require_tensor("b", b, 2)

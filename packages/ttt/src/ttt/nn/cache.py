@@ -40,17 +40,32 @@ class LayerState:
         return self.state.shape[0]
 
 
+def _detached(entry: LayerState) -> LayerState:
+    return LayerState(entry.state.detach(), entry.state_bias.detach(), entry.q.detach(),
+                      entry.k.detach(), entry.v.detach(), entry.eta_key.detach(), entry.seen)
+
+
 class TTTCache:
     """Cache for generation through a stack of :class:`ttt.nn.TTTLinear` layers.
 
     One object serves a whole model: pass the same cache to every layer
     (``layer(x, cache=cache)``); each layer keeps its own :class:`LayerState`, keyed by the
-    layer module. An empty cache starts every layer from its learned ``W1, b1``. The tensors
-    keep their autograd history when gradients are enabled; generate under
-    ``torch.no_grad()`` (or ``torch.inference_mode()``).
+    layer module. An empty cache starts every layer from its learned ``W1, b1``.
+
+    Generation is meant to run under ``torch.no_grad()`` (or ``torch.inference_mode()``).
+    Whatever the grad mode, the cache stores its tensors detached, so that it never keeps
+    the autograd graph of earlier steps alive; ``requires_grad=True`` keeps their history
+    instead, for a loss that backpropagates through the cache across calls (the graph
+    then grows with every call until the cache is reset or dropped).
+
+    Args:
+        requires_grad: keep the stored tensors' autograd history (default: detach them).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, requires_grad: bool = False) -> None:
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"requires_grad: expected a bool, got {type(requires_grad).__name__}")
+        self.requires_grad = requires_grad
         self._layers: dict[nn.Module, LayerState] = {}
 
     def get(self, layer: nn.Module) -> LayerState | None:
@@ -58,7 +73,50 @@ class TTTCache:
         return self._layers.get(layer)
 
     def put(self, layer: nn.Module, entry: LayerState) -> None:
-        self._layers[layer] = entry
+        """Store the layer's entry (detached unless the cache has ``requires_grad``)."""
+        self._layers[layer] = entry if self.requires_grad else _detached(entry)
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size of the stored states (None when empty)."""
+        for entry in self._layers.values():
+            return entry.batch_size
+        return None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the batch dimension of every stored state (beam search): row ``i`` of
+        the cache becomes what row ``beam_idx[i]`` was. ``beam_idx`` is a 1-d integer
+        tensor (or a sequence of ints) of indices into the current batch; its length is
+        the new batch size (repeat an index to expand a row into several beams)."""
+        if not isinstance(beam_idx, torch.Tensor):
+            if isinstance(beam_idx, (str, bytes)) or not hasattr(beam_idx, "__len__"):
+                raise TypeError(f"beam_idx: expected a 1-d integer tensor or a sequence of "
+                                f"ints, got {type(beam_idx).__name__}")
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in beam_idx):
+                raise TypeError("beam_idx: expected a 1-d integer tensor or a sequence of "
+                                "ints, got a sequence with other items")
+            beam_idx = torch.tensor(list(beam_idx), dtype=torch.int64)
+        if beam_idx.dtype.is_floating_point or beam_idx.dtype.is_complex or \
+                beam_idx.dtype == torch.bool:
+            raise TypeError(f"beam_idx: expected an integer dtype, got "
+                            f"{str(beam_idx.dtype).replace('torch.', '')}")
+        if beam_idx.dim() != 1 or beam_idx.numel() == 0:
+            raise ValueError(f"beam_idx: expected a non-empty 1-d tensor, got shape "
+                             f"{tuple(beam_idx.shape)}")
+        batch = self.batch_size
+        if batch is None:
+            return
+        if not beam_idx.is_meta:
+            low, high = int(beam_idx.min()), int(beam_idx.max())   # (one host sync)
+            if low < 0 or high >= batch:
+                raise ValueError(f"beam_idx: expected indices in [0, {batch}) (the cache's "
+                                 f"batch size), got values from {low} to {high}")
+        for layer, entry in self._layers.items():
+            index = beam_idx.to(device=entry.state.device, dtype=torch.int64)
+            self._layers[layer] = LayerState(
+                *(t.index_select(0, index) for t in (entry.state, entry.state_bias, entry.q,
+                                                     entry.k, entry.v, entry.eta_key)),
+                seen=entry.seen)
 
     @property
     def seen_tokens(self) -> int:

@@ -123,6 +123,11 @@ class TTTLinear(nn.Module):
             self.g_proj.reset_parameters()
         self.post_norm.reset_parameters()
         with torch.no_grad():
+            # the fixed token_idx buffer too (not in the state dict): a layer built on the
+            # meta device and materialised by to_empty() gets it here
+            positions = torch.arange(1, self.mini_batch_size + 1, device=self.token_idx.device,
+                                     dtype=self.token_idx.dtype)
+            self.token_idx.copy_(1.0 / positions)
             self.learnable_token_idx.zero_()
             self.learnable_ttt_lr_weight.normal_(0.0, 0.02)
             self.learnable_ttt_lr_bias.zero_()

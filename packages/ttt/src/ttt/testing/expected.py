@@ -62,8 +62,11 @@ def oracle_forward(inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _grads(outputs, leaves: dict, cotangents) -> dict[str, torch.Tensor]:
-    grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents,
-                                retain_graph=True, allow_unused=True)
+    pairs = [(x, c) for x, c in zip(outputs, cotangents) if x.requires_grad]
+    if not pairs:                 # (empty sequences: outputs that depend on no input)
+        return {name: torch.zeros_like(leaf) for name, leaf in leaves.items()}
+    grads = torch.autograd.grad([x for x, _ in pairs], list(leaves.values()),
+                                [c for _, c in pairs], retain_graph=True, allow_unused=True)
     return {name: torch.zeros_like(leaf) if g is None else g.detach()
             for (name, leaf), g in zip(leaves.items(), grads)}
 

@@ -26,7 +26,8 @@ and the result, per head, is ``o + LN(o) * w + b`` (``output="norm_residual"``),
 ``q + LN(o) * w + b`` with the unscaled q (``"query_residual"``) or ``o`` (``"raw"``).
 Each sequence is cut into chunks on its own (a packed batch restarts at every
 ``cu_seqlens`` offset) and a partial last chunk holds only real tokens: positions past a
-sequence's end take no part.
+sequence's end take no part. An empty sequence (``T == 0``, or two equal offsets) has no
+chunk: its final states are its initial states.
 
 Gradients of the oracle come from autograd through ``create_graph=True`` inner gradients.
 Everything runs in float64 on the inputs' device; it is slow and meant for tests.
@@ -87,7 +88,7 @@ def _sequence(q, k, v, eta, eta_key, w, b, W, hb, scale, eps, chunk_size, output
         part = [x[start:stop].transpose(0, 1) for x in (q, k, v, eta, eta_key)]
         o, W, hb = _chunk(W, hb, part[0] * scale, *part[1:], w, b, eps)
         outputs.append(o.transpose(0, 1))
-    o = torch.cat(outputs, dim=0)
+    o = torch.cat(outputs, dim=0) if outputs else q.new_zeros(q.shape)   # (T == 0: empty)
     return _output(output, o, q, w, b, eps), W, hb
 
 
@@ -126,6 +127,8 @@ def oracle_chunk_ttt_linear(q, k, v, w, b, eta, scale=None, eps=1e-6, chunk_size
         outputs.append(o)
         finals.append(W)
         final_biases.append(hb.unsqueeze(1))
+    if not spans:                   # an empty batch (B == 0)
+        return q.new_zeros(q.shape), initial_state.clone(), initial_state_bias.clone()
     if cu_seqlens is None:
         o = torch.stack(outputs)
     else:

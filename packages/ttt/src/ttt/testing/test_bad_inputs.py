@@ -67,7 +67,6 @@ BAD_INPUTS = {
 VARLEN_BAD_INPUTS = {
     "cu_seqlens decreasing": (torch.tensor([0, 12, 8, 20]), ValueError,
                               ["cu_seqlens", "increasing"]),
-    "cu_seqlens repeated": (torch.tensor([0, 8, 8, 20]), ValueError, ["cu_seqlens", "increasing"]),
     "cu_seqlens past T": (torch.tensor([0, 8, 24]), ValueError, ["cu_seqlens", "T"]),
     "cu_seqlens short of T": (torch.tensor([0, 8, 12]), ValueError, ["cu_seqlens", "T"]),
     "cu_seqlens not from 0": (torch.tensor([2, 8, 20]), ValueError, ["cu_seqlens", "0"]),

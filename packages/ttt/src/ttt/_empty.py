@@ -1,0 +1,108 @@
+"""Empty sequences, handled by the core for every backend: no backend ever sees one.
+
+- A call without tokens (``T == 0``, or ``B == 0``) computes nothing: ``o`` is empty, the
+  final states are the initial states (zeros when none are given), and its gradients are
+  zeros but for the initial states', which are the cotangents of the final states.
+- A packed batch whose ``cu_seqlens`` holds empty sequences (two equal offsets) goes to the
+  backend without them (their tokens are none, so ``o`` is the backend's); their final
+  states are their initial states, scattered back in place with differentiable ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from .problem import Problem
+
+
+def has_no_tokens(problem: Problem) -> bool:
+    return problem.T == 0 or problem.B == 0
+
+
+def has_empty_sequences(problem: Problem) -> bool:
+    return problem.is_varlen and 0 in problem.seq_lens
+
+
+def _states_or_zeros(given: torch.Tensor | None, shape: tuple, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """The initial states in the state dtype, as a new tensor (never the input itself);
+    zeros when none are given."""
+    if given is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return given.to(dtype, copy=True)
+
+
+def _state_shapes(problem: Problem) -> tuple[tuple, tuple]:
+    N, H, D = problem.N, problem.H, problem.D
+    return (N, H, D, D), (N, H, 1, D)
+
+
+class _NoTokens(torch.autograd.Function):
+    """``(o, final_state, final_state_bias)`` of a call without tokens; its backward gives
+    zeros for q, k, v, w, b, eta, eta_key and the final states' cotangents for the initial
+    states (zeros when absent)."""
+
+    @staticmethod
+    def forward(ctx, shapes, state_dtype, q, k, v, w, b, eta, eta_key, h0, hb0):
+        ctx.set_materialize_grads(False)
+        ctx.likes = [None if t is None else (t.shape, t.dtype)
+                     for t in (q, k, v, w, b, eta, eta_key, h0, hb0)]
+        ctx.device = q.device
+        return (torch.empty_like(q), _states_or_zeros(h0, shapes[0], state_dtype, q.device),
+                _states_or_zeros(hb0, shapes[1], state_dtype, q.device))
+
+    @staticmethod
+    def backward(ctx, do, dht, dhbt):
+        grads = []
+        for i, like in enumerate(ctx.likes):
+            if like is None or not ctx.needs_input_grad[i + 2]:
+                grads.append(None)
+                continue
+            shape, dtype = like
+            cotangent = dht if i == 7 else dhbt if i == 8 else None
+            grads.append(torch.zeros(shape, dtype=dtype, device=ctx.device)
+                         if cotangent is None else cotangent.to(dtype))
+        return (None, None, *grads)
+
+
+def no_tokens(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, final_state_bias)`` of a call without tokens."""
+    p = problem
+    tensors = (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, p.initial_state,
+               p.initial_state_bias)
+    shapes = _state_shapes(p)
+    if p.requires_grad:
+        return _NoTokens.apply(shapes, p.state_dtype, *tensors)
+    return (torch.empty_like(p.q),
+            _states_or_zeros(p.initial_state, shapes[0], p.state_dtype, p.device),
+            _states_or_zeros(p.initial_state_bias, shapes[1], p.state_dtype, p.device))
+
+
+def without_empty_sequences(problem: Problem) -> tuple[Problem, torch.Tensor]:
+    """The problem of the non-empty sequences alone (same tokens, fewer sequences), and the
+    indices of those sequences (int64, on the problem's device)."""
+    p = problem
+    kept = [n for n, length in enumerate(p.seq_lens) if length]
+    lengths = tuple(p.seq_lens[n] for n in kept)
+    offsets = [0, *itertools.accumulate(lengths)]
+    index = torch.tensor(kept, dtype=torch.int64, device=p.device)
+    h0 = None if p.initial_state is None else p.initial_state.index_select(0, index)
+    hb0 = (None if p.initial_state_bias is None
+           else p.initial_state_bias.index_select(0, index))
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int64, device=p.device)
+    return dataclasses.replace(p, cu_seqlens=cu_seqlens, seq_lens=lengths, initial_state=h0,
+                               initial_state_bias=hb0), index
+
+
+def scatter_final_states(problem: Problem, index: torch.Tensor, ht: torch.Tensor,
+                         hbt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final states of every sequence of ``problem``: those of the non-empty sequences
+    (``ht, hbt``, rows ``index``), the initial states (or zeros) for the empty ones."""
+    p = problem
+    shapes = _state_shapes(p)
+    base = _states_or_zeros(p.initial_state, shapes[0], p.state_dtype, p.device)
+    base_bias = _states_or_zeros(p.initial_state_bias, shapes[1], p.state_dtype, p.device)
+    return base.index_copy(0, index, ht), base_bias.index_copy(0, index, hbt)
