@@ -1,4 +1,4 @@
-// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA>. Carries the state's
+// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA, KEY>. Carries the state's
 // cotangent back through the chunks.
 //
 // One block per (sequence, head), chunks in reverse, with dW = dL/dW' and dhb = dL/dhb' the
@@ -12,7 +12,12 @@
 //
 //   deta_last += -sum_i <u_i, g_i>,
 //
-// is added where bwd_local.cu left the rest. The cotangent of checkpoint slot s (the state
+// is added where bwd_local.cu left the rest. KEY (eta_key): g = l r (..) comes from the saved
+// r' = l r, dkh takes the LayerNorm's r (rlbuf), and the row's deta_key
+//
+//   dl = sum_i dg_i (g_i / l_i) = r sum_i dg_i (y_i - mean(y) - xh_i mean(y xh))
+//
+// goes to dkey (null: not needed). The cotangent of checkpoint slot s (the state
 // before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
 // slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
 // (the dW step); each step asks for the previous chunk's rows early (below) and reads

@@ -1,9 +1,10 @@
-// Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT>. dk, dv and the inner-loss
-// part of dw, db; one block per (group of G chunks, head), walking its group in reverse (a
-// segmented launch: the groups g_lo .. g_hi - 1 of every sequence, as fwd_out.cu).
+// Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT, MMA, KEY>. dk, dv and the
+// inner-loss part of dw, db; one block per (group of G chunks, head), walking its group in
+// reverse (a segmented launch: the groups g_lo .. g_hi - 1 of every sequence, as fwd_out.cu).
 //
 // bwd_chain.cu stored every row's full dg (the cotangent of g), so dkh and dy are row-local
-// (inner_grad_bwd_row) and the rest is linear in stored tiles. Per chunk, with W the state
+// (inner_grad_bwd_row; KEY, eta_key given: g from the saved r' = l r, dkh from the LayerNorm's r,
+// rlbuf) and the rest is linear in stored tiles. Per chunk, with W the state
 // before the chunk, dW the cotangent of the state after it, e the per-row eta and eta_l the
 // eta of the chunk's last valid row (notation in ttt_common.cuh):
 //

@@ -1,5 +1,5 @@
-// Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT>. Everything that needs the
-// forward state but not the state's cotangent; one block per (group of G chunks, head),
+// Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT, MMA, OUT>. Everything that needs
+// the forward state but not the state's cotangent; one block per (group of G chunks, head),
 // replaying its group from its checkpoint slot (a segmented launch: the groups g_lo .. g_hi - 1
 // of every sequence, as fwd_out.cu; notation in ttt_common.cuh):
 //
@@ -10,6 +10,10 @@
 //   deta_i = -sum_j A_ij dS_ij                      (the last-row term comes in bwd_chain.cu)
 //   dg_loc = -A^T (e do_pre)
 //   dw += sum_i do oh,  db += sum_i do              (post norm-residual part)
+//
+// for the output form OUT = kOutNorm; kOutQuery (o = q / scale + LN(o_pre) w + b): do_pre
+// without the leading do, and dq += do; kOutRaw (o = o_pre): do_pre = do, no dw / db part.
+// eta_key needs no instance here: g's factor l r comes saved as r' (ttt_common.cuh).
 //
 // g is row-local in the xh and r that fwd_chain.cu saved (inner_grad_rows_saved, in the phase
 // of q k^T): no k W product, no LayerNorm statistics. The state W still walks the group (q W,

@@ -1,10 +1,14 @@
-// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE>. Carries the state
-// through the chunks (and, with FUSE, writes the outputs on the way).
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE, KEY, OUT>. Carries
+// the state through the chunks (and, with FUSE, writes the outputs on the way).
 //
 // One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
 //
-//   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g (inner-loss gradient)
+//   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g = l r (y - mean(y) - xh mean(y xh))
 //   W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
+//
+// KEY (eta_key given, ekey [B, T, H] fp32): l is the row's eta_key, rbuf takes l r (what the
+// group kernels derive g from) and rlbuf the LayerNorm's r (for the backward's dkh); without
+// KEY, l = 1 and rlbuf is unused. OUT (FUSE only): the output form of o (ttt_common.cuh).
 //
 // The block writes xh ([B, T, H, D] fp32) and r ([B, T, H] fp32) of every valid row, the fp32
 // state into checkpoint slot s before chunk s * G, and the final state into the sequence's
@@ -51,8 +55,9 @@
 //
 //   A = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
 //
-// With ck null (a forward without backward) it stores no slots, xh or r (only o and ht / hbt);
-// else it stores them as the unfused instance does, for the backward. SIMT instance: fwd_out's
+// (or o = q / scale + LN(o_pre) w + b, or o = o_pre: OUT). With ck null (a forward without
+// backward) it stores no slots, xh or r (only o and ht / hbt); else it stores them as the
+// unfused instance does, for the backward. SIMT instance: fwd_out's
 // tiles (Q, A, eta besides W, hb, K, G; Traits::kFwdChainFusedBytes) and its passes: A with g
 // in one phase, then a row pass for o_pre and the post norm, then the state step (four
 // barriers per chunk). MMA instance (Traits::kFwdChainFusedTcBytes): q (and the per-row eta)

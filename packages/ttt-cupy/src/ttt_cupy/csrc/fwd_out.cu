@@ -1,14 +1,18 @@
-// Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT>. The outputs, one block per
-// (group of G chunks, head).
+// Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT, MMA, OUT>. The outputs, one block
+// per (group of G chunks, head).
 //
 // fwd_chain.cu stored xh and r of every row and the state before every group, so a group
 // replays its chunks from its slot without recomputing k W or the LayerNorm: g comes back
 // row-locally from xh, r, k, v (inner_grad_rows_saved; notation in ttt_common.cuh):
 //
-//   y     = (xh w + b - v + k) w,     g = r (y - mean(y) - xh mean(y xh))
+//   y     = (xh w + b - v + k) w,     g = r' (y - mean(y) - xh mean(y xh))   (r' = l r, saved)
 //   A     = tril(q k^T) + tril(1)                                  [BT, BT]
 //   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
+//
+// OUT (the output form, output_row): o = o_pre + LN(o_pre) w + b (kOutNorm), q + LN(o_pre) w +
+// b with q as given (kOutQuery: its row read again, unscaled), o_pre (kOutRaw). eta_key needs
+// no instance here: fwd_chain saved g's factor l r as r'.
 //
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
 // are. A segmented launch (g_lo < g_hi; placement.segment_plan) has a block per (sequence, group
