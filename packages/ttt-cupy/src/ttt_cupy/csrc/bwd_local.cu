@@ -314,10 +314,10 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     extern __shared__ float smem[];
     if constexpr (MMA) {
-        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf, rbuf,
-                                        dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
-                                        grp_offsets, grp_seq, scale, eps, T_len, H, D, G, g_lo,
-                                        g_hi);
+        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf,
+                                             rbuf, dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
+                                             grp_offsets, grp_seq, scale, eps, T_len, H, D, G,
+                                             g_lo, g_hi);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk

@@ -256,7 +256,7 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         return;
     if constexpr (MMA) {
         ttt::fwd_out_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
-                                      scale, eps, T_len, H, D, G, gr, i_h);
+                                           scale, eps, T_len, H, D, G, gr, i_h);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
