@@ -550,7 +550,7 @@ def test_fused_backward_chain_matches_unfused(emu, case, tf32, seg):
 
 # ---------------------------------------------------------------- eta_key and the output forms
 VARIANTS = [(key, out) for key in (False, True) for out in OUT_FORMS][1:]   # (not the default)
-VARIANT_CASES = [CASES[i] for i in (0, 1, 3, 7, 10)]   # (D_PAD, BT): harness.cpp's kVariants
+VARIANT_CASES = [CASES[i] for i in (0, 1, 3, 7, 10)]   # dense, varlen, D_PAD 16 .. 128
 
 
 def _vid(v):

@@ -303,31 +303,20 @@ using ci64 = const long long*;
 
 // The variant the entry points run (emu_set_variant: eta_key given, the output form OUT), as
 // the kernels' KEY and OUT template arguments (each kernel takes those it has; the others are
-// ignored). Variants other than the default are built for a few (D_PAD, BT) only (compile
-// time); another one there aborts the process.
+// ignored): every (D_PAD, BT) has every variant.
 static int g_key = 0, g_out = 0;
 extern "C" void emu_set_variant(int key, int out) { g_key = key, g_out = out; }
-template <int DP, int BT>
-constexpr bool kVariants = (DP == 16 && BT == 16) || (DP == 32 && BT == 16) ||
-                           (DP == 32 && BT == 32) || (DP == 64 && BT == 16) ||
-                           (DP == 128 && BT == 64);
 template <bool V> using Key = std::integral_constant<bool, V>;
 template <int V> using Out = std::integral_constant<int, V>;
-template <int DP, int BT, typename F>
+template <typename F>
 static void with_variant(F&& f) {
-    if (g_key == 0 && g_out == 0) return f(Key<false>{}, Out<ttt::kOutNorm>{});
-    if constexpr (kVariants<DP, BT>) {
-        auto outs = [&](auto key) {
-            if (g_out == ttt::kOutNorm) return f(key, Out<ttt::kOutNorm>{});
-            if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
-            return f(key, Out<ttt::kOutRaw>{});
-        };
-        if (g_key) return outs(Key<true>{});
-        return outs(Key<false>{});
-    }
-    std::fprintf(stderr, "emulation: no variant (key %d, out %d) at D_PAD %d, BT %d\n", g_key,
-                 g_out, DP, BT);
-    std::abort();
+    auto outs = [&](auto key) {
+        if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
+        if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
+        return f(key, Out<ttt::kOutNorm>{});
+    };
+    if (g_key) return outs(Key<true>{});
+    return outs(Key<false>{});
 }
 
 #define ENTRY(NAME, BYTES, PARAMS, ARGS, VARGS)                                              \
@@ -335,7 +324,7 @@ static void with_variant(F&& f) {
     static void NAME##_t(i64 grid, PARAMS) {                                                 \
         using Tr = ttt::Traits<DP, BT>;                                                      \
         static_assert(Tr::BYTES <= sizeof(smem), "the emulated shared memory is too small"); \
-        with_variant<DP, BT>([&](auto key, auto out) {                                       \
+        with_variant([&](auto key, auto out) {                                       \
             constexpr bool KEY = decltype(key)::value;                                       \
             constexpr int OUT = decltype(out)::value;                                        \
             launch(grid, Tr::kThreads,                                                       \
@@ -412,7 +401,7 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     auto oh = reinterpret_cast<__half*>(o);
     constexpr unsigned long long bytes = FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    with_variant<DP, BT>([&](auto key, auto out) {
+    with_variant([&](auto key, auto out) {
         constexpr bool KEY = decltype(key)::value;
         constexpr int OUT = FUSE ? decltype(out)::value : ttt::kOutNorm;
         launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16
@@ -436,7 +425,7 @@ static void fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     static_assert(Tr::kFwdChainFusedBytes <= sizeof(smem),
                   "the emulated shared memory is too small");
-    with_variant<DP, BT>([&](auto key, auto out) {
+    with_variant([&](auto key, auto out) {
         constexpr bool KEY = decltype(key)::value;
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
@@ -464,7 +453,7 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
-    with_variant<DP, BT>([&](auto key, auto) {
+    with_variant([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
             ttt_linear_bwd_chain<__half, DP, BT, true, KEY>(
@@ -493,7 +482,7 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     // the stand-in half has 4 bytes: its staged rows take more room than a real half's
     constexpr unsigned long long bytes = 4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    with_variant<DP, BT>([&](auto, auto out) {
+    with_variant([&](auto, auto out) {
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_fwd_out<__half, DP, BT, true, OUT>(qh, kh, vh, eta, w, b, ck, ckb, xbuf,
@@ -518,7 +507,7 @@ static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     auto doh = reinterpret_cast<const __half*>(dout);
     auto dqh = reinterpret_cast<__half*>(dq);
-    with_variant<DP, BT>([&](auto, auto out) {
+    with_variant([&](auto, auto out) {
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_bwd_local<__half, DP, BT, true, OUT>(
@@ -542,7 +531,7 @@ static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    with_variant<DP, BT>([&](auto key, auto) {
+    with_variant([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_bwd_grads<__half, DP, BT, true, KEY>(
@@ -574,7 +563,7 @@ static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, 
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    with_variant<DP, BT>([&](auto key, auto) {
+    with_variant([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kTcThreads, [&] {
             ttt_linear_bwd_chain_fused<__half, DP, BT, true, KEY>(
