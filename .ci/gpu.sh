@@ -4,7 +4,9 @@
 # missing there): install our packages, run the conformance suite for every backend
 # on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
 # fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
-# on the GPU fails its suite.
+# on the GPU fails its suite. Each suite stage runs in two steps: every test but the
+# whole_device ones with $XDIST workers (default 8), then the whole_device tests alone
+# (one process holding up to about 60 GiB of device memory: docs/testing.md).
 #   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_simt bench compare
 #                                   (default: info ref triton cupy bench)
 # Stage compare (benchmarks/compare.py): an A/B of a base revision's packages, carried in
@@ -25,6 +27,16 @@ if [ -d .whl ]; then
 fi
 stages=${*:-info ref triton cupy bench}
 XDIST=${XDIST:--n 8}
+
+suite() {  # suite BACKEND LOG [ENV...]: the nox tests session, shared then whole_device
+  local backend=$1 log=$2; shift 2
+  { timeout ${SUITE_TIMEOUT:-400} env "$@" python3 -m nox --no-venv \
+      -s "tests(backend='$backend')" -- -q $XDIST \
+      -m "not whole_device" &&
+    timeout ${SUITE_TIMEOUT:-400} env "$@" python3 -m nox --no-venv \
+      -s "tests(backend='$backend')" -- -q -n 0 \
+      -m whole_device; } 2>&1 | tee "$OUT/$log" | grep -E "passed|failed|error|FAILED|ERROR"
+}
 for stage in $stages; do
   case $stage in
     info)
@@ -36,19 +48,14 @@ for stage in $stages; do
       timeout ${DEMO_TIMEOUT:-120} python3 -m nox --no-venv -s demo 2>&1 \
         | tee "$OUT/demo.log" | tail -25 ;;
     ref)
-      timeout ${REF_TIMEOUT:-200} python3 -m nox --no-venv -s "tests(backend='reference')" -- \
-        -q $XDIST 2>&1 | tee "$OUT/tests-reference.log" | tail -15 ;;
+      suite reference tests-reference.log ;;
     triton)
-      timeout ${TRITON_TIMEOUT:-300} python3 -m nox --no-venv -s "tests(backend='triton')" -- \
-        -q $XDIST 2>&1 | tee "$OUT/tests-triton.log" | tail -40 ;;
+      suite triton tests-triton.log ;;
     cupy)   # the CUDA C++ backend's suite and own tests on the GPU (tests/test_gpu_schedules.py
             # forces every schedule: fused, segmented, overlapped, plain)
-      timeout ${CUPY_TIMEOUT:-300} python3 -m nox --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy.log" | tail -40 ;;
+      suite cupy tests-cupy.log ;;
     cupy_simt)   # the same with the SIMT fp32 kernels for half inputs (TTT_CUPY_MMA=0)
-      timeout ${CUPY_TIMEOUT:-300} env TTT_CUPY_MMA=0 python3 -m nox --no-venv \
-        -s "tests(backend='cupy')" -- -q $XDIST 2>&1 | tee "$OUT/tests-cupy-simt.log" \
-        | tail -40 ;;
+      suite cupy tests-cupy-simt.log TTT_CUPY_MMA=0 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
       timeout ${BENCH_TIMEOUT:-240} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \

@@ -43,7 +43,10 @@ class Provider:
                 return "head dim above 128 is refused by FLA"
             return None
         backend_name = self.name.removeprefix("ttt.")
-        problem = ttt.make_problem(q, k, v, w, b, eta, chunk_size=chunk_size)
+        make_problem = getattr(ttt, "make_problem", None)
+        if make_problem is None:     # an older ttt (a compare.py base): the call will say
+            return None
+        problem = make_problem(q, k, v, w, b, eta, chunk_size=chunk_size)
         reasons = ttt.load_backend(backend_name).not_supported_reasons(problem)
         return "; ".join(reasons) if reasons else None
 

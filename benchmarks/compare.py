@@ -12,7 +12,10 @@ runs in a child process whose ``PYTHONPATH`` starts with that tree's
 ``packages/{ttt,ttt-triton,ttt-cupy}/src`` (ahead of the editable installs); the child checks
 that ``ttt`` (and ``ttt_triton``, ``ttt_cupy``) come from its tree and exits otherwise. The
 measuring code is this checkout's ``benchmarks/`` (``run.measure``: the same inputs, timing
-and budget as ``run.py``) on both sides: only the packages differ.
+and budget as ``run.py``) on both sides: only the packages differ. Of a side's ``ttt`` it uses
+only what every revision with ``ttt.chunk_ttt_linear`` has (a revision without
+``ttt.make_problem`` runs each call unchecked: what it refuses is an error in its cell), and
+both sides are judged by this checkout's tolerance table.
 
 The two children take turns, cell by cell, for ``--rounds`` rounds (base first in even
 rounds, head first in odd ones), so that a drift of the clocks or of the machine's load hits
@@ -159,7 +162,8 @@ class SideProcess:
                 "--chunk-size", str(args.chunk_size), "--seed", str(args.seed),
                 "--warmup", str(args.warmup), "--rep", str(args.rep),
                 "--min-iters", str(args.min_iters), "--iters", str(args.iters),
-                "--host-warmup", str(args.host_warmup), "--backends", *backends]
+                "--host-warmup", str(args.host_warmup),
+                "--tolerances", json.dumps(_ab_child.tolerance_table()), "--backends", *backends]
         if args.fwd_only:
             argv.append("--fwd-only")
         self.proc = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE,
@@ -318,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="also write compare.md and compare.json here")
     p.add_argument("--serve", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--tolerances", default="{}", help=argparse.SUPPRESS)
     return p
 
 

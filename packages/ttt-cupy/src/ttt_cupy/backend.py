@@ -97,10 +97,17 @@ class CupyBackend(Backend):
             why.append(reason)
         return why
 
+    def launch_device(self, problem: Problem):
+        """The launcher's device seam for ``problem`` (None: the inputs' CUDA device). The
+        package's CPU tests run this backend with a stand-in that runs each launch in the
+        kernels' C++ emulation."""
+        return None
+
     def forward(self, problem: Problem, needs_backward: bool):
         from .launcher import ttt_linear_fwd
 
-        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward)
+        o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=needs_backward,
+                                           device=self.launch_device(problem))
         return o, ht, hbt, [] if saved is None else saved.tensors(problem)
 
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -115,4 +122,4 @@ class CupyBackend(Backend):
 
         # only what ``needs`` asks for (None elsewhere), bitwise as in the full backward
         return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt,
-                                         needs=needs))
+                                         needs=needs, device=self.launch_device(problem)))

@@ -198,7 +198,8 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
                     grads.launch(device, local_blocks(seg) * split, seg, PLAIN_GROUP,
                                  fork.group(i))
             fork.join()
-    # two reductions: dw and db must not be views of one tensor
+    # [H, D]: each its own tensor (the custom op refuses returns that share storage), and
+    # not reduced where not needed
     dw = g.dwbp[0].sum((0, 1)) if want["dw"] else None
     db = g.dwbp[1].sum((0, 1)) if want["db"] else None
     kept = {name: t if want[name] else None

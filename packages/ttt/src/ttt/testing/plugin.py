@@ -44,6 +44,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "big: long sequences (T >= 2048); deselect on CPU "
                                        "with -m 'not big'")
+    config.addinivalue_line("markers", "whole_device: needs most of the device's memory; run "
+                                       "these alone, with no other test process on the "
+                                       "device (-m whole_device -n 0)")
     config.addinivalue_line("markers", "xdist_group(name): tests of one oracle case "
                                        "(pytest-xdist --dist loadgroup keeps them together)")
     if config.getoption("ttt_backend") is not None:

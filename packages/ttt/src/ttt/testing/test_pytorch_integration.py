@@ -113,6 +113,38 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
     expect(len(grads) == sum(needs), f"{len(grads)} gradients for {sum(needs)} needed")
 
 
+# --- the eager shortcut and the dispatcher's path ------------------------------------------
+
+
+class _ThroughTheDispatcher(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing; with any mode active, an eager call of the op takes the
+    dispatcher's path (the custom op and its registered autograd formula) instead of the
+    core's eager shortcut."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in OPCHECK_CASES.items()])
+def test_eager_shortcut_equals_the_dispatcher_path(case, ttt_backend, ttt_backend_name,
+                                                   ttt_device):
+    """An eager call takes a shortcut past the dispatcher's generic glue (on every torch
+    version the core supports); the same call through the dispatcher gives the same outputs
+    and gradients, bitwise for a deterministic backend. Both paths check what the op
+    returns for aliasing."""
+    inputs = _inputs(case, ttt_device)
+    skip_unless_supported(ttt_backend, inputs)
+
+    def fn(x):
+        return ttt.chunk_ttt_linear(**x, backend=ttt_backend_name)
+
+    shortcut = _loss_and_grads(fn, inputs)
+    with _ThroughTheDispatcher():
+        dispatched = _loss_and_grads(fn, inputs, shortcut[2])
+    _compare_runs("dispatcher path against the eager shortcut", dispatched, shortcut,
+                  case.dtype, bitwise=ttt_backend.capabilities.deterministic)
+
+
 # --- torch.compile -----------------------------------------------------------------------
 
 

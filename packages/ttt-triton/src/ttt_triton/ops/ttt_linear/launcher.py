@@ -6,10 +6,12 @@ Every launch choice comes from the rules and tables of :mod:`.tuning`; ``tuning=
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from ttt import Problem
 from ttt.chunking import ChunkGroups, group_offsets
@@ -31,6 +33,7 @@ from .tuning import (
     grads_split,
     launch_options,
     rows_per_block,
+    unfit_tuning_error,
     wide_backward,
 )
 
@@ -44,6 +47,23 @@ def _checked(tuning: Tuning) -> Tuning:
         raise TypeError(f"tuning: expected a ttt_triton.ops.ttt_linear.tuning.Tuning, "
                         f"got {type(tuning).__name__}")
     return tuning
+
+
+def _refusing_unfit_tunings(launcher):
+    """A forced Tuning whose kernel needs more shared memory (or registers) than the device
+    has is refused with a ValueError naming its fields, the need and the limit, raised when
+    Triton loads that kernel, before it runs (the rules' own choices always fit)."""
+
+    @functools.wraps(launcher)
+    def run(problem, *args, tuning: Tuning = DEFAULT_TUNING, **kwargs):
+        try:
+            return launcher(problem, *args, tuning=tuning, **kwargs)
+        except OutOfResources as err:
+            if tuning == DEFAULT_TUNING:
+                raise
+            raise unfit_tuning_error(tuning, err.name, err.required, err.limit) from err
+
+    return run
 
 
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: Tuning,
@@ -104,6 +124,7 @@ def _initial_states(p: Problem):
     return h0, hb0
 
 
+@_refusing_unfit_tunings
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
                    tuning: Tuning = DEFAULT_TUNING):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
@@ -151,6 +172,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     return o, ht, hbt, saved
 
 
+@_refusing_unfit_tunings
 def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
                    tuning: Tuning = DEFAULT_TUNING):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]

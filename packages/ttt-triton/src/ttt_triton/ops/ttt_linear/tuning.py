@@ -138,6 +138,22 @@ DEFAULT_TUNING = Tuning()
 """Every choice by the rules: what the backend uses."""
 
 
+def forced_fields(tune: Tuning) -> dict:
+    """The fields ``tune`` forces (those not None)."""
+    return {f.name: getattr(tune, f.name) for f in fields(tune)
+            if getattr(tune, f.name) is not None}
+
+
+def unfit_tuning_error(tune: Tuning, resource: str, required: int, limit: int) -> ValueError:
+    """The error for a forced :class:`Tuning` whose kernels need more of ``resource`` (e.g.
+    shared memory, in bytes per block) than the device has."""
+    forced = ", ".join(f"{k}={v!r}" for k, v in forced_fields(tune).items())
+    return ValueError(f"tuning: Tuning({forced}) needs {required} bytes of {resource} per "
+                      f"block in one of its kernels, the device allows {limit}; force fewer "
+                      f"stages (group_stages, chain_stages), fewer rows per block or a "
+                      f"smaller grads_split")
+
+
 def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING) -> int:
     """num_warps of a ``kind`` ("chain" or "group") kernel (:data:`NUM_WARPS`)."""
     forced = getattr(tune, f"{kind}_warps")
