@@ -158,8 +158,9 @@ class RecordingDevice:
     def uses_mma(self, dtype_name: str, requested: bool) -> bool:
         return cc.use_mma(cc.CTYPES[dtype_name], self.arch, requested)
 
-    def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool):
-        return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma)
+    def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
+                key: bool = False, out: str = "norm_residual"):
+        return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma, key, out)
 
     def active(self):
         return contextlib.nullcontext()
@@ -215,11 +216,23 @@ _C = {np.uint64: ctypes.c_void_p, np.float32: ctypes.c_float, np.int32: ctypes.c
 def _entry(name: str) -> tuple[str, int, int]:
     """(emulation entry point, D_PAD, BT) of a name expression such as
     ``ttt_linear_fwd_chain<float, 64, 16, false, true>``."""
+    entry, dp, bt, _ = _entry_variant(name)
+    return entry, dp, bt
+
+
+def _entry_variant(name: str) -> tuple[str, int, int, tuple[int, int]]:
+    """_entry and the instance's variant (key, out) for ``emu_set_variant``: the template
+    arguments after ``MMA`` (and fwd_chain's ``FUSE``) that compile.VARIANT_KERNELS names."""
     base, _, targs = name.partition("<")
-    t, dp, bt, mma, *fuse = (a.strip() for a in targs.rstrip(">").split(","))
+    t, dp, bt, mma, *rest = (a.strip() for a in targs.rstrip(">").split(","))
     assert (t, mma) == ("float", "false"), f"{name}: only float SIMT instances run here"
-    return f"emu_{base.removeprefix('ttt_linear_')}{'_fused' if fuse == ['true'] else ''}", \
-        int(dp), int(bt)
+    kernel = base.removeprefix("ttt_linear_")
+    fuse = kernel == cc.FUSED_KERNEL and rest[:1] == ["true"]
+    if kernel == cc.FUSED_KERNEL:
+        rest = rest[1:]
+    values = dict(zip(cc.VARIANT_KERNELS[kernel], rest))
+    variant = (int(values.get("KEY", "false") == "true"), int(values.get("OUT", "0")))
+    return f"emu_{kernel}{'_fused' if fuse else ''}", int(dp), int(bt), variant
 
 
 class EmulatedDevice(RecordingDevice):
@@ -234,7 +247,8 @@ class EmulatedDevice(RecordingDevice):
     def launch(self, kernel, grid, block, smem, args, stream) -> None:
         super().launch(kernel, grid, block, smem, args, stream)
         emu = self.emu
-        entry, dp, bt = _entry(kernel)
+        entry, dp, bt, variant = _entry_variant(kernel)
+        emu.emu_set_variant(*variant)
         emu.emu_clear_buffers()
         for t in self.tensors + self.inputs:
             storage = t.untyped_storage()
@@ -242,8 +256,11 @@ class EmulatedDevice(RecordingDevice):
                                ctypes.c_longlong(storage.nbytes()))
         c_args = [_C[type(a)](float(a) if isinstance(a, np.floating) else int(a))
                   for a in args[:-1]]                    # (the last: the smem size)
-        rc = getattr(emu, entry)(ctypes.c_int(dp), ctypes.c_int(bt), ctypes.c_longlong(grid),
-                                 *c_args)
+        try:
+            rc = getattr(emu, entry)(ctypes.c_int(dp), ctypes.c_int(bt),
+                                     ctypes.c_longlong(grid), *c_args)
+        finally:
+            emu.emu_set_variant(0, 0)
         assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}"
         assert emu.emu_prefetch_strays() == 0, f"{entry}: prefetch hints outside its arrays"
         assert emu.emu_async_strays() == 0, f"{entry}: asynchronous copies outside its arrays"

@@ -30,11 +30,15 @@ def _ln(x):
     return xc * r, r
 
 
-def oracle(q, k, v, eta, w, b, h0, hb0, seqs, scale, BT):
-    """q, k, v [B, T, H, D]; eta [B, T, H]; seqs: (batch, start, length) per sequence."""
+OUT_FORMS = {"norm_residual": 0, "query_residual": 1, "raw": 2}   # (compile.OUT_FORMS)
+
+
+def oracle(q, k, v, eta, w, b, h0, hb0, seqs, scale, BT, eta_key=None, out="norm_residual"):
+    """q, k, v [B, T, H, D]; eta and eta_key (None: no factor) [B, T, H]; seqs: (batch, start,
+    length) per sequence; out: the output form."""
     B, T, H, D = q.shape
     N = len(seqs)
-    out = np.zeros_like(q)
+    o_all = np.zeros_like(q)
     ht = np.zeros((N, H, D, D))
     hbt = np.zeros((N, H, D))
     for n, (bi, s0, length) in enumerate(seqs):
@@ -48,16 +52,19 @@ def oracle(q, k, v, eta, w, b, h0, hb0, seqs, scale, BT):
                 y = (xh * w[h] + b[h] - bv + bk) * w[h]
                 g = r * (y - y.mean(-1, keepdims=True)
                          - xh * (y * xh).mean(-1, keepdims=True))
+                if eta_key is not None:
+                    g = g * eta_key[bi, sl, h][:, None]
                 L = bq.shape[0]
                 M = np.tril(np.ones((L, L)))
                 A = np.tril(bq @ bk.T) + M
                 o = bq @ W + hb - be[:, None] * (A @ g)
                 oh, _ = _ln(o)
-                out[bi, sl, h] = o + oh * w[h] + b[h]
+                residual = q[bi, sl, h] if out == "query_residual" else o
+                o_all[bi, sl, h] = o if out == "raw" else residual + oh * w[h] + b[h]
                 W = W - be[-1] * (bk.T @ g)
                 hb = hb - be[-1] * g.sum(0)
             ht[n, h], hbt[n, h] = W, hb
-    return out, ht, hbt
+    return o_all, ht, hbt
 
 
 # ---------------------------------------------------------------- the emulated launcher
@@ -75,7 +82,19 @@ GROUP_KERNELS = ("fwd_out", "bwd_local", "bwd_grads")
 
 
 def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False,
-                seg=0, fuse_grads=False, overlap=None):
+                seg=0, fuse_grads=False, overlap=None, out="norm_residual"):
+    """:func:`_run_kernels` in the variant of ``x`` (an ``eta_key`` entry: the KEY instances,
+    and deta_key among the gradients) and ``out`` (the output form: the OUT instances)."""
+    emu.emu_set_variant(int("eta_key" in x), OUT_FORMS[out])
+    try:
+        return _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init, mma, fused, seg,
+                            fuse_grads, overlap)
+    finally:
+        emu.emu_set_variant(0, 0)
+
+
+def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fused=False,
+                 seg=0, fuse_grads=False, overlap=None):
     """The launcher's sequence (ttt_cupy.launcher) on the emulated kernels, float32
     everywhere: fwd_chain, fwd_out, then bwd_local, bwd_chain, bwd_grads. ``mma``: the kernels
     that run their tensor-core instances (emulated mma.sync) instead of their SIMT ones.
@@ -147,16 +166,18 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     ht, hbt = _empty(N, H, D, D), _empty(N, H, D)
     ck, ckb = _empty(slots, H, D, D), _empty(slots, H, D)
     xbuf, rbuf = _empty(B, T, H, D), _empty(B, T, H)  # the saved activations xhat, r
+    key = f.get("eta_key")
+    rlbuf = None if key is None else _empty(B, T, H)  # (eta_key: the LayerNorm's r)
     if fused and grads is None:
-        ck = ckb = xbuf = rbuf = None
+        ck = ckb = xbuf = rbuf = rlbuf = None
     o = _empty(B, T, H, D)
 
     def chain(sg, sync=None):
         call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
              _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
-             _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(cu_arr), _p(go),
-             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync),
-             fused_instance=fused)
+             _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(key), _p(rlbuf),
+             _p(cu_arr), _p(go), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg,
+             _p(sync), fused_instance=fused)
 
     def overlapped_pass(run_chain, run_group, tickets, group_name):
         """One overlapped pass on a fresh sync buffer, in the order ``overlap`` asks (above)."""
@@ -203,20 +224,21 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
     if init:
         dh0, dhb0 = _empty(N, H, D, D), _empty(N, H, D)
     dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
+    dkey = None if key is None else _empty(B, T, H)
     split = grads_split(DP, BT)
 
     def bchain(sg, sync=None):
         call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
              _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
-             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(cu_arr), _p(go),
-             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync))
+             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(rlbuf), _p(dkey),
+             _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync))
 
     def bgrads(grid, sg, sync=None, mode=0, spins=0):
         call("bwd_grads", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
              _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]),
-             _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(cu_arr), _p(go), _p(gs), c["scale"],
-             c["T"], c["H"], c["D"], c["G"], *sg, _p(sync), ctypes.c_int(mode), i64(N * H),
-             ctypes.c_int(spins))
+             _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(rlbuf), _p(cu_arr), _p(go), _p(gs),
+             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync), ctypes.c_int(mode),
+             i64(N * H), ctypes.c_int(spins))
 
     if overlap is not None:  # bwd_local, then bwd_chain and bwd_grads overlapped (as above)
         assert not fuse_grads
@@ -237,7 +259,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
             call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
                  _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
                  _p(g["eta"]), _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0),
-                 _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, None,
+                 _p(rlbuf), _p(dkey), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"],
+                 c["G"], *sg, None,
                  _p(ck), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), fused_instance=True)
             continue
         bchain(sg)
@@ -254,6 +277,8 @@ def run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), fu
         assert copies.get("bwd_chain", 0) > 0, "no asynchronous copy reached the checks"
     g["w"], g["b"] = dwp.sum((0, 1)), dbp.sum((0, 1))
     g["h0"], g["hb0"] = dh0, dhb0
+    if key is not None:
+        g["eta_key"] = dkey
     return (o, ht, hbt), g
 
 
@@ -283,8 +308,9 @@ def _id(c):
             + ("" if c[8] else "-noinit") + ("" if c[9] else "-nodht"))
 
 
-def _inputs(case):
-    """(x, seqs, cu, scale, cot) of a case: inputs in float64 holding float32 values."""
+def _inputs(case, key=False):
+    """(x, seqs, cu, scale, cot) of a case: inputs in float64 holding float32 values; ``key``:
+    with an ``eta_key`` (drawn after the others, which stay those of the case)."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
     rng = np.random.default_rng(0)
     if lens is None:
@@ -309,6 +335,8 @@ def _inputs(case):
            rng.standard_normal((N, H, D)))
     if not with_dht:
         cot = (cot[0], 0 * cot[1], 0 * cot[2])
+    if key:
+        x["eta_key"] = rng.uniform(0.3, 1.7, (B, T, H)).astype(np.float32).astype(np.float64)
     return x, seqs, cu, scale, cot, rng
 
 
@@ -336,17 +364,23 @@ def _assert_close(got, ref, got_g, ref_g, tol):
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kernels_match_oracle(emu, case):
+    _check_against_oracle(emu, case)
+
+
+def _check_against_oracle(emu, case, key=False, out="norm_residual"):
+    """Outputs and final states of the plain launches against the float64 oracle, every
+    gradient (deta_key too, with ``key``) against its central differences."""
     B, T, H, D, DP, BT, G, lens, init, with_dht = case
-    x, seqs, cu, scale, cot, rng = _inputs(case)
+    x, seqs, cu, scale, cot, rng = _inputs(case, key)
 
     def loss(xx):
         o, ht, hbt = oracle(xx["q"], xx["k"], xx["v"], xx["eta"], xx["w"], xx["b"], xx["h0"],
-                            xx["hb0"], seqs, scale, BT)
+                            xx["hb0"], seqs, scale, BT, xx.get("eta_key"), out)
         return (o * cot[0]).sum() + (ht * cot[1]).sum() + (hbt * cot[2]).sum(), (o, ht, hbt)
 
     _, ref = loss(x)
     grads_in = cot if with_dht else (cot[0], None, None)
-    got, grads = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init)
+    got, grads = run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, out=out)
     for name, a, r in zip(("o", "ht", "hbt"), got, ref):
         assert _rel(a, r) < 2e-5, f"{name}: relative error {_rel(a, r):.2e}"
     for name, a in grads.items():
@@ -354,7 +388,8 @@ def test_kernels_match_oracle(emu, case):
             assert np.isfinite(a).all(), f"d{name}: not every entry written (NaN poison)"
 
     h = 1e-6
-    names = ("q", "k", "v", "eta", "w", "b") + (("h0", "hb0") if init else ())
+    names = ("q", "k", "v", "eta", "w", "b") + (("h0", "hb0") if init else ()) + (
+        ("eta_key",) if key else ())
     for name in names:
         flat = x[name].reshape(-1)
         idx = rng.choice(flat.size, size=min(8, flat.size), replace=False)
@@ -511,3 +546,86 @@ def test_fused_backward_chain_matches_unfused(emu, case, tf32, seg):
             assert np.array_equal(got_g[name], one[name]), \
                 f"d{name}: the fused chain's segmented launches differ from one launch"
 
+
+
+# ---------------------------------------------------------------- eta_key and the output forms
+VARIANTS = [(key, out) for key in (False, True) for out in OUT_FORMS][1:]   # (not the default)
+VARIANT_CASES = [CASES[i] for i in (0, 1, 3, 7, 10)]   # dense, varlen, D_PAD 16 .. 128
+
+
+def _vid(v):
+    return ("key-" if v[0] else "") + v[1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=_id)
+def test_variants_match_oracle(emu, case, variant):
+    """eta_key (g's rows scaled; deta_key) and each output form on the SIMT instances, plain
+    launches: against the float64 oracle and every gradient's central differences, as
+    test_kernels_match_oracle."""
+    _check_against_oracle(emu, case, *variant)
+
+
+def _variant_run(emu, case, variant, **kw):
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, cot, _ = _inputs(case, variant[0])
+    grads_in = cot if with_dht else (cot[0], None, None)
+    if kw.pop("forward_only", False):
+        grads_in = None
+    return run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads_in, init, out=variant[1], **kw)
+
+
+@pytest.mark.parametrize("kernels", [CHAIN_KERNELS, GROUP_KERNELS], ids=["chain", "group"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", [VARIANT_CASES[i] for i in (0, 2, 4)], ids=_id)
+def test_variant_mma_instances_match_simt(emu, case, variant, kernels):
+    """The tensor-core instances of each variant against its SIMT instances (fp32 operands:
+    only the summation order differs), every output and gradient."""
+    ref, ref_g = _variant_run(emu, case, variant)
+    got, got_g = _variant_run(emu, case, variant, mma=kernels)
+    _assert_close(got, ref, got_g, ref_g, 2e-5)
+
+
+@pytest.mark.parametrize("mma", [(), ("fwd_chain",)], ids=["simt", "mma"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", [VARIANT_CASES[i] for i in (1, 3)], ids=_id)
+def test_variant_fused_forward(emu, case, variant, mma):
+    """fwd_chain's fused instances (SIMT, MMA) of each variant: without a backward against the
+    oracle, with one (what it stores feeds the backward) against the unfused sequence."""
+    B, T, H, D, DP, BT, G, lens, init, with_dht = case
+    x, seqs, cu, scale, _, _ = _inputs(case, variant[0])
+    ref = oracle(x["q"], x["k"], x["v"], x["eta"], x["w"], x["b"], x["h0"], x["hb0"], seqs,
+                 scale, BT, x.get("eta_key"), variant[1])
+    got, none = _variant_run(emu, case, variant, fused=True, mma=mma, forward_only=True)
+    assert none is None
+    _assert_close(got, ref, None, None, 2e-5)
+    unfused, unfused_g = _variant_run(emu, case, variant)
+    got, got_g = _variant_run(emu, case, variant, fused=True, mma=mma)
+    _assert_close(got, unfused, got_g, unfused_g, 2e-5 if mma else 1e-6)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0]], ids=_vid)
+@pytest.mark.parametrize("case", [c for c in VARIANT_CASES if c[4] <= 64], ids=_id)
+def test_variant_fused_backward_chain(emu, case, variant):
+    """The fused backward chain with eta_key (its KEY instance: deta_key from the chain)
+    against the unfused tensor-core sequence, one launch and segmented (bitwise alike)."""
+    mma = CHAIN_KERNELS + GROUP_KERNELS
+    ref, ref_g = _variant_run(emu, case, variant, mma=mma)
+    got, got_g = _variant_run(emu, case, variant, mma=mma, fuse_grads=True)
+    _assert_close(got, ref, got_g, ref_g, 2e-5)
+    _, seg_g = _variant_run(emu, case, variant, mma=mma, fuse_grads=True, seg=1)
+    for name in got_g:
+        if got_g[name] is not None:
+            assert np.array_equal(got_g[name], seg_g[name]), f"d{name}: segmented differs"
+
+
+@pytest.mark.parametrize("launch", ["seg1", "chain first", "out first"])
+@pytest.mark.parametrize("mma", [(), CHAIN_KERNELS + GROUP_KERNELS], ids=["simt", "mma"])
+@pytest.mark.parametrize("variant", [(True, "query_residual"), (True, "raw")], ids=_vid)
+@pytest.mark.parametrize("case", [VARIANT_CASES[i] for i in (0, 1)], ids=_id)
+def test_variant_schedules_match_one_launch(emu, case, variant, mma, launch):
+    """Segmented and overlapped passes of a variant: bitwise those of one launch per kernel."""
+    order = dict(seg=1) if launch == "seg1" else dict(overlap=launch)
+    ref, ref_g = _variant_run(emu, case, variant, mma=mma)
+    got, got_g = _variant_run(emu, case, variant, mma=mma, **order)
+    _assert_bitwise(got, ref, got_g, ref_g, f"{launch} differs from one launch")

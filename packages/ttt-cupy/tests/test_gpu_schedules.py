@@ -32,7 +32,7 @@ IDS = [f"T{c[1]}-D{c[3]}-{str(c[4]).removeprefix('torch.')}" + ("-varlen" if c[5
        for c in CASES]
 
 
-def _inputs(case):
+def _inputs(case, key=False):
     B, T, H, D, dtype, lens = case
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -50,16 +50,22 @@ def _inputs(case):
     if lens is not None:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     cot = (randn(B, T, H, D).to(dtype), randn(N, H, D, D), randn(N, H, 1, D))
+    if key:   # (drawn last: the other inputs stay those without it)
+        x["eta_key"] = (0.3 + 1.4 * torch.rand(B, T, H, 1, generator=gen, device="cuda")).to(
+            dtype)
     return x, cu, cot
 
 
-def _run(x, cu, cot, schedule):
-    """The launcher's outputs, final states and every gradient under ``schedule``."""
+def _run(x, cu, cot, schedule, output="norm_residual", needs=None):
+    """The launcher's outputs, final states and every gradient under ``schedule`` (deta_key
+    last, with eta_key; ``needs``: GradNeeds, the gradients not asked for are None)."""
     from ttt_cupy import launcher
 
-    p = make_problem(**x, output_final_state=True, cu_seqlens=cu)
+    p = make_problem(**x, output_final_state=True, cu_seqlens=cu, output=output)
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, True, schedule=schedule)
-    grads = launcher.ttt_linear_bwd(p, saved, *cot, schedule=schedule)
+    grads = launcher.ttt_linear_bwd(p, saved, *cot, schedule=schedule, needs=needs)
+    if needs is None and "eta_key" not in x:
+        grads = grads[:-1]
     return [o, ht, hbt, *grads]
 
 
@@ -130,3 +136,50 @@ def test_every_schedule_matches_reference(case):
             err = float((a.double() - r.detach()).norm() / r.detach().norm())
             tol = out_tol if i < 3 else grad_tol
             assert err < tol, f"{what}: result {i} relative error {err:.2e} (bound {tol})"
+
+
+VARIANTS = [(True, "norm_residual"), (True, "query_residual"), (True, "raw"),
+            (False, "query_residual"), (False, "raw")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS,
+                         ids=[("key-" if v[0] else "") + v[1] for v in VARIANTS])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_variants_every_schedule(case, variant):
+    """eta_key and the output forms: every schedule against the float64 reference (deta_key
+    included), the segmented and overlapped passes bitwise the plain one's, and a backward
+    asked for dq and deta_key only bitwise the full one's (the unfused chain alone)."""
+    from ttt import GradNeeds
+    from ttt_cupy.config import AUTO, Schedule
+
+    key, output = variant
+    x, cu, cot = _inputs(case, key)
+    ref_in = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, output_final_state=True, cu_seqlens=cu,
+                                         output=output, backend="reference")
+    grads = torch.autograd.grad((ro, rht, rhbt), list(ref_in.values()),
+                                tuple(c.double() for c in cot))
+    ref = [ro, rht, rhbt, *grads]
+    out_tol, grad_tol = TOLERANCES[case[4]]
+    plain = _run(x, cu, cot, _plain(), output)
+    schedules = {"rule": AUTO, "segments": Schedule(overlap=False, segments=3),
+                 "overlapped": Schedule(overlap=True),
+                 "fused": Schedule(fuse_forward=True, fuse_backward=True)}
+    for what, schedule in {"plain": None, **schedules}.items():
+        got = plain if schedule is None else _run(x, cu, cot, schedule, output)
+        assert len(got) == len(ref)
+        for i, (a, r) in enumerate(zip(got, ref)):
+            err = float((a.double() - r.detach()).norm() / r.detach().norm())
+            tol = out_tol if i < 3 else grad_tol
+            assert err < tol, f"{what}: result {i} relative error {err:.2e} (bound {tol})"
+        if what in ("segments", "overlapped"):
+            _assert_same(got, plain, what)
+    needs = GradNeeds(k=False, v=False, w=False, b=False, eta=False, initial_state=False,
+                      initial_state_bias=False, eta_key=key)
+    fused = Schedule(fuse_forward=True, fuse_backward=True)
+    full = _run(x, cu, cot, fused, output)
+    few = _run(x, cu, cot, fused, output, needs)
+    _assert_same([few[3]], [full[3]], "dq of a backward asked for few gradients")
+    if key:
+        _assert_same([few[-1]], [full[-1]], "deta_key of a backward asked for few gradients")
+    assert all(t is None for t in few[4:-1]), "gradients computed though not needed"

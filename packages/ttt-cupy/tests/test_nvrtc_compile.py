@@ -58,6 +58,58 @@ def test_every_instance_compiles_for_sm80_and_sm90():
     assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
+@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
+@pytest.mark.parametrize("variant", [(False, "query_residual"), (False, "raw"),
+                                     (True, "norm_residual"), (True, "query_residual"),
+                                     (True, "raw")],
+                         ids=lambda v: ("key-" if v[0] else "") + v[1])
+def test_variant_instances_compile(variant):
+    """The instances of eta_key (KEY) and the output forms (OUT), built only when a call needs
+    them: every kernel of both passes, tensor-core and SIMT, at a fused-chain shape (D_PAD 64,
+    chunk 16: float16) and the split bwd_grads one (D_PAD 128, chunk 64: float32, bfloat16);
+    PTX for compute_90 (the tf32 mma.sync where expected), one through ptxas to a cubin."""
+    from ttt_cupy import nvrtc_check
+
+    out = io.StringIO()
+    shapes = [dict(dtypes=["float16"], d_pads=[64], block_ts=[16]),
+              dict(dtypes=["float32", "bfloat16"], d_pads=[128], block_ts=[64])]
+    try:
+        counts = [nvrtc_check.run(("90",), jobs=1, out=out, ptx_only=("90",), only=only,
+                                  variant=variant)["90"] for only in shapes]
+        if variant == (True, "query_residual"):
+            nvrtc_check.run(("90",), jobs=1, out=out, only=shapes[0], variant=variant)
+    except nvrtc_check.CheckError as err:
+        pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
+    # fwd: chain, out, fused chain (x 2 for half types: the SIMT instances too); bwd: local,
+    # chain, grads (+ the fused backward chain of the half types at D_PAD <= 64)
+    assert counts == [3 * 2 + (3 + 1) + 3, (3 + 3) + (3 + 3) * 2], out.getvalue()
+
+
+def test_variant_names():
+    """No NVRTC needed: the variant's template arguments, only where a kernel takes them, and
+    the default variant's names unchanged."""
+    from ttt_cupy.compile import kernel_name, pass_names, program_names
+
+    assert kernel_name("fwd_out", "float", 32, 16, out="raw") == \
+        "ttt_linear_fwd_out<float, 32, 16, false, 2>"
+    assert kernel_name("fwd_chain", "__half", 64, 16, key=True) == \
+        "ttt_linear_fwd_chain<__half, 64, 16, true, false, true>"
+    assert kernel_name("fwd_chain", "__half", 64, 16, out="raw") == \
+        "ttt_linear_fwd_chain<__half, 64, 16, true>"   # (the unfused chain writes no output)
+    assert kernel_name("fwd_chain", "float", 64, 16, fused=True, out="query_residual") == \
+        "ttt_linear_fwd_chain<float, 64, 16, false, true, false, 1>"
+    assert kernel_name("bwd_grads", "float", 64, 16, key=True, out="raw") == \
+        "ttt_linear_bwd_grads<float, 64, 16, false, true>"
+    assert kernel_name("bwd_local", "float", 64, 16, key=True) == \
+        "ttt_linear_bwd_local<float, 64, 16, false>"
+    assert pass_names("bwd", "__half", 32, 16, True, key=True)["bwd_chain_fused"] == \
+        "ttt_linear_bwd_chain_fused<__half, 32, 16, true, true>"
+    assert program_names("fwd", "__half", 16, 16, False, "norm_residual") == \
+        program_names("fwd", "__half", 16, 16)
+    with pytest.raises(ValueError, match="output"):
+        kernel_name("fwd_out", "float", 32, 16, out="residual")
+
+
 def test_name_expressions_and_smem_formula():
     """No NVRTC needed: names and the shared-memory budget the launcher relies on."""
     from ttt_cupy.compile import KERNELS, PASSES, d_pad, kernel_name

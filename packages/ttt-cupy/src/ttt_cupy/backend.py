@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
+from ttt.problem import OUTPUTS
 from ttt.registry import import_failure_reason
 
 MAX_HEAD_DIM = 128
@@ -43,6 +44,8 @@ class CupyBackend(Backend):
         varlen_backward=True,
         backward=True,
         deterministic=True,
+        eta_key=True,
+        outputs=frozenset(OUTPUTS),
         notes=(
             "CUDA C++ compiled at run time by CuPy (NVRTC); fp32 state and SIMT arithmetic; "
             "half inputs: tf32 tensor-core dots in every kernel (TTT_CUPY_MMA=0: SIMT)",
@@ -60,6 +63,10 @@ class CupyBackend(Backend):
             "compile-checked for sm_80 / sm_90 in CI; conformance suite passed on an H200 "
             "with the tensor-core, the SIMT (TTT_CUPY_MMA=0) and the forced fused forward "
             "kernels",
+            "eta_key and the output forms: template variants of the kernels they change "
+            "(KEY, OUT), compiled on the first call that needs them; the backward computes "
+            "only the gradients asked for where the kernels allow (no bwd_grads without dk, "
+            "dv, dw, db; no backward chain for dq alone)",
         ),
     )
 
@@ -113,6 +120,6 @@ class CupyBackend(Backend):
                  needs: GradNeeds) -> Gradients:
         from .launcher import saved_of, ttt_linear_bwd
 
-        # every gradient computed; the core keeps only those autograd asked for (needs)
+        # only what ``needs`` asks for (None elsewhere), bitwise as in the full backward
         return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt,
-                                         device=self.launch_device(problem)))
+                                         needs=needs, device=self.launch_device(problem)))

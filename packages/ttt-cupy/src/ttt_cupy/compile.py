@@ -1,11 +1,14 @@
 """Lazy compilation of the CUDA C++ kernels in ``csrc/`` (CuPy RawModule, NVRTC).
 
-Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch) builds
-one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
+Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
+builds one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
 fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
-for the process. For half inputs every kernel is its tensor-core (tf32 mma.sync) instance
-unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float inputs
-always run SIMT fp32.
+for the process. The *variant* (``eta_key`` given, the output form) picks the instances of the
+kernels it changes (template parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the
+default variant (no eta_key, ``norm_residual``) names exactly the instances it always had, and
+the others are compiled only when a call needs them. For half inputs every kernel is its
+tensor-core (tf32 mma.sync) instance unless :class:`ttt_cupy.config.CupyConfig` turns them off
+(:func:`use_mma`); float inputs always run SIMT fp32.
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
 """
@@ -55,6 +58,18 @@ FUSED_BWD_MAX_D_PAD = 64
 MMA_MIN_ARCH = 80
 """mma.sync with tf32 operands needs sm_80 or newer."""
 
+OUT_FORMS = {"norm_residual": 0, "query_residual": 1, "raw": 2}
+"""Output form -> the kernels' ``OUT`` template argument (csrc/types.cuh: kOutNorm, kOutQuery,
+kOutRaw)."""
+
+VARIANT_KERNELS = {"fwd_chain": ("KEY", "OUT"), "fwd_out": ("OUT",), "bwd_local": ("OUT",),
+                   "bwd_chain": ("KEY",), "bwd_grads": ("KEY",)}
+"""The variant's template parameters of each kernel, after ``MMA`` (and fwd_chain's ``FUSE``):
+the chains and bwd_grads take ``KEY`` (eta_key: g's rows scaled, its LayerNorm r saved apart,
+deta_key), the kernels that write the outputs or take their cotangent ``OUT``. fwd_out and
+bwd_local need no ``KEY``: they read g's factor l r from the saved r. fwd_chain's unfused
+instance writes no output (``OUT`` default)."""
+
 D_PADS = (16, 32, 64, 128)
 BLOCK_TS = (16, 32, 64)
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -97,40 +112,70 @@ def _check_fused(kernel: str, fused: bool) -> None:
         raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
 
 
+def _check_variant(key: bool, out: str) -> None:
+    if out not in OUT_FORMS:
+        raise ValueError(f"output: expected one of {tuple(OUT_FORMS)}, got {out!r}")
+    if not isinstance(key, bool):
+        raise TypeError(f"key: expected a bool, got {key!r}")
+
+
+def _cpp(x: bool | int) -> str:
+    return ("true" if x else "false") if isinstance(x, bool) else str(x)
+
+
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
-                fused: bool = False) -> str:
+                fused: bool = False, key: bool = False, out: str = "norm_residual") -> str:
     """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``;
-    ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance."""
+    ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance; ``key``
+    (eta_key) and ``out`` (the output form): the variant, spelled only where the kernel has
+    the parameter (:data:`VARIANT_KERNELS`; fwd_chain's ``OUT`` only in its FUSE instance)
+    and the trailing defaults left out, so that the default variant keeps its names."""
     _check_kernel(kernel)
     _check_fused(kernel, fused)
+    _check_variant(key, out)
     if mma is None:
         mma = ctype != "float"
     if mma and ctype == "float":
         raise ValueError("float inputs have no MMA instance (float32-exact arithmetic)")
-    return (f"ttt_linear_{kernel}<{ctype}, {dp}, {bt}, {'true' if mma else 'false'}"
-            + (", true>" if fused else ">"))
+    values = {"KEY": key, "OUT": OUT_FORMS[out] if fused or kernel != FUSED_KERNEL else 0}
+    extra = ([fused] if kernel == FUSED_KERNEL else []) + [values[p]
+                                                            for p in VARIANT_KERNELS[kernel]]
+    while extra and not extra[-1]:          # (False, 0: the templates' defaults)
+        extra.pop()
+    targs = [ctype, str(dp), str(bt), _cpp(mma)] + [_cpp(x) for x in extra]
+    return f"ttt_linear_{kernel}<{', '.join(targs)}>"
 
 
-def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool) -> dict[str, str]:
-    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`); the
-    forward also holds :data:`FUSED_NAME`, the chain that writes the outputs."""
+def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
+               out: str = "norm_residual") -> dict[str, str]:
+    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`; ``key``,
+    ``out``: the variant, see :func:`kernel_name`); the forward also holds
+    :data:`FUSED_NAME`, the chain that writes the outputs."""
     _check_pass(pass_)
     mma = mma and ctype != "float"
-    names = {k: kernel_name(k, ctype, dp, bt, mma) for k in PASSES[pass_]}
+    v = dict(key=key, out=out)
+    names = {k: kernel_name(k, ctype, dp, bt, mma, **v) for k in PASSES[pass_]}
     if FUSED_KERNEL in PASSES[pass_]:
-        names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True)
+        names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True, **v)
     if pass_ == "bwd" and mma and dp <= FUSED_BWD_MAX_D_PAD:
-        names[FUSED_BWD_NAME] = f"ttt_linear_bwd_chain_fused<{ctype}, {dp}, {bt}, true>"
+        names[FUSED_BWD_NAME] = (f"ttt_linear_bwd_chain_fused<{ctype}, {dp}, {bt}, true"
+                                 + (", true>" if key else ">"))
     return names
 
 
-def program_names(pass_: str, ctype: str, dp: int, bt: int) -> list[str]:
-    """Every name expression the backend may launch from one (pass, type, D_PAD, BT) program:
-    the pass's kernels (and the fused forward chain), plus their SIMT instances for half
-    types."""
-    names = list(pass_names(pass_, ctype, dp, bt, ctype != "float").values())
+def variants() -> list[tuple[bool, str]]:
+    """Every (key, out) variant, the default first."""
+    return [(key, out) for key in (False, True) for out in OUT_FORMS]
+
+
+def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
+                  out: str = "norm_residual") -> list[str]:
+    """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant)
+    program: the pass's kernels (and the fused forward chain), plus their SIMT instances for
+    half types."""
+    names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
     if ctype != "float":
-        names += list(pass_names(pass_, ctype, dp, bt, False).values())
+        names += list(pass_names(pass_, ctype, dp, bt, False, key, out).values())
     return names
 
 
@@ -198,13 +243,14 @@ def include_options() -> tuple[str, ...]:
 
 
 @functools.cache
-def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool) -> Any:
-    """One RawModule per (pass, C++ type, D_PAD, BT, arch, mma), compiled now. ``arch`` (the
-    device's compute capability, e.g. "90") is part of the key: CuPy compiles for the current
-    device."""
+def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
+            out: str = "norm_residual") -> Any:
+    """One RawModule per (pass, C++ type, D_PAD, BT, arch, mma, variant), compiled now.
+    ``arch`` (the device's compute capability, e.g. "90") is part of the key: CuPy compiles for
+    the current device."""
     import cupy
 
-    names = list(pass_names(pass_, ctype, dp, bt, mma).values())
+    names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
     module = cupy.RawModule(code=source(pass_), options=NVRTC_OPTIONS + include_options(),
                             name_expressions=names)
     try:
@@ -225,11 +271,12 @@ def device_arch(device_index: int) -> str:
 
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int,
-                mma: bool) -> Mapping[str, Any]:
+                mma: bool, key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
     dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if ``mma`` (see
-    :func:`use_mma`); compiled on first use, then the same read-only table and kernel objects
-    at every call (CuPy's ``get_function`` builds a new RawKernel each time it is asked)."""
+    :func:`use_mma`), of the variant ``key`` (eta_key) and ``out`` (the output form); compiled
+    on first use, then the same read-only table and kernel objects at every call (CuPy's
+    ``get_function`` builds a new RawKernel each time it is asked)."""
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -237,17 +284,18 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
         raise ValueError(f"D_PAD: expected one of {D_PADS}, got {dp}")
     if bt not in BLOCK_TS:
         raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
+    _check_variant(key, out)
     ctype = CTYPES[dtype_name]
     return _kernel_table(pass_, ctype, dp, bt, device_index, device_arch(device_index),
-                         mma and ctype != "float")
+                         mma and ctype != "float", key, out)
 
 
 @functools.cache
 def _kernel_table(pass_: str, ctype: str, dp: int, bt: int, device_index: int, arch: str,
-                  mma: bool) -> Mapping[str, Any]:
+                  mma: bool, key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = _module(pass_, ctype, dp, bt, arch, mma)
-        return MappingProxyType({k: module.get_function(name)
-                                 for k, name in pass_names(pass_, ctype, dp, bt, mma).items()})
+        module = _module(pass_, ctype, dp, bt, arch, mma, key, out)
+        names = pass_names(pass_, ctype, dp, bt, mma, key, out)
+        return MappingProxyType({k: module.get_function(name) for k, name in names.items()})

@@ -94,9 +94,10 @@ class CudaDevice:
         """Whether this device runs the tensor-core instances for ``dtype_name``."""
         return use_mma(CTYPES[dtype_name], device_arch(self.index), requested)
 
-    def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int,
-                mma: bool) -> Mapping[str, Any]:
-        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma)
+    def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
+                key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
+        """The pass's kernel table (``key``, ``out``: the variant, compile.kernel_name)."""
+        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out)
 
     def active(self):
         """A context holding this device current in CuPy (a kernel belongs to its context)."""

@@ -5,7 +5,12 @@ torch's current stream (raw ``data_ptr()`` addresses, zero copy), in the schedul
 Forward: fwd_chain (per (sequence, head): the state chain, the checkpoint slots, xhat and r),
 then fwd_out (per (group, head): the outputs); or fwd_chain's fused instance alone. Backward:
 bwd_local (per group), bwd_chain (per sequence, reverse), bwd_grads (per group, reverse); or
-the fused backward chain instead of the last two.
+the fused backward chain instead of the last two. ``eta_key`` and the output form pick the
+kernels' variant (:func:`ttt_cupy.compile.kernel_name`), compiled when first needed. The
+backward computes only what ``needs`` asks for where the kernels allow: no bwd_grads without
+dk, dv, dw, db; no backward chain when only dq is needed; no dw, db reductions, dh0 / dhb0 or
+deta_key buffers that nobody asked for. Every tensor returned is a new one (no input, no view
+of another result).
 
 ``device`` (default: the inputs' :class:`~ttt_cupy.device.CudaDevice`) is the one seam to
 the GPU: tests pass a stand-in that records the launches or runs them in the CPU emulation.
@@ -13,9 +18,11 @@ the GPU: tests pass a stand-in that records the launches or runs them in the CPU
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from ttt import Problem
+from ttt import GradNeeds, Problem
 from ttt.chunking import ChunkGroups
 
 from . import layout
@@ -45,6 +52,17 @@ def saved_of(p: Problem, tensors: list[torch.Tensor]) -> Saved:
     return Saved.of(p, tensors, CKPT_INTERVAL)
 
 
+def _variant(p: Problem) -> dict:
+    """The kernels' variant of ``p`` as keyword arguments of ``device.kernels`` (none for the
+    default: eta_key None, norm_residual)."""
+    v = {}
+    if p.eta_key is not None:
+        v["key"] = True
+    if p.output != "norm_residual":
+        v["out"] = p.output
+    return v
+
+
 def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = AUTO,
                    device=None):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
@@ -62,17 +80,19 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     ck = torch.empty(grp.slots, H, D, D, **f) if save else None
     ckb = torch.empty(grp.slots, H, D, **f) if save else None
     xbuf = torch.empty(p.q.shape, **f) if save else None    # xhat
-    rbuf = torch.empty(B, T, H, **f) if save else None      # r
-    eta, w, b = f32(p.eta), f32(p.w), f32(p.b)
+    rbuf = torch.empty(B, T, H, **f) if save else None      # r (with eta_key: l r)
+    key = p.eta_key is not None
+    rlbuf = torch.empty(B, T, H, **f) if save and key else None   # the LayerNorm's r
+    eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
     h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
     mma = device.uses_mma(dtype_name, config().mma)
-    kern = device.kernels("fwd", dtype_name, dp, bt, mma)
+    kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
     o = torch.empty_like(p.q)
     ptr = device.pointer
     chain = Kernel(kern[FUSED_NAME if plan.fuse else "fwd_chain"],
                    threads(dp, "fwd_chain", mma), smem_bytes("fwd_chain", dp, bt, mma, plan.fuse),
                    layout.fwd_chain_args(ptr, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf,
-                                         rbuf, o))
+                                         rbuf, o, ekey, rlbuf))
     out = Kernel(kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma),
                  layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o))
     here = device.current_stream()
@@ -94,14 +114,17 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
                 out.launch(device, group_blocks(grp, N, seg) * H, seg, PLAIN_GROUP,
                            fork.group(i))
             fork.join()
-    saved = Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b)) if save_for_backward else None
+    saved = (Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b), rlbuf, ekey) if save_for_backward
+             else None)
     return o, ht, hbt, saved
 
 
-def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, schedule: Schedule = AUTO,
-                   device=None):
-    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0); dw/db [H, D] fp32, deta [B, T, H, 1]
-    fp32, dh0/dhb0 None without initial states."""
+def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds | None = None,
+                   schedule: Schedule = AUTO, device=None):
+    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the field order of
+    ttt.Gradients); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32; None for those
+    that ``needs`` (default: all) does not ask for, dh0/dhb0 without initial states, deta_key
+    without eta_key. The gradients computed are bitwise those of the full backward."""
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
                            "with needs_backward=True")
@@ -109,13 +132,23 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, schedule: Schedul
     device = device or cuda_device(p.q.device)
     H, N, bt, dp = p.H, p.N, p.chunk_size, d_pad(p.D)
     grp = saved.groups
-    want_dh0 = p.initial_state is not None or p.initial_state_bias is not None
+    needs = needs or GradNeeds()
+    want = dict(
+        dh0=needs.initial_state and p.initial_state is not None,
+        dhb0=needs.initial_state_bias and p.initial_state_bias is not None,
+        deta=needs.eta and p.eta_is_tensor, dkey=needs.eta_key and p.eta_key is not None,
+        dk=needs.k, dv=needs.v, dw=needs.w, db=needs.b)
+    want_dh0 = want["dh0"] or want["dhb0"]
+    run_grads = needs.k or needs.v or needs.w or needs.b          # bwd_grads' outputs
+    run_chain = run_grads or want_dh0 or want["deta"] or want["dkey"]
     do, dht, dhbt = do.contiguous(), f32(dht), f32(dhbt)
     mma = device.uses_mma(dtype_name, config().mma)
-    kern = device.kernels("bwd", dtype_name, dp, bt, mma)
-    g = BackwardBuffers.of(p, saved, want_dh0)
+    kern = device.kernels("bwd", dtype_name, dp, bt, mma, **_variant(p))
+    g = BackwardBuffers.of(p, saved, want_dh0, run_grads, want["dkey"])
     split = grads_split(dp, bt)
     plan = backward_plan(p, grp.groups_max, split, mma, device.smem_limit, schedule)
+    if not run_grads:  # the unfused chain alone after bwd_local, or bwd_local alone
+        plan = replace(plan, fuse=False, overlap=False, segments=[WHOLE])
     ptr, nt = device.pointer, threads(dp)
     local = Kernel(kern["bwd_local"], nt, smem_bytes("bwd_local", dp, bt, mma),
                    layout.bwd_local_args(ptr, p, saved, g, do))
@@ -133,7 +166,11 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, schedule: Schedul
 
     here = device.current_stream()
     with device.active():
-        if plan.overlap:  # bwd_local, then bwd_chain and bwd_grads at once
+        if not run_grads:
+            local.launch(device, local_blocks(WHOLE), WHOLE, (), here)
+            if run_chain:
+                chain.launch(device, N * H, WHOLE, chain_tail, here)
+        elif plan.overlap:  # bwd_local, then bwd_chain and bwd_grads at once
             local.launch(device, local_blocks(WHOLE), WHOLE, (), here)
             tickets = N * H * grp.groups_max * split
             sync = overlap_sync(N * H, tickets, p.q.device)
@@ -161,6 +198,12 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, schedule: Schedul
                     grads.launch(device, local_blocks(seg) * split, seg, PLAIN_GROUP,
                                  fork.group(i))
             fork.join()
-    dw = g.dwbp[0].sum((0, 1))                  # [H, D]: each its own tensor (the custom
-    db = g.dwbp[1].sum((0, 1))                  # op refuses returns that share storage)
-    return g.dq, g.dk, g.dv, dw, db, g.deta, g.dh0, g.dhb0
+    # [H, D]: each its own tensor (the custom op refuses returns that share storage), and
+    # not reduced where not needed
+    dw = g.dwbp[0].sum((0, 1)) if want["dw"] else None
+    db = g.dwbp[1].sum((0, 1)) if want["db"] else None
+    kept = {name: t if want[name] else None
+            for name, t in (("dk", g.dk), ("dv", g.dv), ("deta", g.deta), ("dh0", g.dh0),
+                            ("dhb0", g.dhb0), ("dkey", g.dkey))}
+    return (g.dq if needs.q else None, kept["dk"], kept["dv"], dw, db, kept["deta"],
+            kept["dh0"], kept["dhb0"], kept["dkey"])

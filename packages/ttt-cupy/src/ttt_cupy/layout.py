@@ -51,52 +51,64 @@ def f32(t: torch.Tensor | None) -> torch.Tensor | None:
 @dataclass
 class Saved:
     """What the forward keeps for the backward: the fp32 state slots, the LayerNorm's xhat and
-    r of every row (fwd_chain) and the grouping."""
+    g's factor r of every row (fwd_chain; with eta_key l r, and the LayerNorm's r in rlbuf)
+    and the grouping."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
     xbuf: torch.Tensor        # [B, T, H, D] fp32 xhat
-    rbuf: torch.Tensor        # [B, T, H] fp32 r
+    rbuf: torch.Tensor        # [B, T, H] fp32 r (with eta_key: l r)
     groups: ChunkGroups
     f32: tuple                # eta, w, b as the kernels read them (fp32, contiguous)
+    rlbuf: torch.Tensor | None = None   # [B, T, H] fp32 the LayerNorm's r (eta_key only)
+    ekey: torch.Tensor | None = None    # eta_key as the kernels read it (fp32), or None
 
     def tensors(self, p: Problem) -> list[torch.Tensor]:
         """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
-        (a packed batch's group offsets and group -> sequence map, and the fp32 casts of
-        eta, w, b that are not the inputs themselves: nothing is copied or cast again)."""
+        (rlbuf with eta_key, a packed batch's group offsets and group -> sequence map, and the
+        fp32 casts of eta, w, b (and eta_key) that are not the inputs themselves: nothing is
+        copied or cast again)."""
         grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
-        casts = [t for name, t in zip(_CAST, self.f32) if name in _cast_names(p)]
-        return [self.ck, self.ckb, self.xbuf, self.rbuf, *grouping, *casts]
+        values = dict(zip(_CAST, (*self.f32, self.ekey)))
+        casts = [values[name] for name in _cast_names(p)]
+        key = [] if self.rlbuf is None else [self.rlbuf]
+        return [self.ck, self.ckb, self.xbuf, self.rbuf, *key, *grouping, *casts]
 
     @classmethod
     def of(cls, p: Problem, tensors: list[torch.Tensor], ckpt_interval: int) -> Saved:
         """Back from :meth:`tensors`; the grouping's counts derived from ``p``."""
         ck, ckb, xbuf, rbuf, *rest = tensors
+        rlbuf = None
+        if p.eta_key is not None:
+            rlbuf, *rest = rest
         grouping, casts = (rest[:2], rest[2:]) if p.is_varlen else ([], rest)
         groups = ChunkGroups.of(p, ckpt_interval, tuple(grouping) or None)
         cast = dict(zip(_cast_names(p), casts))
         return cls(ck, ckb, xbuf, rbuf, groups,
-                   tuple(cast.get(name, getattr(p, name)) for name in _CAST))
+                   tuple(cast.get(name, getattr(p, name)) for name in _CAST[:3]), rlbuf,
+                   cast.get("eta_key", p.eta_key))
 
 
-_CAST = ("eta", "w", "b")
-"""The inputs the kernels read in fp32 (:attr:`Saved.f32`)."""
+_CAST = ("eta", "w", "b", "eta_key")
+"""The inputs the kernels read in fp32 (:attr:`Saved.f32`, :attr:`Saved.ekey`)."""
 
 
 def _cast_names(p: Problem) -> list[str]:
     """Those of :data:`_CAST` that :func:`f32` casts into new tensors (Problem tensors are
     contiguous: the fp32 ones go to the kernels as they are)."""
-    return [name for name in _CAST if getattr(p, name).dtype != torch.float32]
+    return [name for name in _CAST
+            if getattr(p, name) is not None and getattr(p, name).dtype != torch.float32]
 
 
 def saved_shapes(p: Problem, ckpt_interval: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
     count = group_offsets(p, ckpt_interval)[-1]
     B, T, H, D = p.q.shape
+    key = [((B, T, H), torch.float32)] if p.eta_key is not None else []
     grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
     casts = [(tuple(getattr(p, name).shape), torch.float32) for name in _cast_names(p)]
     return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),
-            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *grouping, *casts]
+            ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *key, *grouping, *casts]
 
 
 def _shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
@@ -106,10 +118,10 @@ def _shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
 
 
 def fwd_chain_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                   xbuf, rbuf, o) -> tuple:
+                   xbuf, rbuf, o, ekey=None, rlbuf=None) -> tuple:
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(h0), ptr(hb0), ptr(ht),
-            ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens),
-            ptr(grp.offsets), *_shape_args(p, grp))
+            ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(ekey), ptr(rlbuf),
+            ptr(p.cu_seqlens), ptr(grp.offsets), *_shape_args(p, grp))
 
 
 def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
@@ -121,22 +133,27 @@ def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rb
 
 @dataclass
 class BackwardBuffers:
-    """The backward's outputs and work buffers (fp32 but dq, dk, dv)."""
+    """The backward's outputs and work buffers (fp32 but dq, dk, dv). None: not computed
+    (dk, dv without bwd_grads' work; dh0, dhb0 without an initial state that needs them;
+    dkey without eta_key or its need)."""
 
     dopbuf: torch.Tensor     # [B, T, H, D] do_pre
     dgbuf: torch.Tensor      # [B, T, H, D] dg_loc, then the full dg
     dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
     deta: torch.Tensor       # [B, T, H, 1]
     dwbp: torch.Tensor       # [2, 2, groups, H, D]: dw, db partials of bwd_local, bwd_grads
     dh0: torch.Tensor | None  # [N, H, D, D]
     dhb0: torch.Tensor | None  # [N, H, 1, D]
     dck: torch.Tensor        # the slots' cotangents (bwd_chain -> bwd_grads)
     dckb: torch.Tensor       # (of hb: a segment's start, bwd_chain only)
+    dkey: torch.Tensor | None = None  # [B, T, H, 1] deta_key
 
     @classmethod
-    def of(cls, p: Problem, saved: Saved, want_dh0: bool) -> BackwardBuffers:
+    def of(cls, p: Problem, saved: Saved, want_dh0: bool, grads: bool = True,
+           want_dkey: bool = False) -> BackwardBuffers:
+        """``grads``: bwd_grads' work runs (dk, dv allocated)."""
         q = p.q
         B, T, H, D = q.shape
         f = dict(dtype=torch.float32, device=q.device)
@@ -147,8 +164,9 @@ class BackwardBuffers:
         dh0 = torch.empty(p.N, H, D, D, **f) if want_dh0 else None
         dhb0 = torch.empty(p.N, H, 1, D, **f) if want_dh0 else None
         dck, dckb = torch.empty_like(saved.ck), torch.empty_like(saved.ckb)
-        dk, dv = torch.empty_like(q), torch.empty_like(q)
-        return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb)
+        dk, dv = (torch.empty_like(q), torch.empty_like(q)) if grads else (None, None)
+        dkey = torch.empty(B, T, H, 1, **f) if want_dkey else None
+        return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb, dkey)
 
 
 def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do) -> tuple:
@@ -168,7 +186,8 @@ def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
     fused_args = (ptr(s.ck), ptr(g.dk), ptr(g.dv), ptr(dwp[1]), ptr(dbp[1])) if fused else ()
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.xbuf), ptr(s.rbuf),
             ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.deta), ptr(dht), ptr(dhbt), ptr(g.dck),
-            ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), *fused_args, ptr(p.cu_seqlens),
+            ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), ptr(s.rlbuf), ptr(g.dkey), *fused_args,
+            ptr(p.cu_seqlens),
             ptr(s.groups.offsets), *_shape_args(p, s.groups, eps=False))
 
 
@@ -177,5 +196,5 @@ def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers) -> tuple:
     dwp, dbp = g.dwbp[0], g.dwbp[1]
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.ck), ptr(g.dck),
             ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dk), ptr(g.dv),
-            ptr(dwp[1]), ptr(dbp[1]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
+            ptr(dwp[1]), ptr(dbp[1]), ptr(s.rlbuf), ptr(p.cu_seqlens), ptr(s.groups.offsets),
             ptr(s.groups.seq), *_shape_args(p, s.groups, eps=False))

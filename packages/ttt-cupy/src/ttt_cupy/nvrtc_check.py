@@ -27,6 +27,7 @@ from .compile import (
     CTYPES,
     D_PADS,
     NVRTC_OPTIONS,
+    OUT_FORMS,
     PASSES,
     cuda_include_dir,
     include_options,
@@ -161,8 +162,8 @@ SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csr
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
-    code, pass_, ct, dp, bt, arch, options, ptxas_verbose, cubin = task
-    names = program_names(pass_, ct, dp, bt)
+    code, pass_, ct, dp, bt, arch, options, ptxas_verbose, cubin, variant = task
+    names = program_names(pass_, ct, dp, bt, *variant)
     return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose,
                                                  cubin)
 
@@ -178,10 +179,12 @@ def instances(passes=None, dtypes=None, d_pads=None,
 
 
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
-        out=sys.stdout, ptx_only=(), only: dict | None = None) -> dict[str, int]:
+        out=sys.stdout, ptx_only=(), only: dict | None = None,
+        variant: tuple[bool, str] = (False, "norm_residual")) -> dict[str, int]:
     """Compile everything (to PTX only for the archs in ``ptx_only``), or the programs that
-    :func:`instances` selects with the keywords in ``only``; returns {arch: kernel instances
-    compiled}. Raises CheckError."""
+    :func:`instances` selects with the keywords in ``only``, of one variant (eta_key given,
+    the output form: :func:`ttt_cupy.compile.kernel_name`; default: the default variant);
+    returns {arch: kernel instances compiled}. Raises CheckError."""
     nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
@@ -194,8 +197,8 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     for arch in archs:
         start = time.perf_counter()
         cubin = arch not in ptx_only
-        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose, cubin)
-                 for pass_, ct, dp, bt in instances(**(only or {}))]
+        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose, cubin,
+                  tuple(variant)) for pass_, ct, dp, bt in instances(**(only or {}))]
         if jobs > 1:
             # processes: the bindings hold the GIL while NVRTC compiles
             with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only this padded head dim (repeatable; default: all)")
     parser.add_argument("--chunk", action="append", dest="block_ts", type=int, choices=BLOCK_TS,
                         help="only this chunk size BT (repeatable; default: all)")
+    parser.add_argument("--eta-key", action="store_true",
+                        help="the eta_key variant's instances (KEY)")
+    parser.add_argument("--output", default="norm_residual", choices=list(OUT_FORMS),
+                        help="the output form's instances (OUT; default: norm_residual)")
     args = parser.parse_args(argv)
     archs = tuple(args.archs or DEFAULT_ARCHS)
     if set(args.ptx_only) - set(archs):
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         only = dict(passes=args.passes, dtypes=args.dtypes, d_pads=args.d_pads,
                     block_ts=args.block_ts)
         counts = run(archs, args.jobs, args.ptxas_verbose, ptx_only=tuple(args.ptx_only),
-                     only=only)
+                     only=only, variant=(args.eta_key, args.output))
     except CheckError as err:
         print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
         return 1

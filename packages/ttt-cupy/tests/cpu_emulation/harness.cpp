@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
@@ -300,12 +301,35 @@ using ci64 = const long long*;
 #define INSTANCES(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32) \
     X(128, 16) X(128, 32) X(128, 64)
 
-#define ENTRY(NAME, BYTES, PARAMS, ARGS)                                                     \
+// The variant the entry points run (emu_set_variant: eta_key given, the output form OUT), as
+// the kernels' KEY and OUT template arguments (each kernel takes those it has; the others are
+// ignored): every (D_PAD, BT) has every variant.
+static int g_key = 0, g_out = 0;
+extern "C" void emu_set_variant(int key, int out) { g_key = key, g_out = out; }
+template <bool V> using Key = std::integral_constant<bool, V>;
+template <int V> using Out = std::integral_constant<int, V>;
+template <typename F>
+static void with_variant(F&& f) {
+    auto outs = [&](auto key) {
+        if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
+        if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
+        return f(key, Out<ttt::kOutNorm>{});
+    };
+    if (g_key) return outs(Key<true>{});
+    return outs(Key<false>{});
+}
+
+#define ENTRY(NAME, BYTES, PARAMS, ARGS, VARGS)                                              \
     template <int DP, int BT>                                                                \
     static void NAME##_t(i64 grid, PARAMS) {                                                 \
         using Tr = ttt::Traits<DP, BT>;                                                      \
         static_assert(Tr::BYTES <= sizeof(smem), "the emulated shared memory is too small"); \
-        launch(grid, Tr::kThreads, [&] { ttt_linear_##NAME<float, DP, BT>(ARGS, Tr::BYTES); }); \
+        with_variant([&](auto key, auto out) {                                       \
+            constexpr bool KEY = decltype(key)::value;                                       \
+            constexpr int OUT = decltype(out)::value;                                        \
+            launch(grid, Tr::kThreads,                                                       \
+                   [&] { ttt_linear_##NAME<float, DP, BT, false VARGS>(ARGS, Tr::BYTES); }); \
+        });                                                                                  \
     }                                                                                        \
     extern "C" int emu_##NAME(int dp, int bt, i64 grid, PARAMS) {                            \
         INSTANCES(DISPATCH_ONE_##NAME)                                                       \
@@ -315,13 +339,14 @@ using ci64 = const long long*;
 #define P_(...) __VA_ARGS__
 
 #define FWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, \
-    float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, ci64 cu, ci64 go, \
-    float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, int* sync
-#define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, cu, go, \
-    scale, eps, T, H, D, G, g_lo, g_hi, sync
+    float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, cf ekey, float* rlbuf, \
+    ci64 cu, ci64 go, float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
+    int* sync
+#define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf, \
+    cu, go, scale, eps, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
-ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
+ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS), P_(, false, KEY))
 
 #define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
     float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
@@ -330,7 +355,7 @@ ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS))
     G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_fwd_out(DP, BT) \
     if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
-ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
+ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS), P_(, OUT))
 
 #define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
     cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
@@ -340,27 +365,27 @@ ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS))
     dwp, dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_local(DP, BT) \
     if (dp == DP && bt == BT) return bwd_local_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
-ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS))
+ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS), P_(, OUT))
 
 #define BWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf xbuf, cf rbuf, cf dopbuf, \
     float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dckb, float* dh0, \
-    float* dhb0, ci64 cu, ci64 go, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
-    int* sync
+    float* dhb0, cf rlbuf, float* dkey, ci64 cu, ci64 go, float scale, i64 T, int H, int D, \
+    int G, i64 g_lo, i64 g_hi, int* sync
 #define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, \
-    dh0, dhb0, cu, go, scale, T, H, D, G, g_lo, g_hi, sync
+    dh0, dhb0, rlbuf, dkey, cu, go, scale, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_bwd_chain(DP, BT) \
     if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
-ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS))
+ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, KEY))
 
 #define BWD_GRADS_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf dck, cf xbuf, cf rbuf, \
-    cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, ci64 cu, ci64 go, \
-    const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, int* sync, \
-    int mode, i64 n_chains, int wait_spins
+    cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, cf rlbuf, ci64 cu, \
+    ci64 go, const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
+    int* sync, int mode, i64 n_chains, int wait_spins
 #define BWD_GRADS_ARGS q, k, v, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dk, dv, dwp, dbp, \
-    cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains, wait_spins
+    rlbuf, cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_bwd_grads(DP, BT) \
     if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
-ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS))
+ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS), P_(, KEY))
 
 // The chain kernels' tensor-core instances (T = the fake __half: a float in a struct, so the
 // float inputs are read as they are; MMA = true). emu_set_tf32_round(1) rounds the mma
@@ -376,11 +401,14 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     auto oh = reinterpret_cast<__half*>(o);
     constexpr unsigned long long bytes = FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16 columns
-        ttt_linear_fwd_chain<__half, DP, BT, true, FUSE>(qh, kh, vh, eta, w, b, h0, hb0, ht, hbt,
-                                                         ck, ckb, xbuf, rbuf, oh, cu, go, scale,
-                                                         eps, T, H, D, G, g_lo, g_hi, sync,
-                                                         bytes);
+    with_variant([&](auto key, auto out) {
+        constexpr bool KEY = decltype(key)::value;
+        constexpr int OUT = FUSE ? decltype(out)::value : ttt::kOutNorm;
+        launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16
+            ttt_linear_fwd_chain<__half, DP, BT, true, FUSE, KEY, OUT>(   // columns
+                qh, kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, oh, ekey, rlbuf, cu,
+                go, scale, eps, T, H, D, G, g_lo, g_hi, sync, bytes);
+        });
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \
@@ -397,8 +425,13 @@ static void fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     static_assert(Tr::kFwdChainFusedBytes <= sizeof(smem),
                   "the emulated shared memory is too small");
-    launch(grid, Tr::kThreads, [&] {
-        ttt_linear_fwd_chain<float, DP, BT, false, true>(FWD_CHAIN_ARGS, Tr::kFwdChainFusedBytes);
+    with_variant([&](auto key, auto out) {
+        constexpr bool KEY = decltype(key)::value;
+        constexpr int OUT = decltype(out)::value;
+        launch(grid, Tr::kThreads, [&] {
+            ttt_linear_fwd_chain<float, DP, BT, false, true, KEY, OUT>(FWD_CHAIN_ARGS,
+                                                                       Tr::kFwdChainFusedBytes);
+        });
     });
 }
 #define DISPATCH_FUSED_fwd_chain(DP, BT) \
@@ -420,11 +453,14 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
-    launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
-        ttt_linear_bwd_chain<__half, DP, BT, true>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
-                                                   dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                                   cu, go, scale, T, H, D, G, g_lo, g_hi,
-                                                   sync, Tr::kBwdChainTcBytes);
+    with_variant([&](auto key, auto) {
+        constexpr bool KEY = decltype(key)::value;
+        launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
+            ttt_linear_bwd_chain<__half, DP, BT, true, KEY>(
+                qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, dh0,
+                dhb0, rlbuf, dkey, cu, go, scale, T, H, D, G, g_lo, g_hi, sync,
+                Tr::kBwdChainTcBytes);
+        });
     });
 }
 #define DISPATCH_MMA_bwd_chain(DP, BT) \
@@ -446,10 +482,14 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     // the stand-in half has 4 bytes: its staged rows take more room than a real half's
     constexpr unsigned long long bytes = 4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    launch(grid, Tr::kThreads, [&] {
-        ttt_linear_fwd_out<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, ckb, xbuf, rbuf, oh,
-                                                 cu, go, gs, scale, eps, T, H, D, G, g_lo,
-                                                 g_hi, sync, mode, n_chains, wait_spins, bytes);
+    with_variant([&](auto, auto out) {
+        constexpr int OUT = decltype(out)::value;
+        launch(grid, Tr::kThreads, [&] {
+            ttt_linear_fwd_out<__half, DP, BT, true, OUT>(qh, kh, vh, eta, w, b, ck, ckb, xbuf,
+                                                          rbuf, oh, cu, go, gs, scale, eps, T, H,
+                                                          D, G, g_lo, g_hi, sync, mode, n_chains,
+                                                          wait_spins, bytes);
+        });
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \
@@ -467,11 +507,13 @@ static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     auto doh = reinterpret_cast<const __half*>(dout);
     auto dqh = reinterpret_cast<__half*>(dq);
-    launch(grid, Tr::kThreads, [&] {
-        ttt_linear_bwd_local<__half, DP, BT, true>(qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf,
-                                                   rbuf, dopbuf, dgbuf, dqh, deta, dwp, dbp, cu,
-                                                   go, gs, scale, eps, T, H, D, G, g_lo, g_hi,
-                                                   Tr::kBwdLocalTcBytes);
+    with_variant([&](auto, auto out) {
+        constexpr int OUT = decltype(out)::value;
+        launch(grid, Tr::kThreads, [&] {
+            ttt_linear_bwd_local<__half, DP, BT, true, OUT>(
+                qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dqh, deta, dwp,
+                dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi, Tr::kBwdLocalTcBytes);
+        });
     });
 }
 #define DISPATCH_MMA_bwd_local(DP, BT) \
@@ -489,11 +531,14 @@ static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    launch(grid, Tr::kThreads, [&] {
-        ttt_linear_bwd_grads<__half, DP, BT, true>(qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf,
-                                                   dopbuf, dgbuf, dkh, dvh, dwp, dbp, cu, go, gs,
-                                                   scale, T, H, D, G, g_lo, g_hi, sync, mode,
-                                                   n_chains, wait_spins, Tr::kBwdGradsBytes);
+    with_variant([&](auto key, auto) {
+        constexpr bool KEY = decltype(key)::value;
+        launch(grid, Tr::kThreads, [&] {
+            ttt_linear_bwd_grads<__half, DP, BT, true, KEY>(
+                qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dkh, dvh, dwp, dbp,
+                rlbuf, cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains,
+                wait_spins, Tr::kBwdGradsBytes);
+        });
     });
 }
 #define DISPATCH_MMA_bwd_grads(DP, BT) \
@@ -518,11 +563,14 @@ static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, 
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    launch(grid, Tr::kTcThreads, [&] {
-        ttt_linear_bwd_chain_fused<__half, DP, BT>(qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf,
-                                                   dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                                   ck, dkh, dvh, dwp, dbp, cu, go, scale, T, H,
-                                                   D, G, g_lo, g_hi, Tr::kBwdChainFusedTcBytes);
+    with_variant([&](auto key, auto) {
+        constexpr bool KEY = decltype(key)::value;
+        launch(grid, Tr::kTcThreads, [&] {
+            ttt_linear_bwd_chain_fused<__half, DP, BT, true, KEY>(
+                qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, dh0,
+                dhb0, rlbuf, dkey, ck, dkh, dvh, dwp, dbp, cu, go, scale, T, H, D, G, g_lo, g_hi,
+                Tr::kBwdChainFusedTcBytes);
+        });
     });
 }
 #define DISPATCH_FUSED_MMA_bwd_chain(DP, BT)                                                 \

@@ -1,4 +1,4 @@
-// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA>. Carries the state's
+// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA, KEY>. Carries the state's
 // cotangent back through the chunks.
 //
 // One block per (sequence, head), chunks in reverse, with dW = dL/dW' and dhb = dL/dhb' the
@@ -12,7 +12,12 @@
 //
 //   deta_last += -sum_i <u_i, g_i>,
 //
-// is added where bwd_local.cu left the rest. The cotangent of checkpoint slot s (the state
+// is added where bwd_local.cu left the rest. KEY (eta_key): g = l r (..) comes from the saved
+// r' = l r, dkh takes the LayerNorm's r (rlbuf), and the row's deta_key
+//
+//   dl = sum_i dg_i (g_i / l_i) = r sum_i dg_i (y_i - mean(y) - xh_i mean(y xh))
+//
+// goes to dkey (null: not needed). The cotangent of checkpoint slot s (the state
 // before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
 // slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
 // (the dW step); each step asks for the previous chunk's rows early (below) and reads
@@ -61,7 +66,7 @@ namespace ttt {
 
 // The MMA instance of the backward chain (see the top of this file); FUSE: the fused instance
 // (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-group dw, db partials.
-template <typename T, int D_PAD, int BT, bool FUSE = false>
+template <typename T, int D_PAD, int BT, bool FUSE = false, bool KEY = false>
 __device__ __forceinline__ void bwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
@@ -69,6 +74,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
+    const float* __restrict__ rlbuf, float* __restrict__ dkey,
     const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi, const float* __restrict__ ck = nullptr,
@@ -205,7 +211,7 @@ __device__ __forceinline__ void bwd_chain_tc(
 
         // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),
         // column n0 + 8 (c >> 1)
-        float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2];
+        float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2], rl[NR][2];
         const long long o_rows = p_base + row0 * row_stride;
         if constexpr (kStage) {  // staged by the step before (zero past L rows, D columns)
             frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);
@@ -228,6 +234,15 @@ __device__ __forceinline__ void bwd_chain_tc(
                 for (int e = 0; e < 2; ++e) {
                     const int t = 8 * i + 2 * tq + e;
                     r[i][e] = t < L ? r_rows[t * H] : 0.f;
+                }
+        }
+        if constexpr (KEY) {  // the LayerNorm's r (r: g's factor l r)
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int t = 8 * i + 2 * tq + e;
+                    rl[i][e] = t < L ? rlbuf[p_ebase + (row0 + t) * H] : 0.f;
                 }
         }
         if constexpr (FUSE) {
@@ -272,7 +287,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         // past its barrier every thread has read the stage: the previous chunk's rows go in
         if (kStage && i_c > c_lo) stage_rows(row0p, BT);
 
-        // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g
+        // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g (KEY: dg g / l,
+        // g / l = r_ln (y - ..), which is deta_key)
         float gg[NR][4], s2[NR][2][4];
 #pragma unroll
         for (int i = 0; i < NR; ++i)
@@ -290,11 +306,26 @@ __device__ __forceinline__ void bwd_chain_tc(
                     dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
                     s2[i][e][0] += dg[i][c];
                     s2[i][e][1] += dg[i][c] * xh[i][c];
-                    s2[i][e][2] += dg[i][c] * gg[i][c];
+                    if constexpr (KEY)
+                        s2[i][e][2] +=
+                            dg[i][c] * (ok ? rl[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f);
+                    else
+                        s2[i][e][2] += dg[i][c] * gg[i][c];
                     s2[i][e][3] += u[i][c] * gg[i][c];
                 }
             }
         frag_row_sums<NW, BT, 4>(s2, s_red + 4 * NW * BT);
+        if constexpr (KEY) {  // deta_key = sum(dg g / l), once a row (warp 0, g = 0)
+            if (dkey != nullptr && wid == 0 && (lane >> 2) == 0) {  // (null: not needed)
+#pragma unroll
+                for (int i = 0; i < NR; ++i)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int t = 8 * i + 2 * tq + e;
+                        if (t < L) dkey[p_ebase + (row0 + t) * H] = s2[i][e][2];
+                    }
+            }
+        }
         if constexpr (FUSE)  // (g, do_pre, eta are in: round 2's barrier)
             tri_dots_mma<D_PAD, BT, NW, false>(s_S, s_g, s_out, L, 0.f, s_e, -scale);
 
@@ -345,7 +376,8 @@ __device__ __forceinline__ void bwd_chain_tc(
                 for (int h = 0; h < 2; ++h) {
                     const int c = e + 2 * h;
                     const bool ok = col_ok[h] && t < L;
-                    u[i][c] = ok ? r[i][e] * (dxh[i][c] - c1 - xh[i][c] * c2) - dr * xh[i][c]
+                    u[i][c] = ok ? (KEY ? rl[i][e] : r[i][e]) * (dxh[i][c] - c1 - xh[i][c] * c2) -
+                                       dr * xh[i][c]
                                  : 0.f;
                     if constexpr (FUSE)
                         s_dkh[t * LD + n0 + 8 * h] = u[i][c];
@@ -443,7 +475,7 @@ __device__ __forceinline__ void bwd_chain_tc(
 }
 
 // The SIMT instance of the backward chain (MMA = false; see the top of this file).
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void bwd_chain_simt(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
@@ -451,6 +483,7 @@ __device__ __forceinline__ void bwd_chain_simt(
     const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
+    const float* __restrict__ rlbuf, float* __restrict__ dkey,
     const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
     int G, long long g_lo, long long g_hi, int* sync) {
@@ -539,7 +572,16 @@ __device__ __forceinline__ void bwd_chain_simt(
 #pragma unroll
             for (int e = 0; e < P; ++e) b_dg[e] -= e_l * b_u[e];
             const float s = row_dot(b_u, b_g);
-            inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            if constexpr (KEY) {  // g / l from the LayerNorm's r; its dot with dg: deta_key
+                const float rl = rlbuf[p_ebase + (row0 + i) * H];
+                float b_gl[P];
+                inner_grad_row(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
+                const float dl =
+                    inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
+                if (dkey != nullptr && lane == 0) dkey[p_ebase + (row0 + i) * H] = dl;
+            } else {
+                inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            }
             store_row<D_PAD>(dgbuf + o_r, b_dg, D);
             put_row<D_PAD>(s_dkh + i * LD, b_dkh);
             if (lane == 0) s_s[i] = s;
@@ -572,7 +614,8 @@ __device__ __forceinline__ void bwd_chain_simt(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          bool KEY = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -590,6 +633,8 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ dckb,          // [slots, H, D] (of hb)
                      float* __restrict__ dh0,           // [N, H, D, D] or null
                      float* __restrict__ dhb0,          // [N, H, D] or null (with dh0)
+                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
+                     float* __restrict__ dkey,          // [B, T, H] fp32 deta_key (KEY) or null
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, long long T_len, int H, int D, int G,
@@ -603,16 +648,19 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (smem_bytes < Tr::kBwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
             G < 1)
             __trap();
-        ttt::bwd_chain_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf, dgbuf,
-                                        deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
-                                        grp_offsets, scale, T_len, H, D, G, g_lo, g_hi,
-                                        nullptr, nullptr, nullptr, nullptr, nullptr, sync);
+        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf,
+                                                    dopbuf, dgbuf, deta, dht, dhbt, dck, dckb,
+                                                    dh0, dhb0, rlbuf, dkey, cu_seqlens,
+                                                    grp_offsets, scale, T_len, H, D, G, g_lo,
+                                                    g_hi, nullptr, nullptr, nullptr, nullptr,
+                                                    nullptr, sync);
     } else {
         if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
-        ttt::bwd_chain_simt<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                          dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0, cu_seqlens,
-                                          grp_offsets, scale, T_len, H, D, G, g_lo, g_hi, sync);
+        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
+                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
+                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
+                                               T_len, H, D, G, g_lo, g_hi, sync);
     }
 }
 
@@ -629,7 +677,7 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // cotangents are (a segment starts from them). Shared memory: the MMA instance's, then g, dkh,
 // do_pre (later dk - dy w) tiles, dW and W as [D_PAD, D_PAD + 1], S, eta
 // (Traits::kBwdChainFusedTcBytes).
-template <typename T, int D_PAD, int BT, bool MMA = true>
+template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
 ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, const float* __restrict__ eta,
@@ -640,6 +688,8 @@ ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
                            const float* __restrict__ dhbt, float* __restrict__ dck,
                            float* __restrict__ dckb, float* __restrict__ dh0,
                            float* __restrict__ dhb0,
+                           const float* __restrict__ rlbuf,   // [B, T, H] LayerNorm r (KEY)
+                           float* __restrict__ dkey,          // [B, T, H] deta_key (KEY)
                            const float* __restrict__ ck,      // [slots, H, D, D] state slots
                            T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
                            float* __restrict__ dwp,           // [groups, H, D] dw partials
@@ -655,8 +705,8 @@ ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
     if (smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
         G < 1)
         __trap();
-    ttt::bwd_chain_tc<T, D_PAD, BT, true>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                          dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                          cu_seqlens, grp_offsets, scale, T_len, H, D, G, g_lo,
-                                          g_hi, ck, dk, dv, dwp, dbp);
+    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
+                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
+                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
+                                               T_len, H, D, G, g_lo, g_hi, ck, dk, dv, dwp, dbp);
 }

@@ -1,9 +1,10 @@
-// Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT>. dk, dv and the inner-loss
-// part of dw, db; one block per (group of G chunks, head), walking its group in reverse (a
-// segmented launch: the groups g_lo .. g_hi - 1 of every sequence, as fwd_out.cu).
+// Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT, MMA, KEY>. dk, dv and the
+// inner-loss part of dw, db; one block per (group of G chunks, head), walking its group in
+// reverse (a segmented launch: the groups g_lo .. g_hi - 1 of every sequence, as fwd_out.cu).
 //
 // bwd_chain.cu stored every row's full dg (the cotangent of g), so dkh and dy are row-local
-// (inner_grad_bwd_row) and the rest is linear in stored tiles. Per chunk, with W the state
+// (inner_grad_bwd_row; KEY, eta_key given: g from the saved r' = l r, dkh from the LayerNorm's r,
+// rlbuf) and the rest is linear in stored tiles. Per chunk, with W the state
 // before the chunk, dW the cotangent of the state after it, e the per-row eta and eta_l the
 // eta of the chunk's last valid row (notation in ttt_common.cuh):
 //
@@ -43,7 +44,8 @@
 // product is SIMT fp32.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
                                   ttt::Traits<D_PAD, BT>::kGradsBlocks)
 ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -61,6 +63,7 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
                      float* __restrict__ dwp,           // [groups, H, D] partials of dw
                      float* __restrict__ dbp,           // [groups, H, D] partials of db
+                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      const int* __restrict__ grp_seq,            // [groups] or null (varlen)
@@ -201,7 +204,14 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
             ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
             ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
             ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
-            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            if constexpr (KEY) {  // (g / l from the LayerNorm's r: inner_grad_bwd_row)
+                const float rl = ok ? rlbuf[p_ebase + (row0 + i) * H] : 0.f;
+                float b_gl[PL];
+                ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
+                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
+            } else {
+                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            }
             ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
             ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
 #pragma unroll

@@ -1,5 +1,5 @@
-// Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT>. Everything that needs the
-// forward state but not the state's cotangent; one block per (group of G chunks, head),
+// Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT, MMA, OUT>. Everything that needs
+// the forward state but not the state's cotangent; one block per (group of G chunks, head),
 // replaying its group from its checkpoint slot (a segmented launch: the groups g_lo .. g_hi - 1
 // of every sequence, as fwd_out.cu; notation in ttt_common.cuh):
 //
@@ -10,6 +10,10 @@
 //   deta_i = -sum_j A_ij dS_ij                      (the last-row term comes in bwd_chain.cu)
 //   dg_loc = -A^T (e do_pre)
 //   dw += sum_i do oh,  db += sum_i do              (post norm-residual part)
+//
+// for the output form OUT = kOutNorm; kOutQuery (o = q / scale + LN(o_pre) w + b): do_pre
+// without the leading do, and dq += do; kOutRaw (o = o_pre): do_pre = do, no dw / db part.
+// eta_key needs no instance here: g's factor l r comes saved as r' (ttt_common.cuh).
 //
 // g is row-local in the xh and r that fwd_chain.cu saved (inner_grad_rows_saved, in the phase
 // of q k^T): no k W product, no LayerNorm statistics. The state W still walks the group (q W,
@@ -44,7 +48,7 @@
 namespace ttt {
 
 // The MMA instance of bwd_local (see the top of this file); arguments as the kernel's.
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, int OUT>
 __device__ __forceinline__ void bwd_local_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
@@ -207,7 +211,7 @@ __device__ __forceinline__ void bwd_local_tc(
 #pragma unroll
                 for (int e = 0; e < PL; ++e) b_o[e] = b_do[e] = 0.f;
             }
-            post_norm_bwd_row<LPR>(b_o, b_do, b_w, b_dw, b_db, D, eps);
+            post_norm_bwd_row<LPR, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
             if (!ok) continue;
             put_row<D_PAD, LPR>(s_do + i * LD, b_do);
             store_row<D_PAD, LPR>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
@@ -253,7 +257,10 @@ __device__ __forceinline__ void bwd_local_tc(
                         const int i = m0 + g4 + 8 * (r >> 1), d = n0 + 8 * j + 2 * t4 + (r & 1);
                         if (i < L && d < D) {
                             const long long o_x = p_base + (row0 + i) * row_stride + d;
-                            dq[o_x] = from_f32<T>(scale * acc[j][r]);
+                            if constexpr (OUT == kOutQuery)  // q is the residual: + do
+                                dq[o_x] = from_f32<T>(scale * acc[j][r] + to_f32(dout[o_x]));
+                            else
+                                dq[o_x] = from_f32<T>(scale * acc[j][r]);
                             dgbuf[o_x] = -acc2[j][r];
                         }
                     }
@@ -274,7 +281,8 @@ __device__ __forceinline__ void bwd_local_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const float* __restrict__ eta,    // [B, T, H] fp32
@@ -306,10 +314,10 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     extern __shared__ float smem[];
     if constexpr (MMA) {
-        ttt::bwd_local_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf, rbuf,
-                                        dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
-                                        grp_offsets, grp_seq, scale, eps, T_len, H, D, G, g_lo,
-                                        g_hi);
+        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf,
+                                             rbuf, dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
+                                             grp_offsets, grp_seq, scale, eps, T_len, H, D, G,
+                                             g_lo, g_hi);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -363,7 +371,7 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
             float b_o[P], b_do[P];
             ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
             ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-            ttt::post_norm_bwd_row(b_o, b_do, b_w, b_dw, b_db, D, eps);
+            ttt::post_norm_bwd_row<32, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
             ttt::put_row<D_PAD>(s_do + i * LD, b_do);
             ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
         }
@@ -396,7 +404,10 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 for (int jj = i; jj < L; ++jj)
                     acc3 += s_A[jj * LA + i] * (s_e[jj] * s_do[jj * LD + d]);
                 const long long o_x = p_base + (row0 + i) * row_stride + d;
-                dq[o_x] = ttt::from_f32<T>(scale * (acc + acc2));
+                if constexpr (OUT == ttt::kOutQuery)  // q is the residual: + do
+                    dq[o_x] = ttt::from_f32<T>(scale * (acc + acc2) + ttt::to_f32(dout[o_x]));
+                else
+                    dq[o_x] = ttt::from_f32<T>(scale * (acc + acc2));
                 dgbuf[o_x] = -acc3;
             }
         }

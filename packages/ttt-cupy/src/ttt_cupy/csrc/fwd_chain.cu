@@ -1,10 +1,14 @@
-// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE>. Carries the state
-// through the chunks (and, with FUSE, writes the outputs on the way).
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE, KEY, OUT>. Carries
+// the state through the chunks (and, with FUSE, writes the outputs on the way).
 //
 // One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
 //
-//   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g (inner-loss gradient)
+//   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g = l r (y - mean(y) - xh mean(y xh))
 //   W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
+//
+// KEY (eta_key given, ekey [B, T, H] fp32): l is the row's eta_key, rbuf takes l r (what the
+// group kernels derive g from) and rlbuf the LayerNorm's r (for the backward's dkh); without
+// KEY, l = 1 and rlbuf is unused. OUT (FUSE only): the output form of o (ttt_common.cuh).
 //
 // The block writes xh ([B, T, H, D] fp32) and r ([B, T, H] fp32) of every valid row, the fp32
 // state into checkpoint slot s before chunk s * G, and the final state into the sequence's
@@ -51,8 +55,9 @@
 //
 //   A = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
 //
-// With ck null (a forward without backward) it stores no slots, xh or r (only o and ht / hbt);
-// else it stores them as the unfused instance does, for the backward. SIMT instance: fwd_out's
+// (or o = q / scale + LN(o_pre) w + b, or o = o_pre: OUT). With ck null (a forward without
+// backward) it stores no slots, xh or r (only o and ht / hbt); else it stores them as the
+// unfused instance does, for the backward. SIMT instance: fwd_out's
 // tiles (Q, A, eta besides W, hb, K, G; Traits::kFwdChainFusedBytes) and its passes: A with g
 // in one phase, then a row pass for o_pre and the post norm, then the state step (four
 // barriers per chunk). MMA instance (Traits::kFwdChainFusedTcBytes): q (and the per-row eta)
@@ -68,14 +73,15 @@
 namespace ttt {
 
 // The MMA instance of the forward chain (see the top of this file); arguments as the kernel's.
-template <typename T, int D_PAD, int BT, bool FUSE>
+template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o,
+    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
+    float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
@@ -154,6 +160,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     auto finish_out = [&]() {
         const FloatK<2>* ost = reinterpret_cast<const FloatK<2>*>(s_ost);
         T* o_rows = o + p_base + row0_o * row_stride;
+        const T* q_rows = q + p_base + row0_o * row_stride;  // (OUT == kOutQuery)
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -174,9 +181,16 @@ __device__ __forceinline__ void fwd_chain_tc(
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float x = ob[i][e + 2 * h];
-                    if (col_ok[h] && t < L_o)
-                        o_rows[t * rs + n0 + 8 * h] =
-                            from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
+                    if (col_ok[h] && t < L_o) {
+                        const int ix = t * rs + n0 + 8 * h;
+                        if constexpr (OUT == kOutNorm)
+                            o_rows[ix] = from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
+                        else if constexpr (OUT == kOutQuery)
+                            o_rows[ix] = from_f32<T>(to_f32(q_rows[ix]) + (x - mean) * ro * lw[h] +
+                                                     lb[h]);
+                        else
+                            o_rows[ix] = from_f32<T>(x);
+                    }
                 }
             }
     };
@@ -264,6 +278,7 @@ __device__ __forceinline__ void fwd_chain_tc(
         float r[NR][2];
         float* x_rows = xbuf + p_base + row0 * row_stride;
         float* r_rows = rbuf + p_ebase + row0 * H;
+        float* rl_rows = rlbuf + p_ebase + row0 * H;  // (KEY)
 #pragma unroll
         for (int i = 0; i < NR; ++i)
 #pragma unroll
@@ -286,6 +301,11 @@ __device__ __forceinline__ void fwd_chain_tc(
                 r[i][e] = rsqrtf(m2 * inv_d + eps);
                 x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
                 x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
+                if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
+                    const float rk = t < L ? r[i][e] * ekey[p_ebase + (row0 + t) * H] : 0.f;
+                    if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
+                    r[i][e] = rk;
+                }
                 if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
                     if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
                     if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
@@ -390,14 +410,15 @@ __device__ __forceinline__ void fwd_chain_tc(
 }
 
 // The SIMT instance of the forward chain (MMA = false; see the top of this file).
-template <typename T, int D_PAD, int BT, bool FUSE>
+template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_simt(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta,
     const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
     const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
     float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o,
+    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
+    float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
@@ -473,12 +494,13 @@ __device__ __forceinline__ void fwd_chain_simt(
         // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g); FUSE: A = tril(q k^T) + tril(1) too
         if constexpr (FUSE) {
             tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-            inner_grad_rows<D_PAD, BT, NW, true>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                 p_ebase, row0, row_stride, L, H, D, eps,
-                                                 save ? xbuf : nullptr, rbuf);
+            inner_grad_rows<D_PAD, BT, NW, true, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                      p_ebase, row0, row_stride, L, H, D, eps,
+                                                      save ? xbuf : nullptr, rbuf, ekey, rlbuf);
         } else {
-            inner_grad_rows<D_PAD, BT, NW>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base, p_ebase,
-                                           row0, row_stride, L, H, D, eps, xbuf, rbuf);
+            inner_grad_rows<D_PAD, BT, NW, false, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                       p_ebase, row0, row_stride, L, H, D, eps,
+                                                       xbuf, rbuf, ekey, rlbuf);
         }
         __syncthreads();
 
@@ -487,7 +509,7 @@ __device__ __forceinline__ void fwd_chain_simt(
             for (int i = threadIdx.x >> 5; i < L; i += NW) {
                 float b_o[P];
                 out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-                post_norm_row(b_o, b_w, b_b, D, eps);
+                output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride, true);
                 store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
             }
             __syncthreads();
@@ -511,7 +533,7 @@ __device__ __forceinline__ void fwd_chain_simt(
 }  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          bool FUSE = false>
+          bool FUSE = false, bool KEY = false, int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
@@ -529,6 +551,8 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
                      float* __restrict__ xbuf,        // [B, T, H, D] fp32: xh of valid rows
                      float* __restrict__ rbuf,        // [B, T, H] fp32: r of valid rows
                      T* __restrict__ o,               // [B, T, H, D] (FUSE; else unused)
+                     const float* __restrict__ ekey,  // [B, T, H] fp32 eta_key (KEY) or null
+                     float* __restrict__ rlbuf,       // [B, T, H] fp32 LayerNorm r (KEY) or null
                      const long long* __restrict__ cu_seqlens,   // [N + 1] or null
                      const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
                      float scale, float eps, long long T_len, int H, int D, int G,
@@ -537,6 +561,7 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
                      unsigned long long smem_bytes) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+    static_assert(FUSE || OUT == ttt::kOutNorm, "only the FUSE instance writes outputs");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
     if constexpr (MMA) {
@@ -544,16 +569,18 @@ ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; els
                                                    : Tr::kFwdChainTcBytes;
         if (smem_bytes < kBytes || blockDim.x != Tr::kTcThreads || D > D_PAD || G < 1)
             __trap();
-        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt, ck,
-                                              ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets, scale,
-                                              eps, T_len, H, D, G, g_lo, g_hi, sync);
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht,
+                                                        hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
+                                                        cu_seqlens, grp_offsets, scale, eps,
+                                                        T_len, H, D, G, g_lo, g_hi, sync);
     } else {
         constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
                                                    : Tr::kFwdChainBytes;
         if (smem_bytes < kBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
             __trap();
-        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht, hbt,
-                                                ck, ckb, xbuf, rbuf, o, cu_seqlens, grp_offsets,
-                                                scale, eps, T_len, H, D, G, g_lo, g_hi, sync);
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0,
+                                                          ht, hbt, ck, ckb, xbuf, rbuf, o, ekey,
+                                                          rlbuf, cu_seqlens, grp_offsets, scale,
+                                                          eps, T_len, H, D, G, g_lo, g_hi, sync);
     }
 }

@@ -1,14 +1,18 @@
-// Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT>. The outputs, one block per
-// (group of G chunks, head).
+// Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT, MMA, OUT>. The outputs, one block
+// per (group of G chunks, head).
 //
 // fwd_chain.cu stored xh and r of every row and the state before every group, so a group
 // replays its chunks from its slot without recomputing k W or the LayerNorm: g comes back
 // row-locally from xh, r, k, v (inner_grad_rows_saved; notation in ttt_common.cuh):
 //
-//   y     = (xh w + b - v + k) w,     g = r (y - mean(y) - xh mean(y xh))
+//   y     = (xh w + b - v + k) w,     g = r' (y - mean(y) - xh mean(y xh))   (r' = l r, saved)
 //   A     = tril(q k^T) + tril(1)                                  [BT, BT]
 //   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
+//
+// OUT (the output form, output_row): o = o_pre + LN(o_pre) w + b (kOutNorm), q + LN(o_pre) w +
+// b with q as given (kOutQuery: its row read again, unscaled), o_pre (kOutRaw). eta_key needs
+// no instance here: fwd_chain saved g's factor l r as r'.
 //
 // Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
 // are. A segmented launch (g_lo < g_hi; placement.segment_plan) has a block per (sequence, group
@@ -51,7 +55,7 @@
 namespace ttt {
 
 // The MMA instance of fwd_out (see the top of this file); arguments as the kernel's.
-template <typename T, int D_PAD, int BT>
+template <typename T, int D_PAD, int BT, int OUT>
 __device__ __forceinline__ void fwd_out_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
@@ -191,7 +195,8 @@ __device__ __forceinline__ void fwd_out_tc(
 #pragma unroll
                 for (int e = 0; e < PL; ++e) b_o[e] = 0.f;
             }
-            post_norm_row<LPR>(b_o, b_w, b_b, D, eps);
+            output_row<OUT, LPR>(b_o, b_w, b_b, D, eps,
+                                 q + p_base + (row0 + (ok ? i : 0)) * row_stride, ok);
             if (!ok) continue;
             store_row<D_PAD, LPR>(o + p_base + (row0 + i) * row_stride, b_o, D);
             const float el = chunk_eta_l<BT>(s_e, i, L);
@@ -208,7 +213,8 @@ __device__ __forceinline__ void fwd_out_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value>
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
 ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -249,8 +255,8 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
                                            grp_offsets, grp_seq, g_lo, g_hi))
         return;
     if constexpr (MMA) {
-        ttt::fwd_out_tc<T, D_PAD, BT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
-                                      scale, eps, T_len, H, D, G, gr, i_h);
+        ttt::fwd_out_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
+                                           scale, eps, T_len, H, D, G, gr, i_h);
         return;
     }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -292,7 +298,8 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         for (int i = warp; i < L; i += NW) {
             float b_o[P];
             ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-            ttt::post_norm_row(b_o, b_w, b_b, D, eps);
+            ttt::output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride,
+                                 true);
             ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
         }
         __syncthreads();

@@ -190,14 +190,17 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
 // kernels derive g from them (inner_grad_rows_saved); with OPTIONAL_SAVE, only when xbuf is
 // not null (the fused forward without a backward). b_w, b_b: the LayerNorm weight and bias
 // per lane.
-template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, typename T, int P>
+template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, bool KEY = false, typename T,
+          int P>
 __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
                                                 const float* sHb, const T* __restrict__ v,
                                                 const float (&b_w)[P], const float (&b_b)[P],
                                                 long long p_base, long long p_ebase,
                                                 long long row0, long long row_stride, int L,
                                                 int H, int D, float eps, float* __restrict__ xbuf,
-                                                float* __restrict__ rbuf) {
+                                                float* __restrict__ rbuf,
+                                                const float* __restrict__ ekey = nullptr,
+                                                float* __restrict__ rlbuf = nullptr) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BT; i += NW) {
@@ -213,7 +216,9 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
             const int d = lane + 32 * e;
             if (d < D) b_x[e] += sHb[d];
         }
-        const float r = layer_norm_row(b_x, D, eps);
+        const float r_ln = layer_norm_row(b_x, D, eps);
+        // KEY: g = l r (...), the row's eta_key l; rbuf takes l r, rlbuf the LayerNorm's r
+        const float r = KEY ? r_ln * ekey[p_ebase + (row0 + i) * H] : r_ln;
         load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
         load_row<D_PAD>(b_v, v + o_r, D, 1.f);
         inner_grad_row(b_g, b_y, b_x, r, b_k, b_v, b_w, b_b, D);
@@ -221,6 +226,7 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
         if (!OPTIONAL_SAVE || xbuf != nullptr) {
             store_row<D_PAD>(xbuf + o_r, b_x, D);
             if (lane == 0) rbuf[p_ebase + (row0 + i) * H] = r;
+            if (KEY && lane == 0) rlbuf[p_ebase + (row0 + i) * H] = r_ln;
         }
     }
 }
@@ -330,13 +336,37 @@ __device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P]
     for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
 }
 
+// The output form OUT of one row (o_pre = z in): kOutNorm o + LN(o) w + b (post_norm_row);
+// kOutQuery q + LN(o) w + b with the row of q as given (unscaled; qrow, read only where ok and
+// d < D); kOutRaw o as it is. Every lane of the row's group calls it (row sums).
+template <int OUT, int LPR = 32, typename T, int P>
+__device__ __forceinline__ void output_row(float (&o)[P], const float (&w)[P],
+                                           const float (&b)[P], int D, float eps,
+                                           const T* qrow, bool ok) {
+    if constexpr (OUT == kOutNorm) {
+        post_norm_row<LPR>(o, w, b, D, eps);
+    } else if constexpr (OUT == kOutQuery) {
+        layer_norm_row<LPR>(o, D, eps);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const int d = row_col<LPR>(e);
+            const float qv = ok && d < D ? to_f32(qrow[d]) : 0.f;
+            o[e] = qv + o[e] * w[e] + b[e];
+        }
+    }
+}
+
 // The post norm-residual's backward for one row (bwd_local): o (o_pre in) becomes oh =
 // LN(o_pre), dout (do in) becomes do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)),
 // and the row's parts of dw (do oh) and db (do) are added to dw, db. Zero past D.
-template <int LPR = 32, int P>
+// OUT (the output form): kOutQuery drops the identity term (do_pre = r_o (...): q, not
+// o_pre, is the residual; dq takes do itself in bwd_local), kOutRaw leaves do_pre = do and
+// adds nothing to dw, db.
+template <int LPR = 32, int OUT = kOutNorm, int P>
 __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P],
                                                   const float (&w)[P], float (&dw)[P],
                                                   float (&db)[P], int D, float eps) {
+    if constexpr (OUT == kOutRaw) return;
     const float inv_d = 1.f / (float)D;
     const float ro = layer_norm_row<LPR>(o, D, eps);      // o <- oh
     float doh[P];
@@ -350,21 +380,27 @@ __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P
     const float m2 = row_dot<LPR>(doh, o) * inv_d;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        dout[e] = row_col<LPR>(e) < D ? dout[e] + ro * (doh[e] - m1 - o[e] * m2) : 0.f;
+        dout[e] = row_col<LPR>(e) < D ? (OUT == kOutQuery ? 0.f : dout[e]) +
+                                             ro * (doh[e] - m1 - o[e] * m2)
+                                       : 0.f;
 }
 
-// Backward of g(kh) for the cotangent dg: dkh and dy (see ttt_common.cuh).
+// Backward of g(kh) for the cotangent dg: dkh and dy (see ttt_common.cuh). With eta_key
+// (g = l r P, P = y - mean(y) - xh mean(y xh)): r is l r (g's factor, as stored in rbuf),
+// r_ln the LayerNorm's r, g the row's r_ln P (g without l); returns sum(dg g), which is then
+// deta_key. Without: r_ln = r and g = r P (the same arithmetic as before eta_key).
 template <int LPR = 32, int P>
-__device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
-                                                   const float (&dg)[P], const float (&xh)[P],
-                                                   float r, const float (&y)[P],
-                                                   const float (&g)[P], const float (&w)[P],
-                                                   int D) {
+__device__ __forceinline__ float inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
+                                                    const float (&dg)[P], const float (&xh)[P],
+                                                    float r, const float (&y)[P],
+                                                    const float (&g)[P], const float (&w)[P],
+                                                    int D, float r_ln) {
     const float inv_d = 1.f / (float)D;
     const float a1 = row_sum<LPR>(dg) * inv_d;
     const float a2 = row_dot<LPR>(dg, xh) * inv_d;
     const float a3 = row_dot<LPR>(xh, y) * inv_d;
-    const float dr = row_dot<LPR>(dg, g) * r * inv_d;  // dr r^2 / D with dr = sum(dg g) / r
+    const float dgg = row_dot<LPR>(dg, g);
+    const float dr = dgg * r * inv_d;  // dr r_ln^2 / D with dr = sum(dg l g) / r_ln
     float dxh[P];
 #pragma unroll
     for (int e = 0; e < P; ++e) {
@@ -376,7 +412,17 @@ __device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[
     const float c2 = row_dot<LPR>(dxh, xh) * inv_d;
 #pragma unroll
     for (int e = 0; e < P; ++e)
-        dkh[e] = row_col<LPR>(e) < D ? r * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+        dkh[e] = row_col<LPR>(e) < D ? r_ln * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
+    return dgg;
+}
+
+template <int LPR = 32, int P>
+__device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
+                                                   const float (&dg)[P], const float (&xh)[P],
+                                                   float r, const float (&y)[P],
+                                                   const float (&g)[P], const float (&w)[P],
+                                                   int D) {
+    inner_grad_bwd_row<LPR>(dkh, dy, dg, xh, r, y, g, w, D, r);
 }
 
 }  // namespace ttt

@@ -6,25 +6,30 @@
 //
 //   kh  = k W + hb,      xh = (kh - mean) r,   r = 1 / sqrt(var(kh) + eps)
 //   y   = (xh w + b - v + k) w                                   (dl / dxh)
-//   g   = r (y - mean(y) - xh mean(y xh))                        (dl / dkh of the inner loss)
-//   A   = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
+//   g   = l r (y - mean(y) - xh mean(y xh))                      (l dl / dkh of the inner loss)
+//   A   = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g)
+//   o   = o_pre + LN(o_pre) w + b  |  q / scale + LN(o_pre) w + b  |  o_pre     (OUT)
 //   W  <- W - eta_l k^T g,         hb <- hb - eta_l sum_i g_i
 //
-// with e the per-row eta and eta_l the eta of the chunk's last *valid* row. The backward of g
-// for a cotangent dg (inner_grad_bwd_row):
+// with e the per-row eta, eta_l the eta of the chunk's last *valid* row and l the row's
+// eta_key (KEY instances; l = 1 otherwise), and the output form OUT (norm_residual,
+// query_residual: q as given, raw; types.cuh). The backward of g for a cotangent dg
+// (inner_grad_bwd_row; r' = l r, g / l = r (y - ..)):
 //
-//   dy  = r (dg - mean(dg) - xh mean(dg xh))
-//   dxh = -r (dg mean(xh y) + y mean(dg xh)) + dy w^2,    dr = sum(dg g) / r
-//   dkh = r (dxh - mean(dxh) - xh mean(dxh xh)) - dr r^2 xh / D
+//   dy  = r' (dg - mean(dg) - xh mean(dg xh))
+//   dxh = -r' (dg mean(xh y) + y mean(dg xh)) + dy w^2,    dr = sum(dg g) / r
+//   dkh = r (dxh - mean(dxh) - xh mean(dxh xh)) - dr r^2 xh / D,   dl = sum(dg g / l)
 //
 // Checkpoint *slots*: every sequence owns NG + 1 slots (NG = cdiv(chunks, G)); slot s < NG
 // holds the fp32 state before chunk s * G and slot NG the final state. A *group* is the run of
 // (at most) G chunks between two slots; groups are counted over the batch (grp_offsets [N + 1]
 // gives each sequence's first group, grp_seq [groups] each group's sequence, varlen only).
 //
-// Saved activations (as in the Triton backend): fwd_chain writes xh and r of every valid row;
-// the four other kernels read them and derive y and g row-locally (inner_grad_row): no kernel
-// but fwd_chain computes k W or the LayerNorm of kh.
+// Saved activations (as in the Triton backend): fwd_chain writes xh and g's factor r' = l r of
+// every valid row (rbuf; with eta_key also the LayerNorm's r, rlbuf); the four other kernels
+// read them and derive y and g row-locally (inner_grad_row): no kernel but fwd_chain computes
+// k W or the LayerNorm of kh. So fwd_out and bwd_local need no KEY instance; bwd_chain and
+// bwd_grads read rlbuf for dkh, and bwd_chain writes deta_key.
 //
 // Layout: q, k, v, o, do, dq, dk, dv are [B, T, H, D] in the input dtype T (float, __half or
 // __nv_bfloat16); the fp32 work buffers xhat, do_pre, dg are [B, T, H, D] and r, eta, deta

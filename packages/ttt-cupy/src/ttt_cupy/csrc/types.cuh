@@ -8,6 +8,11 @@
 
 namespace ttt {
 
+// ---------------------------------------------------------------- variants
+// The output form (template parameter OUT of fwd_chain's FUSE instance, fwd_out, bwd_local;
+// compile.OUT_FORMS): o_pre + LN(o_pre) w + b, q + LN(o_pre) w + b (q unscaled), o_pre.
+enum : int { kOutNorm = 0, kOutQuery = 1, kOutRaw = 2 };
+
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
