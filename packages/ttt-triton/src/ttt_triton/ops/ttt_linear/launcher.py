@@ -136,15 +136,19 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
     tune = _checked(tuning)
-    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune))
+    fuse = fused_forward(p, save_for_backward, tune)
+    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
+    # without slots nothing reads the packed grouping's maps (fwd_chain reads its offsets
+    # only for a slot index it then does not use): cu_seqlens stands in for both, sparing
+    # the two host-to-device copies of a generation step
+    maps = None if save or cu_seqlens is None else (cu_seqlens, cu_seqlens)
+    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune), maps)
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     h0, hb0 = _initial_states(p)
-    fuse = fused_forward(p, save_for_backward, tune)
-    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
     ck = ckb = xbuf = rbuf = None
     if save:
         ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
