@@ -50,7 +50,8 @@ def _spy(monkeypatch, run=True) -> list:
 
 def _inputs(B, seq_lens, H, D, chunk, seed, *, eta_tensor, eta_key, states, final, output):
     """Fresh random float64 inputs (never zeros) of a dense batch (``seq_lens`` None: B
-    sequences of one token) or a packed one."""
+    sequences of one token) or a packed one; ``states`` True (both initial states), False,
+    "state" or "bias" (that one alone)."""
     g = torch.Generator().manual_seed(seed)
     T = sum(seq_lens) if seq_lens else 1
     B = 1 if seq_lens else B
@@ -67,8 +68,9 @@ def _inputs(B, seq_lens, H, D, chunk, seed, *, eta_tensor, eta_key, states, fina
              chunk_size=chunk, output_final_state=final, output=output)
     if eta_key:
         x["eta_key"] = rand(B, T, H, 1, offset=0.5, uniform=True)
-    if states:
+    if states in (True, "state"):
         x["initial_state"] = rand(N, H, D, D, scale=0.1)
+    if states in (True, "bias"):
         x["initial_state_bias"] = rand(N, H, 1, D, scale=0.1)
     if seq_lens:
         x["cu_seqlens"] = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
@@ -94,6 +96,8 @@ DECODE_CASES = [
     (1, (1, 1, 1), True, True, True, True, "query_residual"),
     (1, (1, 5, 16, 2), False, False, True, True, "raw"),
     (1, (3, 1), True, False, False, True, "norm_residual"),
+    (2, None, True, True, "state", True, "query_residual"),
+    (1, (2, 1), True, False, "bias", True, "norm_residual"),
 ]
 
 
@@ -123,8 +127,9 @@ def test_decode_step_is_one_launch(monkeypatch, B, seq_lens, eta_tensor, eta_key
 
 def test_launcher_does_no_other_device_work(monkeypatch):
     """Around the one launch of a generation step (dense or packed, with both initial
-    states or none, with final states) the launcher only allocates: no fill, copy or cast
-    (fp32 states are passed as they are, the packed grouping's maps are not copied)."""
+    states, one or none, with final states) the launcher only allocates: no fill, copy or
+    cast (fp32 states are passed as they are, a missing one is zeros in the kernel, the
+    packed grouping's maps are not copied)."""
     launches = _spy(monkeypatch, run=False)
     allowed = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                torch.ops.aten.empty_strided.default}
@@ -138,8 +143,9 @@ def test_launcher_does_no_other_device_work(monkeypatch):
             self.seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    for B, seq_lens, states in ((4, None, True), (2, None, False), (1, (1, 3, 1), True),
-                                (1, (2, 1), False)):
+    for B, seq_lens, states in ((4, None, True), (2, None, False), (3, None, "bias"),
+                                (1, (1, 3, 1), True), (1, (2, 1), False),
+                                (1, (2, 1), "state")):
         x = _inputs(B, seq_lens, 2, 32, 16, 7, eta_tensor=True, eta_key=True,
                     states=states, final=True, output="query_residual")
         x.pop("output")

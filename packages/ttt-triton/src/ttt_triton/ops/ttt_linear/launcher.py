@@ -113,15 +113,12 @@ def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
 
 
 def _initial_states(p: Problem):
+    """The initial states as fwd_chain reads them: float32 and contiguous (those that are
+    already, as validated float32 states are, passed as they are); None where not given
+    (fwd_chain starts that one from zeros)."""
     h0, hb0 = p.initial_state, p.initial_state_bias
-    if h0 is None and hb0 is None:
-        return None, None
-    dev = p.q.device
-    h0 = (torch.zeros(p.N, p.H, p.D, p.D, dtype=torch.float32, device=dev) if h0 is None
-          else h0.float().contiguous())
-    hb0 = (torch.zeros(p.N, p.H, 1, p.D, dtype=torch.float32, device=dev) if hb0 is None
-           else hb0.float().contiguous())
-    return h0, hb0
+    return (None if h0 is None else h0.float().contiguous(),
+            None if hb0 is None else hb0.float().contiguous())
 
 
 @_refusing_unfit_tunings
@@ -166,7 +163,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
         q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
         grp.offsets, float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
-        STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
+        USE_INITIAL_BIAS=hb0 is not None, STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
         HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune))
     if not fuse:
         ttt_linear_fwd_out_kernel[(grp.count, H)](
