@@ -35,9 +35,9 @@ INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i3
 # (name, kernel, launch kind, tunable of its rows per block or None, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", None,
-     dict(USE_INITIAL=True, STORE_FINAL=True, FUSE_OUT=False, SAVE=True)),
+     dict(USE_INITIAL=True, USE_INITIAL_BIAS=True, STORE_FINAL=True, FUSE_OUT=False, SAVE=True)),
     ("fwd_fused", ttt_linear_fwd_chain_kernel, "chain", None,   # inference: writes o
-     dict(USE_INITIAL=True, STORE_FINAL=True, FUSE_OUT=True, SAVE=False)),
+     dict(USE_INITIAL=True, USE_INITIAL_BIAS=True, STORE_FINAL=True, FUSE_OUT=True, SAVE=False)),
     ("fwd_out", ttt_linear_fwd_out_kernel, "group", "S_out", {}),
     ("bwd_local", ttt_linear_bwd_local_kernel, "group", "S_local", {}),
     ("bwd_chain", ttt_linear_bwd_chain_kernel, "chain", None,

@@ -3,6 +3,7 @@
 
 from ttt.testing.test_against_oracle import *  # noqa: F403
 from ttt.testing.test_bad_inputs import *  # noqa: F403
+from ttt.testing.test_decode import *  # noqa: F403
 from ttt.testing.test_empty_and_meta import *  # noqa: F403
 from ttt.testing.test_eta_key_and_outputs import *  # noqa: F403
 from ttt.testing.test_fresh_outputs import *  # noqa: F403

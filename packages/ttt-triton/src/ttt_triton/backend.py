@@ -38,6 +38,8 @@ CAPABILITIES = Capabilities(
         "and the stored LayerNorm xhat, r (kept for the backward)",
         "with many (sequence, head) chains the chain kernels also write the outputs "
         "and dk, dv (tuning.FUSED)",
+        "a generation step (no backward, every sequence within one chunk) is one "
+        "launch: the forward chain writing the outputs (tuning.decode_step)",
         f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
         "D = 256 does not fit the state in one program's registers",
         "eta_key and the output forms are compile-time switches of the same kernels: "

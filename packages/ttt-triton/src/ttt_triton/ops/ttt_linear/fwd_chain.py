@@ -28,7 +28,9 @@ chunk (``q`` pre-scaled, ``e`` the per-row eta):
 
 This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
 forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
-picks it when there are enough chains to hide the latency (``tuning.FUSED``).
+picks it when there are enough chains to hide the latency (``tuning.FUSED``), and for a
+generation step (no backward, every sequence within one chunk: ``tuning.decode_step``),
+where the call is then this one launch.
 """
 
 import triton
@@ -50,7 +52,7 @@ def ttt_linear_fwd_chain_kernel(
     q, k, v, eta, w, b,
     eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
     o,                  # [B, T, H, D] input dtype (when FUSE_OUT)
-    h0, hb0,            # [N, H, D, D], [N, H, 1, D] fp32 (when USE_INITIAL)
+    h0, hb0,            # [N, H, D, D] fp32 (USE_INITIAL), [N, H, 1, D] (USE_INITIAL_BIAS)
     ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
     ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots (SAVE)
     xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat, r of every valid row (SAVE)
@@ -64,6 +66,7 @@ def ttt_linear_fwd_chain_kernel(
     BD: tl.constexpr,
     G: tl.constexpr,
     USE_INITIAL: tl.constexpr,
+    USE_INITIAL_BIAS: tl.constexpr,
     STORE_FINAL: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     FUSE_OUT: tl.constexpr,
@@ -87,11 +90,14 @@ def ttt_linear_fwd_chain_kernel(
 
     b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
     b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    # (an initial state not given starts from zeros here, not from a zero-filled buffer)
     if USE_INITIAL:
         b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
-        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
     else:
         b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
+    if USE_INITIAL_BIAS:
+        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
+    else:
         b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
 
     p_base = (bos * H + i_h) * D       # row 0 of this (sequence, head); rows H * D apart

@@ -113,15 +113,12 @@ def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
 
 
 def _initial_states(p: Problem):
+    """The initial states as fwd_chain reads them: float32 and contiguous (those that are
+    already, as validated float32 states are, passed as they are); None where not given
+    (fwd_chain starts that one from zeros)."""
     h0, hb0 = p.initial_state, p.initial_state_bias
-    if h0 is None and hb0 is None:
-        return None, None
-    dev = p.q.device
-    h0 = (torch.zeros(p.N, p.H, p.D, p.D, dtype=torch.float32, device=dev) if h0 is None
-          else h0.float().contiguous())
-    hb0 = (torch.zeros(p.N, p.H, 1, p.D, dtype=torch.float32, device=dev) if hb0 is None
-           else hb0.float().contiguous())
-    return h0, hb0
+    return (None if h0 is None else h0.float().contiguous(),
+            None if hb0 is None else hb0.float().contiguous())
 
 
 @_refusing_unfit_tunings
@@ -136,15 +133,19 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
     tune = _checked(tuning)
-    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune))
+    fuse = fused_forward(p, save_for_backward, tune)
+    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
+    # without slots nothing reads the packed grouping's maps (fwd_chain reads its offsets
+    # only for a slot index it then does not use): cu_seqlens stands in for both, sparing
+    # the two host-to-device copies of a generation step
+    maps = None if save or cu_seqlens is None else (cu_seqlens, cu_seqlens)
+    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune), maps)
     G = grp.G
     ht = hbt = None
     if p.output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     h0, hb0 = _initial_states(p)
-    fuse = fused_forward(p, save_for_backward, tune)
-    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
     ck = ckb = xbuf = rbuf = None
     if save:
         ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
@@ -162,7 +163,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
         q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
         grp.offsets, float(p.scale), float(p.eps), T,
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
-        STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
+        USE_INITIAL_BIAS=hb0 is not None, STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
         HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune))
     if not fuse:
         ttt_linear_fwd_out_kernel[(grp.count, H)](

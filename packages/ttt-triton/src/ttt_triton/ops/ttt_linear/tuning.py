@@ -66,7 +66,12 @@ FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
 the outputs itself (no ``fwd_out``; for a forward without backward also no ``xhat``/``r``/
 slot stores), and the backward chain computes ``dk``, ``dv`` and the last-row ``deta``
 itself (no ``bwd_grads``). Fusing puts the parallel kernels' work on the chains' critical
-path, which only pays when enough chains run at once to hide it (docs/benchmarks.md)."""
+path, which only pays when enough chains run at once to hide it (docs/benchmarks.md).
+
+A forward without backward in which every sequence fits in one chunk (a generation step:
+dense ``T <= chunk_size``, or a packed batch whose every sequence is that short) is fused
+whatever the chain count (:func:`decode_step`): with one chunk per chain there is no chain
+latency to hide, and the call is one launch (``fwd_chain``) instead of two."""
 
 _ROWS_FIELD = {"S_out": "rows_out", "S_local": "rows_local", "S_grads": "rows_grads"}
 
@@ -190,10 +195,19 @@ def checkpoint_interval(p: Problem, BD: int, tune: Tuning) -> int:
     return CKPT_INTERVAL["narrow"]
 
 
+def decode_step(p: Problem, save_for_backward: bool) -> bool:
+    """Whether ``p`` is a generation step: a forward without backward in which every
+    sequence fits in one chunk (dense ``T <= chunk_size``; packed, every length)."""
+    return not save_for_backward and max(p.seq_lens) <= p.chunk_size
+
+
 def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
-    """Whether the forward chain writes the outputs (see :data:`FUSED`)."""
+    """Whether the forward chain writes the outputs (see :data:`FUSED`): forced, a
+    generation step (:func:`decode_step`), or enough chains."""
     if tune.fuse_forward is not None:
         return tune.fuse_forward
+    if decode_step(p, save_for_backward):
+        return True
     return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
 
 
