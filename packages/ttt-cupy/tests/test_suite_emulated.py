@@ -22,6 +22,8 @@ from conftest import EmulatedDevice
 
 from ttt import Problem, registry
 from ttt.testing import test_against_oracle as oracle_suite
+from ttt.testing import test_decode as decode_suite
+from ttt.testing import test_empty_and_meta as empty_suite
 from ttt.testing import test_fresh_outputs as fresh_suite
 from ttt.testing import test_properties as property_suite
 from ttt.testing import test_pytorch_integration as integration_suite
@@ -162,3 +164,20 @@ def test_inputs_are_not_modified(ttt_backend, ttt_backend_name, ttt_device):
 def test_strided_views_give_the_contiguous_results(ttt_backend, ttt_backend_name, ttt_device):
     property_suite.test_strided_views_give_the_contiguous_results(F32, ttt_backend,
                                                                   ttt_backend_name, ttt_device)
+
+
+@pytest.mark.parametrize("case", [c for c in decode_suite.DECODE_CASES if c.dtype == F32],
+                         ids=lambda c: c.id)
+def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
+    """Generation steps (every sequence within one chunk, no gradient)."""
+    decode_suite.test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name,
+                                                 ttt_device)
+
+
+@pytest.mark.parametrize("case", [c for c in empty_suite.EMPTY_CASES
+                                  if c.dtype == F32 and c.final_state], ids=lambda c: c.id)
+def test_empty_sequences_pass_their_states_through(case, ttt_backend, ttt_backend_name,
+                                                   ttt_device):
+    """Packed batches with empty sequences: the core drops them before the backend."""
+    empty_suite.test_empty_sequences_pass_their_states_through(case, ttt_backend,
+                                                               ttt_backend_name, ttt_device)
