@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import ttt
-from ttt import _custom_op, reference, registry
+from ttt import reference, registry
+from ttt.problem import GRAD_INPUTS
 from ttt.testing.oracle import oracle_chunk_ttt_linear
 from ttt.testing.tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 8, 16
-GRAD_INPUTS = _custom_op.GRAD_INPUTS
 
 
 def _inputs(*, varlen=False, states=True, tensor_eta=True, eta_key=False, dtype=torch.float32,

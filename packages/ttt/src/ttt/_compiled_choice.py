@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._custom_op import GRAD_INPUTS
-from .problem import Problem
+from .problem import GRAD_INPUTS, Problem
 from .registry import BackendNotSupportedError, select_backend
 
 

@@ -8,7 +8,7 @@ import operator
 import torch
 
 from . import _custom_op, _empty
-from .problem import Problem
+from .problem import GRAD_INPUTS, Problem
 from .registry import select_backend
 from .validation import make_problem
 
@@ -50,7 +50,7 @@ def _backend_name(problem: Problem, requested: str | None) -> str:
         return select_backend(problem, requested).name
     from ._compiled_choice import compiled_backend_name  # (imports torch._dynamo)
 
-    tensors = [getattr(problem, name) for name in _custom_op.GRAD_INPUTS]
+    tensors = [getattr(problem, name) for name in GRAD_INPUTS]
     # operator.index: head count and dim specialize (a guard each); scale and eps stay out
     signature = (operator.index(problem.H), operator.index(problem.D),
                  tuple(None if t is None else t.dtype for t in tensors),

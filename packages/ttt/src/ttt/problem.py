@@ -6,9 +6,20 @@ input. Tensors in a Problem are contiguous and never to be written by a backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+GRAD_INPUTS = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
+               "initial_state_bias")
+"""The differentiable inputs of ``chunk_ttt_linear``, by argument name, in the custom op's
+order: the one list of them. :class:`ttt.GradNeeds` has one field per name,
+:class:`Gradients` one per name (:data:`GRADIENT_FIELDS`)."""
+
+GRADIENT_FIELDS = {name: {"initial_state": "dh0", "initial_state_bias": "dhb0"}.get(
+    name, "d" + name) for name in GRAD_INPUTS}
+"""The :class:`Gradients` field holding each input's gradient (``"q"`` -> ``"dq"``; the
+initial states' are ``dh0`` and ``dhb0``)."""
 
 OUTPUTS = ("norm_residual", "query_residual", "raw")
 """The output forms, with z the inner model's prediction for the scaled query:
@@ -127,3 +138,11 @@ class Gradients:
     dh0: torch.Tensor | None = None
     dhb0: torch.Tensor | None = None
     deta_key: torch.Tensor | None = None
+
+    def of(self, name: str) -> torch.Tensor | None:
+        """The gradient of input ``name`` (one of :data:`GRAD_INPUTS`)."""
+        return getattr(self, GRADIENT_FIELDS[name])
+
+
+if {f.name for f in fields(Gradients)} != set(GRADIENT_FIELDS.values()):
+    raise RuntimeError("ttt.problem: Gradients' fields do not match GRAD_INPUTS")
