@@ -6,6 +6,7 @@ input. Tensors in a Problem are contiguous and never to be written by a backend.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -114,6 +115,21 @@ class Problem:
     @property
     def state_dtype(self) -> torch.dtype:
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+    def signature(self) -> tuple:
+        """What the backend's choice reads of this problem, as plain values, but its batch
+        size and length, scale and eps: head count and dim, the dtypes of
+        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
+        sequences' lengths (None for a dense batch). The registry keeps its automatic
+        choices by it and the rest (``ttt.registry._choice_key``); under torch.compile the
+        choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
+        and dim through ``operator.index``: there they specialize, a guard each."""
+        return (operator.index(self.H), operator.index(self.D),
+                tuple([None if t is None else t.dtype
+                       for t in [getattr(self, name) for name in GRAD_INPUTS]]),
+                self.q.device, self.chunk_size, self.output_final_state,
+                self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
+                self.requires_grad, self.output)
 
     def chunk_counts(self) -> list[int]:
         """Chunks per sequence (a partial last chunk counts as one)."""

@@ -327,7 +327,7 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
             raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
                         f"{'; '.join(reasons)}")
         return backend
-    signature = _signature(problem)
+    signature = _choice_key(problem)
     backend = _kept_choice(signature)
     if backend is None:
         backend = _automatic_choice(problem)
@@ -335,16 +335,10 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     return backend
 
 
-def _signature(problem: Problem) -> tuple:
-    """Everything of ``problem`` but its tensors' values: shapes, dtypes, device, options
-    (the tensors are contiguous; the other tensors' shapes follow from q's and N)."""
-    p = problem
-    return (p.q.shape, p.q.dtype, p.q.device, p.w.dtype, p.b.dtype, p.eta.dtype,
-            None if p.eta_key is None else p.eta_key.dtype,
-            None if p.initial_state is None else p.initial_state.dtype,
-            None if p.initial_state_bias is None else p.initial_state_bias.dtype,
-            p.cu_seqlens is not None, p.seq_lens, p.scale, p.eps, p.chunk_size,
-            p.output_final_state, p.eta_is_tensor, p.requires_grad, p.output)
+def _choice_key(problem: Problem) -> tuple:
+    """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
+    batch size, length, scale and eps): the automatic choice is kept by it."""
+    return (problem.q.shape, problem.scale, problem.eps, problem.signature())
 
 
 MAX_KEPT_CHOICES = 1024
