@@ -25,7 +25,8 @@ from .registry import load_backend
 def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
                seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
                requires_grad) -> Problem:
-    """The Problem the wrapper validated, rebuilt from the ops' arguments."""
+    """The Problem the wrapper validated, re-created from the ops' arguments (which the
+    wrapper made from it, so unchecked: see ``Problem._of_fields``)."""
     B, T = q.shape[0], q.shape[1]
     lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
     return Problem._of_fields(

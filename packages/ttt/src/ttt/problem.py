@@ -32,6 +32,12 @@ before ``scale``); ``"raw"`` z."""
 class Problem:
     """One call of ``chunk_ttt_linear`` after validation.
 
+    Built by :func:`ttt.make_problem`, the one way to a validated Problem (the op builds
+    it so; a backend's tests may too). Inside the core, :meth:`_of_fields` alone builds one
+    from fields already checked: the custom op re-creates the Problem the wrapper validated
+    from its own arguments (``ttt._custom_op.problem_of``), and a derived one comes from
+    ``dataclasses.replace``. The dataclass constructor checks nothing.
+
     Shapes (``D`` is the head dim, key dim == value dim):
 
     - ``q, k, v``: ``[B, T, H, D]``, one dtype (the *input dtype*), contiguous.
@@ -69,10 +75,13 @@ class Problem:
 
     @classmethod
     def _of_fields(cls, **fields) -> Problem:
-        """``Problem(**fields)`` given every field: the same object, built without the
-        frozen dataclass's ``object.__setattr__`` per field (the core builds a few per
-        call). Under ``torch.compile`` the plain constructor: dynamo (torch 2.11) cannot
-        trace ``__dict__.update``."""
+        """``Problem(**fields)`` given every field, already checked (by ``make_problem``,
+        whose result it builds, or by the wrapper whose Problem the custom op re-creates
+        from its arguments): the same object, built without the frozen dataclass's
+        ``object.__setattr__`` per field, as the core builds a few per call (validation,
+        the op's forward and its backward). Under ``torch.compile`` the plain constructor:
+        dynamo (torch 2.11) cannot trace ``__dict__.update``. The core's only constructor
+        besides ``make_problem``; nothing outside the core should call it."""
         if torch.compiler.is_compiling():
             return cls(**fields)
         problem = object.__new__(cls)
