@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 import ttt  # noqa: E402
+from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.problem import GRAD_INPUTS  # noqa: E402
-from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
-from ttt.testing.tolerances import TOLERANCES  # noqa: E402
+from ttt.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
