@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 import torch
 
@@ -133,9 +134,8 @@ class Problem:
         choices by it and the rest (``ttt.registry._choice_key``); under torch.compile the
         choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
         and dim through ``operator.index``: there they specialize, a guard each."""
-        return (operator.index(self.H), operator.index(self.D),
-                tuple([None if t is None else t.dtype
-                       for t in [getattr(self, name) for name in GRAD_INPUTS]]),
+        shape = self.q.shape
+        return (operator.index(shape[2]), operator.index(shape[3]), _input_dtypes(self),
                 self.q.device, self.chunk_size, self.output_final_state,
                 self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
                 self.requires_grad, self.output)
@@ -148,6 +148,21 @@ class Problem:
         kind = f"varlen N={self.N}" if self.is_varlen else f"B={self.B}"
         return (f"{kind} T={self.T} H={self.H} D={self.D} chunk={self.chunk_size} "
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
+
+
+def _input_dtypes(p: Problem) -> tuple:
+    """The dtypes of ``p``'s :data:`GRAD_INPUTS` (None where absent), in that order: written
+    out (a comprehension over the names costs a microsecond per call of the automatic
+    choice), checked against GRAD_INPUTS at import."""
+    eta_key, h0, hb0 = p.eta_key, p.initial_state, p.initial_state_bias
+    return (p.q.dtype, p.k.dtype, p.v.dtype, p.w.dtype, p.b.dtype, p.eta.dtype,
+            None if eta_key is None else eta_key.dtype, None if h0 is None else h0.dtype,
+            None if hb0 is None else hb0.dtype)
+
+
+if _input_dtypes(SimpleNamespace(**{name: SimpleNamespace(dtype=name)
+                                    for name in GRAD_INPUTS})) != GRAD_INPUTS:
+    raise RuntimeError("ttt.problem: _input_dtypes does not follow GRAD_INPUTS")
 
 
 @dataclass
