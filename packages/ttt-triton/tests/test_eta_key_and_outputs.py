@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 
 import ttt  # noqa: E402
 from ttt import GradNeeds  # noqa: E402
-from ttt.problem import OUTPUTS  # noqa: E402
-from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
-from ttt.testing.tolerances import TOLERANCES  # noqa: E402
+from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
+from ttt.problem import GRAD_INPUTS, OUTPUTS  # noqa: E402
+from ttt.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
@@ -28,7 +28,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 F64 = torch.float64
-LEAVES = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias", "eta_key")
 RESULTS = ("o", "ht", "hbt")
 
 
@@ -87,7 +86,8 @@ def _triton(problem, cotangents, tuning, needs=None):
     do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
     grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning,
                            needs=needs)
-    got.update({f"d{n}": g for n, g in zip(LEAVES, grads)})
+    gradients = ttt.Gradients(*grads)              # (the launcher returns its fields)
+    got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS})
     return got
 
 
@@ -197,7 +197,7 @@ def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
     for label, needs in NEEDS.items():
         got = _triton(problem, cotangents, tuning, needs)
         returned = []
-        for name in LEAVES:
+        for name in GRAD_INPUTS:
             grad, want = got[f"d{name}"], full[f"d{name}"]
             if not getattr(needs, name):
                 assert grad is None, f"{label}: d{name} computed though not needed"

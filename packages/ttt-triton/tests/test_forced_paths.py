@@ -15,8 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 import ttt  # noqa: E402
-from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
-from ttt.testing.tolerances import TOLERANCES  # noqa: E402
+from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
+from ttt.problem import GRAD_INPUTS  # noqa: E402
+from ttt.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
@@ -25,7 +26,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 F64 = torch.float64
-LEAVES = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias")
 OUTPUTS = ("o", "ht", "hbt")
 
 
@@ -72,7 +72,8 @@ def _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning):
     if with_grad:
         do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
         grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning)
-        got.update({f"d{n}": g for n, g in zip(LEAVES, grads)})
+        gradients = ttt.Gradients(*grads)          # (the launcher returns its fields)
+        got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS if n in x})
     return {n: t.detach().to("cpu", F64) for n, t in got.items()}
 
 

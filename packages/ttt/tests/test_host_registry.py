@@ -1,6 +1,6 @@
-"""The automatic choice does not import a backend that is not installed on every call: it
-tries again after ``registry.RETRY_IMPORT_S`` seconds or once ``sys.path`` changed. It keeps
-its choice per problem signature as long, unless the backends known or loaded change."""
+"""The automatic choice does not import a backend that is not installed on every call, and
+keeps its choice per problem signature, until its caches are dropped: by ``set_backend``, a
+change of the backends known or loaded, or ``registry.clear_cache()``; never by time."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ GHOST = "ttt_ghost_backend_module"
 @pytest.fixture
 def ghost(monkeypatch):
     """A known backend, first in the automatic choice, whose module is not installed; the
-    imports of it counted, the clock in the test's hands."""
+    imports of it counted; nothing kept of earlier choices."""
     imports = []
     real_import = registry.importlib.import_module
 
@@ -27,15 +27,12 @@ def ghost(monkeypatch):
             imports.append(name)
         return real_import(name, *args)
 
-    now = [1000.0]
     monkeypatch.setattr(registry.importlib, "import_module", counting_import)
-    monkeypatch.setattr(registry, "_clock", lambda: now[0])
-    monkeypatch.setattr(registry, "_NOT_INSTALLED", {})
-    monkeypatch.setattr(registry, "_KEPT", {})           # no automatic choice kept either
     monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
         f"{GHOST}:Backend", "pip install ghost", -1))
     monkeypatch.delitem(registry._LOADED, "ghost", raising=False)
-    yield imports, now
+    registry.clear_cache()
+    yield imports
     registry._LOADED.pop("ghost", None)
 
 
@@ -47,19 +44,35 @@ def _problem(T=16, dtype=torch.float32):
                             0.1 * torch.rand(1, T, 2, 1, generator=gen, dtype=dtype))
 
 
-def test_a_missing_backend_is_imported_once_per_interval(ghost):
-    imports, now = ghost
-    problem = _problem()
-    for _ in range(3):
-        assert registry.select_backend(problem).name != "ghost"
+def test_a_missing_backend_is_imported_once_until_the_cache_is_cleared(ghost):
+    imports = ghost
+    for T in (16, 5, 3):                       # new signatures: the choice runs each time
+        assert registry.select_backend(_problem(T)).name != "ghost"
     assert imports == [GHOST]
-    now[0] += registry.RETRY_IMPORT_S
-    registry.select_backend(problem)
+    registry.clear_cache()
+    registry.select_backend(_problem())
+    assert imports == [GHOST, GHOST]
+
+
+@pytest.mark.parametrize("drop", ["set_backend", "register", "load"])
+def test_set_backend_and_registration_drop_the_memo(ghost, monkeypatch, drop):
+    imports = ghost
+    registry.select_backend(_problem())
+    assert imports == [GHOST]
+    if drop == "set_backend":
+        with ttt.set_backend(None):
+            pass
+    elif drop == "register":
+        monkeypatch.setitem(registry.KNOWN_BACKENDS, "other", registry.KnownBackend(
+            "x:y", "pip install other", 2000))
+    else:
+        monkeypatch.setitem(registry._LOADED, "other", _Counting("other"))
+    registry.select_backend(_problem())
     assert imports == [GHOST, GHOST]
 
 
 def test_a_named_backend_is_always_imported_again(ghost):
-    imports, _ = ghost
+    imports = ghost
     registry.select_backend(_problem())
     for _ in range(2):
         with pytest.raises(registry.BackendNotInstalledError, match="pip install ghost"):
@@ -75,10 +88,11 @@ def test_the_reasons_stay_those_of_the_import(ghost):
     assert f"ghost: not installed: module {GHOST!r} cannot be imported" in str(first.value)
 
 
-def test_a_backend_installed_on_a_new_path_is_found_at_once(ghost, monkeypatch, tmp_path):
-    imports, _ = ghost
+def test_a_backend_installed_later_is_found_once_the_cache_is_cleared(ghost, monkeypatch,
+                                                                     tmp_path):
+    imports = ghost
     problem = _problem()
-    registry.select_backend(problem)
+    assert registry.select_backend(problem).name != "ghost"
     (tmp_path / f"{GHOST}.py").write_text(textwrap.dedent("""
         from ttt.reference import ReferenceBackend
 
@@ -86,6 +100,9 @@ def test_a_backend_installed_on_a_new_path_is_found_at_once(ghost, monkeypatch, 
             name = "ghost"
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.select_backend(problem).name != "ghost"      # kept: nothing dropped
+    assert imports == [GHOST]
+    registry.clear_cache()
     assert registry.select_backend(problem).name == "ghost"
     assert imports == [GHOST, GHOST]
 
@@ -107,21 +124,19 @@ class _Counting(ttt.Backend):
 
 @pytest.fixture
 def counting(monkeypatch):
-    """A backend "counting" first in the automatic choice, loaded; the clock in the test's
-    hands; no automatic choice kept."""
-    now = [1000.0]
+    """A backend "counting" first in the automatic choice, loaded; no automatic choice
+    kept."""
     backend = _Counting("counting")
-    monkeypatch.setattr(registry, "_clock", lambda: now[0])
-    monkeypatch.setattr(registry, "_KEPT", {})
     monkeypatch.delenv("TTT_BACKEND", raising=False)
     monkeypatch.setitem(registry.KNOWN_BACKENDS, "counting", registry.KnownBackend(
         "x:y", "pip install counting", -2))
     monkeypatch.setitem(registry._LOADED, "counting", backend)
-    return backend, now
+    registry.clear_cache()
+    return backend
 
 
-def test_the_automatic_choice_is_kept_per_signature_for_an_interval(counting):
-    backend, now = counting
+def test_the_automatic_choice_is_kept_per_signature_until_dropped(counting):
+    backend = counting
     problem = _problem()
     for _ in range(3):
         assert registry.select_backend(problem) is backend
@@ -129,13 +144,18 @@ def test_the_automatic_choice_is_kept_per_signature_for_an_interval(counting):
     other = _problem(T=5)                      # another signature: asked again
     assert registry.select_backend(other) is backend
     assert backend.asked == 2
-    now[0] += registry.RETRY_IMPORT_S          # the interval is over: asked again
+    registry.clear_cache()                     # dropped: asked again
     registry.select_backend(problem)
     assert backend.asked == 3
+    with ttt.set_backend(None):                # dropped by set_backend
+        registry.select_backend(problem)
+    assert backend.asked == 4
+    registry.select_backend(problem)
+    assert backend.asked == 4
 
 
 def test_a_kept_choice_is_never_one_the_problem_does_not_fit(counting):
-    backend, _ = counting
+    backend = counting
     registry.select_backend(_problem())
     double = _problem(dtype=torch.float64)
     assert registry.select_backend(double).name == "reference"
@@ -143,7 +163,7 @@ def test_a_kept_choice_is_never_one_the_problem_does_not_fit(counting):
 
 
 def test_named_choices_bypass_the_kept_one(counting, monkeypatch):
-    backend, _ = counting
+    backend = counting
     problem = _problem()
     assert registry.select_backend(problem) is backend
     assert registry.select_backend(problem, "reference").name == "reference"
@@ -156,7 +176,7 @@ def test_named_choices_bypass_the_kept_one(counting, monkeypatch):
 
 
 def test_a_backend_registered_or_loaded_later_is_chosen_at_once(counting, monkeypatch):
-    backend, _ = counting
+    backend = counting
     problem = _problem()
     assert registry.select_backend(problem) is backend
     earlier = _Counting("earlier")

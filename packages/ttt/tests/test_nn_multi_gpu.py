@@ -47,7 +47,7 @@ from torch import nn
 import ttt
 import ttt.nn.layer
 from ttt.nn import TTTLinear
-from ttt.testing.tolerances import TOLERANCES
+from ttt.tolerances import TOLERANCES
 
 WORLD = 2
 WIDTH, HEADS, MINI_BATCH = 32, 2, 8

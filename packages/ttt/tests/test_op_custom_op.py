@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import ttt
-from ttt import _custom_op, reference, registry
-from ttt.testing.oracle import oracle_chunk_ttt_linear
-from ttt.testing.tolerances import TOLERANCES
+from ttt import reference, registry
+from ttt.oracle import oracle_chunk_ttt_linear
+from ttt.problem import GRAD_INPUTS
+from ttt.tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 8, 16
-GRAD_INPUTS = _custom_op.GRAD_INPUTS
 
 
 def _inputs(*, varlen=False, states=True, tensor_eta=True, eta_key=False, dtype=torch.float32,
@@ -66,7 +66,7 @@ CASES = {
 
 def _assert_near(got: torch.Tensor, want: torch.Tensor, bound: float) -> None:
     """Compiled against eager: relative error ||got - want|| / ||want|| (inductor may sum in
-    another order), the bound of the inputs' dtype in ttt.testing.tolerances."""
+    another order), the bound of the inputs' dtype in ttt.tolerances."""
     assert got.dtype == want.dtype and got.shape == want.shape
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < bound, err

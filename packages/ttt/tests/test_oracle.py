@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ttt.testing.oracle import oracle_chunk_ttt_linear
+from ttt.oracle import oracle_chunk_ttt_linear
 
 
 def _ln(x, eps):
@@ -134,3 +134,26 @@ def test_oracle_gradients_match_finite_differences(layout):
 
     assert torch.autograd.gradcheck(oracle, tuple(inputs.values()), eps=1e-6, atol=1e-6,
                                     rtol=1e-5)
+
+
+def test_the_suite_modules_re_export_the_oracle_and_the_tolerances():
+    import ttt.oracle
+    import ttt.testing.oracle
+    import ttt.testing.tolerances
+    import ttt.tolerances
+
+    assert ttt.testing.oracle.oracle_chunk_ttt_linear is ttt.oracle.oracle_chunk_ttt_linear
+    assert ttt.testing.tolerances.TOLERANCES is ttt.tolerances.TOLERANCES
+    assert ttt.testing.tolerances.SEGMENT_FACTOR == ttt.tolerances.SEGMENT_FACTOR
+
+
+def test_the_cli_imports_nothing_of_the_test_package():
+    import ast
+
+    import ttt.cli
+
+    tree = ast.parse(open(ttt.cli.__file__).read())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names]
+    assert not [name for name in imported if "testing" in name.split(".")]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._custom_op import GRAD_INPUTS
-from .problem import Problem
+from ._custom_op import problem_of
+from .problem import GRAD_INPUTS
 from .registry import BackendNotSupportedError, select_backend
 
 
@@ -22,11 +22,11 @@ def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 @torch.compiler.assume_constant_result
 def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     """The backend's choice while torch.compile traces: run once, kept by the graph. The
-    signature (plain values) rebuilds a Problem of stand-in tensors with the call's head
-    count and dim, dtypes, device, chunk size and options. Batch size and length, which a
-    compiled graph may keep dynamic, are not in it: a dense stand-in holds one sequence of
-    one chunk, a packed one the call's sequence lengths; scale and eps are not either (the
-    stand-in has ``D ** -0.5`` and ``1e-6``)."""
+    signature (``Problem.signature()``: plain values) rebuilds a Problem of stand-in tensors
+    with the call's head count and dim, dtypes, device, chunk size and options. Batch size
+    and length, which a compiled graph may keep dynamic, are not in it: a dense stand-in
+    holds one sequence of one chunk, a packed one the call's sequence lengths; scale and eps
+    are not either (the stand-in has ``D ** -0.5`` and ``1e-6``)."""
     (H, D, dtypes, device, chunk_size, output_final_state, packed_lens, eta_is_tensor,
      requires_grad, output) = signature
     seq_lens = (chunk_size,) if packed_lens is None else tuple(packed_lens)
@@ -37,13 +37,9 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     t = {name: None if dtype is None else _stand_in(shapes[name], dtype, device)
          for name, dtype in zip(GRAD_INPUTS, dtypes)}
     cu_seqlens = None if packed_lens is None else _stand_in((N + 1,), torch.int64, device)
-    problem = Problem(q=t["q"], k=t["k"], v=t["v"], w=t["w"], b=t["b"], eta=t["eta"],
-                      scale=D ** -0.5, eps=1e-6, chunk_size=chunk_size,
-                      initial_state=t["initial_state"],
-                      initial_state_bias=t["initial_state_bias"],
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                      seq_lens=seq_lens, eta_is_tensor=eta_is_tensor,
-                      requires_grad=requires_grad, eta_key=t["eta_key"], output=output)
+    problem = problem_of(*(t[name] for name in GRAD_INPUTS), cu_seqlens, seq_lens,
+                         D ** -0.5, 1e-6, chunk_size, output_final_state, eta_is_tensor,
+                         output, requires_grad)
     try:
         return select_backend(problem, requested).name
     except BackendNotSupportedError as err:

@@ -18,18 +18,15 @@ import contextlib
 import torch
 
 from .backend import GradNeeds
-from .problem import Problem
+from .problem import GRAD_INPUTS, GRADIENT_FIELDS, Problem
 from .registry import load_backend
-
-GRAD_INPUTS = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
-               "initial_state_bias")
-"""The differentiable tensor arguments, in the ops' order."""
 
 
 def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
                seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
                requires_grad) -> Problem:
-    """The Problem the wrapper validated, rebuilt from the ops' arguments."""
+    """The Problem the wrapper validated, re-created from the ops' arguments (which the
+    wrapper made from it, so unchecked: see ``Problem._of_fields``)."""
     B, T = q.shape[0], q.shape[1]
     lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
     return Problem._of_fields(
@@ -133,13 +130,14 @@ def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu
 
 
 _GRAD_NEEDS: dict[tuple[bool, ...], GradNeeds] = {}
+_GRADIENT_FIELDS = tuple(GRADIENT_FIELDS[name] for name in GRAD_INPUTS)
 
 
 def _grad_needs(needs: tuple[bool, ...]) -> GradNeeds:
     """The (frozen) GradNeeds of ``needs`` in GRAD_INPUTS order, made once per pattern."""
     found = _GRAD_NEEDS.get(needs)
     if found is None:
-        found = _GRAD_NEEDS[needs] = GradNeeds(**dict(zip(GRAD_INPUTS, needs)))
+        found = _GRAD_NEEDS[needs] = GradNeeds.of_flags(needs)
     return found
 
 
@@ -159,13 +157,12 @@ def _backward_impl(
     with _no_autocast(q.device), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
                                                dhbt, _grad_needs(tuple(needs)))
-    found = (grads.dq, grads.dk, grads.dv, grads.dw, grads.db, grads.deta, grads.deta_key,
-             grads.dh0, grads.dhb0)
     inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
     result = []
-    for name, need, grad, like in zip(GRAD_INPUTS, needs, found, inputs):
+    for name, need, field, like in zip(GRAD_INPUTS, needs, _GRADIENT_FIELDS, inputs):
         if not need:
             continue
+        grad = getattr(grads, field)
         if grad is None:
             raise RuntimeError(f"backend {backend!r} returned no gradient for {name}")
         result.append((grad if grad.dtype == like.dtype else grad.to(like.dtype)).contiguous())

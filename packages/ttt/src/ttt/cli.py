@@ -143,9 +143,9 @@ def _require_runnable(name: str) -> None:
 
 def cmd_demo(args) -> int:
     from .ops import chunk_ttt_linear
+    from .oracle import oracle_chunk_ttt_linear
     from .registry import select_backend
-    from .testing.oracle import oracle_chunk_ttt_linear
-    from .testing.tolerances import TOLERANCES
+    from .tolerances import TOLERANCES
     from .validation import make_problem
 
     device = _demo_device(args.device)

@@ -3,8 +3,6 @@ custom op ``ttt::chunk_ttt_linear_fwd`` (``ttt._custom_op``) every backend goes 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from . import _custom_op, _empty
@@ -50,14 +48,7 @@ def _backend_name(problem: Problem, requested: str | None) -> str:
         return select_backend(problem, requested).name
     from ._compiled_choice import compiled_backend_name  # (imports torch._dynamo)
 
-    tensors = [getattr(problem, name) for name in _custom_op.GRAD_INPUTS]
-    # operator.index: head count and dim specialize (a guard each); scale and eps stay out
-    signature = (operator.index(problem.H), operator.index(problem.D),
-                 tuple(None if t is None else t.dtype for t in tensors),
-                 problem.device, problem.chunk_size,
-                 problem.output_final_state, problem.seq_lens if problem.is_varlen else None,
-                 problem.eta_is_tensor, problem.requires_grad, problem.output)
-    return compiled_backend_name(signature, requested)
+    return compiled_backend_name(problem.signature(), requested)
 
 
 def chunk_ttt_linear(

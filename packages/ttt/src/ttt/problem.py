@@ -6,9 +6,22 @@ input. Tensors in a Problem are contiguous and never to be written by a backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 import torch
+
+GRAD_INPUTS = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
+               "initial_state_bias")
+"""The differentiable inputs of ``chunk_ttt_linear``, by argument name, in the custom op's
+order: the one list of them. :class:`ttt.GradNeeds` has one field per name,
+:class:`Gradients` one per name (:data:`GRADIENT_FIELDS`)."""
+
+GRADIENT_FIELDS = {name: {"initial_state": "dh0", "initial_state_bias": "dhb0"}.get(
+    name, "d" + name) for name in GRAD_INPUTS}
+"""The :class:`Gradients` field holding each input's gradient (``"q"`` -> ``"dq"``; the
+initial states' are ``dh0`` and ``dhb0``)."""
 
 OUTPUTS = ("norm_residual", "query_residual", "raw")
 """The output forms, with z the inner model's prediction for the scaled query:
@@ -19,6 +32,12 @@ before ``scale``); ``"raw"`` z."""
 @dataclass(frozen=True)
 class Problem:
     """One call of ``chunk_ttt_linear`` after validation.
+
+    Built by :func:`ttt.make_problem`, the one way to a validated Problem (the op builds
+    it so; a backend's tests may too). Inside the core, :meth:`_of_fields` alone builds one
+    from fields already checked: the custom op re-creates the Problem the wrapper validated
+    from its own arguments (``ttt._custom_op.problem_of``), and a derived one comes from
+    ``dataclasses.replace``. The dataclass constructor checks nothing.
 
     Shapes (``D`` is the head dim, key dim == value dim):
 
@@ -57,10 +76,13 @@ class Problem:
 
     @classmethod
     def _of_fields(cls, **fields) -> Problem:
-        """``Problem(**fields)`` given every field: the same object, built without the
-        frozen dataclass's ``object.__setattr__`` per field (the core builds a few per
-        call). Under ``torch.compile`` the plain constructor: dynamo (torch 2.11) cannot
-        trace ``__dict__.update``."""
+        """``Problem(**fields)`` given every field, already checked (by ``make_problem``,
+        whose result it builds, or by the wrapper whose Problem the custom op re-creates
+        from its arguments): the same object, built without the frozen dataclass's
+        ``object.__setattr__`` per field, as the core builds a few per call (validation,
+        the op's forward and its backward). Under ``torch.compile`` the plain constructor:
+        dynamo (torch 2.11) cannot trace ``__dict__.update``. The core's only constructor
+        besides ``make_problem``; nothing outside the core should call it."""
         if torch.compiler.is_compiling():
             return cls(**fields)
         problem = object.__new__(cls)
@@ -104,6 +126,20 @@ class Problem:
     def state_dtype(self) -> torch.dtype:
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
 
+    def signature(self) -> tuple:
+        """What the backend's choice reads of this problem, as plain values, but its batch
+        size and length, scale and eps: head count and dim, the dtypes of
+        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
+        sequences' lengths (None for a dense batch). The registry keeps its automatic
+        choices by it and the rest (``ttt.registry._choice_key``); under torch.compile the
+        choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
+        and dim through ``operator.index``: there they specialize, a guard each."""
+        shape = self.q.shape
+        return (operator.index(shape[2]), operator.index(shape[3]), _input_dtypes(self),
+                self.q.device, self.chunk_size, self.output_final_state,
+                self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
+                self.requires_grad, self.output)
+
     def chunk_counts(self) -> list[int]:
         """Chunks per sequence (a partial last chunk counts as one)."""
         return [-(-length // self.chunk_size) for length in self.seq_lens]
@@ -112,6 +148,21 @@ class Problem:
         kind = f"varlen N={self.N}" if self.is_varlen else f"B={self.B}"
         return (f"{kind} T={self.T} H={self.H} D={self.D} chunk={self.chunk_size} "
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
+
+
+def _input_dtypes(p: Problem) -> tuple:
+    """The dtypes of ``p``'s :data:`GRAD_INPUTS` (None where absent), in that order: written
+    out (a comprehension over the names costs a microsecond per call of the automatic
+    choice), checked against GRAD_INPUTS at import."""
+    eta_key, h0, hb0 = p.eta_key, p.initial_state, p.initial_state_bias
+    return (p.q.dtype, p.k.dtype, p.v.dtype, p.w.dtype, p.b.dtype, p.eta.dtype,
+            None if eta_key is None else eta_key.dtype, None if h0 is None else h0.dtype,
+            None if hb0 is None else hb0.dtype)
+
+
+if _input_dtypes(SimpleNamespace(**{name: SimpleNamespace(dtype=name)
+                                    for name in GRAD_INPUTS})) != GRAD_INPUTS:
+    raise RuntimeError("ttt.problem: _input_dtypes does not follow GRAD_INPUTS")
 
 
 @dataclass
@@ -127,3 +178,11 @@ class Gradients:
     dh0: torch.Tensor | None = None
     dhb0: torch.Tensor | None = None
     deta_key: torch.Tensor | None = None
+
+    def of(self, name: str) -> torch.Tensor | None:
+        """The gradient of input ``name`` (one of :data:`GRAD_INPUTS`)."""
+        return getattr(self, GRADIENT_FIELDS[name])
+
+
+if {f.name for f in fields(Gradients)} != set(GRADIENT_FIELDS.values()):
+    raise RuntimeError("ttt.problem: Gradients' fields do not match GRAD_INPUTS")

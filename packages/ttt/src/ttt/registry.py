@@ -8,18 +8,20 @@ is not in the table, or when all backends are listed, never at ``import ttt``.
 
 The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
 ``backend=`` argument > ``set_backend`` in the current context > ``TTT_BACKEND`` > automatic.
-The automatic choice is kept per problem signature for ``RETRY_IMPORT_S`` seconds while the
-backends known and loaded, the entry points and ``sys.path`` stay the same.
+
+Two caches serve the automatic choice: the backend chosen per problem signature, and which
+backends failed to import (the choice passes over them without importing them again). Both
+are dropped by :func:`set_backend`, by any change of ``KNOWN_BACKENDS`` or of the loaded
+backends (registration), when the entry points are read again, and by :func:`clear_cache`,
+which also reads the entry points again: after installing a backend package in a running
+process, call ``ttt.registry.clear_cache()``. Nothing expires by time.
 """
 
 from __future__ import annotations
 
 import contextvars
 import importlib
-import math
 import os
-import sys
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +43,51 @@ class KnownBackend:
     priority: int        # automatic choice: lower first
 
 
-KNOWN_BACKENDS: dict[str, KnownBackend] = {
+class _Table(dict):
+    """A dict whose every change drops the automatic choice's caches (see
+    :func:`_forget_choices`): the backends known (``KNOWN_BACKENDS``) and loaded, which a
+    caller may change in place (``monkeypatch.setitem``, a test's own backend)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _forget_choices()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _forget_choices()
+
+    def pop(self, *args):
+        try:
+            return super().pop(*args)
+        finally:
+            _forget_choices()
+
+    def popitem(self):
+        try:
+            return super().popitem()
+        finally:
+            _forget_choices()
+
+    def setdefault(self, key, default=None):
+        try:
+            return super().setdefault(key, default)
+        finally:
+            _forget_choices()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        _forget_choices()
+
+    def clear(self):
+        super().clear()
+        _forget_choices()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+KNOWN_BACKENDS: dict[str, KnownBackend] = _Table({
     "triton": KnownBackend("ttt_triton.backend:TritonBackend",
                            "pip install ./packages/ttt-triton  (from a ttt checkout)", 10),
     "cupy": KnownBackend("ttt_cupy.backend:CupyBackend",
@@ -49,10 +95,12 @@ KNOWN_BACKENDS: dict[str, KnownBackend] = {
                          "[cuda12] for CUDA 12)", 20),
     "reference": KnownBackend("ttt.reference:ReferenceBackend",
                               "pip install ./packages/ttt  (it ships with ttt)", 1000),
-}
+})
 _ENTRY_POINT_PRIORITY = 500
 
-_LOADED: dict[str, Backend] = {}
+_LOADED: dict[str, Backend] = _Table()
+"""The backends loaded, by name (``load_backend`` adds to it without dropping the caches:
+a backend it loads is the one the automatic choice would load)."""
 _ENTRY_POINTS: dict[str, metadata.EntryPoint] | None = None
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
 
@@ -115,6 +163,7 @@ def _entry_points() -> dict[str, metadata.EntryPoint]:
                                    f"{found[ep.name].value!r} and {ep.value!r}")
             found[ep.name] = ep
         _ENTRY_POINTS = found
+        _forget_choices()                   # (entry points read again: maybe others)
     return _ENTRY_POINTS
 
 
@@ -164,7 +213,7 @@ def load_backend(name: str) -> Backend:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend {name!r}: its factory returned {type(backend).__name__}, "
                         f"expected a ttt.Backend")
-    _LOADED[name] = backend
+    dict.__setitem__(_LOADED, name, backend)
     return backend
 
 
@@ -270,6 +319,7 @@ def set_backend(name: str | None) -> _BackendChoice:
                         f"got {type(name).__name__}")
     if name != AUTO:
         load_backend(name)
+    _forget_choices()
     return _BackendChoice(_CURRENT.set(name), name)
 
 
@@ -287,30 +337,54 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 
 _WARNED: set[tuple[str, ...]] = set()
 
-RETRY_IMPORT_S = 1.0
-"""The automatic choice imports a backend that was not installed again only after this many
-seconds (or once ``sys.path`` changed): a failed import costs tens of microseconds, and the
-choice passes over every backend not installed on each call."""
-_NOT_INSTALLED: dict[str, tuple[float, list[str], str]] = {}
-_clock = time.monotonic
+_NOT_INSTALLED: dict[str, str] = {}
+"""Backends the automatic choice found not installed, with the reason: it passes over them
+without importing them again (a failed import costs tens of microseconds, on every call)
+until the caches are dropped (see the module's doc)."""
+
+_KEPT: dict[tuple, Backend] = {}
+"""The automatic choice per problem (``_choice_key``), until the caches are dropped."""
+
+MAX_KEPT_CHOICES = 1024
+"""The automatic choices kept at most (packed batches of new lengths are new signatures)."""
+
+
+def _forget_choices() -> None:
+    """Drops the automatic choices kept and the memo of backends not installed."""
+    _KEPT.clear()
+    _NOT_INSTALLED.clear()
+
+
+def clear_cache() -> None:
+    """Forgets what the automatic choice keeps (its choice per problem signature, the
+    backends it found not installed) and the entry points read: the next call imports and
+    asks the backends again. Call it after installing (or removing) a backend package in a
+    running process; ``set_backend`` and changes of the registered or loaded backends drop
+    the choices too. Thread-safe as the choice is: a call running meanwhile may keep its
+    choice once more."""
+    global _ENTRY_POINTS
+    _ENTRY_POINTS = None
+    importlib.invalidate_caches()
+    _forget_choices()
 
 
 def _load_for_automatic_choice(name: str) -> Backend:
-    """:func:`load_backend`, where a backend found not installed less than RETRY_IMPORT_S
-    ago, with the same ``sys.path``, raises its BackendNotInstalledError again at once."""
-    failed = _NOT_INSTALLED.get(name)
-    if failed is not None and _clock() - failed[0] < RETRY_IMPORT_S and failed[1] == sys.path:
-        raise BackendNotInstalledError(name, failed[2])
+    """:func:`load_backend`, where a backend found not installed since the caches were last
+    dropped raises its BackendNotInstalledError again at once."""
+    reason = _NOT_INSTALLED.get(name)
+    if reason is not None:
+        raise BackendNotInstalledError(name, reason)
     try:
         return load_backend(name)
     except BackendNotInstalledError as exc:
-        _NOT_INSTALLED[name] = (_clock(), list(sys.path), exc.reason)
+        _NOT_INSTALLED[name] = exc.reason
         raise
 
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     """The backend for one call: the requested or active one, else the best that fits
-    (the automatic choice, kept per problem signature: see :func:`_kept_choice`)."""
+    (the automatic choice, kept per problem signature until the caches are dropped: see
+    the module's doc)."""
     name = requested if requested is not None else get_backend()
     if name != AUTO:
         try:
@@ -327,62 +401,25 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
             raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
                         f"{'; '.join(reasons)}")
         return backend
-    signature = _signature(problem)
-    backend = _kept_choice(signature)
+    signature = _choice_key(problem)
+    backend = _KEPT.get(signature)
     if backend is None:
         backend = _automatic_choice(problem)
         _keep_choice(signature, backend)
     return backend
 
 
-def _signature(problem: Problem) -> tuple:
-    """Everything of ``problem`` but its tensors' values: shapes, dtypes, device, options
-    (the tensors are contiguous; the other tensors' shapes follow from q's and N)."""
-    p = problem
-    return (p.q.shape, p.q.dtype, p.q.device, p.w.dtype, p.b.dtype, p.eta.dtype,
-            None if p.eta_key is None else p.eta_key.dtype,
-            None if p.initial_state is None else p.initial_state.dtype,
-            None if p.initial_state_bias is None else p.initial_state_bias.dtype,
-            p.cu_seqlens is not None, p.seq_lens, p.scale, p.eps, p.chunk_size,
-            p.output_final_state, p.eta_is_tensor, p.requires_grad, p.output)
-
-
-MAX_KEPT_CHOICES = 1024
-"""The automatic choices kept at most (packed batches of new lengths are new signatures)."""
-_KEPT: dict[tuple, Backend] = {}
-_kept_since: float = -math.inf
-_kept_world: tuple = ()
-_kept_path: list[str] = []
-
-
-def _world() -> tuple:
-    """What the automatic choice reads besides the problem: the backends known and loaded
-    (compared item by item, by identity first) and the entry points read."""
-    return (_ENTRY_POINTS, *KNOWN_BACKENDS.items(), *_LOADED.items())
-
-
-def _kept_choice(signature: tuple) -> Backend | None:
-    """The automatic choice made for ``signature``, if made less than RETRY_IMPORT_S ago
-    with the same ``sys.path``, known, loaded and entry-point backends (what a backend
-    installed since, or one registered or loaded since, would change); else None. A
-    backend's own ``not_supported_reasons`` is asked again at most once per interval, as a
-    backend not installed is imported again."""
-    if not _KEPT:
-        return None
-    if (not 0 <= _clock() - _kept_since < RETRY_IMPORT_S or _kept_world != _world()
-            or _kept_path != sys.path):
-        _KEPT.clear()
-        return None
-    return _KEPT.get(signature)
+def _choice_key(problem: Problem) -> tuple:
+    """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
+    batch size, length, scale and eps): the automatic choice is kept by it."""
+    return (problem.q.shape, problem.scale, problem.eps, problem.signature())
 
 
 def _keep_choice(signature: tuple, backend: Backend) -> None:
-    """Keeps ``backend`` as the automatic choice for ``signature``; the first one kept (or
-    the first after MAX_KEPT_CHOICES) starts the interval and records what it was made in."""
-    global _kept_since, _kept_world, _kept_path
-    if not _KEPT or len(_KEPT) >= MAX_KEPT_CHOICES:
+    """Keeps ``backend`` as the automatic choice for ``signature`` (all forgotten once
+    MAX_KEPT_CHOICES are kept)."""
+    if len(_KEPT) >= MAX_KEPT_CHOICES:
         _KEPT.clear()
-        _kept_since, _kept_world, _kept_path = _clock(), _world(), list(sys.path)
     _KEPT[signature] = backend
 
 

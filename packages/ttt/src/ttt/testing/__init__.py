@@ -5,8 +5,9 @@ Run it on any installed backend (built in, or registered in the entry-point grou
 
     pytest --pyargs ttt.testing --ttt-backend NAME [--ttt-device cuda] [-m "not big"]
 
-Modules: ``oracle`` (TTT-linear from its definition, float64), ``tolerances`` (the bounds),
-``cases`` (shapes, dtypes, options, inputs), ``expected`` (the oracle's answer per case,
+It judges by the float64 oracle :mod:`ttt.oracle` (TTT-linear from its definition) and the
+bounds of :mod:`ttt.tolerances`; ``oracle`` and ``tolerances`` here re-export them.
+Modules: ``cases`` (shapes, dtypes, options, inputs), ``expected`` (the oracle's answer per case,
 computed once), ``calls`` (the backend through the public op, skips with its reasons),
 ``compare`` (whole, per-sequence and per-chunk errors), ``plugin`` (the pytest plugin:
 options, fixtures, header, skip summary) and the ``test_*`` modules. Importing this package

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from ttt.problem import GRAD_INPUTS
+
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 DTYPE_NAMES = {F32: "fp32", BF16: "bf16", F16: "fp16", F64: "fp64"}
 DEFAULT_EPS = 1e-6
 
-GRAD_NAMES = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
-              "initial_state_bias")
+GRAD_NAMES = GRAD_INPUTS
+"""The differentiable inputs (``ttt.problem.GRAD_INPUTS``, under the suite's older name)."""
 OUTPUT_FORMS = ("norm_residual", "query_residual", "raw")
 """The op's output forms (``output=``); the first is its default."""
 STATE_NAMES = ("initial_state", "initial_state_bias")

@@ -1,6 +1,6 @@
 """How the suite judges a backend's tensor against the float64 oracle's.
 
-Two measures, both bounded per dtype by :mod:`ttt.testing.tolerances`:
+Two measures, both bounded per dtype by :mod:`ttt.tolerances`:
 
 - the whole tensor's relative error ``||x - ref|| / ||ref||``;
 - the worst *segment error* over the tensor's sequences and over their chunks (a partial
@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from ..tolerances import SEGMENT_FACTOR
 from .cases import Case, chunk_spans, segment_spans
-from .tolerances import SEGMENT_FACTOR
 
 F64 = torch.float64
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..oracle import oracle_chunk_ttt_linear
 from .cases import GRAD_NAMES, Case, make_inputs
-from .oracle import oracle_chunk_ttt_linear
 
 F64 = torch.float64
 OUTPUT_NAMES = ("o", "final_state", "final_state_bias")

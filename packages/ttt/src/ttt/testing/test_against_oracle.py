@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..tolerances import TOLERANCES
 from .calls import gradients, outputs_for_loss, run_op, skip_unless_supported
 from .cases import (
     BF16,
@@ -19,7 +20,6 @@ from .cases import (
 )
 from .compare import Judge
 from .expected import OUTPUT_NAMES, expected_for, oracle_forward
-from .tolerances import TOLERANCES
 
 
 def _check_outputs(judge: Judge, case: Case, outputs: tuple, expected: dict, tol: float):

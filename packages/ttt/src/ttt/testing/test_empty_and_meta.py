@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..tolerances import TOLERANCES
 from .calls import gradients, outputs_for_loss, run_op, skip_unless_supported
 from .cases import (
     BF16,
@@ -30,7 +31,6 @@ from .cases import (
 from .compare import Judge, expect
 from .expected import expected_for
 from .test_against_oracle import _check_outputs
-from .tolerances import TOLERANCES
 
 
 def _empty_cases() -> list[Case]:

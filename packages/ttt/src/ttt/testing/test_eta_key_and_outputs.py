@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ..tolerances import TOLERANCES
 from .calls import outputs_and_grads, skip_unless_supported
 from .cases import (
     BF16,
@@ -22,7 +23,6 @@ from .cases import (
     make_inputs,
 )
 from .compare import expect, expect_close
-from .tolerances import TOLERANCES
 
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (F32, BF16, F16)]
 LAYOUTS = [pytest.param(None, id="dense"), pytest.param((9, 36), id="varlen")]

@@ -16,10 +16,10 @@ from torch import nn
 import ttt
 from ttt.nn import TTTCache, TTTLinear
 
+from ..tolerances import TOLERANCES
 from .calls import skip_unless_supported
 from .cases import BF16, F32
 from .compare import expect, expect_close, rel_error
-from .tolerances import TOLERANCES
 
 WIDTH, HEADS, MINI_BATCH = 64, 2, 16
 

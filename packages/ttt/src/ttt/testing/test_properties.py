@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..tolerances import TOLERANCES
 from .calls import gradients, outputs_and_grads, run_op, skip_unless_supported
 from .cases import (
     BF16,
@@ -18,7 +19,6 @@ from .cases import (
 )
 from .compare import expect, expect_close
 from .expected import oracle_forward
-from .tolerances import TOLERANCES
 
 PROPERTY_DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (F32, BF16, F16)]
 

@@ -14,10 +14,10 @@ import torch
 
 import ttt
 
+from ..tolerances import TOLERANCES
 from .calls import gradients, op_arguments, run_op, skip_unless_supported
 from .cases import BF16, F16, F32, GRAD_NAMES, Case, differentiable, make_inputs, with_requires_grad
 from .compare import expect, expect_close
-from .tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 16, 16
 
