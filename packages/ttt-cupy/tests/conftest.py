@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -189,19 +191,30 @@ EMULATION = Path(__file__).resolve().parent / "cpu_emulation"
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
     """The CPU emulation of the kernels (cpu_emulation/harness.cpp with csrc/, built with g++
-    once per test process): emu_<kernel> entry points, see test_cpu_emulation.py."""
+    once per test run: the pytest-xdist workers of a run share one build, made by the first
+    under a file lock): emu_<kernel> entry points, see test_cpu_emulation.py."""
     cxx = shutil.which("g++")
     if cxx is None:
         why = "g++ not found (the CPU emulation compiles the kernels as C++20)"
         if toolchain_required():
             pytest.fail(f"{REQUIRE_TOOLCHAIN_ENV}=1: {why}")
         pytest.skip(why)
-    out = tmp_path_factory.mktemp("emu") / "emu.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{EMULATION / 'fake_include'}",
-           f"-I{cc.CSRC}", str(EMULATION / "harness.cpp"), "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
+    sources = sorted([*EMULATION.rglob("*.cpp"), *EMULATION.rglob("*.h"),
+                      *Path(cc.CSRC).iterdir()])
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()[:16]
+    shared = tmp_path_factory.getbasetemp().parent      # (one per run, every worker's)
+    out = shared / f"emu-{digest}.so"
+    with open(shared / f"emu-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            partial = out.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC",
+                   f"-I{EMULATION / 'fake_include'}", f"-I{cc.CSRC}",
+                   str(EMULATION / "harness.cpp"), "-o", str(partial)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
+            os.replace(partial, out)
     lib = ctypes.CDLL(str(out))
     for name in ("emu_prefetches", "emu_prefetch_strays", "emu_async_copies",
                  "emu_async_strays", "emu_async_leftovers"):
