@@ -117,7 +117,7 @@ def _entry(fake_cupy):
 
 
 @pytest.mark.parametrize("damage", ["json-truncated", "json-garbage", "json-other-names",
-                                    "cubin-missing", "cubin-changed", "cubin-unloadable"])
+                                    "cubin-missing", "cubin-changed", "cubin-same-size"])
 def test_corrupt_entry_compiles_again(fake_cupy, damage):
     """A damaged entry is never used: the program is compiled again (and stored again),
     the kernels are the right ones, nothing is raised."""
@@ -135,11 +135,8 @@ def test_corrupt_entry_compiles_again(fake_cupy, damage):
         cubin.unlink()
     elif damage == "cubin-changed":
         cubin.write_bytes(cubin.read_bytes()[:-1])
-    else:  # right hash, but the loader refuses it
-        data = json.loads(meta.read_text())
-        cubin.write_bytes(b"not a cubin")
-        data["sha256"] = diskcache.hashlib.sha256(b"not a cubin").hexdigest()
-        meta.write_text(json.dumps(data))
+    else:
+        cubin.write_bytes(b"x" * len(cubin.read_bytes()))
     new_process()
     table = cc.get_kernels("bwd", "float32", 32, 16, 0, False)
     assert len(fake_cupy.nvrtc) == 2 and not fake_cupy.compiles
@@ -147,6 +144,22 @@ def test_corrupt_entry_compiles_again(fake_cupy, damage):
     new_process()                            # repaired: the next process loads it
     cc.get_kernels("bwd", "float32", 32, 16, 0, False)
     assert len(fake_cupy.nvrtc) == 2
+
+
+def test_unloadable_entry_falls_back_to_cupy(fake_cupy):
+    """An intact entry that the loader refuses (a driver older than the NVRTC that built
+    it): CuPy compiles, without compiling with NVRTC again, in every process."""
+    cc.get_kernels("bwd", "float32", 32, 16, 0, False)
+    meta, cubin = _entry(fake_cupy)
+    data = json.loads(meta.read_text())
+    cubin.write_bytes(b"not a cubin")
+    data["sha256"] = diskcache.hashlib.sha256(b"not a cubin").hexdigest()
+    meta.write_text(json.dumps(data))
+    for process in range(2):
+        new_process()
+        table = cc.get_kernels("bwd", "float32", 32, 16, 0, False)
+        assert len(fake_cupy.nvrtc) == 1 and len(fake_cupy.compiles) == process + 1
+        assert table["bwd_chain"].name == cc.kernel_name("bwd_chain", "float", 32, 16, False)
 
 
 def _no_cuda_python(*args):

@@ -16,9 +16,11 @@ arch and the NVRTC version (:func:`cache_key`):
 Each file is written to a temporary file in the same directory and moved into place with
 ``os.replace``, so that no reader sees a partial file and concurrent writers leave one valid
 entry. A load reads the ``.json``, checks the cubin's hash and loads it with
-``cupy.RawModule(path=...)``. :func:`load_or_compile` returns None on any failure
-(cuda-python missing, an unwritable directory, a corrupt file, a load error): the caller then
-compiles through CuPy as without the cache, so the cache can never break the backend.
+``cupy.RawModule(path=...)``. A missing or damaged entry (unreadable, for other names, a
+cubin whose hash differs) is compiled and stored again. :func:`load_or_compile` returns None
+on any other failure (cuda-python missing, an unwritable directory, NVRTC failing, a cubin
+the driver does not load): the caller then compiles through CuPy as without the cache, so
+the cache can never break the backend.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ def store(directory: Path, key: str, cubin: bytes, lowered: dict[str, str]) -> P
     directory.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(cubin).hexdigest()
     path = directory / f"{key}-{digest[:16]}.cubin"
-    if not (path.is_file() and path.stat().st_size == len(cubin)):
+    try:
+        same = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    except OSError:
+        same = False
+    if not same:
         write_atomic(path, cubin)
     meta = {"format": FORMAT, "cubin": path.name, "sha256": digest, "lowered": lowered}
     write_atomic(directory / f"{key}.json", json.dumps(meta, sort_keys=True).encode())
@@ -159,10 +165,9 @@ def load_or_compile(directory: Path, code: str, names: list[str],
         key = cache_key(code, names, options, arch, nvrtc_version())
         found = lookup(directory, key, names)
         if found is not None:
-            try:
-                return _load(*found)
-            except Exception:  # noqa: BLE001 - a stale or unloadable cubin: compile again
-                pass
+            # an intact entry (its hash checked) that does not load (say, a driver older than
+            # the NVRTC that built it) would not load compiled again either: CuPy compiles
+            return _load(*found)
         cubin, lowered = compile_cubin(code, names, arch, options)
         return _load(store(directory, key, cubin, lowered), lowered)
     except Exception:  # noqa: BLE001 - the cache must never break the backend
