@@ -13,6 +13,7 @@ import ctypes
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -96,23 +97,58 @@ class _Device:
         return False
 
 
+class FakeCupyLog(list):
+    """What the stand-in ``cupy`` did: the list holds the kernel objects' names built by
+    ``get_function``; ``compiles`` the name expressions of each program compiled by CuPy
+    (``RawModule(code=...)``), ``nvrtc`` those compiled to a cubin for the disk cache
+    (``diskcache.compile_cubin``), ``loads`` the cubin paths loaded
+    (``RawModule(path=...)``); ``cache_dir`` the disk cache's directory."""
+
+    def __init__(self, cache_dir: Path):
+        super().__init__()
+        self.compiles: list[list[str]] = []
+        self.nvrtc: list[list[str]] = []
+        self.loads: list[str] = []
+        self.cache_dir = cache_dir
+
+
+LOWERED = "_lowered_"
+"""The stand-in NVRTC's lowered name of a name expression: this prefix and the expression."""
+
+
 @pytest.fixture
-def fake_cupy(monkeypatch):
+def fake_cupy(monkeypatch, tmp_path):
     """A stand-in ``cupy`` whose RawModule builds a new kernel object at every get_function
-    (as CuPy's does); the compile caches are emptied before and after."""
-    built: list[str] = []
+    (as CuPy's does), and a stand-in NVRTC for the disk cache (``diskcache.compile_cubin``:
+    a "cubin" listing the lowered names) with its directory under ``tmp_path``; the compile
+    caches are emptied before and after."""
+    from ttt_cupy import config as cfg
+    from ttt_cupy import diskcache
+
+    built = FakeCupyLog(tmp_path / "cupy-cache")
 
     class RawModule:
-        def __init__(self, **kwargs):
-            self.names = kwargs["name_expressions"]
+        def __init__(self, code=None, options=(), name_expressions=None, path=None):
+            if path is not None:
+                data = json.loads(Path(path).read_text())    # (a corrupt cubin raises here)
+                self.names = [LOWERED + name for name in data]
+                built.loads.append(path)
+            else:
+                self.names = name_expressions
+                self.code = code
 
         def compile(self):
-            pass
+            built.compiles.append(list(self.names))
 
         def get_function(self, name):
             assert name in self.names
+            name = name.removeprefix(LOWERED)
             built.append(name)
             return _Kernel(name)
+
+    def compile_cubin(code, names, arch, options):
+        built.nvrtc.append(list(names))
+        return json.dumps(sorted(names)).encode(), {name: LOWERED + name for name in names}
 
     runtime = types.SimpleNamespace(cudaDevAttrMaxSharedMemoryPerBlockOptin=97,
                                     deviceGetAttribute=lambda attr, index: 227 * 1024)
@@ -120,11 +156,20 @@ def fake_cupy(monkeypatch):
                                  compiler=types.SimpleNamespace(CompileException=RuntimeError))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
                                                                     cuda=cuda))
-    caches = (cc._module, cc._kernel_table, cc.device_arch)
+    monkeypatch.setattr(diskcache, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(diskcache, "nvrtc_version", lambda: "0.0-stand-in")
+    monkeypatch.setenv(cfg.CACHE_DIR_ENV, str(built.cache_dir))
+    caches = (cc._module, cc._kernel_table, cc.device_arch, cfg.config)
     for cache in caches:
         cache.cache_clear()
     yield built
     for cache in caches:  # nothing of the stand-in outlives the test
+        cache.cache_clear()
+
+
+def new_process() -> None:
+    """Empty the in-memory compile caches, as a new process starts (the disk cache stays)."""
+    for cache in (cc._module, cc._kernel_table, cc.device_arch):
         cache.cache_clear()
 
 

@@ -285,5 +285,9 @@ def test_generic_shapes_reach_every_cupy_schedule(H, D):
         return tuple((plan.fuse, plan.overlap, len(plan.segments) > 1)
                      for plan in (*fwd, bwd))
 
-    warm, real = _reached(rule, H, D, 16, torch.bfloat16)
+    # each pass's schedule on its own (what a call warms: its kernels, their opt-ins, the
+    # side streams): a decode step's inference forward is fused while its training forward
+    # and backward are not, so the three together are no schedule of their own
+    warm, real = ({(varlen, i, plan) for varlen, plans in reached for i, plan in enumerate(plans)}
+                  for reached in _reached(rule, H, D, 16, torch.bfloat16))
     assert real <= warm, f"real shapes reach {sorted(real - warm)}, the warm-up does not"

@@ -51,8 +51,9 @@ class CupyBackend(Backend):
             "half inputs: tf32 tensor-core dots in every kernel (TTT_CUPY_MMA=0: SIMT)",
             "chain/group split: the state chain per (sequence, head), the rest per group of "
             "G chunks; fp32 checkpoint slots every G chunks",
-            "fused forward from 128 (sequence, head) chains (256 with a backward): the chain "
-            "writes the outputs, no fwd_out (placement.FUSED)",
+            "fused forward from 128 (sequence, head) chains (256 with a backward), and for "
+            "every decode step (no backward, each sequence within one chunk: one launch): "
+            "the chain writes the outputs, no fwd_out (placement.fused_forward)",
             "few long sequences: each pass in segments of whole groups, the chain on a side "
             "stream and each segment's group kernels beside its next segment; bitwise the "
             "results of one launch (placement.segment_plan)",

@@ -1,14 +1,16 @@
 """Lazy compilation of the CUDA C++ kernels in ``csrc/`` (CuPy RawModule, NVRTC).
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
-builds one :class:`cupy.RawModule` holding that pass's template instances (forward: fwd_chain,
-fwd_out; backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached
-for the process. The *variant* (``eta_key`` given, the output form) picks the instances of the
-kernels it changes (template parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the
-default variant (no eta_key, ``norm_residual``) names exactly the instances it always had, and
-the others are compiled only when a call needs them. For half inputs every kernel is its
-tensor-core (tf32 mma.sync) instance unless :class:`ttt_cupy.config.CupyConfig` turns them off
-(:func:`use_mma`); float inputs always run SIMT fp32.
+builds one module holding that pass's template instances (forward: fwd_chain, fwd_out;
+backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached for the
+process and on disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between
+processes; a :class:`cupy.RawModule` compiled by CuPy where that cache fails). The *variant*
+(``eta_key`` given, the output form) picks the instances of the kernels it changes (template
+parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (no eta_key,
+``norm_residual``) names exactly the instances it always had, and the others are compiled
+only when a call needs them. For half inputs every kernel is its tensor-core (tf32 mma.sync)
+instance unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float
+inputs always run SIMT fp32.
 The same sources, names and options are compile-checked without a GPU by
 :mod:`ttt_cupy.nvrtc_check`.
 """
@@ -184,8 +186,8 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
 def source(pass_: str) -> str:
     """The pass's .cu files with their csrc/ headers pasted in place of their first #include
-    (later ones dropped): one self-contained string, so CuPy's on-disk kernel cache (keyed by
-    source and options) sees header changes too."""
+    (later ones dropped): one self-contained string, so that the disk cache (keyed by source
+    and options, :mod:`ttt_cupy.diskcache`) sees header changes too."""
     _check_pass(pass_)
     seen: set[str] = set()
 
@@ -245,14 +247,22 @@ def include_options() -> tuple[str, ...]:
 @functools.cache
 def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
             out: str = "norm_residual") -> Any:
-    """One RawModule per (pass, C++ type, D_PAD, BT, arch, mma, variant), compiled now.
-    ``arch`` (the device's compute capability, e.g. "90") is part of the key: CuPy compiles for
-    the current device."""
+    """One module per (pass, C++ type, D_PAD, BT, arch, mma, variant): loaded from the disk
+    cache (:mod:`ttt_cupy.diskcache`, compiled and stored there first if missing), else a
+    RawModule compiled now by CuPy. ``arch`` (the device's compute capability, e.g. "90") is
+    part of the key: the cubin is for the current device."""
     import cupy
 
+    from .config import config
+    from .diskcache import load_or_compile
+
     names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
-    module = cupy.RawModule(code=source(pass_), options=NVRTC_OPTIONS + include_options(),
-                            name_expressions=names)
+    code, options = source(pass_), NVRTC_OPTIONS + include_options()
+    cached = load_or_compile(config().cache_dir, code, names, options, arch)
+    if cached is not None:
+        return cached
+    # without the disk cache (no cuda-python, any failure of it): CuPy compiles
+    module = cupy.RawModule(code=code, options=options, name_expressions=names)
     try:
         module.compile()
     except cupy.cuda.compiler.CompileException as err:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 MMA_ENV = "TTT_CUPY_MMA"
+CACHE_DIR_ENV = "TTT_CUPY_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/ttt/cupy")
 
 OVERLAP_WAIT_SPINS = 256
 """Naps (about 0.25 us each) a group block of an overlapped pass waits for every chain block
@@ -20,16 +23,34 @@ wait (which orders the chain first) makes it never run out."""
 @dataclass(frozen=True)
 class CupyConfig:
     """``mma``: half inputs run their tile products on tensor cores (tf32 ``mma.sync``);
-    False (``TTT_CUPY_MMA=0``) runs them as SIMT fp32 (IEEE products, slower)."""
+    False (``TTT_CUPY_MMA=0``) runs them as SIMT fp32 (IEEE products, slower).
+    ``cache_dir``: where compiled programs are kept between processes
+    (:mod:`ttt_cupy.diskcache`; ``TTT_CUPY_CACHE_DIR``, default ``~/.cache/ttt/cupy``)."""
 
     mma: bool = True
+    cache_dir: Path = field(default_factory=lambda: DEFAULT_CACHE_DIR.expanduser())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CupyConfig:
         value = environ.get(MMA_ENV, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"{MMA_ENV}: expected 0, 1 or unset, got {value!r}")
-        return cls(mma=value != "0")
+        return cls(mma=value != "0", cache_dir=cache_dir_from(environ.get(CACHE_DIR_ENV)))
+
+
+def cache_dir_from(value: str | None) -> Path:
+    """The cache directory of a ``TTT_CUPY_CACHE_DIR`` value (None or empty: the default;
+    ``~`` expanded, made absolute); a value that cannot name a directory (a NUL character, an
+    existing file) is a ``ValueError`` naming the variable."""
+    if value is None or not value.strip():
+        return DEFAULT_CACHE_DIR.expanduser()
+    if "\0" in value:
+        raise ValueError(f"{CACHE_DIR_ENV}: expected a directory path, got {value!r}")
+    path = Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{CACHE_DIR_ENV}: expected a directory path, got {value!r} "
+                         f"(a file that is not a directory)")
+    return path
 
 
 @functools.cache

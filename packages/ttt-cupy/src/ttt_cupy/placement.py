@@ -2,7 +2,9 @@
 :class:`~ttt_cupy.config.Schedule`). Every schedule gives bitwise the results of one launch
 per kernel, except the fused chains, which compute the same math in another order.
 
-- fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway);
+- fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway; and
+  a forward without a backward whose every sequence fits in one chunk, a generation step:
+  one launch, see :func:`fused_forward`);
 - overlapped: chain and group kernel at the same time, on per-group flags (few chains);
 - segmented: the chain once per segment of whole groups, each segment's group kernels
   beside the chain's next segment (few long chains);
@@ -25,7 +27,9 @@ each, so G trades slot memory against group-parallel work."""
 
 FUSED = {"forward_inference": 128, "forward_training": 256, "backward": 256}
 """(sequence, head) chains from which the fused chains pay: fusing puts the group kernel's
-work on the chains' critical path, which only a GPU full of chain blocks hides."""
+work on the chains' critical path, which only a GPU full of chain blocks hides. A forward
+without a backward whose sequences fit in one chunk fuses at any count (:func:`fused_forward`):
+there the group kernel has no work of its own to run beside the chain."""
 
 SEGMENTS = 16
 """The most segments per backward pass (the forward takes half as many, at least 2): each
@@ -57,10 +61,22 @@ def chains(p: Problem) -> int:
     return p.N * p.H
 
 
+def single_chunk(p: Problem) -> bool:
+    """Whether every sequence fits in one chunk (dense: T <= chunk_size; packed: every length):
+    a decode step, whose chain is one step and whose group kernel would replay that step."""
+    return all(length <= p.chunk_size for length in p.seq_lens)
+
+
 def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO) -> bool:
-    """Whether fwd_chain's fused instance writes the outputs (no fwd_out)."""
+    """Whether fwd_chain's fused instance writes the outputs (no fwd_out): from
+    :data:`FUSED` chains, and for a forward without a backward whose every sequence fits in
+    one chunk (:func:`single_chunk`) at any number of chains, so that a decode step is one
+    launch (fwd_out would only replay the chain's one step, after it, for a second launch's
+    host cost)."""
     if schedule.fuse_forward is not None:
         return schedule.fuse_forward
+    if not save_for_backward and single_chunk(p):
+        return True
     return chains(p) >= FUSED["forward_training" if save_for_backward else "forward_inference"]
 
 

@@ -16,8 +16,8 @@ Each form runs with ``w``, ``b`` and with ``eta``, ``eta_key`` in the input dtyp
 half inputs, in float32 (float32 parameters, an ``eta`` given as a float, half activations
 under autocast; :func:`param_dtypes`): kernels are compiled per dtype of every tensor. Each
 of these runs once without gradients (inference) and, unless ``backward=False``, once more
-forward and backward. The compiled kernels stay in the process, and Triton's also in its
-on-disk cache (docs/warmup.md), so later processes start warm too.
+forward and backward. The compiled kernels stay in the process, and Triton's and cupy's also
+in their on-disk caches (docs/warmup.md), so later processes start warm too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""Compiled programs on disk, shared between processes.
+
+CuPy's own disk cache never serves a program compiled with ``name_expressions`` (every
+program of this backend), so without this each process compiles every program again. Here a
+program is compiled with NVRTC through cuda-python (``cuda.bindings.nvrtc``, as
+:mod:`ttt_cupy.nvrtc_check` does) to a cubin for the device's arch, with the lowered
+(mangled) names of its name expressions, and both are stored under
+:attr:`ttt_cupy.config.CupyConfig.cache_dir` (``TTT_CUPY_CACHE_DIR``, default
+``~/.cache/ttt/cupy``), keyed by a hash of the source, the name expressions, the options, the
+arch and the NVRTC version (:func:`cache_key`):
+
+- ``<key>-<sha256 of the cubin, 16 hex>.cubin``: the cubin, never changed once written;
+- ``<key>.json``: the name expressions' lowered names and the cubin's file name and full
+  hash, written last: a program is in the cache once its ``.json`` is.
+
+Each file is written to a temporary file in the same directory and moved into place with
+``os.replace``, so that no reader sees a partial file and concurrent writers leave one valid
+entry. A load reads the ``.json``, checks the cubin's hash and loads it with
+``cupy.RawModule(path=...)``. A missing or damaged entry (unreadable, for other names, a
+cubin whose hash differs) is compiled and stored again. :func:`load_or_compile` returns None
+on any other failure (cuda-python missing, an unwritable directory, NVRTC failing, a cubin
+the driver does not load): the caller then compiles through CuPy as without the cache, so
+the cache can never break the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+"""The entries' format; part of the key, so that a new format never reads an old entry."""
+
+
+def nvrtc_version() -> str:
+    """cuda-python's NVRTC version, e.g. ``"13.5"`` (ImportError without cuda-python)."""
+    from .nvrtc_check import _nvrtc
+
+    _, major, minor = _nvrtc().nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str], arch: str,
+              nvrtc: str) -> str:
+    """The entry's name: sha256 over the source, the name expressions (in order), the
+    options, the arch, the NVRTC version and :data:`FORMAT`."""
+    spec = json.dumps({"format": FORMAT, "code": code, "names": list(names),
+                       "options": list(options), "arch": str(arch), "nvrtc": nvrtc},
+                      sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()
+
+
+def compile_cubin(code: str, names: list[str], arch: str,
+                  options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
+    """(cubin for sm_``arch``, {name expression: lowered name}) compiled by NVRTC through
+    cuda-python; raises (nvrtc_check.CheckError with the log) when NVRTC fails."""
+    from .nvrtc_check import SOURCE_NAME, _check, _nvrtc, _out_buffer
+
+    nvrtc = _nvrtc()
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
+                     "nvrtcCreateProgram", nvrtc)
+    try:
+        for name in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
+                   f"nvrtcAddNameExpression({name})", nvrtc)
+        opts = [o.encode() for o in (*options, f"-arch=sm_{arch}")]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
+               f"nvrtcCompileProgram({names}, sm_{arch})", nvrtc, prog)
+        lowered = {}
+        for name in names:
+            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
+                            f"nvrtcGetLoweredName({name})", nvrtc)
+            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
+        cubin = _out_buffer(size)
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", nvrtc)
+        return bytes(cubin), lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, whole or not at all: a temporary file beside it, flushed, then
+    ``os.replace`` (atomic on POSIX, last writer wins)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def store(directory: Path, key: str, cubin: bytes, lowered: dict[str, str]) -> Path:
+    """Write an entry (the cubin, then its ``.json``); returns the cubin's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(cubin).hexdigest()
+    path = directory / f"{key}-{digest[:16]}.cubin"
+    try:
+        same = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    except OSError:
+        same = False
+    if not same:
+        write_atomic(path, cubin)
+    meta = {"format": FORMAT, "cubin": path.name, "sha256": digest, "lowered": lowered}
+    write_atomic(directory / f"{key}.json", json.dumps(meta, sort_keys=True).encode())
+    return path
+
+
+def lookup(directory: Path, key: str, names: list[str]) -> tuple[Path, dict[str, str]] | None:
+    """(the cubin's path, the lowered names) of a valid entry, or None (missing, corrupt, for
+    other names, or a cubin whose hash differs)."""
+    try:
+        meta = json.loads((directory / f"{key}.json").read_bytes())
+        lowered = meta["lowered"]
+        if meta["format"] != FORMAT or set(lowered) != set(names) \
+                or not all(isinstance(v, str) and v for v in lowered.values()):
+            return None
+        path = directory / meta["cubin"]
+        if path.parent != directory or \
+                hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
+            return None
+        return path, dict(lowered)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class CachedModule:
+    """A module loaded from a cubin: ``get_function`` takes the name expression, as
+    ``cupy.RawModule``'s does for a program compiled with ``name_expressions``."""
+
+    def __init__(self, module: Any, kernels: dict[str, Any], path: Path):
+        self.module, self.kernels, self.path = module, kernels, path
+
+    def get_function(self, name: str) -> Any:
+        return self.kernels[name]
+
+
+def _load(path: Path, lowered: dict[str, str]) -> CachedModule:
+    import cupy
+
+    module = cupy.RawModule(path=str(path))
+    kernels = {}
+    for name, low in lowered.items():
+        kernel = module.get_function(low)
+        kernel.kernel  # noqa: B018 - loads the function now, so that a failure shows here
+        kernels[name] = kernel
+    return CachedModule(module, kernels, path)
+
+
+def load_or_compile(directory: Path, code: str, names: list[str],
+                    options: tuple[str, ...], arch: str) -> CachedModule | None:
+    """The program from the cache, compiled and stored first if missing; None on any failure
+    (the caller compiles through CuPy instead)."""
+    try:
+        key = cache_key(code, names, options, arch, nvrtc_version())
+        found = lookup(directory, key, names)
+        if found is not None:
+            # an intact entry (its hash checked) that does not load (say, a driver older than
+            # the NVRTC that built it) would not load compiled again either: CuPy compiles
+            return _load(*found)
+        cubin, lowered = compile_cubin(code, names, arch, options)
+        return _load(store(directory, key, cubin, lowered), lowered)
+    except Exception:  # noqa: BLE001 - the cache must never break the backend
+        return None
