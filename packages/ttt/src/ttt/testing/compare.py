@@ -18,6 +18,7 @@ import torch
 
 from ..tolerances import SEGMENT_FACTOR
 from .cases import Case, chunk_spans, segment_spans
+from .expected import OUTPUT_NAMES
 
 F64 = torch.float64
 
@@ -110,6 +111,24 @@ class Judge:
 
     def fail(self, message: str) -> None:
         self.failures.append(message)
+
+    def outputs(self, outputs: tuple, expected: dict, tol: float) -> None:
+        """``(o, final_state, final_state_bias)`` of a call of the case against ``expected``
+        (by ``OUTPUT_NAMES``): o's dtype and shape, every value within ``tol``; the final
+        states None unless the case asks for them."""
+        case = self.case
+        o, ht, hbt = outputs
+        if o.dtype != case.dtype or tuple(o.shape) != tuple(expected["o"].shape):
+            self.fail(f"o: dtype/shape {o.dtype}/{tuple(o.shape)}, expected "
+                      f"{case.dtype}/{tuple(expected['o'].shape)}")
+        self.close("o", o, expected["o"], tol)
+        if not case.final_state:
+            if ht is not None or hbt is not None:
+                self.fail("final states returned though output_final_state=False")
+            return
+        for name, x in zip(OUTPUT_NAMES[1:], (ht, hbt)):
+            self.dtype(name, x, case.state_dtype)
+            self.close(name, x, expected[name], tol, per_sequence_rows=True)
 
     def check(self, what: str) -> None:
         if self.failures:

@@ -22,21 +22,6 @@ from .compare import Judge
 from .expected import OUTPUT_NAMES, expected_for, oracle_forward
 
 
-def _check_outputs(judge: Judge, case: Case, outputs: tuple, expected: dict, tol: float):
-    o, ht, hbt = outputs
-    if o.dtype != case.dtype or tuple(o.shape) != tuple(expected["o"].shape):
-        judge.fail(f"o: dtype/shape {o.dtype}/{tuple(o.shape)}, expected "
-                   f"{case.dtype}/{tuple(expected['o'].shape)}")
-    judge.close("o", o, expected["o"], tol)
-    if not case.final_state:
-        if ht is not None or hbt is not None:
-            judge.fail("final states returned though output_final_state=False")
-        return
-    for name, x in zip(OUTPUT_NAMES[1:], (ht, hbt)):
-        judge.dtype(name, x, case.state_dtype)
-        judge.close(name, x, expected[name], tol, per_sequence_rows=True)
-
-
 @pytest.mark.parametrize(("case", "variant"), oracle_params())
 def test_matches_oracle(case: Case, variant: Variant, ttt_backend, ttt_backend_name,
                         ttt_device):
@@ -51,7 +36,7 @@ def test_matches_oracle(case: Case, variant: Variant, ttt_backend, ttt_backend_n
 
     outputs = run_op(ttt_backend_name, inputs)
     judge = Judge(case)
-    _check_outputs(judge, case, outputs, expected.outputs, out_tol)
+    judge.outputs(outputs, expected.outputs, out_tol)
     used, cotangents = outputs_for_loss(outputs, expected.cotangents, variant.cotangents)
     grads = gradients(inputs, used, cotangents)
     want = expected.grads(variant.cotangents)
@@ -81,5 +66,5 @@ def test_forward_only_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_de
         outputs = run_op(ttt_backend_name, inputs)
     expected = dict(zip(OUTPUT_NAMES, oracle_forward(inputs)))
     judge = Judge(case)
-    _check_outputs(judge, case, outputs, expected, out_tol)
+    judge.outputs(outputs, expected, out_tol)
     judge.check(f"{case.id} on {ttt_backend_name}")

@@ -48,21 +48,6 @@ def _decode_cases() -> list[Case]:
 DECODE_CASES = _decode_cases()
 
 
-def _check(judge: Judge, case: Case, outputs: tuple, expected: dict, tol: float) -> None:
-    o, ht, hbt = outputs
-    if o.dtype != case.dtype or tuple(o.shape) != tuple(expected["o"].shape):
-        judge.fail(f"o: dtype/shape {o.dtype}/{tuple(o.shape)}, expected "
-                   f"{case.dtype}/{tuple(expected['o'].shape)}")
-    judge.close("o", o, expected["o"], tol)
-    if not case.final_state:
-        if ht is not None or hbt is not None:
-            judge.fail("final states returned though output_final_state=False")
-        return
-    for name, x in zip(OUTPUT_NAMES[1:], (ht, hbt)):
-        judge.dtype(name, x, case.state_dtype)
-        judge.close(name, x, expected[name], tol, per_sequence_rows=True)
-
-
 @pytest.mark.parametrize("case", [c.param() for c in DECODE_CASES])
 def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
     """One generation step (no gradient): outputs and final states against the oracle."""
@@ -73,7 +58,7 @@ def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_dev
         outputs = run_op(ttt_backend_name, inputs)
     expected = dict(zip(OUTPUT_NAMES, oracle_forward(inputs)))
     judge = Judge(case)
-    _check(judge, case, outputs, expected, out_tol)
+    judge.outputs(outputs, expected, out_tol)
     judge.check(f"{case.id} on {ttt_backend_name}")
 
 
@@ -128,5 +113,5 @@ def test_decode_after_prefill_one_token_steps(case, ttt_backend, ttt_backend_nam
     stepped = (torch.cat(pieces, dim=1), ht, hbt)
     for label, outputs in (("stepped", stepped), ("one call", whole)):
         judge = Judge(case)
-        _check(judge, case, outputs, expected, out_tol)
+        judge.outputs(outputs, expected, out_tol)
         judge.check(f"{case.id} ({label}) on {ttt_backend_name}")

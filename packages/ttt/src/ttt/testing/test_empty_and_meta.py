@@ -30,7 +30,6 @@ from .cases import (
 )
 from .compare import Judge, expect
 from .expected import expected_for
-from .test_against_oracle import _check_outputs
 
 
 def _empty_cases() -> list[Case]:
@@ -81,7 +80,7 @@ def test_empty_sequences_match_oracle(case: Case, variant, ttt_backend, ttt_back
 
     outputs = run_op(ttt_backend_name, inputs)
     judge = Judge(case)
-    _check_outputs(judge, case, outputs, expected.outputs, out_tol)
+    judge.outputs(outputs, expected.outputs, out_tol)
     used, cotangents = outputs_for_loss(outputs, expected.cotangents, variant.cotangents)
     grads = gradients(inputs, used, cotangents)
     want = expected.grads(variant.cotangents)
@@ -154,7 +153,7 @@ def test_empty_sequences_forward_only(dtype, ttt_backend, ttt_backend_name, ttt_
         o, ht, hbt = run_op(ttt_backend_name, inputs)
     expected = expected_for(case, str(ttt_device))
     judge = Judge(case)
-    _check_outputs(judge, case, (o, ht, hbt), expected.outputs, TOLERANCES[dtype][0])
+    judge.outputs((o, ht, hbt), expected.outputs, TOLERANCES[dtype][0])
     judge.check(f"{case.id} (no grad) on {ttt_backend_name}")
 
 
