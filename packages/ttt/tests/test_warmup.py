@@ -118,7 +118,33 @@ def test_default_dtypes_the_backend_cannot_take_are_skipped(recorder, monkeypatc
                shapes=SMALL[:1])
 
 
+def test_workers_run_the_calls_then_this_process_loads(recorder):
+    """With workers, child processes run every call first (each reports each call done),
+    then this process runs them all again."""
+    seen = []
+    report = warmup("reference", dtypes=[torch.float32], head_dims=[16], heads=[2],
+                    device="cpu", shapes=SMALL, workers=2,
+                    progress=lambda done, total, label: seen.append((done, total, label)))
+    calls = len(SMALL) * len(FORMS) * 2
+    assert report.workers == 2 and report.entries[0].calls == calls
+    in_children = [done for done, _, label in seen if "compiling in 2 processes" in label]
+    assert in_children == list(range(calls + 1))       # every call, counted as it ended
+    assert seen[-1] == (2 * calls, 2 * calls, "done")
+
+
+def test_a_failed_worker_warns_and_this_process_runs_every_call(recorder):
+    """A backend that exists only in this process is unknown to a new one: its workers
+    fail, say why, and this process still runs (and compiles) every call."""
+    with pytest.warns(RuntimeWarning, match="worker process failed .*recorder"):
+        report = warmup("recorder", dtypes=[torch.float32], head_dims=[16], heads=[1],
+                        device="cpu", shapes=SMALL[:1], workers=2, backward=False)
+    assert report.workers == 2
+    assert len(recorder.calls) == report.entries[0].calls == len(FORMS)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
+    (dict(workers=0), ValueError, "workers: expected a positive int or None, got 0"),
+    (dict(workers=True), TypeError, "workers: expected a positive int or None, got bool"),
     (dict(head_dims=[0]), ValueError, "head_dims"),
     (dict(heads=[]), ValueError, "heads"),
     (dict(chunk_sizes=[True]), TypeError, "chunk_sizes"),

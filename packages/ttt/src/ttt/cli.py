@@ -234,15 +234,17 @@ def cmd_warmup(args) -> int:
                     head_dims=args.head_dim or DEFAULT_HEAD_DIMS,
                     chunk_sizes=args.chunk_size or DEFAULT_CHUNK_SIZES,
                     heads=args.heads or DEFAULT_HEADS, backward=not args.no_backward,
-                    device=device, progress=ProgressBar(quiet=args.quiet))
+                    device=device, progress=ProgressBar(quiet=args.quiet),
+                    workers=args.workers)
     passes = "forward" if args.no_backward else "forward + backward"
     for entry in report.entries:
         print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "
               f"{entry.calls} calls): {entry.seconds:.1f} s")
     for config, reason in report.skipped:
         print(f"skipped {config.describe()}: {reason}")
+    processes = f", {report.workers} compiling processes" if report.workers > 1 else ""
     print(f"warmup: {len(report.entries)} configuration(s) on {report.device} in "
-          f"{report.seconds:.1f} s")
+          f"{report.seconds:.1f} s{processes}")
     return 0
 
 
@@ -331,6 +333,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="number of heads, repeatable (default: 32; Triton compiles per "
                            "number of heads)")
     warm.add_argument("--no-backward", action="store_true", help="forward only")
+    warm.add_argument("--workers", type=_positive_int, default=None,
+                      help="processes compiling in parallel before this one loads their "
+                           "kernels (default: one per CPU core, at most 8, on a GPU; 1 on "
+                           "the CPU)")
     warm.add_argument("--quiet", action="store_true", help="no progress bar")
     warm.set_defaults(func=cmd_warmup)
     return parser

@@ -25,11 +25,13 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import _warmup_workers as _workers
 from .backend import Backend, WarmupShape
 from .ops import chunk_ttt_linear
 from .registry import BackendNotSupportedError, load_backend, select_backend
@@ -88,12 +90,15 @@ class WarmupEntry:
 @dataclass(frozen=True)
 class WarmupReport:
     """What :func:`warmup` compiled (``entries``), what it left out and why (``skipped``:
-    configurations of the default dtypes that the backend cannot take), the total time."""
+    configurations of the default dtypes that the backend cannot take), the total time and
+    the processes that compiled (``workers``; the entries' times are this process's own
+    calls, after the workers')."""
 
     device: torch.device
     entries: list[WarmupEntry]
     skipped: list[tuple[Config, str]]
     seconds: float
+    workers: int = 1
 
 
 Progress = Callable[[int, int, str], None]
@@ -106,24 +111,49 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
            heads: Iterable[int] = DEFAULT_HEADS, backward: bool = True,
            device: str | torch.device | None = None,
            shapes: Sequence[WarmupShape] | None = None,
-           progress: Progress | None = None) -> WarmupReport:
+           progress: Progress | None = None, workers: int | None = None) -> WarmupReport:
     """Compile ahead of time the kernels calls of these configurations will use.
 
     ``backend``: a backend name, or None for the backend each configuration's calls would
     get (``ttt.set_backend``, ``TTT_BACKEND``, else the best that fits). ``dtypes``: input
     dtypes (None: bfloat16 and float32, those of them the backend takes). ``device``:
     default cuda when present, else cpu. ``shapes``: the batch layouts to run instead of the
-    backend's :meth:`~ttt.Backend.warmup_shapes`. Raises ``BackendNotSupportedError`` when
-    the backend cannot take a configuration asked for explicitly."""
+    backend's :meth:`~ttt.Backend.warmup_shapes`. ``workers``: child processes that run the
+    calls first, compiling in parallel, before this process runs them and loads what they
+    compiled from the disk caches (None: one per CPU core, at most 8, on a GPU; 1 on the
+    CPU; 1: no child processes). Raises ``BackendNotSupportedError`` when the backend
+    cannot take a configuration asked for explicitly."""
     device = _device(device)
     if not isinstance(backward, bool):
         raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
+        raise TypeError(f"workers: expected a positive int or None, got "
+                        f"{type(workers).__name__}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads)
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
-    total, done, entries = sum(len(plan.calls) for plan in plans), 0, []
+    calls = sum(len(plan.calls) for plan in plans)
+    units = _call_groups(plans)
+    workers = _workers.default_workers(device, len(units)) if workers is None else workers
+    workers = min(workers, len(units))
+    total, done, entries = calls * (2 if workers > 1 else 1), 0, []
+    if workers > 1:
+        def count():
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, f"compiling in {workers} processes")
+
+        if progress is not None:
+            progress(done, total, f"compiling in {workers} processes")
+        for failure in _workers.run(units, device, workers, count):
+            warnings.warn(f"ttt.warmup: a worker process failed ({failure}); this process "
+                          f"compiles what it left", RuntimeWarning, stacklevel=2)
+        done = calls
     for plan in plans:
         plan_start = time.perf_counter()
         for layout, form, params, grad in plan.calls:
@@ -135,7 +165,20 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
                                    time.perf_counter() - plan_start))
     if progress is not None:
         progress(done, total, "done")
-    return WarmupReport(device, entries, skipped, time.perf_counter() - start)
+    return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
+
+
+def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
+    """The calls as JSON for worker processes, grouped so that the calls most likely to
+    need the same kernels (one layout, form and parameter dtypes, with and without
+    gradients) go to one process."""
+    groups: dict[tuple, list[dict]] = {}
+    for plan in plans:
+        for layout, form, params, grad in plan.calls:
+            key = (plan.backend, plan.config, layout, form, params)
+            groups.setdefault(key, []).append(
+                _workers.call_of(plan.backend, plan.config, layout, form, params, grad))
+    return list(groups.values())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,120 @@
+"""A warm-up's calls run in child processes, which compile in parallel.
+
+Compiling is single-threaded work on the host (Triton's passes and ptxas, NVRTC); a warm-up
+compiles one kernel specialisation after another. Here the calls are dealt out to
+``workers`` child processes (``python -m ttt._warmup_workers``, each reading its calls as
+JSON on stdin), which run them on the same device and leave what they compiled in the
+on-disk caches (Triton's, the cupy backend's). The parent then runs every call itself and
+finds the kernels there, so it loads instead of compiling (``ttt.warmup``).
+
+A child that fails (a backend that exists only in this process is unknown in a new one, say)
+costs nothing but time: the parent's own pass compiles what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+DEFAULT_MAX_WORKERS = 8
+
+
+def default_workers(device: torch.device, units: int) -> int:
+    """Processes a warm-up of ``units`` call groups uses when not told: one per CPU core up
+    to DEFAULT_MAX_WORKERS on a GPU, none on the CPU (no kernel backend compiles there)."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(DEFAULT_MAX_WORKERS, os.cpu_count() or 1, units))
+
+
+def run(units: Sequence[list[dict]], device: torch.device, workers: int,
+        on_call: Callable[[], None]) -> list[str]:
+    """Run the call groups ``units`` (each a list of JSON-able calls, see ``call_of``) in
+    ``workers`` child processes; ``on_call()`` after each finished call. Returns one line per
+    child that failed (its exit status and the last line it wrote to stderr)."""
+    shares = [[call for unit in units[i::workers] for call in unit] for i in range(workers)]
+    done: queue.Queue = queue.Queue()
+    children = [_start(share, device, done) for share in shares if share]
+    running = len(children)
+    while running:
+        if done.get() is None:
+            running -= 1
+        else:
+            on_call()
+    failures = []
+    for process, errors in children:
+        if process.wait() != 0:
+            last = errors[-1].strip() if errors else "no message"
+            failures.append(f"exit status {process.returncode}: {last}")
+    return failures
+
+
+def _start(calls: list[dict], device: torch.device, done: queue.Queue):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ttt._warmup_workers"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors: list[str] = []
+
+    def feed():
+        try:
+            process.stdin.write(json.dumps({"device": str(device), "calls": calls}))
+            process.stdin.close()
+        except BrokenPipeError:       # the child died first; its stderr says why
+            pass
+
+    def read_stdout():
+        for line in process.stdout:
+            if line.strip() == "done":
+                done.put(True)
+        done.put(None)
+
+    def read_stderr():
+        errors.extend(process.stderr)
+
+    for target in (feed, read_stdout, read_stderr):
+        threading.Thread(target=target, daemon=True).start()
+    return process, errors
+
+
+def call_of(backend: str, config, layout, form, params, grad: bool) -> dict:
+    """One warm-up call (``ttt.warmup._call``'s arguments) as JSON-able values."""
+    return {"backend": backend,
+            "config": [_dtype_name(config.dtype), config.head_dim, config.chunk_size,
+                       config.heads],
+            "layout": [layout.sequences, layout.seq_len, layout.packed],
+            "form": form.name, "params": [_dtype_name(d) for d in params], "grad": grad}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _main() -> int:
+    from .backend import WarmupShape
+    from .warmup import FORMS, Config, _call
+
+    job = json.load(sys.stdin)
+    device = torch.device(job["device"])
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    forms = {form.name: form for form in FORMS}
+    for call in job["calls"]:
+        dtype, head_dim, chunk_size, heads = call["config"]
+        config = Config(getattr(torch, dtype), head_dim, chunk_size, heads)
+        layout = WarmupShape(*call["layout"])
+        params = tuple(getattr(torch, name) for name in call["params"])
+        _call(call["backend"], config, layout, forms[call["form"]], params, call["grad"],
+              device)
+        print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
