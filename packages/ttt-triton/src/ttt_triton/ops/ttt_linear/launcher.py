@@ -22,6 +22,8 @@ from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
 from .fwd_chain import ttt_linear_fwd_chain_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
+from .launches import Launch, pass_key
+from .launches import run as launches_run
 from .tuning import (
     DEFAULT_TUNING,
     WIDE_BACKWARD,
@@ -159,19 +161,20 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     eta_key = p.eta_key
     forms = dict(HAS_ETA_KEY=eta_key is not None, OUTPUT=p.output)
 
-    ttt_linear_fwd_chain_kernel[(N * H,)](
+    launches = [Launch(ttt_linear_fwd_chain_kernel, (N * H,), (
         q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
-        grp.offsets, float(p.scale), float(p.eps), T,
+        grp.offsets, float(p.scale), float(p.eps), T), dict(
         H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
-        USE_INITIAL_BIAS=hb0 is not None, STORE_FINAL=p.output_final_state, IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save,
-        HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune))
+        USE_INITIAL_BIAS=hb0 is not None, STORE_FINAL=p.output_final_state, IS_VARLEN=varlen,
+        FUSE_OUT=fuse, SAVE=save, HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune)))]
     if not fuse:
-        ttt_linear_fwd_out_kernel[(grp.count, H)](
+        launches.append(Launch(ttt_linear_fwd_out_kernel, (grp.count, H), (
             q, k, v, eta, w, b, eta_key, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets,
-            grp.seq, float(p.scale), float(p.eps), T,
+            grp.seq, float(p.scale), float(p.eps), T), dict(
             H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
             IS_VARLEN=varlen, HALF=half, PREC=prec, **forms,
-            **_launch("group", BD, q.dtype, tune))
+            **_launch("group", BD, q.dtype, tune))))
+    launches_run(launches, pass_key("fwd", p, save, fuse, tune), dev)
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
@@ -232,56 +235,59 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
     if group_launch and wide_backward(q.dtype, BD, BT):
         group_launch["num_stages"] = WIDE_BACKWARD["stages"]
     forms = dict(HAS_ETA_KEY=eta_key is not None)
-    ttt_linear_bwd_local_kernel[(grp.count, H)](
+    launches = [Launch(ttt_linear_bwd_local_kernel, (grp.count, H), (
         q, k, v, eta, w, b, do, eta_key, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp0, dbp0, cu_seqlens, grp.offsets, grp.seq,
-        float(p.scale), float(p.eps), T,
+        float(p.scale), float(p.eps), T), dict(
         H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec, **forms,
         OUTPUT=p.output, NEED_DQ=n_dq, NEED_DETA=n_deta, NEED_DW=n_dw, NEED_DB=n_db,
-        STORE_BUFS=n_chain, **group_launch)
-    if not n_chain:
-        return dq, None, None, _reduced(dwp), _reduced(dbp), deta, None, None, None
-
-    dh0 = empty((N, H, D, D), n_dh0)
-    dhb0 = empty((N, H, 1, D), n_dhb0)
-    deta_key = empty((B, T, H, 1), n_dl)
-    use_dht = dht is not None or dhbt is not None
-    if use_dht:
-        dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
-        dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
-    dk = empty(q.shape, n_dk, dtype=q.dtype, device=dev)
-    dv = empty(q.shape, n_dv, dtype=q.dtype, device=dev)
-    feed = n_grads and not fuse           # bwd_grads runs after the chain
-    dck = desum = dwc = dbc = None
-    if fuse:
-        dwc = empty((N, H, D), n_dw)
-        dbc = empty((N, H, D), n_db)
-    else:
-        dck = empty(saved.ck.shape, feed)
-        desum = empty((B, T, H), n_deta)
-    needs_flags = dict(NEED_DK=n_dk, NEED_DV=n_dv, NEED_DETA=n_deta, NEED_DW=n_dw,
-                       NEED_DB=n_db)
-    ttt_linear_bwd_chain_kernel[(N * H,)](
-        q, k, v, eta, w, b, eta_key, deta_key, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt,
-        dck, dh0, dhb0, saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets,
-        float(p.scale), T,
-        H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=n_dh0,
-        IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec, **forms, NEED_DETA_KEY=n_dl,
-        STORE_DHB0=n_dhb0, **needs_flags, FEED_GRADS=feed,
-        **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))
+        STORE_BUFS=n_chain, **group_launch))]
+    use_dht = n_chain and (dht is not None or dhbt is not None)
+    fuse = n_chain and fuse
+    dk = dv = dh0 = dhb0 = deta_key = dwc = dbc = None
+    if n_chain:
+        dh0 = empty((N, H, D, D), n_dh0)
+        dhb0 = empty((N, H, 1, D), n_dhb0)
+        deta_key = empty((B, T, H, 1), n_dl)
+        if use_dht:
+            dht = torch.zeros(N, H, D, D, **f32) if dht is None else dht.contiguous()
+            dhbt = torch.zeros(N, H, 1, D, **f32) if dhbt is None else dhbt.contiguous()
+        dk = empty(q.shape, n_dk, dtype=q.dtype, device=dev)
+        dv = empty(q.shape, n_dv, dtype=q.dtype, device=dev)
+        feed = n_grads and not fuse           # bwd_grads runs after the chain
+        dck = desum = None
+        if fuse:
+            dwc = empty((N, H, D), n_dw)
+            dbc = empty((N, H, D), n_db)
+        else:
+            dck = empty(saved.ck.shape, feed)
+            desum = empty((B, T, H), n_deta)
+        needs_flags = dict(NEED_DK=n_dk, NEED_DV=n_dv, NEED_DETA=n_deta, NEED_DW=n_dw,
+                           NEED_DB=n_db)
+        launches.append(Launch(ttt_linear_bwd_chain_kernel, (N * H,), (
+            q, k, v, eta, w, b, eta_key, deta_key, xbuf, rbuf, dopbuf, dgbuf, desum, dht,
+            dhbt, dck, dh0, dhb0, saved.ck, dk, dv, deta, dwc, dbc, cu_seqlens, grp.offsets,
+            float(p.scale), T), dict(
+            H=H, D=D, BT=BT, BD=BD, G=G, USE_DHT=use_dht, STORE_DH0=n_dh0,
+            IS_VARLEN=varlen, FUSE_GRADS=fuse, PREC=prec, **forms, NEED_DETA_KEY=n_dl,
+            STORE_DHB0=n_dhb0, **needs_flags, FEED_GRADS=feed,
+            **_launch("chain", BD, q.dtype, tune, fused_bwd=fuse))))
+        if feed:
+            launches.append(Launch(ttt_linear_bwd_grads_kernel,
+                                   (grp.count, H, split if n_dk else 1), (
+                q, k, v, eta, w, b, eta_key, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
+                dk, dv, deta, None if dwp is None else dwp[1],
+                None if dbp is None else dbp[1], cu_seqlens, grp.offsets, grp.seq,
+                float(p.scale), T), dict(
+                H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
+                IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
+                **needs_flags, **group_launch)))
+    launches_run(launches, pass_key("bwd", p, needs, use_dht, fuse, tune), dev)
     if fuse:
         dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
         db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)
         return dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key
-    if feed:
-        ttt_linear_bwd_grads_kernel[(grp.count, H, split if n_dk else 1)](
-            q, k, v, eta, w, b, eta_key, saved.ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum,
-            dk, dv, deta, None if dwp is None else dwp[1], None if dbp is None else dbp[1],
-            cu_seqlens, grp.offsets, grp.seq, float(p.scale), T,
-            H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
-            IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
-            **needs_flags, **group_launch)
     return dq, dk, dv, _reduced(dwp), _reduced(dbp), deta, dh0, dhb0, deta_key
 
 

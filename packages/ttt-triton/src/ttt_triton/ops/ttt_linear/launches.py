@@ -1,0 +1,80 @@
+"""A pass's kernel launches, compiled side by side the first time.
+
+Triton compiles a kernel specialisation on its first launch, so a pass of two or three
+kernels (forward: the chain and the output kernel; backward: the local, chain and
+gradient kernels) compiles them one after another. Its compiler does that work outside the
+GIL (the MLIR and LLVM passes, ptxas), so here a pass whose key has not been seen in this
+process compiles its kernels at the same time: every kernel but the first through
+``JITFunction.warmup`` (which compiles what launching would, with the same arguments) in a
+thread each, while the first launches and compiles in the calling thread; then the rest
+launch, finding theirs compiled. Later passes with the same key launch directly.
+
+The key names what picks the kernels' specialisations but the batch shape (so that a new
+shape does not pay for threads); a pass whose kernels the key does not tell apart compiles
+what it lacks on launch, one after another, as Triton alone would.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ttt import Problem
+
+from ..._env import interpreting
+
+MAX_KEYS = 4096
+"""Pass keys remembered; past this many the memory starts over (a pass then compiles in
+threads again, finding its kernels compiled)."""
+
+_SEEN: set[tuple] = set()
+
+
+@dataclass(slots=True)
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+    def compile(self, device: torch.device) -> None:
+        """Compile (and keep, in Triton's caches) what launching would, without launching;
+        in any thread (the device is this thread's current one only inside)."""
+        with torch.cuda.device(device):
+            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
+
+
+def pass_key(kind: str, p: Problem, *flags) -> tuple:
+    """What picks a pass's kernel specialisations, but the batch shape: the pass, head count
+    and dim, chunk size, dtypes, the optional inputs present, the options, the device and
+    the launcher's own ``flags``."""
+    eta_key, h0, hb0 = p.eta_key, p.initial_state, p.initial_state_bias
+    return (kind, p.H, p.D, p.chunk_size, p.q.dtype, p.w.dtype, p.b.dtype, p.eta.dtype,
+            None if eta_key is None else eta_key.dtype, h0 is None, hb0 is None,
+            p.output_final_state, p.is_varlen, p.output, p.q.device, *flags)
+
+
+def run(launches: list[Launch], key: tuple, device: torch.device) -> None:
+    """Launch ``launches`` in order; the first time ``key`` comes (on a GPU, with more than
+    one launch), compile them all at once first."""
+    if key in _SEEN or len(launches) < 2 or interpreting():
+        for launch in launches:
+            launch()
+        return
+    with ThreadPoolExecutor(len(launches) - 1, thread_name_prefix="ttt-triton-compile") as pool:
+        compiling = [pool.submit(launch.compile, device) for launch in launches[1:]]
+        launches[0]()
+        for done in compiling:
+            done.result()
+    for launch in launches[1:]:
+        launch()
+    if len(_SEEN) >= MAX_KEYS:
+        _SEEN.clear()
+    _SEEN.add(key)
