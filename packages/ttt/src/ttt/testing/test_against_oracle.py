@@ -27,14 +27,21 @@ def test_matches_oracle(case: Case, variant: Variant, ttt_backend, ttt_backend_n
                         ttt_device):
     """One call, its loss through the variant's outputs, gradients of the variant's inputs:
     every output, final state and gradient against the oracle."""
+    check_against_oracle(case, variant, ttt_backend, ttt_backend_name, ttt_device)
+
+
+def check_against_oracle(case: Case, variant: Variant, backend, backend_name: str,
+                         device) -> None:
+    """``case`` called through ``backend_name`` with the gradients ``variant`` asks for:
+    outputs, final states and gradients (dtype, shape, values) against the oracle."""
     names = variant.grads or differentiable_names(case)
-    probe = with_requires_grad(make_inputs(case, ttt_device), names)
-    skip_unless_supported(ttt_backend, probe)
-    expected = expected_for(case, str(ttt_device))
+    probe = with_requires_grad(make_inputs(case, device), names)
+    skip_unless_supported(backend, probe)
+    expected = expected_for(case, str(device))
     out_tol, grad_tol = TOLERANCES[case.dtype]
     inputs = with_requires_grad(expected.inputs, names)
 
-    outputs = run_op(ttt_backend_name, inputs)
+    outputs = run_op(backend_name, inputs)
     judge = Judge(case)
     judge.outputs(outputs, expected.outputs, out_tol)
     used, cotangents = outputs_for_loss(outputs, expected.cotangents, variant.cotangents)
@@ -42,10 +49,14 @@ def test_matches_oracle(case: Case, variant: Variant, ttt_backend, ttt_backend_n
     want = expected.grads(variant.cotangents)
     for name, grad in grads.items():
         judge.dtype(f"d{name}", grad, inputs[name].dtype)
+        if grad is not None and tuple(grad.shape) != tuple(inputs[name].shape):
+            judge.fail(f"d{name}: shape {tuple(grad.shape)}, expected "
+                       f"{tuple(inputs[name].shape)}")
+            continue
         judge.close(f"d{name}", grad, want[name], grad_tol,
                     per_sequence_rows=name.startswith("initial_state"),
                     segments=name not in ("w", "b"))
-    judge.check(f"{case.id} [{variant.name}] on {ttt_backend_name}")
+    judge.check(f"{case.id} [{variant.name}] on {backend_name}")
 
 
 FORWARD_ONLY_CASES = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ..tolerances import TOLERANCES
-from .calls import gradients, outputs_for_loss, run_op, skip_unless_supported
+from .calls import gradients, run_op, skip_unless_supported
 from .cases import (
     BF16,
     F16,
@@ -24,12 +24,11 @@ from .cases import (
     VARIANTS,
     Case,
     differentiable,
-    differentiable_names,
     make_inputs,
-    with_requires_grad,
 )
 from .compare import Judge, expect
 from .expected import expected_for
+from .test_against_oracle import check_against_oracle
 
 
 def _empty_cases() -> list[Case]:
@@ -71,29 +70,7 @@ def _params() -> list:
 @pytest.mark.parametrize(("case", "variant"), _params())
 def test_empty_sequences_match_oracle(case: Case, variant, ttt_backend, ttt_backend_name,
                                       ttt_device):
-    names = variant.grads or differentiable_names(case)
-    probe = with_requires_grad(make_inputs(case, ttt_device), names)
-    skip_unless_supported(ttt_backend, probe)
-    expected = expected_for(case, str(ttt_device))
-    out_tol, grad_tol = TOLERANCES[case.dtype]
-    inputs = with_requires_grad(expected.inputs, names)
-
-    outputs = run_op(ttt_backend_name, inputs)
-    judge = Judge(case)
-    judge.outputs(outputs, expected.outputs, out_tol)
-    used, cotangents = outputs_for_loss(outputs, expected.cotangents, variant.cotangents)
-    grads = gradients(inputs, used, cotangents)
-    want = expected.grads(variant.cotangents)
-    for name, grad in grads.items():
-        judge.dtype(f"d{name}", grad, inputs[name].dtype)
-        if grad is not None and tuple(grad.shape) != tuple(inputs[name].shape):
-            judge.fail(f"d{name}: shape {tuple(grad.shape)}, expected "
-                       f"{tuple(inputs[name].shape)}")
-            continue
-        judge.close(f"d{name}", grad, want[name], grad_tol,
-                    per_sequence_rows=name.startswith("initial_state"),
-                    segments=name not in ("w", "b"))
-    judge.check(f"{case.id} [{variant.name}] on {ttt_backend_name}")
+    check_against_oracle(case, variant, ttt_backend, ttt_backend_name, ttt_device)
 
 
 def _empty_rows(case: Case) -> list[int]:
