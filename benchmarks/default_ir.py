@@ -25,40 +25,18 @@ SHAPES = ((64, 16), (128, 64))          # (padded head dim, chunk)
 
 
 def dump(out: str) -> None:
-    import torch
     import triton
-    from resources import DEFAULT_FORM, KERNELS, _aligned, _signature
+    from resources import KERNELS, compile_inputs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from ttt_triton.ops.ttt_linear import tuning
 
     os.makedirs(out, exist_ok=True)
-    tune, G = tuning.DEFAULT_TUNING, tuning.CKPT_INTERVAL["narrow"]
     target = GPUTarget("cuda", 90, 32)
     for dtype in ("bf16", "fp32"):
-        torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
         for BD, BT in SHAPES:
             for varlen in (False, True):
                 for name, fn, kind, rows, extra in KERNELS:
-                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=G, IS_VARLEN=varlen,
-                                  PREC=tuning.dot_precision(torch_dtype, BD), **extra)
-                    consts.update({k: v for k, v in DEFAULT_FORM.items()
-                                   if k in fn.arg_names and k not in consts})
-                    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-                    if "HALF" in fn.arg_names:
-                        consts["HALF"] = dtype != "fp32"
-                    if rows is not None:
-                        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune)
-                    if "SPLIT" in fn.arg_names:
-                        consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
-                    sig = _signature(fn, dtype, consts)
-                    src = ASTSource(fn=fn, signature=sig,
-                                    constexprs={(fn.arg_names.index(k),): v
-                                                for k, v in consts.items()},
-                                    attrs=_aligned(fn, sig))
-                    options = tuning.launch_options(kind, BD, dtype == "fp32", tune,
-                                                    fused_bwd=name == "bwd_fused")
+                    src, options, _ = compile_inputs(name, fn, kind, rows, extra, dtype, BD,
+                                                     BT, varlen=varlen)
                     kernel = triton.compile(src, target=target, options=options)
                     label = f"{name}_{dtype}_bd{BD}_bt{BT}{'_varlen' if varlen else ''}"
                     for stage in STAGES:

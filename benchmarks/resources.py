@@ -54,9 +54,38 @@ DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm
 """The constexprs of a default call (no eta_key, norm_residual, every gradient), where a
 kernel has them."""
 
-LAYER_FORM = dict(DEFAULT_FORM, HAS_ETA_KEY=True, OUTPUT="query_residual",
-                  NEED_DETA_KEY=True)
-"""``--layer``: the form ``ttt.nn.TTTLinear`` calls (eta_key, query_residual)."""
+LAYER_FORM = {**{k: v for k, v in DEFAULT_FORM.items() if k not in ("eta_key", "deta_key")},
+              "HAS_ETA_KEY": True, "OUTPUT": "query_residual", "NEED_DETA_KEY": True}
+"""``--layer``: the form ``ttt.nn.TTTLinear`` calls (eta_key, query_residual; eta_key and
+deta_key then pointers, not constexprs)."""
+
+
+def compile_inputs(name: str, fn, kind: str, rows: str | None, extra: dict, dtype: str,
+                   BD: int, BT: int, *, varlen: bool = False, form: dict = DEFAULT_FORM,
+                   aligned: bool = True, H: int = 16):
+    """``(ASTSource, options, constexprs)`` of one row of :data:`KERNELS` as the launcher
+    compiles it for ``dtype`` ("bf16" or "fp32"), padded head dim ``BD`` and chunk ``BT``
+    (default tuning, the narrow checkpoint interval), in the call form ``form``."""
+    tune, G = tuning.DEFAULT_TUNING, tuning.CKPT_INTERVAL["narrow"]
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    consts = dict(H=H, D=BD, BT=BT, BD=BD, G=G, IS_VARLEN=varlen,
+                  PREC=tuning.dot_precision(torch_dtype, BD), **extra)
+    consts.update({k: v for k, v in form.items() if k in fn.arg_names and k not in consts})
+    if "HALF" in fn.arg_names:
+        consts["HALF"] = dtype != "fp32"
+    if rows is not None:
+        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune)
+    if "SPLIT" in fn.arg_names:
+        consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
+    sig = _signature(fn, dtype, consts)
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=_aligned(fn, sig) if aligned else None)
+    options = tuning.launch_options(kind, BD, dtype == "fp32", tune,
+                                    fused_bwd=name == "bwd_fused")
+    if name in ("bwd_local", "bwd_grads") and tuning.wide_backward(torch_dtype, BD, BT):
+        options["num_stages"] = tuning.WIDE_BACKWARD["stages"]
+    return src, options, consts
 
 
 def _signature(fn, dtype: str, consts: dict) -> dict:
@@ -108,39 +137,17 @@ def main() -> None:
                              "a launch with torch tensors compiles)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    tune = tuning.DEFAULT_TUNING
-    G = tuning.CKPT_INTERVAL["narrow"]
-    print(f"triton {triton.__version__}, sm_{args.arch}, G={G}")
+    form = LAYER_FORM if args.layer else DEFAULT_FORM
+    print(f"triton {triton.__version__}, sm_{args.arch}, G={tuning.CKPT_INTERVAL['narrow']}")
     for dtype in args.dtypes:
         for BD in args.bd:
-            torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-            prec = tuning.dot_precision(torch_dtype, BD)
             for BT in args.bt:
                 for name, fn, kind, rows, extra in KERNELS:
                     if only and name not in only:
                         continue
-                    consts = dict(H=16, D=BD, BT=BT, BD=BD, G=G,
-                                  IS_VARLEN=False, PREC=prec, **extra)
-                    form = LAYER_FORM if args.layer else DEFAULT_FORM
-                    consts.update({k: v for k, v in form.items()
-                                   if k in fn.arg_names and k not in consts
-                                   and not (args.layer and k in ("eta_key", "deta_key"))})
-                    if "HALF" in fn.arg_names:
-                        consts["HALF"] = dtype != "fp32"
-                    if rows is not None:
-                        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune)
-                    if "SPLIT" in fn.arg_names:
-                        consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
-                    sig = _signature(fn, dtype, consts)
-                    src = ASTSource(fn=fn, signature=sig,
-                                    constexprs={(fn.arg_names.index(k),): v
-                                                for k, v in consts.items()},
-                                    attrs=_aligned(fn, sig) if args.aligned else None)
-                    options = tuning.launch_options(kind, BD, dtype == "fp32", tune,
-                                                    fused_bwd=name == "bwd_fused")
-                    if (name in ("bwd_local", "bwd_grads")
-                            and tuning.wide_backward(torch_dtype, BD, BT)):
-                        options["num_stages"] = tuning.WIDE_BACKWARD["stages"]
+                    src, options, consts = compile_inputs(
+                        name, fn, kind, rows, extra, dtype, BD, BT, form=form,
+                        aligned=args.aligned)
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
                              f"warps={options['num_warps']}")
                     if "BS" in consts:
