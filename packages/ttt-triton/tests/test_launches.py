@@ -11,8 +11,19 @@ import time
 import pytest
 import torch
 
+import ttt
 from ttt_triton.ops.ttt_linear import launches
 from ttt_triton.ops.ttt_linear.launches import Launch
+
+CPU = torch.device("cpu")
+
+
+def _problem():
+    q = torch.randn(1, 16, 2, 16)
+    return ttt.make_problem(q, q, q, torch.ones(2, 16), torch.zeros(2, 16), 0.1)
+
+
+PROBLEM = _problem()
 
 
 class _Kernel:
@@ -57,7 +68,7 @@ def _pass(log, seconds=0.0, error=None):
 
 def test_a_new_key_compiles_the_others_in_threads_then_launches_in_order(on_gpu):
     log = []
-    launches.run(_pass(log, seconds=0.05), ("k",), torch.device("cpu"))
+    launches.run(_pass(log, seconds=0.05), CPU, "k", PROBLEM)
     me = threading.get_ident()
     compiled = [(name, grid, args, kwargs) for event, name, grid, args, kwargs, thread in log
                 if event == "compile" and thread != me]
@@ -73,32 +84,32 @@ def test_a_new_key_compiles_the_others_in_threads_then_launches_in_order(on_gpu)
 
 def test_a_seen_key_launches_directly(on_gpu):
     log = []
-    launches.run(_pass(log), ("k",), torch.device("cpu"))
+    launches.run(_pass(log), CPU, "k", PROBLEM)
     log.clear()
-    launches.run(_pass(log), ("k",), torch.device("cpu"))
+    launches.run(_pass(log), CPU, "k", PROBLEM)
     assert [(event, name) for event, name, *_ in log] == [("launch", "a"), ("launch", "b"),
                                                          ("launch", "c")]
 
 
 def test_one_launch_and_the_interpreter_compile_nothing_ahead(on_gpu, monkeypatch):
     log = []
-    launches.run(_pass(log)[:1], ("one",), torch.device("cpu"))
+    launches.run(_pass(log)[:1], CPU, "one", PROBLEM)
     monkeypatch.setattr(launches, "interpreting", lambda: True)
-    launches.run(_pass(log), ("interpreted",), torch.device("cpu"))
+    launches.run(_pass(log), CPU, "interpreted", PROBLEM)
     assert [event for event, *_ in log] == ["launch"] * 4
 
 
 def test_a_failed_compile_raises_and_the_key_stays_new(on_gpu):
     log = []
     with pytest.raises(RuntimeError, match="no registers"):
-        launches.run(_pass(log, error=RuntimeError("no registers")), ("k",),
-                     torch.device("cpu"))
-    assert ("k",) not in launches._SEEN
+        launches.run(_pass(log, error=RuntimeError("no registers")), CPU, "k", PROBLEM)
+    assert launches._SEEN == set()
     assert [name for event, name, *_ in log if event == "launch"] == ["a"]
 
 
 def test_the_memory_of_keys_is_bounded(on_gpu, monkeypatch):
     monkeypatch.setattr(launches, "MAX_KEYS", 3)
     for i in range(7):
-        launches.run(_pass([]), (i,), torch.device("cpu"))
-    assert len(launches._SEEN) <= 3 and (6,) in launches._SEEN
+        launches.run(_pass([]), CPU, "fwd", PROBLEM, i)
+    assert len(launches._SEEN) <= 3
+    assert launches.pass_key("fwd", PROBLEM, 6) in launches._SEEN

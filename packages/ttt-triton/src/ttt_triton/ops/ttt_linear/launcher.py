@@ -22,7 +22,7 @@ from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
 from .fwd_chain import ttt_linear_fwd_chain_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
-from .launches import Launch, pass_key
+from .launches import Launch
 from .launches import run as launches_run
 from .tuning import (
     DEFAULT_TUNING,
@@ -174,7 +174,7 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
             H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
             IS_VARLEN=varlen, HALF=half, PREC=prec, **forms,
             **_launch("group", BD, q.dtype, tune))))
-    launches_run(launches, pass_key("fwd", p, save, fuse, tune), dev)
+    launches_run(launches, dev, "fwd", p, save, fuse, tune)
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
@@ -283,7 +283,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
                 H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
                 IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
                 **needs_flags, **group_launch)))
-    launches_run(launches, pass_key("bwd", p, needs, use_dht, fuse, tune), dev)
+    launches_run(launches, dev, "bwd", p, needs, use_dht, fuse, tune)
     if fuse:
         dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
         db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)

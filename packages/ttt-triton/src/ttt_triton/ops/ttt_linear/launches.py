@@ -61,10 +61,11 @@ def pass_key(kind: str, p: Problem, *flags) -> tuple:
             p.output_final_state, p.is_varlen, p.output, p.q.device, *flags)
 
 
-def run(launches: list[Launch], key: tuple, device: torch.device) -> None:
-    """Launch ``launches`` in order; the first time ``key`` comes (on a GPU, with more than
-    one launch), compile them all at once first."""
-    if key in _SEEN or len(launches) < 2 or interpreting():
+def run(launches: list[Launch], device: torch.device, kind: str, p: Problem, *flags) -> None:
+    """Launch ``launches`` in order; the first time their :func:`pass_key` comes (on a GPU,
+    with more than one launch), compile them all at once first."""
+    key = None if len(launches) < 2 else pass_key(kind, p, *flags)
+    if key is None or key in _SEEN or interpreting():
         for launch in launches:
             launch()
         return
