@@ -15,97 +15,35 @@ import torch
 
 pytest.importorskip("triton")
 
+from launcher_cases import (  # noqa: E402
+    DEVICE,
+    as_run,
+    assert_within_bounds,
+    cotangents,
+    inputs,
+    launch,
+    oracle,
+    problem,
+    relative_errors,
+)
+
 import ttt  # noqa: E402
 from ttt import GradNeeds  # noqa: E402
-from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.problem import GRAD_INPUTS, OUTPUTS  # noqa: E402
-from ttt.tolerances import TOLERANCES  # noqa: E402
-from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
-
-F64 = torch.float64
-RESULTS = ("o", "ht", "hbt")
-
-
-def _inputs(T, H, D, seq_lens, seed, eta_key=True):
-    """Fresh random float64 inputs of one packed batch (B = 1) with initial states and,
-    ``eta_key``, a per-key factor around one."""
-    g = torch.Generator().manual_seed(seed)
-    N = len(seq_lens) if seq_lens else 1
-    k = torch.randn(1, T, H, D, generator=g, dtype=F64)
-    x = dict(
-        q=torch.randn(1, T, H, D, generator=g, dtype=F64),
-        k=k / k.norm(dim=-1, keepdim=True),
-        v=torch.randn(1, T, H, D, generator=g, dtype=F64),
-        w=1 + 0.1 * torch.randn(H, D, generator=g, dtype=F64),
-        b=0.1 * torch.randn(H, D, generator=g, dtype=F64),
-        eta=0.1 * torch.rand(1, T, H, 1, generator=g, dtype=F64),
-        initial_state=0.1 * torch.randn(N, H, D, D, generator=g, dtype=F64),
-        initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=g, dtype=F64),
-    )
-    if eta_key:
-        x["eta_key"] = 0.5 + torch.rand(1, T, H, 1, generator=g, dtype=F64)
-    cu = None
-    if seq_lens:
-        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
-    return x, cu
-
-
-def _cotangents(T, H, D, N, seed):
-    g = torch.Generator().manual_seed(seed + 1)
-    return [torch.randn(s, generator=g, dtype=F64)
-            for s in ((1, T, H, D), (N, H, D, D), (N, H, 1, D))]
-
-
-def _oracle(x, cu, chunk, output, cotangents):
-    """{name: float64 result}: the outputs and every gradient."""
-    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-    outs = oracle_chunk_ttt_linear(**leaves, chunk_size=chunk, cu_seqlens=cu, output=output)
-    want = dict(zip(RESULTS, (t.detach() for t in outs)))
-    grads = torch.autograd.grad(outs, list(leaves.values()), cotangents)
-    want.update({f"d{n}": g for n, g in zip(leaves, grads)})
-    return want
-
-
-def _problem(x, cu, chunk, output, dtype=torch.float32):
-    args = {n: t.to(DEVICE, torch.float32 if n.startswith("initial") else dtype)
-            for n, t in x.items()}
-    return ttt.make_problem(**args, chunk_size=chunk, output_final_state=True,
-                            cu_seqlens=None if cu is None else cu.to(DEVICE), output=output)
-
-
-def _triton(problem, cotangents, tuning, needs=None):
-    """(results {name: tensor as returned}, the problem): forward and backward under
-    ``tuning`` with ``needs``."""
-    o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=True, tuning=tuning)
-    got = dict(zip(RESULTS, (o, ht, hbt)))
-    do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
-    grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning,
-                           needs=needs)
-    gradients = ttt.Gradients(*grads)              # (the launcher returns its fields)
-    got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS})
-    return got
 
 
 def _check(T, H, D, chunk, seq_lens, seed, tuning, output, eta_key=True,
            dtype=torch.float32):
-    x, cu = _inputs(T, H, D, seq_lens, seed, eta_key)
-    x = {n: t.to(torch.float32 if n.startswith("initial") else dtype).to(F64)   # as run
-         for n, t in x.items()}
-    cotangents = _cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
-    want = _oracle(x, cu, chunk, output, cotangents)
-    got = _triton(_problem(x, cu, chunk, output, dtype), cotangents, tuning)
-    got = {n: t.detach().to("cpu", F64) for n, t in got.items() if t is not None}
-    assert set(got) == set(want)
-    out_tol, grad_tol = TOLERANCES[dtype]
-    errs = {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
-    bad = {n: f"{e:.2e} > {grad_tol if n.startswith('d') else out_tol:.0e}"
-           for n, e in errs.items() if not e <= (grad_tol if n.startswith("d") else out_tol)}
-    assert not bad, f"relative errors above the bounds with {tuning}, {output}: {bad}"
+    x, cu = inputs(T, H, D, seq_lens, seed, eta_key)
+    x = as_run(x, dtype)
+    dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
+    want = oracle(x, cu, chunk, dys, output)
+    got = launch(problem(x, cu, chunk, dtype, output), dys, tuning)
+    assert_within_bounds(relative_errors(got, want), dtype, f"{tuning}, {output}")
 
 
 PATHS = [
@@ -187,15 +125,14 @@ def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
     input or with another result)."""
     tuning = Tuning(fuse_forward=fuse, fuse_backward=fuse, checkpoint_interval=2)
     T, H, D = 60, 2, 32
-    x, cu = _inputs(T, H, D, (23, 37), 31)
-    problem = _problem(x, cu, 16, output)
-    cotangents = _cotangents(T, H, D, 2, 31)
-    full = _triton(problem, cotangents, tuning)
-    inputs = [t for t in (problem.q, problem.k, problem.v, problem.w, problem.b,
-                          problem.eta, problem.initial_state, problem.initial_state_bias,
-                          problem.eta_key) if t is not None]
+    x, cu = inputs(T, H, D, (23, 37), 31, eta_key=True)
+    p = problem(x, cu, 16, output=output)
+    dys = cotangents(T, H, D, 2, 31)
+    full = launch(p, dys, tuning)
+    given = [t for t in (p.q, p.k, p.v, p.w, p.b, p.eta, p.initial_state,
+                         p.initial_state_bias, p.eta_key) if t is not None]
     for label, needs in NEEDS.items():
-        got = _triton(problem, cotangents, tuning, needs)
+        got = launch(p, dys, tuning, needs=needs)
         returned = []
         for name in GRAD_INPUTS:
             grad, want = got[f"d{name}"], full[f"d{name}"]
@@ -206,7 +143,7 @@ def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
             assert torch.equal(grad, want), f"{label}: d{name} differs from the full backward"
             returned.append((name, grad))
         for i, (name, grad) in enumerate(returned):
-            assert not any(_shares_storage(grad, t) for t in inputs), f"{label}: d{name}"
+            assert not any(_shares_storage(grad, t) for t in given), f"{label}: d{name}"
             assert not any(_shares_storage(grad, other) for _, other in returned[i + 1:]), \
                 f"{label}: d{name} shares storage with another gradient"
 
@@ -214,9 +151,9 @@ def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
 def test_a_float_eta_gets_no_gradient():
     """A float eta (a constant tensor, not a leaf): no deta even when every gradient is asked
     for."""
-    x, cu = _inputs(40, 2, 16, None, 33, eta_key=False)
-    problem = replace(_problem(x, cu, 16, "raw"), eta_is_tensor=False)
-    got = _triton(problem, _cotangents(40, 2, 16, 1, 33), Tuning())
+    x, cu = inputs(40, 2, 16, None, 33)
+    p = replace(problem(x, cu, 16, output="raw"), eta_is_tensor=False)
+    got = launch(p, cotangents(40, 2, 16, 1, 33), Tuning())
     assert got["deta"] is None and got["deta_key"] is None
     assert got["dq"] is not None and got["dinitial_state"] is not None
 
@@ -244,7 +181,7 @@ def test_the_backend_launches_only_what_autograd_needs(monkeypatch):
                  "ttt_linear_bwd_grads_kernel"):
         counts[name] = _LaunchCount(getattr(launcher, name))
         monkeypatch.setattr(launcher, name, counts[name])
-    x, _ = _inputs(40, 2, 16, None, 35)
+    x, _ = inputs(40, 2, 16, None, 35, eta_key=True)
     args = {n: x[n].to(DEVICE, torch.float32) for n in ("q", "k", "v", "w", "b", "eta_key")}
     do = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
 

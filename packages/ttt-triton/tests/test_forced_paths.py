@@ -14,96 +14,38 @@ import torch
 
 pytest.importorskip("triton")
 
-import ttt  # noqa: E402
-from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
-from ttt.problem import GRAD_INPUTS  # noqa: E402
-from ttt.tolerances import TOLERANCES  # noqa: E402
-from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd  # noqa: E402
+from launcher_cases import (  # noqa: E402
+    DEVICE,
+    F64,
+    as_run,
+    assert_within_bounds,
+    cotangents,
+    inputs,
+    launch,
+    oracle,
+    problem,
+    relative_errors,
+)
+
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
-
-F64 = torch.float64
-OUTPUTS = ("o", "ht", "hbt")
-
-
-def _inputs(T, H, D, seq_lens, seed):
-    """Fresh random float64 inputs of one packed batch (B = 1) with initial states."""
-    g = torch.Generator().manual_seed(seed)
-    N = len(seq_lens) if seq_lens else 1
-    k = torch.randn(1, T, H, D, generator=g, dtype=F64)
-    x = dict(
-        q=torch.randn(1, T, H, D, generator=g, dtype=F64),
-        k=k / k.norm(dim=-1, keepdim=True),
-        v=torch.randn(1, T, H, D, generator=g, dtype=F64),
-        w=1 + 0.1 * torch.randn(H, D, generator=g, dtype=F64),
-        b=0.1 * torch.randn(H, D, generator=g, dtype=F64),
-        eta=0.1 * torch.rand(1, T, H, 1, generator=g, dtype=F64),
-        initial_state=0.1 * torch.randn(N, H, D, D, generator=g, dtype=F64),
-        initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=g, dtype=F64),
-    )
-    cu = None
-    if seq_lens:
-        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
-    return x, cu
-
-
-def _oracle(x, cu, chunk, with_grad, cotangents):
-    """{name: float64 result}: the outputs and, ``with_grad``, every gradient."""
-    leaves = {n: t.clone().requires_grad_(with_grad) for n, t in x.items()}
-    outs = oracle_chunk_ttt_linear(**leaves, chunk_size=chunk, cu_seqlens=cu)
-    want = dict(zip(OUTPUTS, (t.detach() for t in outs)))
-    if with_grad:
-        grads = torch.autograd.grad(outs, list(leaves.values()), cotangents)
-        want.update({f"d{n}": g for n, g in zip(leaves, grads)})
-    return want
-
-
-def _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning):
-    """{name: result as float64}: the launcher's forward (and backward) under ``tuning``."""
-    args = {n: t.to(DEVICE, torch.float32 if n.startswith("initial") else dtype)
-            for n, t in x.items()}
-    problem = ttt.make_problem(**args, chunk_size=chunk, output_final_state=True,
-                               cu_seqlens=None if cu is None else cu.to(DEVICE))
-    o, ht, hbt, saved = ttt_linear_fwd(problem, save_for_backward=with_grad, tuning=tuning)
-    got = dict(zip(OUTPUTS, (o, ht, hbt)))
-    if with_grad:
-        do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
-        grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning)
-        gradients = ttt.Gradients(*grads)          # (the launcher returns its fields)
-        got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS if n in x})
-    return {n: t.detach().to("cpu", F64) for n, t in got.items()}
 
 
 def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float32):
     """{name: relative error against the oracle} of every output and gradient."""
-    x, cu = _inputs(T, H, D, seq_lens, seed)
-    x = {n: t.to(torch.float32 if n.startswith("initial") else dtype).to(F64)   # as run
-         for n, t in x.items()}
-    N = len(seq_lens) if seq_lens else 1
-    g = torch.Generator().manual_seed(seed + 1)
-    cotangents = [torch.randn(s, generator=g, dtype=F64)
-                  for s in ((1, T, H, D), (N, H, D, D), (N, H, 1, D))]
-    want = _oracle(x, cu, chunk, with_grad, cotangents)
+    x, cu = inputs(T, H, D, seq_lens, seed)
+    x = as_run(x, dtype)
+    dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
+    want = oracle(x, cu, chunk, dys, with_grad=with_grad)
     try:
-        got = _triton(x, cu, chunk, dtype, with_grad, cotangents, tuning)
+        got = launch(problem(x, cu, chunk, dtype), dys, tuning, with_grad)
     except ValueError as err:      # a forced Tuning this device cannot run, refused
         if DEVICE == "cpu" or "the device allows" not in str(err):
             raise
         pytest.skip(f"this device cannot run the forced configuration: {err}")
-    assert set(got) == set(want)
-    return {n: ((got[n] - ref).norm() / ref.norm()).item() for n, ref in want.items()}
-
-
-def _assert_close(errs, dtype, tuning):
-    """Every error within the conformance suite's bound for ``dtype`` (outputs and final
-    states, gradients)."""
-    out_tol, grad_tol = TOLERANCES[dtype]
-    bad = {n: f"{e:.2e} > {grad_tol if n.startswith('d') else out_tol:.0e}"
-           for n, e in errs.items() if not e <= (grad_tol if n.startswith("d") else out_tol)}
-    assert not bad, f"relative errors above the bounds with {tuning}: {bad}"
+    return relative_errors(got, want)
 
 
 @pytest.mark.parametrize("tuning,chunk,seq_lens", [
@@ -122,7 +64,7 @@ def _assert_close(errs, dtype, tuning):
 def test_small_groups_and_blocks(tuning, chunk, seq_lens):
     T = sum(seq_lens) if seq_lens else 165
     errs = _errors(T, 2, 32, chunk, seq_lens, 11, tuning, with_grad=True)
-    _assert_close(errs, torch.float32, tuning)
+    assert_within_bounds(errs, torch.float32, tuning)
 
 
 FORCED_CHAINS = [
@@ -146,7 +88,7 @@ def test_fused_chains(tuning, with_grad, chunk, seq_lens):
     tuning = Tuning(**{**vars(tuning), "checkpoint_interval": 2})
     T = sum(seq_lens) if seq_lens else 85
     errs = _errors(T, 2, 32, chunk, seq_lens, 13, tuning, with_grad)
-    _assert_close(errs, torch.float32, tuning)
+    assert_within_bounds(errs, torch.float32, tuning)
 
 
 @pytest.mark.parametrize("chunk,seq_lens", [(16, (40, 25)), (64, None)])
@@ -159,7 +101,7 @@ def test_split_grads_kernel(chunk, seq_lens):
                     group_stages=1 if chunk == 64 else None)
     T = sum(seq_lens) if seq_lens else 150
     errs = _errors(T, 2, 40, chunk, seq_lens, 17, tuning, with_grad=True)
-    _assert_close(errs, torch.float32, tuning)
+    assert_within_bounds(errs, torch.float32, tuning)
 
 
 NEEDS_GPU = pytest.mark.skipif(
@@ -176,7 +118,7 @@ def test_forced_chains_on_gpu(dtype, tuning, with_grad, D, chunk):
     head dim, the IEEE K-blocked dots (float32 at D 128) and the wide backward (half inputs
     at D 128, chunk 64), against the oracle within the conformance suite's bounds."""
     errs = _errors(180, 3, D, chunk, (60, 120), 9, tuning, with_grad, dtype=dtype)
-    _assert_close(errs, dtype, tuning)
+    assert_within_bounds(errs, dtype, tuning)
 
 
 class _LaunchSpy:
@@ -234,11 +176,10 @@ def test_unfit_forced_tuning_is_refused_with_the_need_and_the_limit(monkeypatch)
 
     monkeypatch.setattr(launcher, "ttt_linear_bwd_grads_kernel", _OutOfSharedMemory())
     forced = Tuning(grads_split=2, checkpoint_interval=2, fuse_backward=False)
-    x, _ = _inputs(40, 2, 32, None, 3)
-    cotangents = [torch.randn(s, dtype=F64) for s in ((1, 40, 2, 32), (1, 2, 32, 32),
-                                                       (1, 2, 1, 32))]
+    x, _ = inputs(40, 2, 32, None, 3)
+    dys = [torch.randn(s, dtype=F64) for s in ((1, 40, 2, 32), (1, 2, 32, 32), (1, 2, 1, 32))]
     with pytest.raises(ValueError, match=r"grads_split=2.*377344 bytes of shared memory.*"
                                          r"allows 232448"):
-        _triton(x, None, 16, torch.float32, True, cotangents, forced)
+        launch(problem(x, None, 16), dys, forced)
     with pytest.raises(OutOfResources):
-        _triton(x, None, 16, torch.float32, True, cotangents, Tuning())
+        launch(problem(x, None, 16), dys, Tuning())
