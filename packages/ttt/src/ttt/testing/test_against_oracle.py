@@ -70,12 +70,20 @@ FORWARD_ONLY_CASES = [
 @pytest.mark.parametrize("case", [c.param() for c in FORWARD_ONLY_CASES])
 def test_forward_only_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
     """Inference: no input requires grad (kernels may take another path than training)."""
-    inputs = make_inputs(case, ttt_device, seed=case.seed + 1)
-    skip_unless_supported(ttt_backend, inputs, requires_grad=False)
+    check_forward_against_oracle(case, ttt_backend, ttt_backend_name, ttt_device,
+                                 seed=case.seed + 1)
+
+
+def check_forward_against_oracle(case: Case, backend, backend_name: str, device,
+                                 seed: int) -> None:
+    """``case``'s inputs (of ``seed``) called through ``backend_name`` without gradients:
+    outputs and final states against the oracle."""
+    inputs = make_inputs(case, device, seed=seed)
+    skip_unless_supported(backend, inputs, requires_grad=False)
     out_tol, _ = TOLERANCES[case.dtype]
     with torch.no_grad():
-        outputs = run_op(ttt_backend_name, inputs)
+        outputs = run_op(backend_name, inputs)
     expected = dict(zip(OUTPUT_NAMES, oracle_forward(inputs)))
     judge = Judge(case)
     judge.outputs(outputs, expected, out_tol)
-    judge.check(f"{case.id} on {ttt_backend_name}")
+    judge.check(f"{case.id} on {backend_name}")

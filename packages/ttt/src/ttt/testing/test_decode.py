@@ -13,6 +13,7 @@ from .calls import run_op, skip_unless_supported
 from .cases import BF16, F16, F32, OUTPUT_FORMS, Case, make_inputs
 from .compare import Judge
 from .expected import OUTPUT_NAMES, oracle_forward
+from .test_against_oracle import check_forward_against_oracle
 from .tolerances import TOLERANCES
 
 LAYER_FORM = dict(eta_key=True, output="query_residual")
@@ -51,15 +52,8 @@ DECODE_CASES = _decode_cases()
 @pytest.mark.parametrize("case", [c.param() for c in DECODE_CASES])
 def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
     """One generation step (no gradient): outputs and final states against the oracle."""
-    inputs = make_inputs(case, ttt_device, seed=case.seed + 2)
-    skip_unless_supported(ttt_backend, inputs, requires_grad=False)
-    out_tol, _ = TOLERANCES[case.dtype]
-    with torch.no_grad():
-        outputs = run_op(ttt_backend_name, inputs)
-    expected = dict(zip(OUTPUT_NAMES, oracle_forward(inputs)))
-    judge = Judge(case)
-    judge.outputs(outputs, expected, out_tol)
-    judge.check(f"{case.id} on {ttt_backend_name}")
+    check_forward_against_oracle(case, ttt_backend, ttt_backend_name, ttt_device,
+                                 seed=case.seed + 2)
 
 
 PREFILL, STEPS = 37, 5
