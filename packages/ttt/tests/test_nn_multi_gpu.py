@@ -46,7 +46,7 @@ from torch import nn
 
 import ttt
 import ttt.nn.layer
-from ttt.nn import TTTLinear
+from ttt.testing.test_layer import TinyModel
 from ttt.tolerances import TOLERANCES
 
 WORLD = 2
@@ -72,26 +72,10 @@ class Setup:
     precisions: tuple[str, ...]
 
 
-class TinyModel(nn.Module):
-    def __init__(self, backend: str) -> None:
-        super().__init__()
-        self.inp = nn.Linear(WIDTH, WIDTH)
-        self.layers = nn.ModuleList(TTTLinear(WIDTH, HEADS, MINI_BATCH, use_gate=use_gate,
-                                              backend=backend)
-                                    for use_gate in (False, True))
-        self.out = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = h + layer(h)
-        return self.out(h)
-
-
 def make_model(backend: str, device: torch.device) -> TinyModel:
     """The same model on every rank; every parameter off its initial value."""
     torch.manual_seed(0)
-    model = TinyModel(backend)
+    model = TinyModel(backend, WIDTH, HEADS, MINI_BATCH)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
@@ -272,7 +256,7 @@ def test_backend_verdict_on_the_layer_calls(backend):
     are recorded, the check gives a verdict (here: CPU tensors), and the reference backend
     takes them all."""
     calls = layer_calls(backend, torch.device("cpu"))
-    assert len(calls) == 3 * len(TinyModel(backend).layers)
+    assert len(calls) == 3 * len(TinyModel(backend, WIDTH, HEADS, MINI_BATCH).layers)
     assert {(c["q"].dtype, c["w"].dtype) for c in calls} == {
         (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
         (torch.bfloat16, torch.bfloat16)}

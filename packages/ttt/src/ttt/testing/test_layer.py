@@ -25,16 +25,17 @@ WIDTH, HEADS, MINI_BATCH = 64, 2, 16
 
 
 class TinyModel(nn.Module):
-    """x [B, T, WIDTH] -> [B, T, WIDTH]: a projection, two TTT-Linear layers with residuals,
-    a projection."""
+    """x [B, T, width] -> [B, T, width]: a projection, two TTT-Linear layers (the second
+    gated) with residuals, a projection."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, width: int = WIDTH, heads: int = HEADS,
+                 mini_batch: int = MINI_BATCH) -> None:
         super().__init__()
-        self.inp = nn.Linear(WIDTH, WIDTH)
-        self.layers = nn.ModuleList(TTTLinear(WIDTH, HEADS, MINI_BATCH, use_gate=use_gate,
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(TTTLinear(width, heads, mini_batch, use_gate=use_gate,
                                               backend=backend)
                                     for use_gate in (False, True))
-        self.out = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor, cache: TTTCache | None = None) -> torch.Tensor:
         h = self.inp(x)
