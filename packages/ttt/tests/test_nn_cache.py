@@ -1,6 +1,11 @@
-"""Generation with ttt.nn.TTTCache: prefill + decode equals one forward over the sequence."""
+"""Generation with ttt.nn.TTTCache: prefill + decode equals one forward over the sequence;
+no autograd graph kept across steps (unless asked for); beam reordering (``reorder``) equal
+to decoding the reordered batch from scratch."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -116,3 +121,106 @@ def test_cache_misuse_raises():
             layer(torch.randn(3, 1, 32), cache=cache)
         with pytest.raises(ValueError, match="cu_seqlens"):
             layer(torch.randn(1, 4, 32), cache=TTTCache(), cu_seqlens=torch.tensor([0, 2, 4]))
+
+
+def _stored(cache: TTTCache, layer) -> list[torch.Tensor]:
+    entry = cache.get(layer)
+    return [entry.state, entry.state_bias, entry.q, entry.k, entry.v, entry.eta_key]
+
+
+def test_the_cache_stores_no_graph_with_gradients_enabled():
+    layer, cache = _layer(), TTTCache()
+    for length in (6, 1, 1):                # full mini-batches and pending tokens
+        layer(torch.randn(2, length, 32), cache=cache)
+        for t in _stored(cache, layer):
+            assert t.grad_fn is None and not t.requires_grad
+
+
+def test_the_cache_does_not_keep_earlier_steps_alive():
+    """A step's input is saved by its autograd graph (the projections' backward); once the
+    step's output is dropped, nothing the cache holds keeps that graph, or the input, alive."""
+    layer, cache = _layer(), TTTCache()
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    alive = weakref.ref(x)
+    y = layer(x, cache=cache)
+    del x, y
+    gc.collect()
+    assert alive() is None
+    assert layer(torch.randn(2, 1, 32), cache=cache).shape == (2, 1, 32)
+
+
+def test_requires_grad_keeps_the_history_across_calls():
+    layer, cache = _layer(), TTTCache(requires_grad=True)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    layer(x, cache=cache)
+    assert any(t.grad_fn is not None for t in _stored(cache, layer))
+    layer(torch.randn(2, 1, 32), cache=cache).square().sum().backward()   # step 2's loss only
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_no_grad_decoding_matches_a_forward():
+    layer, cache = _layer(), TTTCache()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        got = torch.cat([layer(x[:, :5], cache=cache)]
+                        + [layer(x[:, t:t + 1], cache=cache) for t in range(5, 9)], dim=1)
+        assert _rel(got, layer(x)) < FP32_RTOL
+
+
+@pytest.mark.parametrize("prefill", [3, 4, 6])
+@pytest.mark.parametrize("beam_idx", [[2, 0, 0], [1, 2, 0], [0, 0, 1, 1, 2, 2], [1]])
+@torch.no_grad()
+def test_reorder_equals_decoding_the_reordered_batch_from_scratch(prefill, beam_idx):
+    model = _Stack()
+    x = torch.randn(3, prefill, 32)
+    steps = torch.randn(len(beam_idx), 5, 32)
+    cache = TTTCache()
+    model(x, cache=cache)
+    cache.reorder(torch.tensor(beam_idx))
+    got = torch.cat([model(steps[:, t:t + 1], cache=cache) for t in range(5)], dim=1)
+
+    fresh = TTTCache()
+    model(x[beam_idx], cache=fresh)
+    want = torch.cat([model(steps[:, t:t + 1], cache=fresh) for t in range(5)], dim=1)
+    assert _rel(got, want) < 1e-6            # (not bitwise: BLAS differs by batch size)
+    assert cache.batch_size == len(beam_idx) and cache.seen_tokens == prefill + 5
+
+
+@torch.no_grad()
+def test_reorder_takes_a_list_and_leaves_the_old_tensors_alone():
+    layer, cache = _layer(), TTTCache()
+    layer(torch.randn(2, 5, 32), cache=cache)
+    before = [t.clone() for t in _stored(cache, layer)]
+    old = _stored(cache, layer)
+    cache.reorder([1, 0])
+    for t, b, new in zip(old, before, _stored(cache, layer)):
+        assert torch.equal(t, b)                # not modified in place
+        assert torch.equal(new, b[[1, 0]])
+
+
+def test_reorder_of_an_empty_cache_does_nothing():
+    cache = TTTCache()
+    cache.reorder(torch.tensor([0, 0]))
+    assert len(cache) == 0 and cache.batch_size is None
+
+
+@pytest.mark.parametrize("beam_idx, error, words", [
+    (torch.tensor([0.0, 1.0]), TypeError, "integer dtype"),
+    (torch.tensor([[0, 1]]), ValueError, "1-d"),
+    (torch.tensor([], dtype=torch.int64), ValueError, "non-empty"),
+    (torch.tensor([0, 2]), ValueError, r"\[0, 2\).*from 0 to 2"),
+    (torch.tensor([-1, 0]), ValueError, "from -1 to 0"),
+    ("01", TypeError, "beam_idx"),
+    ([0, 1.5], TypeError, "beam_idx"),
+])
+@torch.no_grad()
+def test_bad_beam_idx(beam_idx, error, words):
+    layer, cache = _layer(), TTTCache()
+    layer(torch.randn(2, 3, 32), cache=cache)
+    with pytest.raises(error, match=rf"beam_idx: .*{words}" if words != "beam_idx" else words):
+        cache.reorder(beam_idx)
+
+
+def test_bad_requires_grad():
+    with pytest.raises(TypeError, match="requires_grad: expected a bool"):
+        TTTCache(requires_grad="yes")
