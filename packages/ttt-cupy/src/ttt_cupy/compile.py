@@ -21,6 +21,7 @@ import functools
 import os
 import re
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -244,18 +245,63 @@ def include_options() -> tuple[str, ...]:
     return () if inc is None else (f"-I{inc}",)
 
 
+_PREFETCHES: dict[tuple, threading.Thread] = {}
+"""Programs being compiled into the disk cache in the background, by their _module key."""
+_PREFETCHED: set[tuple] = set()
+_PREFETCH_LOCK = threading.Lock()
+
+
+def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, mma: bool,
+             key: bool = False, out: str = "norm_residual") -> None:
+    """Start compiling one pass's program (the arguments of :func:`get_kernels`) into the
+    disk cache in a background thread, once per process: a training forward asks for its
+    backward's program, which then compiles while the forward's compiles and runs. The
+    thread calls NVRTC and writes files, nothing of CUDA (a CUDA graph may be captured
+    meanwhile); the first :func:`get_kernels` of that program waits for it, then loads."""
+    ctype = CTYPES[dtype_name]
+    args = (pass_, ctype, dp, bt, device_arch(device_index), mma and ctype != "float", key,
+            out)
+    with _PREFETCH_LOCK:
+        if args in _PREFETCHED:
+            return
+        _PREFETCHED.add(args)
+        thread = threading.Thread(target=_compile_into_cache, args=args, daemon=True,
+                                  name="ttt-cupy-prefetch")
+        _PREFETCHES[args] = thread
+    thread.start()
+
+
+def _compile_into_cache(pass_, ctype, dp, bt, arch, mma, key, out) -> None:
+    from .config import config
+    from .diskcache import compile_into
+
+    names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
+    compile_into(config().cache_dir, source(pass_), names, NVRTC_OPTIONS + include_options(),
+                 arch)
+
+
+def _prefetched(args: tuple) -> None:
+    """Wait for the background compile of ``args``' program, if one was started."""
+    with _PREFETCH_LOCK:
+        thread = _PREFETCHES.pop(args, None)
+    if thread is not None:
+        thread.join()
+
+
 @functools.cache
 def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
             out: str = "norm_residual") -> Any:
     """One module per (pass, C++ type, D_PAD, BT, arch, mma, variant): loaded from the disk
-    cache (:mod:`ttt_cupy.diskcache`, compiled and stored there first if missing), else a
-    RawModule compiled now by CuPy. ``arch`` (the device's compute capability, e.g. "90") is
-    part of the key: the cubin is for the current device."""
+    cache (:mod:`ttt_cupy.diskcache`, compiled and stored there first if missing: by a
+    :func:`prefetch` under way, waited for, or now), else a RawModule compiled now by CuPy.
+    ``arch`` (the device's compute capability, e.g. "90") is part of the key: the cubin is
+    for the current device."""
     import cupy
 
     from .config import config
     from .diskcache import load_or_compile
 
+    _prefetched((pass_, ctype, dp, bt, arch, mma, key, out))
     names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
     code, options = source(pass_), NVRTC_OPTIONS + include_options()
     cached = load_or_compile(config().cache_dir, code, names, options, arch)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compile import CTYPES, device_arch, get_kernels, use_mma
+from .compile import CTYPES, device_arch, get_kernels, prefetch, use_mma
 
 
 def device_index(device: torch.device) -> int:
@@ -98,6 +98,11 @@ class CudaDevice:
                 key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
         """The pass's kernel table (``key``, ``out``: the variant, compile.kernel_name)."""
         return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out)
+
+    def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
+                 key: bool = False, out: str = "norm_residual") -> None:
+        """Start compiling the pass's program in the background (compile.prefetch)."""
+        prefetch(pass_, dtype_name, dp, bt, self.index, mma, key, out)
 
     def active(self):
         """A context holding this device current in CuPy (a kernel belongs to its context)."""

@@ -157,6 +157,19 @@ def _load(path: Path, lowered: dict[str, str]) -> CachedModule:
     return CachedModule(module, kernels, path)
 
 
+def compile_into(directory: Path, code: str, names: list[str], options: tuple[str, ...],
+                 arch: str) -> None:
+    """Compile the program and store it, unless the cache holds it already; NVRTC and files
+    only, no CUDA call (safe in a background thread while the device is busy, or capturing a
+    CUDA graph). Any failure is left for :func:`load_or_compile` to meet again."""
+    try:
+        key = cache_key(code, names, options, arch, nvrtc_version())
+        if lookup(directory, key, names) is None:
+            store(directory, key, *compile_cubin(code, names, arch, options))
+    except Exception:  # noqa: BLE001 - ahead-of-time work only: the load path decides
+        pass
+
+
 def load_or_compile(directory: Path, code: str, names: list[str],
                     options: tuple[str, ...], arch: str) -> CachedModule | None:
     """The program from the cache, compiled and stored first if missing; None on any failure

@@ -86,6 +86,8 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
     h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
     mma = device.uses_mma(dtype_name, config().mma)
+    if save_for_backward:      # the backward's program compiles while the forward's does
+        device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
     kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
     o = torch.empty_like(p.q)
     ptr = device.pointer
