@@ -188,7 +188,8 @@ class StandInStream:
 class RecordingDevice:
     """The launcher's device seam (ttt_cupy.device.CudaDevice) on CPU tensors: an sm_90 with
     227 KiB of shared memory per block whose kernels are their name expressions. Records each
-    launch as (name, grid, block, smem, args) and each stream wait as (address, value), and
+    launch as (name, grid, block, smem, args), each prefetch of a program as its arguments and
+    each stream wait as (address, value), and
     keeps every tensor whose address the launcher took (``tensors``), so that addresses stay
     theirs."""
 
@@ -197,6 +198,7 @@ class RecordingDevice:
 
     def __init__(self):
         self.launches: list[tuple] = []
+        self.prefetches: list[tuple] = []
         self.waits: list[tuple[int, int]] = []
         self.tensors: list[torch.Tensor] = []
         self.chain_stream = StandInStream()
@@ -208,6 +210,10 @@ class RecordingDevice:
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                 key: bool = False, out: str = "norm_residual"):
         return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma, key, out)
+
+    def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
+                 key: bool = False, out: str = "norm_residual") -> None:
+        self.prefetches.append((pass_, dtype_name, dp, bt, mma, key, out))
 
     def active(self):
         return contextlib.nullcontext()

@@ -9,9 +9,12 @@ import threading
 import time
 
 import pytest
+import torch
+from conftest import RecordingDevice
 
+import ttt
 from ttt_cupy import compile as cc
-from ttt_cupy import diskcache
+from ttt_cupy import diskcache, launcher
 
 SPEC = dict(code="__global__ void k() {}", names=["k"], options=("-std=c++17",), arch="90")
 
@@ -91,3 +94,18 @@ def test_the_program_waits_for_its_prefetch(prefetching):
     cc._prefetched(args)                                    # what _module does first
     assert compiled and time.perf_counter() - start >= 0.15
     cc._prefetched(args)                                    # nothing pending: returns
+
+
+@pytest.mark.parametrize("key, output", [(False, "norm_residual"), (True, "raw")])
+def test_a_training_forward_prefetches_its_backward(key, output):
+    """The backward program of the forward's dtype, padded head dim, chunk, instances and
+    variant; an inference forward asks for nothing."""
+    x = torch.randn(1, 20, 2, 40)
+    eta_key = torch.rand(1, 20, 2, 1) + 0.5 if key else None
+    p = ttt.make_problem(x, x, x, torch.ones(2, 40), torch.zeros(2, 40), torch.rand(1, 20, 2, 1),
+                         chunk_size=32, eta_key=eta_key, output=output)
+    device = RecordingDevice()
+    launcher.ttt_linear_fwd(p, save_for_backward=False, device=device)
+    assert device.prefetches == []
+    launcher.ttt_linear_fwd(p, save_for_backward=True, device=device)
+    assert device.prefetches == [("bwd", "float32", 64, 32, False, key, output)]
