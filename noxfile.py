@@ -43,6 +43,10 @@ CPU_WORKERS = ["-n", "auto", "--dist", "loadgroup"]
 """pytest-xdist workers for CPU runs (one per core; a CI machine has 2); the tests of one
 oracle case share a worker (its float64 oracle runs once). Extra arguments after ``--`` come
 later and win (e.g. ``-- -n 0``)."""
+CPU_THREADS = {"OMP_NUM_THREADS": "1"}
+"""With ``CPU_WORKERS``: one thread per worker for torch's and NumPy's CPU kernels. The
+workers take every core already; threads of their own on top spin-wait for each other, and
+the tests' small ops then take several times as long."""
 
 # backend -> (its package, what it needs on a CPU machine, environment for CPU runs,
 #             the backend's own tests besides the conformance suite,
@@ -108,7 +112,7 @@ def tests(session: nox.Session, backend: str) -> None:
         # GPU runner: every case, big ones included; a backend that cannot run is an error
         env, selection = {}, []
     else:
-        env, selection = cpu_env, ["-m", "not big", *CPU_WORKERS]
+        env, selection = {**CPU_THREADS, **cpu_env}, ["-m", "not big", *CPU_WORKERS]
         if not suite_on_cpu:
             selection.append("--ttt-allow-unavailable")
     session.run(_python(session), "-m", "pytest", *paths, "--backend", backend, *selection,
@@ -124,7 +128,8 @@ def oldest_torch(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "triton")
     session.install("--no-deps", "packages/ttt", *DECLARATIONS_ONLY)
     session.run("python", "-m", "pytest", "shared_tests", "packages/ttt/tests",
-                "--backend", "reference", "-m", "not big", *CPU_WORKERS, *session.posargs)
+                "--backend", "reference", "-m", "not big", *CPU_WORKERS, *session.posargs,
+                env=CPU_THREADS)
 
 
 @nox.session

@@ -65,6 +65,17 @@ def pytest_configure(config):
                                 f"{'; '.join(missing_toolchain())}")
 
 
+NVRTC_FIRST = ("test_nvrtc_compile.py::test_every_instance_compiles[",
+               "test_nvrtc_compile.py::test_variant_instances_compile[")
+"""The NVRTC compiles: most of a CPU run's time, in parts of up to two minutes."""
+
+
+def pytest_collection_modifyitems(items):
+    """The NVRTC compiles first (in their order): pytest-xdist's workers start them at once
+    and run the other tests beside them, instead of ending the run on a long compile."""
+    items.sort(key=lambda item: not item.nodeid.rpartition("/")[2].startswith(NVRTC_FIRST))
+
+
 class _Kernel:
     """A RawKernel stand-in: counts the shared-memory opt-ins."""
 
@@ -239,6 +250,32 @@ class RecordingDevice:
 EMULATION = Path(__file__).resolve().parent / "cpu_emulation"
 
 
+EMULATION_PARTS = 2
+"""The translation units of the emulation's build (harness.cpp's EMU_PART), compiled at once."""
+
+
+def _build_emulation(cxx: str, out: Path) -> None:
+    """harness.cpp to the shared library ``out``: its parts compiled by concurrent g++
+    processes (the test run's workers wait for the build), then linked."""
+    flags = ["-std=c++20", "-O1", "-fPIC", f"-I{EMULATION / 'fake_include'}", f"-I{cc.CSRC}"]
+    objects = [out.with_suffix(f".{os.getpid()}.part{i}.o") for i in range(EMULATION_PARTS)]
+    compiles = [subprocess.Popen([cxx, *flags, f"-DEMU_PART={i}", "-c",
+                                  str(EMULATION / "harness.cpp"), "-o", str(obj)],
+                                 stderr=subprocess.PIPE, text=True)
+                for i, obj in enumerate(objects)]
+    errors = [err for proc in compiles for _, err in [proc.communicate()] if proc.returncode]
+    if errors:
+        pytest.fail(f"the CPU emulation does not compile:\n{errors[0][-4000:]}")
+    partial = out.with_suffix(f".{os.getpid()}.tmp")
+    res = subprocess.run([cxx, "-shared", *map(str, objects), "-o", str(partial)],
+                         capture_output=True, text=True)
+    for obj in objects:
+        obj.unlink()
+    if res.returncode != 0:
+        pytest.fail(f"the CPU emulation does not link:\n{res.stderr[-4000:]}")
+    os.replace(partial, out)
+
+
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
     """The CPU emulation of the kernels (cpu_emulation/harness.cpp with csrc/, built with g++
@@ -258,14 +295,7 @@ def emu(tmp_path_factory):
     with open(shared / f"emu-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
-            partial = out.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC",
-                   f"-I{EMULATION / 'fake_include'}", f"-I{cc.CSRC}",
-                   str(EMULATION / "harness.cpp"), "-o", str(partial)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                pytest.fail(f"the CPU emulation does not compile:\n{res.stderr[-4000:]}")
-            os.replace(partial, out)
+            _build_emulation(cxx, out)
     lib = ctypes.CDLL(str(out))
     for name in ("emu_prefetches", "emu_prefetch_strays", "emu_async_copies",
                  "emu_async_strays", "emu_async_leftovers"):
@@ -325,7 +355,7 @@ class EmulatedDevice(RecordingDevice):
                                      ctypes.c_longlong(grid), *c_args)
         finally:
             emu.emu_set_variant(0, 0)
-        assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}"
+        assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}, variant {variant}"
         assert emu.emu_prefetch_strays() == 0, f"{entry}: prefetch hints outside its arrays"
         assert emu.emu_async_strays() == 0, f"{entry}: asynchronous copies outside its arrays"
         assert emu.emu_async_leftovers() == 0, f"{entry}: asynchronous copies never waited for"

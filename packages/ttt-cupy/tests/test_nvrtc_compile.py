@@ -35,59 +35,99 @@ def test_a_compile_with_an_empty_log_leaves_the_interpreter_intact():
     assert chr(0x20).encode()[0] == 0x20   # the shared one-byte object is still a space
 
 
-@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
-def test_every_instance_compiles_for_sm80_and_sm90():
-    """sm_90 (the H200 this backend is tuned on) through ptxas to cubins; sm_80 to PTX for
-    compute_80 (the front end and code generation under __CUDA_ARCH__ 800, where the
-    arch-specific source differs; its ptxas run would add about 2 minutes to CI)."""
-    from ttt_cupy import nvrtc_check
-    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS
+EVERY_INSTANCE = [(arch, pass_, dtype) for arch in ("90", "80") for pass_ in ("bwd", "fwd")
+                  for dtype in ("bfloat16", "float16", "float32")]
+"""The parts of the full check, (arch, pass, dtype), one test each (sm_90 and the backward
+first: the longest), so that pytest-xdist spreads them over its workers."""
 
-    out = io.StringIO()
-    try:
-        counts = nvrtc_check.run(("80", "90"), out=out, ptx_only=("80",))
-    except nvrtc_check.CheckError as err:
-        pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    # + the SIMT instances of every kernel for the two half types (TTT_CUPY_MMA=0), + the fused
-    # forward chain per dtype (and its SIMT instance for the half types), + the fused backward
-    # chain for the two half types at D_PAD <= 64
+
+def _instances(pass_: str, dtype: str) -> int:
+    """The kernel instances of one pass and dtype at every (D_PAD, BT): the pass's kernels (+
+    the fused forward chain), x 2 for the half types (their SIMT instances too, TTT_CUPY_MMA=0),
+    + the half types' fused backward chain at D_PAD <= 64."""
+    from ttt_cupy.compile import BLOCK_TS, D_PADS, FUSED_BWD_MAX_D_PAD, PASSES
+
+    half = dtype != "float32"
+    per_shape = (len(PASSES[pass_]) + (pass_ == "fwd")) * (2 if half else 1)
+    fused_bwd = sum(dp <= FUSED_BWD_MAX_D_PAD for dp in D_PADS) if pass_ == "bwd" and half else 0
+    return (per_shape * len(D_PADS) + fused_bwd) * len(BLOCK_TS)
+
+
+def test_every_instance_is_in_a_part():
+    """No NVRTC needed: the parts of test_every_instance_compiles cover every (arch, pass,
+    dtype) and add up to every instance: the five kernels and the fused forward chain per
+    dtype, the SIMT instances of all of them for the two half types, the fused backward chain
+    for the two half types at D_PAD <= 64, at every (D_PAD, BT)."""
+    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS, PASSES
+
+    assert sorted(EVERY_INSTANCE) == sorted((arch, pass_, dtype) for arch in ("80", "90")
+                                            for pass_ in PASSES for dtype in CTYPES)
     assert MMA_KERNELS == KERNELS
     expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
         * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS)
+    assert sum(_instances(pass_, dtype) for pass_ in PASSES for dtype in CTYPES) == expected
     assert expected == 378
-    assert counts == {"80": expected, "90": expected}, out.getvalue()
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
-@pytest.mark.parametrize("variant", [(False, "query_residual"), (False, "raw"),
-                                     (True, "norm_residual"), (True, "query_residual"),
-                                     (True, "raw")],
-                         ids=lambda v: ("key-" if v[0] else "") + v[1])
-def test_variant_instances_compile(variant):
-    """The instances of eta_key (KEY) and the output forms (OUT), built only when a call needs
-    them: every kernel of both passes, tensor-core and SIMT, at a fused-chain shape (D_PAD 64,
-    chunk 16: float16) and the split bwd_grads one (D_PAD 128, chunk 64: float32, bfloat16);
-    PTX for compute_90 (the tf32 mma.sync where expected), one through ptxas to a cubin."""
+@pytest.mark.parametrize(("arch", "pass_", "dtype"), EVERY_INSTANCE,
+                         ids=[f"sm{a}-{p}-{d}" for a, p, d in EVERY_INSTANCE])
+def test_every_instance_compiles(arch, pass_, dtype):
+    """Every instance of the pass for the dtype, at every (D_PAD, BT): for sm_90 (the H200
+    this backend is tuned on) through ptxas to cubins; for sm_80 to PTX for compute_80 (the
+    front end and code generation under __CUDA_ARCH__ 800, where the arch-specific source
+    differs; its ptxas run would add about 2 minutes to CI)."""
     from ttt_cupy import nvrtc_check
 
     out = io.StringIO()
-    shapes = [dict(dtypes=["float16"], d_pads=[64], block_ts=[16]),
-              dict(dtypes=["float32", "bfloat16"], d_pads=[128], block_ts=[64])]
     try:
-        counts = [nvrtc_check.run(("90",), jobs=1, out=out, ptx_only=("90",), only=only,
-                                  variant=variant)["90"] for only in shapes]
-        if variant == (True, "query_residual"):
-            nvrtc_check.run(("90",), jobs=1, out=out, only=shapes[0], variant=variant)
+        counts = nvrtc_check.run((arch,), jobs=1, out=out, ptx_only=("80",),
+                                 only=dict(passes=[pass_], dtypes=[dtype]))
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    # fwd: chain, out, fused chain (x 2 for half types: the SIMT instances too); bwd: local,
-    # chain, grads (+ the fused backward chain of the half types at D_PAD <= 64)
-    assert counts == [3 * 2 + (3 + 1) + 3, (3 + 3) + (3 + 3) * 2], out.getvalue()
+    assert counts == {arch: _instances(pass_, dtype)}, out.getvalue()
+
+
+VARIANT_SHAPES = {  # id: (the programs, compiled through ptxas to a cubin)
+    "float16-dpad64-chunk16": (dict(dtypes=["float16"], d_pads=[64], block_ts=[16]), True),
+    "float32-dpad128-chunk64": (dict(dtypes=["float32"], d_pads=[128], block_ts=[64]), False),
+    "bfloat16-dpad128-chunk64": (dict(dtypes=["bfloat16"], d_pads=[128], block_ts=[64]), False),
+}
+
+
+@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
+@pytest.mark.parametrize("shape", list(VARIANT_SHAPES))
+def test_variant_instances_compile(shape):
+    """The instances of eta_key (KEY) and the output forms (OUT), built only when a call needs
+    them: every kernel of both passes, tensor-core and SIMT, of every other variant, each
+    instance once (nvrtc_check.programs; those the default variant has too compile in
+    test_every_instance_compiles), at a fused-chain shape (D_PAD 64, chunk 16: float16)
+    through ptxas to a cubin for sm_90, and at the split bwd_grads one (D_PAD 128, chunk 64:
+    float32, bfloat16) to PTX for compute_90; the tf32 mma.sync where expected."""
+    from ttt_cupy import nvrtc_check
+    from ttt_cupy.compile import variants
+
+    only, cubin = VARIANT_SHAPES[shape]
+    out = io.StringIO()
+    try:
+        counts = nvrtc_check.run(("90",), jobs=1, out=out, ptx_only=() if cubin else ("90",),
+                                 only=only, variants=variants()[1:], skip_default=True)
+    except nvrtc_check.CheckError as err:
+        pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
+    # a pass's instances that the default variant lacks: fwd_chain with KEY, fwd_out with
+    # each other OUT, the fused chain with each other (KEY, OUT); bwd_local with each other
+    # OUT, bwd_chain and bwd_grads with KEY (+ the half types' fused backward chain with KEY
+    # at D_PAD <= 64); x 2 for the half types (their SIMT instances too)
+    fwd, bwd = 1 + 2 + 5, 2 + 1 + 1
+    expected = {"float16-dpad64-chunk16": 2 * (fwd + bwd) + 1,
+                "float32-dpad128-chunk64": fwd + bwd,
+                "bfloat16-dpad128-chunk64": 2 * (fwd + bwd)}[shape]
+    assert counts == {"90": expected}, out.getvalue()
 
 
 def test_variant_names():
-    """No NVRTC needed: the variant's template arguments, only where a kernel takes them, and
-    the default variant's names unchanged."""
+    """No NVRTC needed: the variant's template arguments, only where a kernel takes them, the
+    default variant's names unchanged, and the programs of the variants' compile check."""
     from ttt_cupy.compile import kernel_name, pass_names, program_names
 
     assert kernel_name("fwd_out", "float", 32, 16, out="raw") == \
@@ -106,6 +146,20 @@ def test_variant_names():
         "ttt_linear_bwd_chain_fused<__half, 32, 16, true, true>"
     assert program_names("fwd", "__half", 16, 16, False, "norm_residual") == \
         program_names("fwd", "__half", 16, 16)
+    # every variant's instances once; with skip_default, without the default's
+    from ttt_cupy.compile import variants
+    from ttt_cupy.nvrtc_check import programs
+
+    only = dict(dtypes=["float16"], d_pads=[64], block_ts=[16])
+    every = programs(only, variants())
+    others = programs(only, variants()[1:], skip_default=True)
+    assert [p for p, _ in every] == [p for p, _ in others] == [("fwd", "__half", 64, 16),
+                                                               ("bwd", "__half", 64, 16)]
+    for (program, names), (_, new) in zip(every, others):
+        assert len(set(names)) == len(names) and len(set(new)) == len(new)
+        assert set(names) == {n for v in variants() for n in program_names(*program, *v)}
+        assert set(new) == set(names) - set(program_names(*program))
+    assert programs(only) == [(p, program_names(*p)) for p, _ in every]
     with pytest.raises(ValueError, match="output"):
         kernel_name("fwd_out", "float", 32, 16, out="residual")
 

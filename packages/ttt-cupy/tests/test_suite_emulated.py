@@ -35,6 +35,10 @@ EMULATED_SHAPES = {16: (16, 32, 64), 32: (16, 32), 64: (16, 32), 128: (16, 32, 6
 """Padded head dim -> chunk sizes whose SIMT instances the emulation builds
 (cpu_emulation/harness.cpp, ``INSTANCES``)."""
 
+EMULATED_VARIANT_SHAPES = {(16, 16), (32, 16), (64, 16), (128, 64)}
+"""(padded head dim, chunk size) whose instances of every variant (eta_key, the output forms)
+the emulation builds (harness.cpp, ``kAllVariants``); elsewhere only the default variant's."""
+
 
 class EmulatedCupyBackend(CupyBackend):
     """The cupy backend with its launches run by the CPU emulation, on CPU tensors."""
@@ -56,6 +60,10 @@ class EmulatedCupyBackend(CupyBackend):
         if problem.chunk_size not in chunks:
             why.append(f"head dim {problem.D} with chunk_size {problem.chunk_size}: no "
                        f"emulated instance")
+        elif ((problem.eta_key is not None or problem.output != "norm_residual")
+              and (d_pad(problem.D), problem.chunk_size) not in EMULATED_VARIANT_SHAPES):
+            why.append(f"head dim {problem.D} with chunk_size {problem.chunk_size}: no "
+                       f"emulated instance with eta_key or output {problem.output!r}")
         return why
 
     def launch_device(self, problem: Problem) -> EmulatedDevice:

@@ -162,10 +162,9 @@ SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csr
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
-    code, pass_, ct, dp, bt, arch, options, ptxas_verbose, cubin, variant = task
-    names = program_names(pass_, ct, dp, bt, *variant)
-    return (pass_, ct, dp, bt), compile_instance(code, names, arch, list(options), ptxas_verbose,
-                                                 cubin)
+    code, program, names, arch, options, ptxas_verbose, cubin = task
+    return program, compile_instance(code, list(names), arch, list(options), ptxas_verbose,
+                                     cubin)
 
 
 def instances(passes=None, dtypes=None, d_pads=None,
@@ -178,13 +177,38 @@ def instances(passes=None, dtypes=None, d_pads=None,
             for bt in BLOCK_TS if block_ts is None or bt in block_ts]
 
 
+DEFAULT_VARIANT = (False, "norm_residual")
+"""(eta_key given, the output form) of the default variant."""
+
+
+def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
+             skip_default: bool = False) -> list[tuple[tuple[str, str, int, int], list[str]]]:
+    """((pass, C++ type, D_PAD, BT), name expressions) of each program that :func:`instances`
+    selects with the keywords in ``only``: the instances of ``variants`` ((eta_key given, the
+    output form) pairs: :func:`ttt_cupy.compile.program_names`), each once where variants
+    share it (the backend builds one program per variant; an instance compiles alike in
+    either). ``skip_default``: without the default variant's instances (those a run of the
+    default variant compiles); a program left with none is left out."""
+    result = []
+    for program in instances(**(only or {})):
+        default = set(program_names(*program)) if skip_default else set()
+        names: list[str] = []
+        for variant in variants:
+            names += [n for n in program_names(*program, *variant)
+                      if n not in default and n not in names]
+        if names:
+            result.append((program, names))
+    return result
+
+
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         out=sys.stdout, ptx_only=(), only: dict | None = None,
-        variant: tuple[bool, str] = (False, "norm_residual")) -> dict[str, int]:
+        variants=(DEFAULT_VARIANT,), skip_default: bool = False) -> dict[str, int]:
     """Compile everything (to PTX only for the archs in ``ptx_only``), or the programs that
-    :func:`instances` selects with the keywords in ``only``, of one variant (eta_key given,
-    the output form: :func:`ttt_cupy.compile.kernel_name`; default: the default variant);
-    returns {arch: kernel instances compiled}. Raises CheckError."""
+    :func:`instances` selects with the keywords in ``only``, of the given variants (eta_key
+    given, the output form: :func:`ttt_cupy.compile.kernel_name`; default: the default
+    variant), every instance once (:func:`programs`, with ``skip_default``); returns {arch:
+    kernel instances compiled}. Raises CheckError."""
     nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
@@ -197,8 +221,8 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     for arch in archs:
         start = time.perf_counter()
         cubin = arch not in ptx_only
-        tasks = [(codes[pass_], pass_, ct, dp, bt, arch, tuple(options), ptxas_verbose, cubin,
-                  tuple(variant)) for pass_, ct, dp, bt in instances(**(only or {}))]
+        tasks = [(codes[program[0]], program, tuple(names), arch, tuple(options), ptxas_verbose,
+                  cubin) for program, names in programs(only, variants, skip_default)]
         if jobs > 1:
             # processes: the bindings hold the GIL while NVRTC compiles
             with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -259,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         only = dict(passes=args.passes, dtypes=args.dtypes, d_pads=args.d_pads,
                     block_ts=args.block_ts)
         counts = run(archs, args.jobs, args.ptxas_verbose, ptx_only=tuple(args.ptx_only),
-                     only=only, variant=(args.eta_key, args.output))
+                     only=only, variants=[(args.eta_key, args.output)])
     except CheckError as err:
         print(f"nvrtc_check FAILED: {err}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 // CPU emulation of the CUDA kernels in ttt_cupy/csrc (a test harness, not package code).
 //
-// Every CUDA thread of a block is a fiber (ucontext: its own stack, all on the calling OS
-// thread, switched only at barriers); __syncthreads is a block-wide barrier, __shfl_xor_sync
+// Every CUDA thread of a block is a fiber (its own stack, all on the calling OS thread,
+// switched only at barriers); __syncthreads is a block-wide barrier, __shfl_xor_sync
 // an exchange through a per-warp buffer between two warp barriers. A fiber waiting at a
 // barrier yields to the scheduler, which resumes the block's fibers round by round (see
 // fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
@@ -11,6 +11,18 @@
 // cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
+//
+// The build compiles the file once per part (-DEMU_PART=0 and 1, at once) and links the parts
+// into one library: part 0 holds the harness's own entry points and the forward kernels',
+// part 1 the backward kernels'; their state is shared (inline variables). Without EMU_PART
+// the file holds everything.
+#ifdef EMU_PART
+#define EMU_IN_PART(p) (EMU_PART == (p))
+#else
+#define EMU_IN_PART(p) 1
+#endif
+#undef _FORTIFY_SOURCE  // (its longjmp check rejects a jump to another stack: a fiber's)
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -25,25 +37,31 @@
 #include <vector>
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
-dim3_ threadIdx, blockIdx, blockDim;   // threadIdx: the running fiber's, set by the scheduler
+inline dim3_ threadIdx, blockIdx, blockDim;  // threadIdx: the running fiber's (set by resume)
 
 namespace fiber {
 constexpr std::size_t kStackBytes = 256 << 10;
 struct Barrier;
+// A fiber starts on its stack through ucontext (makecontext, setcontext), then switches with
+// _setjmp / _longjmp: they leave the signal mask alone, where swapcontext would save and
+// restore it with a system call at every switch.
 struct Fiber {
-    ucontext_t ctx;
-    bool done;
+    ucontext_t ctx;   // its start
+    jmp_buf resume;   // where it waits (after its start)
+    bool started, done;
     const Barrier* block_wait;  // the block barrier it waits at (null: none) ...
     unsigned block_phase;       // ... in this phase of it
 };
-static ucontext_t g_scheduler;
-static std::vector<Fiber> g_fibers;
-static std::unique_ptr<char[]> g_stacks;      // uninitialised: pages are touched on use only
-static std::size_t g_stack_count = 0;
-static const std::function<void()>* g_body = nullptr;
+inline jmp_buf g_scheduler;
+inline std::vector<Fiber> g_fibers;
+inline std::unique_ptr<char[]> g_stacks;      // uninitialised: pages are touched on use only
+inline std::size_t g_stack_count = 0;
+inline const std::function<void()>* g_body = nullptr;
 
 // Back to the scheduler; it resumes this fiber on a later round.
-inline void yield() { swapcontext(&g_fibers[threadIdx.x].ctx, &g_scheduler); }
+inline void yield() {
+    if (!_setjmp(g_fibers[threadIdx.x].resume)) _longjmp(g_scheduler, 1);
+}
 
 // std::barrier's contract for fibers: arrive, then wait until all n have arrived. A block
 // barrier (block = true) tells the scheduler which fibers wait at it.
@@ -72,7 +90,18 @@ inline bool runnable(int t) {
 
 static void entry() {
     (*g_body)();
-    g_fibers[threadIdx.x].done = true;     // returns to uc_link, the scheduler
+    g_fibers[threadIdx.x].done = true;
+    _longjmp(g_scheduler, 1);              // back to the scheduler, never to return here
+}
+
+// Runs fiber t until it yields or ends.
+static void resume(int t) {
+    Fiber& f = g_fibers[t];
+    threadIdx.x = t;
+    if (_setjmp(g_scheduler)) return;
+    if (f.started) _longjmp(f.resume, 1);
+    f.started = true;
+    setcontext(&f.ctx);
 }
 
 // Runs body on nt fibers (threadIdx.x = 0 .. nt - 1) until all of them return.
@@ -88,7 +117,7 @@ static void run(int nt, const std::function<void()>& body) {
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = g_stacks.get() + kStackBytes * t;
         f.ctx.uc_stack.ss_size = kStackBytes;
-        f.ctx.uc_link = &g_scheduler;
+        f.ctx.uc_link = nullptr;           // (entry never returns)
         makecontext(&f.ctx, entry, 0);
     }
     // Each round runs the warps one after the other, each until all its threads have ended
@@ -112,8 +141,7 @@ static void run(int nt, const std::function<void()>& body) {
                 for (int i = lo; i < hi; ++i) {
                     const int t = down ? hi - 1 - (i - lo) : i;
                     if (!runnable(t)) continue;
-                    threadIdx.x = t;
-                    swapcontext(&g_scheduler, &g_fibers[t].ctx);
+                    resume(t);
                     again = 1;
                 }
             }
@@ -124,10 +152,10 @@ static void run(int nt, const std::function<void()>& body) {
 }
 }  // namespace fiber
 
-static fiber::Barrier g_block_barrier;
-static fiber::Barrier g_warp_barriers[32];
-static float g_shfl[1024];
-alignas(16) float smem[1 << 17];  // 512 KiB, more than any instance needs (checked below)
+inline fiber::Barrier g_block_barrier;
+inline fiber::Barrier g_warp_barriers[32];
+inline float g_shfl[1024];
+alignas(16) inline float smem[1 << 17];  // 512 KiB, more than any instance needs (checked)
 
 #define __global__
 #define __device__
@@ -150,14 +178,14 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 // The tensor-core path of the kernels (MMA = true): ttt_common.cuh leaves to_tf32 and
 // mma_m16n8k8_tf32 to us when __CUDA_ARCH__ is not defined. mma_m16n8k8_tf32 is warp-wide like
-// the PTX instruction: every lane posts its fragments, each lane rebuilds A (16 x 8) and B
-// (8 x 8) with the PTX ISA's m16n8k8 .tf32 layout (g = lane / 4, t = lane % 4: a0 A[g][t],
-// a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]) and adds its own
-// accumulator elements (c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]).
+// the PTX instruction: every lane puts its fragments into its warp's A (16 x 8) and B (8 x 8)
+// with the PTX ISA's m16n8k8 .tf32 layout (g = lane / 4, t = lane % 4: a0 A[g][t],
+// a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]), then each lane adds
+// its own accumulator elements (c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]).
 // to_tf32 keeps fp32 exactly (g_tf32_round = 0: checks the index math) or rounds to tf32 like
 // cvt.rna (to nearest, ties away from zero; g_tf32_round = 1).
-static int g_tf32_round = 0;
-static unsigned g_mma_a[1024 * 4], g_mma_b[1024 * 2];
+inline int g_tf32_round = 0;
+inline float g_mma_a[32][16][8], g_mma_b[32][8][8];  // per warp
 namespace ttt {
 inline unsigned to_tf32(float x) {
     unsigned u;
@@ -172,29 +200,23 @@ inline float tf32_value(unsigned u) {
 }
 inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
     const unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
-    for (int r = 0; r < 4; ++r) g_mma_a[t * 4 + r] = a[r];
-    for (int r = 0; r < 2; ++r) g_mma_b[t * 2 + r] = b[r];
-    g_warp_barriers[w].arrive_and_wait();
-    float A[16][8], B[8][8];
-    for (int l = 0; l < 32; ++l) {
-        const int gl = l / 4, tl = l % 4;
-        const unsigned* al = g_mma_a + (w * 32 + l) * 4;
-        const unsigned* bl = g_mma_b + (w * 32 + l) * 2;
-        A[gl][tl] = tf32_value(al[0]);
-        A[gl + 8][tl] = tf32_value(al[1]);
-        A[gl][tl + 4] = tf32_value(al[2]);
-        A[gl + 8][tl + 4] = tf32_value(al[3]);
-        B[tl][gl] = tf32_value(bl[0]);
-        B[tl + 4][gl] = tf32_value(bl[1]);
-    }
-    g_warp_barriers[w].arrive_and_wait();
     const int g = lane / 4, tq = lane % 4;
+    float(&A)[16][8] = g_mma_a[w];
+    float(&B)[8][8] = g_mma_b[w];
+    A[g][tq] = tf32_value(a[0]);
+    A[g + 8][tq] = tf32_value(a[1]);
+    A[g][tq + 4] = tf32_value(a[2]);
+    A[g + 8][tq + 4] = tf32_value(a[3]);
+    B[tq][g] = tf32_value(b[0]);
+    B[tq + 4][g] = tf32_value(b[1]);
+    g_warp_barriers[w].arrive_and_wait();
     for (int r = 0; r < 4; ++r) {
         const int row = g + 8 * (r / 2), col = 2 * tq + r % 2;
         float acc = d[r];
         for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
         d[r] = acc;
     }
+    g_warp_barriers[w].arrive_and_wait();  // (every lane has read A and B)
 }
 }  // namespace ttt
 
@@ -205,8 +227,8 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsign
 struct EmuBuffer {
     unsigned long long lo, hi;
 };
-static std::vector<EmuBuffer> g_buffers;
-static long long g_prefetches = 0, g_prefetch_strays = 0;
+inline std::vector<EmuBuffer> g_buffers;
+inline long long g_prefetches = 0, g_prefetch_strays = 0;
 inline void emu_prefetch(unsigned long long line) {
     ++g_prefetches;
     for (const EmuBuffer& b : g_buffers)
@@ -228,8 +250,8 @@ struct EmuCopy {
     int bytes;
     bool full;
 };
-static std::vector<EmuCopy> g_copies[1024];  // per thread of the running block
-static long long g_copy_count = 0, g_copy_strays = 0, g_copy_leftovers = 0;
+inline std::vector<EmuCopy> g_copies[1024];  // per thread of the running block
+inline long long g_copy_count = 0, g_copy_strays = 0, g_copy_leftovers = 0;
 inline void emu_cp_async(void* dst, const void* src, int bytes, bool full) {
     ++g_copy_count;
     if (full) {
@@ -253,6 +275,7 @@ inline void emu_cp_async_wait() {
 #define TTT_EMU_CP_ASYNC(dst, src, bytes, full) emu_cp_async(dst, src, bytes, full)
 #define TTT_EMU_CP_ASYNC_WAIT() emu_cp_async_wait()
 
+#if EMU_IN_PART(0)
 extern "C" void emu_clear_buffers() {
     g_buffers.clear();
     g_prefetches = g_prefetch_strays = 0;
@@ -267,6 +290,7 @@ extern "C" void emu_add_buffer(const void* p, long long bytes) {
 }
 extern "C" long long emu_prefetches() { return g_prefetches; }
 extern "C" long long emu_prefetch_strays() { return g_prefetch_strays; }
+#endif
 
 #include "fwd_chain.cu"
 #include "fwd_out.cu"
@@ -297,34 +321,48 @@ using cf = const float*;
 using ci64 = const long long*;
 
 // One entry point per kernel: emu_<kernel>(dp, bt, grid, <the kernel's arguments but smem>);
-// returns 1 when no instance of (dp, bt) is built here.
+// returns 1 when no instance of (dp, bt) and the variant (below) is built here.
 #define INSTANCES(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32) \
     X(128, 16) X(128, 32) X(128, 64)
 
 // The variant the entry points run (emu_set_variant: eta_key given, the output form OUT), as
 // the kernels' KEY and OUT template arguments (each kernel takes those it has; the others are
-// ignored): every (D_PAD, BT) has every variant.
-static int g_key = 0, g_out = 0;
+// ignored). Every (D_PAD, BT) has the default variant; the others are built only where
+// kAllVariants (chunk 16 up to D_PAD 64, and D_PAD 128 at chunk 64: each D_PAD, the split
+// bwd_grads): they make up most of the build time.
+inline int g_key = 0, g_out = 0;
+#if EMU_IN_PART(0)
 extern "C" void emu_set_variant(int key, int out) { g_key = key, g_out = out; }
+#endif
 template <bool V> using Key = std::integral_constant<bool, V>;
 template <int V> using Out = std::integral_constant<int, V>;
-template <typename F>
-static void with_variant(F&& f) {
-    auto outs = [&](auto key) {
-        if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
-        if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
-        return f(key, Out<ttt::kOutNorm>{});
-    };
-    if (g_key) return outs(Key<true>{});
-    return outs(Key<false>{});
+template <int DP, int BT>
+constexpr bool kAllVariants = (BT == 16 && DP <= 64) || (DP == 128 && BT == 64);
+template <int DP, int BT, typename F>
+static int with_variant(F&& f) {  // 1: the variant has no instance here
+    if constexpr (!kAllVariants<DP, BT>) {
+        if (g_key || g_out != ttt::kOutNorm) return 1;
+        f(Key<false>{}, Out<ttt::kOutNorm>{});
+    } else {
+        auto outs = [&](auto key) {
+            if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
+            if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
+            return f(key, Out<ttt::kOutNorm>{});
+        };
+        if (g_key)
+            outs(Key<true>{});
+        else
+            outs(Key<false>{});
+    }
+    return 0;
 }
 
 #define ENTRY(NAME, BYTES, PARAMS, ARGS, VARGS)                                              \
     template <int DP, int BT>                                                                \
-    static void NAME##_t(i64 grid, PARAMS) {                                                 \
+    static int NAME##_t(i64 grid, PARAMS) {                                                  \
         using Tr = ttt::Traits<DP, BT>;                                                      \
         static_assert(Tr::BYTES <= sizeof(smem), "the emulated shared memory is too small"); \
-        with_variant([&](auto key, auto out) {                                       \
+        return with_variant<DP, BT>([&](auto key, auto out) {                                \
             constexpr bool KEY = decltype(key)::value;                                       \
             constexpr int OUT = decltype(out)::value;                                        \
             launch(grid, Tr::kThreads,                                                       \
@@ -345,8 +383,10 @@ static void with_variant(F&& f) {
 #define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf, \
     cu, go, scale, eps, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS);
+#if EMU_IN_PART(0)
 ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS), P_(, false, KEY))
+#endif
 
 #define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
     float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
@@ -354,8 +394,10 @@ ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS), P_(, 
 #define FWD_OUT_ARGS q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu, go, gs, scale, eps, T, H, D, \
     G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_fwd_out(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS);
+#if EMU_IN_PART(0)
 ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS), P_(, OUT))
+#endif
 
 #define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
     cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
@@ -364,8 +406,10 @@ ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS), P_(, OUT))
 #define BWD_LOCAL_ARGS q, k, v, eta, w, b, dout, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, \
     dwp, dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi
 #define DISPATCH_ONE_bwd_local(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_local_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_local_t<DP, BT>(grid, BWD_LOCAL_ARGS);
+#if EMU_IN_PART(1)
 ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS), P_(, OUT))
+#endif
 
 #define BWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf xbuf, cf rbuf, cf dopbuf, \
     float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dckb, float* dh0, \
@@ -374,8 +418,10 @@ ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS), P_(, 
 #define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, \
     dh0, dhb0, rlbuf, dkey, cu, go, scale, T, H, D, G, g_lo, g_hi, sync
 #define DISPATCH_ONE_bwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS);
+#if EMU_IN_PART(1)
 ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, KEY))
+#endif
 
 #define BWD_GRADS_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf dck, cf xbuf, cf rbuf, \
     cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, cf rlbuf, ci64 cu, \
@@ -384,16 +430,20 @@ ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, 
 #define BWD_GRADS_ARGS q, k, v, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dk, dv, dwp, dbp, \
     rlbuf, cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains, wait_spins
 #define DISPATCH_ONE_bwd_grads(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS);
+#if EMU_IN_PART(1)
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS), P_(, KEY))
+#endif
 
 // The chain kernels' tensor-core instances (T = the fake __half: a float in a struct, so the
 // float inputs are read as they are; MMA = true). emu_set_tf32_round(1) rounds the mma
 // operands to tf32 (the GPU's arithmetic), 0 keeps them fp32 (the index math alone).
+#if EMU_IN_PART(0)
 extern "C" void emu_set_tf32_round(int on) { g_tf32_round = on; }
+#endif
 
 template <int DP, int BT, bool FUSE = false>
-static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
+static int fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
@@ -401,7 +451,7 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     auto oh = reinterpret_cast<__half*>(o);
     constexpr unsigned long long bytes = FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    with_variant([&](auto key, auto out) {
+    return with_variant<DP, BT>([&](auto key, auto out) {
         constexpr bool KEY = decltype(key)::value;
         constexpr int OUT = FUSE ? decltype(out)::value : ttt::kOutNorm;
         launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16
@@ -412,20 +462,22 @@ static void fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
     });
 }
 #define DISPATCH_MMA_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT>(grid, FWD_CHAIN_ARGS);
+#if EMU_IN_PART(0)
 extern "C" int emu_fwd_chain_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_MMA_fwd_chain)
     return 1;
 }
+#endif
 
 // fwd_chain's fused instances (FUSE = true: they write o; ck, ckb, xbuf, rbuf all null for a
 // forward without backward), SIMT (T = float) and MMA (T = the fake __half).
 template <int DP, int BT>
-static void fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
+static int fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     static_assert(Tr::kFwdChainFusedBytes <= sizeof(smem),
                   "the emulated shared memory is too small");
-    with_variant([&](auto key, auto out) {
+    return with_variant<DP, BT>([&](auto key, auto out) {
         constexpr bool KEY = decltype(key)::value;
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
@@ -435,25 +487,29 @@ static void fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
     });
 }
 #define DISPATCH_FUSED_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_fused_t<DP, BT>(grid, FWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_chain_fused_t<DP, BT>(grid, FWD_CHAIN_ARGS);
+#if EMU_IN_PART(0)
 extern "C" int emu_fwd_chain_fused(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_FUSED_fwd_chain)
     return 1;
 }
+#endif
 #define DISPATCH_FUSED_MMA_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT, true>(grid, FWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT, true>(grid, FWD_CHAIN_ARGS);
+#if EMU_IN_PART(0)
 extern "C" int emu_fwd_chain_fused_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_FUSED_MMA_fwd_chain)
     return 1;
 }
+#endif
 
 template <int DP, int BT>
-static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
+static int bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
-    with_variant([&](auto key, auto) {
+    return with_variant<DP, BT>([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
             ttt_linear_bwd_chain<__half, DP, BT, true, KEY>(
@@ -464,16 +520,18 @@ static void bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
     });
 }
 #define DISPATCH_MMA_bwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_chain_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_chain_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS);
+#if EMU_IN_PART(1)
 extern "C" int emu_bwd_chain_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS) {
     INSTANCES(DISPATCH_MMA_bwd_chain)
     return 1;
 }
+#endif
 
 // The group kernels' tensor-core instances (T = the fake __half as above, MMA = true); the
 // outputs of type T (o, dq, dk, dv) are fake halves too, i.e. floats.
 template <int DP, int BT>
-static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
+static int fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
@@ -482,7 +540,7 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     // the stand-in half has 4 bytes: its staged rows take more room than a real half's
     constexpr unsigned long long bytes = 4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>;
     static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    with_variant([&](auto, auto out) {
+    return with_variant<DP, BT>([&](auto, auto out) {
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_fwd_out<__half, DP, BT, true, OUT>(qh, kh, vh, eta, w, b, ck, ckb, xbuf,
@@ -493,21 +551,23 @@ static void fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
     });
 }
 #define DISPATCH_MMA_fwd_out(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_out_mma_t<DP, BT>(grid, FWD_OUT_ARGS), 0;
+    if (dp == DP && bt == BT) return fwd_out_mma_t<DP, BT>(grid, FWD_OUT_ARGS);
+#if EMU_IN_PART(0)
 extern "C" int emu_fwd_out_mma(int dp, int bt, i64 grid, FWD_OUT_PARAMS) {
     INSTANCES(DISPATCH_MMA_fwd_out)
     return 1;
 }
+#endif
 
 template <int DP, int BT>
-static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
+static int bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
     auto doh = reinterpret_cast<const __half*>(dout);
     auto dqh = reinterpret_cast<__half*>(dq);
-    with_variant([&](auto, auto out) {
+    return with_variant<DP, BT>([&](auto, auto out) {
         constexpr int OUT = decltype(out)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_bwd_local<__half, DP, BT, true, OUT>(
@@ -517,21 +577,23 @@ static void bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
     });
 }
 #define DISPATCH_MMA_bwd_local(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_local_mma_t<DP, BT>(grid, BWD_LOCAL_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_local_mma_t<DP, BT>(grid, BWD_LOCAL_ARGS);
+#if EMU_IN_PART(1)
 extern "C" int emu_bwd_local_mma(int dp, int bt, i64 grid, BWD_LOCAL_PARAMS) {
     INSTANCES(DISPATCH_MMA_bwd_local)
     return 1;
 }
+#endif
 
 template <int DP, int BT>
-static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
+static int bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     using Tr = ttt::Traits<DP, BT>;
     auto qh = reinterpret_cast<const __half*>(q);
     auto kh = reinterpret_cast<const __half*>(k);
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    with_variant([&](auto key, auto) {
+    return with_variant<DP, BT>([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kThreads, [&] {
             ttt_linear_bwd_grads<__half, DP, BT, true, KEY>(
@@ -542,19 +604,21 @@ static void bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
     });
 }
 #define DISPATCH_MMA_bwd_grads(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_grads_mma_t<DP, BT>(grid, BWD_GRADS_ARGS), 0;
+    if (dp == DP && bt == BT) return bwd_grads_mma_t<DP, BT>(grid, BWD_GRADS_ARGS);
+#if EMU_IN_PART(1)
 extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
     INSTANCES(DISPATCH_MMA_bwd_grads)
     return 1;
 }
+#endif
 
 // bwd_chain's fused instance (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; T = the
 // fake __half, MMA only, D_PAD <= 64): the chain's arguments (sync unused: the fused chain
 // does not overlap), then ck, dk, dv, dwp, dbp.
 #define INSTANCES_D64(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32)
 template <int DP, int BT>
-static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, float* dv,
-                                  float* dwp, float* dbp) {
+static int bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, float* dv,
+                                 float* dwp, float* dbp) {
     using Tr = ttt::Traits<DP, BT>;
     static_assert(Tr::kBwdChainFusedTcBytes <= sizeof(smem),
                   "the emulated shared memory is too small");
@@ -563,7 +627,7 @@ static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, 
     auto vh = reinterpret_cast<const __half*>(v);
     auto dkh = reinterpret_cast<__half*>(dk);
     auto dvh = reinterpret_cast<__half*>(dv);
-    with_variant([&](auto key, auto) {
+    return with_variant<DP, BT>([&](auto key, auto) {
         constexpr bool KEY = decltype(key)::value;
         launch(grid, Tr::kTcThreads, [&] {
             ttt_linear_bwd_chain_fused<__half, DP, BT, true, KEY>(
@@ -575,9 +639,11 @@ static void bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, 
 }
 #define DISPATCH_FUSED_MMA_bwd_chain(DP, BT)                                                 \
     if (dp == DP && bt == BT)                                                                \
-        return bwd_chain_fused_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS, ck, dk, dv, dwp, dbp), 0;
+        return bwd_chain_fused_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS, ck, dk, dv, dwp, dbp);
+#if EMU_IN_PART(1)
 extern "C" int emu_bwd_chain_fused_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS, cf ck,
                                        float* dk, float* dv, float* dwp, float* dbp) {
     INSTANCES_D64(DISPATCH_FUSED_MMA_bwd_chain)
     return 1;
 }
+#endif
