@@ -59,29 +59,13 @@ def compile_cubin(code: str, names: list[str], arch: str,
                   options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
     """(cubin for sm_``arch``, {name expression: lowered name}) compiled by NVRTC through
     cuda-python; raises (nvrtc_check.CheckError with the log) when NVRTC fails."""
-    from .nvrtc_check import SOURCE_NAME, _check, _nvrtc, _out_buffer
+    from .nvrtc_check import _check, _out_buffer, nvrtc_program
 
-    nvrtc = _nvrtc()
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
-                     "nvrtcCreateProgram", nvrtc)
-    try:
-        for name in names:
-            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
-                   f"nvrtcAddNameExpression({name})", nvrtc)
-        opts = [o.encode() for o in (*options, f"-arch=sm_{arch}")]
-        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
-               f"nvrtcCompileProgram({names}, sm_{arch})", nvrtc, prog)
-        lowered = {}
-        for name in names:
-            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
-                            f"nvrtcGetLoweredName({name})", nvrtc)
-            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+    with nvrtc_program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
         cubin = _out_buffer(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", nvrtc)
         return bytes(cubin), lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

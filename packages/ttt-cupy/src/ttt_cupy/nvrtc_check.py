@@ -14,6 +14,7 @@ failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some progra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -122,10 +123,11 @@ def _log(nvrtc, prog) -> str:
     return buf.decode(errors="replace").rstrip("\x00").strip()
 
 
-def compile_instance(code: str, names: list[str], arch: str, options: list[str],
-                     ptxas_verbose: bool = False, cubin: bool = True) -> Compiled:
-    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch`` (or, with
-    ``cubin`` False, to PTX for compute_``arch`` only; cubin_bytes is then 0)."""
+@contextlib.contextmanager
+def nvrtc_program(code: str, names: list[str], options: list[str], target: str):
+    """``code`` compiled by NVRTC with ``names`` as name expressions and ``options`` plus
+    ``-arch=target``: yields ``(nvrtc, program, {name: lowered name})``, the program destroyed
+    afterwards; raises CheckError (with NVRTC's log) when a step fails."""
     nvrtc = _nvrtc()
     (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
                      "nvrtcCreateProgram", nvrtc)
@@ -133,10 +135,7 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         for name in names:
             _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
                    f"nvrtcAddNameExpression({name})", nvrtc)
-        target = f"sm_{arch}" if cubin else f"compute_{arch}"
         opts = [o.encode() for o in (*options, f"-arch={target}")]
-        if ptxas_verbose and cubin:
-            opts.append(b"--ptxas-options=-v")
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
                f"nvrtcCompileProgram({names}, {target})", nvrtc, prog)
         lowered = {}
@@ -144,6 +143,18 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
             (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
                             f"nvrtcGetLoweredName({name})", nvrtc)
             lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        yield nvrtc, prog, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_instance(code: str, names: list[str], arch: str, options: list[str],
+                     ptxas_verbose: bool = False, cubin: bool = True) -> Compiled:
+    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch`` (or, with
+    ``cubin`` False, to PTX for compute_``arch`` only; cubin_bytes is then 0)."""
+    target = f"sm_{arch}" if cubin else f"compute_{arch}"
+    verbose = ["--ptxas-options=-v"] if ptxas_verbose and cubin else []
+    with nvrtc_program(code, names, [*options, *verbose], target) as (nvrtc, prog, lowered):
         size = 0
         if cubin:
             (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
@@ -154,8 +165,6 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
         _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
         mma = mma_counts(ptx.decode(errors="replace"), lowered)
         return Compiled(arch, lowered, int(size), _log(nvrtc, prog), mma)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csrc/ files)
