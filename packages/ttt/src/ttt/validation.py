@@ -44,6 +44,48 @@ def _require_device(name: str, value: torch.Tensor, device: torch.device):
                          f"got one on {value.device}")
 
 
+def _is_like(t, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``t`` is a tensor of exactly ``shape``, ``dtype`` and ``device`` (the common
+    case, checked in one expression; the detailed checks name what differs)."""
+    return (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+            and t.device == device)
+
+
+def _is_float_tensor(t, shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether ``t`` is a floating tensor of ``shape`` on ``device`` (see :func:`_is_like`)."""
+    return (isinstance(t, torch.Tensor) and t.shape == shape
+            and t.dtype in _FLOAT_DTYPE_SET and t.device == device)
+
+
+def _check_keys_values(k, v, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    """Raise the error that says how ``k`` or ``v`` differs from q (``shape``, ``dtype``,
+    ``device``)."""
+    B, T, H, D = shape
+    k = _require_tensor("k", k, 4)
+    v = _require_tensor("v", v, 4)
+    if k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
+                         f"K = {k.shape[-1]} and V = {v.shape[-1]}")
+    _require_shape("k", k, (B, T, H, D), "[B, T, H, D] like q")
+    _require_shape("v", v, (B, T, H, D), "[B, T, H, D] like q")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {_name(dtype)} (the dtype of q), "
+                            f"got {_name(t.dtype)}")
+        _require_device(name, t, device)
+
+
+def _check_norm_parameters(w, b, HD: tuple[int, int], device: torch.device):
+    """Raise the error that says what is wrong with ``w`` or ``b`` (``[H, D]``, floating,
+    on q's device)."""
+    _require_tensor("w", w, 2)
+    _require_tensor("b", b, 2)
+    _require_shape("w", w, HD, "[H, D]")
+    _require_shape("b", b, HD, "[H, D]")
+    _require_device("w", w, device)
+    _require_device("b", b, device)
+
+
 def _positive_float(name: str, value) -> float:
     if type(value) is not float and (isinstance(value, bool)
                                      or not isinstance(value, numbers.Real)):
@@ -89,12 +131,13 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
 def _check_eta_key(eta_key, shape: tuple[int, ...], device: torch.device):
     if eta_key is None:
         return None
-    if not isinstance(eta_key, torch.Tensor):
-        raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
-                        f"got {type(eta_key).__name__}")
-    _require_tensor("eta_key", eta_key, 4)
-    _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
-    _require_device("eta_key", eta_key, device)
+    if not _is_float_tensor(eta_key, shape, device):
+        if not isinstance(eta_key, torch.Tensor):
+            raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
+                            f"got {type(eta_key).__name__}")
+        _require_tensor("eta_key", eta_key, 4)
+        _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
+        _require_device("eta_key", eta_key, device)
     return eta_key.contiguous()
 
 
@@ -113,7 +156,8 @@ def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
     for name, state, shape, meaning in (
             ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
             ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        if state is None:
+        if state is None or (isinstance(state, torch.Tensor) and state.shape == shape
+                             and state.dtype in state_dtypes and state.device == device):
             continue
         _require_tensor(name, state, 4)
         if tuple(state.shape) != shape:
@@ -169,36 +213,22 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
     the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
     q = _require_tensor("q", q, 4)
-    B, T, H, D = q.shape
-    device = q.device
-    k = _require_tensor("k", k, 4)
-    v = _require_tensor("v", v, 4)
-    if k.shape[-1] != v.shape[-1]:
-        raise ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
-                         f"K = {k.shape[-1]} and V = {v.shape[-1]}")
-    _require_shape("k", k, (B, T, H, D), "[B, T, H, D] like q")
-    _require_shape("v", v, (B, T, H, D), "[B, T, H, D] like q")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {_name(q.dtype)} (the dtype of q), "
-                            f"got {_name(t.dtype)}")
-        _require_device(name, t, device)
+    shape, dtype, device = q.shape, q.dtype, q.device
+    B, T, H, D = shape
+    if not (_is_like(k, shape, dtype, device) and _is_like(v, shape, dtype, device)):
+        _check_keys_values(k, v, shape, dtype, device)
     if H < 1 or D < 1:
         raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
                          f"(B and T may be 0), got shape {tuple(q.shape)}")
-
-    w = _require_tensor("w", w, 2)
-    b = _require_tensor("b", b, 2)
-    _require_shape("w", w, (H, D), "[H, D]")
-    _require_shape("b", b, (H, D), "[H, D]")
-    _require_device("w", w, device)
-    _require_device("b", b, device)
+    if not (_is_float_tensor(w, (H, D), device) and _is_float_tensor(b, (H, D), device)):
+        _check_norm_parameters(w, b, (H, D), device)
 
     eta_is_tensor = isinstance(eta, torch.Tensor)
     if eta_is_tensor:
-        _require_tensor("eta", eta, 4)
-        _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
-        _require_device("eta", eta, device)
+        if not _is_float_tensor(eta, (B, T, H, 1), device):
+            _require_tensor("eta", eta, 4)
+            _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
+            _require_device("eta", eta, device)
     elif type(eta) is float or (isinstance(eta, numbers.Real) and not isinstance(eta, bool)):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
