@@ -1,7 +1,8 @@
-"""A pass's launches: the first time its key comes, every kernel but the first compiles in a
-thread of its own (``JITFunction.warmup``) while the first launches; then all launch, in
-order. Stand-in kernels record what happens where; the real kernels' results are the
-suite's (the interpreter runs the same launches in order, compiling nothing)."""
+"""A pass's launches: the first time its key comes, every kernel but the first compiles and
+loads in a thread of its own (``JITFunction.warmup``, then indexing the compiled kernel with
+its grid) while the first launches; then all launch, in order. Stand-in kernels record
+what happens where; the real kernels' results are the suite's (the interpreter runs the
+same launches in order, compiling nothing)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,22 @@ class _Kernel:
         if self.error is not None:
             raise self.error
         self.log.append(("compile", self.name, grid, args, kwargs, threading.get_ident()))
+        return _Compiled(self.name, self.log)
+
+
+class _Compiled:
+    """What ``warmup`` returns: indexing it with a grid loads it (recorded), launching
+    nothing unless the runner it returns is called."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        self.log.append(("load", self.name, grid, (), {}, threading.get_ident()))
+
+        def launch(*args, **kwargs):
+            raise AssertionError("a compiled kernel was launched while loading")
+        return launch
 
 
 @pytest.fixture
@@ -74,6 +91,9 @@ def test_a_new_key_compiles_the_others_in_threads_then_launches_in_order(on_gpu)
                 if event == "compile" and thread != me]
     assert sorted(compiled) == [("b", (2, 3), (3,), dict(Y=True)),
                                 ("c", (1, 1, 2), (), dict(Z="raw"))]
+    loaded = [(name, grid) for event, name, grid, args, kwargs, thread in log
+              if event == "load" and thread != me]
+    assert sorted(loaded) == [("b", (2, 3)), ("c", (1, 1, 2))]
     launched = [(name, grid, args, kwargs, thread) for event, name, grid, args, kwargs, thread
                 in log if event == "launch"]
     assert launched == [("a", (4,), (1, 2.0), dict(X=1), me), ("b", (2, 3), (3,), dict(Y=True), me),

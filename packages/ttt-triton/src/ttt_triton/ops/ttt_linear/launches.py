@@ -3,11 +3,12 @@
 Triton compiles a kernel specialisation on its first launch, so a pass of two or three
 kernels (forward: the chain and the output kernel; backward: the local, chain and
 gradient kernels) compiles them one after another. Its compiler does that work outside the
-GIL (the MLIR and LLVM passes, ptxas), so here a pass whose key has not been seen in this
-process compiles its kernels at the same time: every kernel but the first through
-``JITFunction.warmup`` (which compiles what launching would, with the same arguments) in a
-thread each, while the first launches and compiles in the calling thread; then the rest
-launch, finding theirs compiled. Later passes with the same key launch directly.
+GIL (the MLIR and LLVM passes, ptxas, the C compiler building its launcher stub), so here a
+pass whose key has not been seen in this process compiles its kernels at the same time:
+every kernel but the first through ``JITFunction.warmup`` (which compiles what launching
+would, with the same arguments) and loads it, in a thread each, while the first launches
+and compiles in the calling thread; then the rest launch, finding theirs compiled and
+loaded. Later passes with the same key launch directly.
 
 The key names what picks the kernels' specialisations but the batch shape (so that a new
 shape does not pay for threads); a pass whose kernels the key does not tell apart compiles
@@ -45,10 +46,15 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
     def compile(self, device: torch.device) -> None:
-        """Compile (and keep, in Triton's caches) what launching would, without launching;
-        in any thread (the device is this thread's current one only inside)."""
+        """Compile (and keep, in Triton's caches) what launching would, and load it, without
+        launching; in any thread (the device is this thread's current one only inside).
+        Loading builds Triton's launcher stub for the kernel's signature (a C compile, the
+        first time) and loads the binary onto the device: indexing the compiled kernel
+        with a grid does both, launching nothing."""
         with torch.cuda.device(device):
-            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
+            compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
+            if compiled is not None:
+                compiled[self.grid]
 
 
 def pass_key(kind: str, p: Problem, *flags) -> tuple:
