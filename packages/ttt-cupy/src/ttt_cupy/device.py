@@ -74,6 +74,10 @@ GROUP_STREAMS = 8
 kernel takes about one block's time whatever its size, so one stream would queue them."""
 
 
+NULL = np.uint64(0)
+"""The null pointer argument (numpy scalars are immutable: one serves every launch)."""
+
+
 class CudaDevice:
     """CUDA device ``index`` through CuPy (kernels) and torch (streams)."""
 
@@ -112,7 +116,7 @@ class CudaDevice:
 
     @staticmethod
     def pointer(t: torch.Tensor | None) -> np.uint64:
-        return np.uint64(0 if t is None else t.data_ptr())
+        return NULL if t is None else np.uint64(t.data_ptr())
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.index)

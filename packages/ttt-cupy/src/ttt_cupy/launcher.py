@@ -95,8 +95,9 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
                    threads(dp, "fwd_chain", mma), smem_bytes("fwd_chain", dp, bt, mma, plan.fuse),
                    layout.fwd_chain_args(ptr, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf,
                                          rbuf, o, ekey, rlbuf))
-    out = Kernel(kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma),
-                 layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o))
+    out = None if plan.fuse else Kernel(     # (fused: the chain writes o; no fwd_out)
+        kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma),
+        layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o))
     here = device.current_stream()
     tickets = N * H * grp.groups_max               # (overlapped: an fwd_out block each)
     with device.active():

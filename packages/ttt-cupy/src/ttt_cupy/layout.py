@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ttt import Problem
-from ttt.chunking import ChunkGroups, group_offsets
+from ttt.chunking import ChunkGroups, group_count
 
 Segment = tuple[int, int]
 """Group range [g_lo, g_hi) of each sequence; (0, 0): every group of the batch."""
@@ -45,7 +45,9 @@ def group_blocks(grp: ChunkGroups, N: int, segment: Segment) -> int:
 
 
 def f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
+    if t is None:
+        return None
+    return (t if t.dtype == torch.float32 else t.to(torch.float32)).contiguous()
 
 
 @dataclass
@@ -102,7 +104,7 @@ def _cast_names(p: Problem) -> list[str]:
 
 def saved_shapes(p: Problem, ckpt_interval: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
-    count = group_offsets(p, ckpt_interval)[-1]
+    count = group_count(p, ckpt_interval)
     B, T, H, D = p.q.shape
     key = [((B, T, H), torch.float32)] if p.eta_key is not None else []
     grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []

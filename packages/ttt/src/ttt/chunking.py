@@ -24,6 +24,24 @@ def group_offsets(p: Problem, chunks_per_group: int) -> list[int]:
     return offsets
 
 
+def _dense_groups(p: Problem, chunks_per_group: int) -> int | None:
+    """Groups of ``chunks_per_group`` chunks in each sequence of a dense batch (all T long);
+    None for a packed batch."""
+    if p.is_varlen:
+        return None
+    chunks = -(-p.T // p.chunk_size)
+    return -(-chunks // chunks_per_group)
+
+
+def group_count(p: Problem, chunks_per_group: int) -> int:
+    """Groups of ``chunks_per_group`` chunks over the batch (``group_offsets(...)[-1]``,
+    without a loop over the sequences of a dense batch)."""
+    per_sequence = _dense_groups(p, chunks_per_group)
+    if per_sequence is not None:
+        return p.B * per_sequence
+    return group_offsets(p, chunks_per_group)[-1]
+
+
 @dataclass
 class ChunkGroups:
     """How a batch splits into groups of ``G`` chunks: every sequence owns NG + 1 slots
@@ -43,6 +61,10 @@ class ChunkGroups:
         """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
         ``p``'s device (non-blocking copies), unless ``device_maps`` holds them already
         (``offsets``, ``seq`` of an earlier grouping of ``p``)."""
+        per_sequence = _dense_groups(p, G)
+        if per_sequence is not None:        # (no per-sequence bookkeeping to build)
+            count = p.B * per_sequence
+            return cls(G, count, count + p.B, None, None, per_sequence if p.B else 0)
         offs = group_offsets(p, G)
         counts = [b - a for a, b in zip(offs[:-1], offs[1:])]   # groups per sequence
         offsets = seq = None

@@ -10,11 +10,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from ttt import GradNeeds, Problem
-from ttt.chunking import ChunkGroups, group_offsets
+from ttt.chunking import ChunkGroups, group_count
 
 from ..._env import interpreting
 from .bwd_chain import ttt_linear_bwd_chain_kernel
@@ -41,7 +40,8 @@ from .tuning import (
 
 
 def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
-    return chunk_size, max(16, triton.next_power_of_2(D))
+    """(BT, BD): the chunk, and the head dim padded to a power of two, at least 16."""
+    return chunk_size, max(16, 1 << (D - 1).bit_length())
 
 
 def _checked(tuning: Tuning) -> Tuning:
@@ -107,7 +107,7 @@ def chunks_per_group(p: Problem) -> int:
 
 def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :meth:`Saved.tensors` of a forward of ``p`` with a backward."""
-    count = group_offsets(p, chunks_per_group(p))[-1]
+    count = group_count(p, chunks_per_group(p))
     B, T, H, D = p.q.shape
     grouping = [((p.N + 1,), torch.int64), ((count,), torch.int32)] if p.is_varlen else []
     return [((count + p.N, H, D, D), torch.float32), ((count + p.N, H, D), torch.float32),

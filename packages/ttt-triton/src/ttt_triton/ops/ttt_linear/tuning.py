@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ttt import Problem
-from ttt.chunking import group_offsets
+from ttt.chunking import group_count
 
 CKPT_INTERVAL = {"narrow": 16, "wide": 32, "wide_min_warps": 2048}
 """G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
@@ -190,7 +190,7 @@ def checkpoint_interval(p: Problem, BD: int, tune: Tuning) -> int:
         return tune.checkpoint_interval
     wide = CKPT_INTERVAL["wide"]
     warps = num_warps("group", BD, p.dtype == torch.float32, tune)
-    if group_offsets(p, wide)[-1] * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
+    if group_count(p, wide) * p.H * warps >= CKPT_INTERVAL["wide_min_warps"]:
         return wide
     return CKPT_INTERVAL["narrow"]
 
