@@ -170,7 +170,7 @@ def fake_cupy(monkeypatch, tmp_path):
     monkeypatch.setattr(diskcache, "compile_cubin", compile_cubin)
     monkeypatch.setattr(diskcache, "nvrtc_version", lambda: "0.0-stand-in")
     monkeypatch.setenv(cfg.CACHE_DIR_ENV, str(built.cache_dir))
-    caches = (cc._module, cc._kernel_table, cc.device_arch, cfg.config)
+    caches = (cc._modules, cc._kernel_table, cc.device_arch, cfg.config)
     for cache in caches:
         cache.cache_clear()
     yield built
@@ -180,7 +180,7 @@ def fake_cupy(monkeypatch, tmp_path):
 
 def new_process() -> None:
     """Empty the in-memory compile caches, as a new process starts (the disk cache stays)."""
-    for cache in (cc._module, cc._kernel_table, cc.device_arch):
+    for cache in (cc._modules, cc._kernel_table, cc.device_arch):
         cache.cache_clear()
 
 

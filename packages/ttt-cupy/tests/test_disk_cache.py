@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,28 +93,62 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path):
 
 
 def test_second_process_loads_from_disk(fake_cupy):
+    """Each kernel of a pass is a program and an entry of its own; a second process loads
+    every one of them and compiles nothing."""
     first = cc.get_kernels("fwd", "bfloat16", 64, 16, 0, True)
-    assert len(fake_cupy.nvrtc) == 1 and not fake_cupy.compiles
-    assert len(fake_cupy.loads) == 1
+    names = cc.pass_names("fwd", "__nv_bfloat16", 64, 16, True)      # (the fused chain too)
+    assert sorted(fake_cupy.nvrtc) == sorted([name] for name in names.values())
+    assert not fake_cupy.compiles and len(fake_cupy.loads) == len(names) == 3
     entries = list(fake_cupy.cache_dir.glob("*.json"))
-    assert len(entries) == 1
+    assert len(entries) == 3
     new_process()
     again = cc.get_kernels("fwd", "bfloat16", 64, 16, 0, True)
-    assert len(fake_cupy.nvrtc) == 1 and not fake_cupy.compiles     # nothing compiled
-    assert len(fake_cupy.loads) == 2 and fake_cupy.loads[0] == fake_cupy.loads[1]
+    assert len(fake_cupy.nvrtc) == 3 and not fake_cupy.compiles     # nothing compiled
+    assert len(fake_cupy.loads) == 6 and sorted(fake_cupy.loads[:3]) == sorted(
+        fake_cupy.loads[3:])
     assert again is not first and {k: v.name for k, v in again.items()} == \
-        {k: v.name for k, v in first.items()}
-    assert again["fwd_chain"].name == cc.kernel_name("fwd_chain", "__nv_bfloat16", 64, 16,
-                                                     True)
-    # another program (the SIMT instances, another variant) is another entry
+        {k: v.name for k, v in first.items()} == names
+    # other instances (SIMT, another variant) are other entries; those the same as an
+    # entry's (the variant leaves fwd_out as it is) load it
     cc.get_kernels("fwd", "bfloat16", 64, 16, 0, False)
     cc.get_kernels("fwd", "bfloat16", 64, 16, 0, True, key=True)
-    assert len(fake_cupy.nvrtc) == 3 and len(list(fake_cupy.cache_dir.glob("*.json"))) == 3
+    keyed = cc.pass_names("fwd", "__nv_bfloat16", 64, 16, True, key=True)
+    simt = cc.pass_names("fwd", "__nv_bfloat16", 64, 16, False)
+    distinct = {*names.values(), *keyed.values(), *simt.values()}
+    assert len(fake_cupy.nvrtc) == len(distinct)
+    assert len(list(fake_cupy.cache_dir.glob("*.json"))) == len(distinct)
 
 
-def _entry(fake_cupy):
-    (meta,) = fake_cupy.cache_dir.glob("*.json")
-    return meta, fake_cupy.cache_dir / json.loads(meta.read_text())["cubin"]
+def test_a_pass_compiles_its_kernels_side_by_side(fake_cupy, monkeypatch):
+    """The programs of a pass compile at the same time, a thread each: every compile has
+    started before the first one ends."""
+    from ttt_cupy import diskcache
+
+    names = list(cc.pass_names("bwd", "__nv_bfloat16", 64, 16, True).values())
+    started, all_started = [], threading.Event()
+    stand_in = diskcache.compile_cubin
+
+    def compile_cubin(code, program_names, arch, options):
+        started.append(threading.current_thread().name)
+        if len(started) == len(names):
+            all_started.set()
+        assert all_started.wait(5), "the programs compiled one after another"
+        return stand_in(code, program_names, arch, options)
+
+    monkeypatch.setattr(diskcache, "compile_cubin", compile_cubin)
+    table = cc.get_kernels("bwd", "bfloat16", 64, 16, 0, True)
+    assert len(started) == len(names) == 4 and set(started) == {"ttt-cupy-compile"}
+    assert {k: v.name for k, v in table.items()} == cc.pass_names("bwd", "__nv_bfloat16", 64,
+                                                                  16, True)
+
+
+def _entry(fake_cupy, kernel: str = "bwd_chain"):
+    """(the .json, the cubin) of the entry holding ``kernel``'s instance."""
+    for meta in fake_cupy.cache_dir.glob("*.json"):
+        (name,) = json.loads(meta.read_text())["lowered"]
+        if name.startswith(f"ttt_linear_{kernel}<"):
+            return meta, fake_cupy.cache_dir / json.loads(meta.read_text())["cubin"]
+    raise AssertionError(f"no entry for {kernel}")
 
 
 @pytest.mark.parametrize("damage", ["json-truncated", "json-garbage", "json-other-names",
@@ -139,11 +174,13 @@ def test_corrupt_entry_compiles_again(fake_cupy, damage):
         cubin.write_bytes(b"x" * len(cubin.read_bytes()))
     new_process()
     table = cc.get_kernels("bwd", "float32", 32, 16, 0, False)
-    assert len(fake_cupy.nvrtc) == 2 and not fake_cupy.compiles
+    kernels = len(table)
+    assert fake_cupy.nvrtc[kernels:] == [[cc.kernel_name("bwd_chain", "float", 32, 16, False)]]
+    assert not fake_cupy.compiles                     # (only the damaged entry compiled)
     assert table["bwd_chain"].name == cc.kernel_name("bwd_chain", "float", 32, 16, False)
     new_process()                            # repaired: the next process loads it
     cc.get_kernels("bwd", "float32", 32, 16, 0, False)
-    assert len(fake_cupy.nvrtc) == 2
+    assert len(fake_cupy.nvrtc) == kernels + 1
 
 
 def test_unloadable_entry_falls_back_to_cupy(fake_cupy):
@@ -155,10 +192,11 @@ def test_unloadable_entry_falls_back_to_cupy(fake_cupy):
     cubin.write_bytes(b"not a cubin")
     data["sha256"] = diskcache.hashlib.sha256(b"not a cubin").hexdigest()
     meta.write_text(json.dumps(data))
+    kernels = len(fake_cupy.nvrtc)
     for process in range(2):
         new_process()
         table = cc.get_kernels("bwd", "float32", 32, 16, 0, False)
-        assert len(fake_cupy.nvrtc) == 1 and len(fake_cupy.compiles) == process + 1
+        assert len(fake_cupy.nvrtc) == kernels and len(fake_cupy.compiles) == process + 1
         assert table["bwd_chain"].name == cc.kernel_name("bwd_chain", "float", 32, 16, False)
 
 
@@ -193,8 +231,9 @@ def test_cache_failure_falls_back_to_cupy(fake_cupy, monkeypatch, failure):
 def test_lowered_names_reach_get_function(fake_cupy):
     """The loaded module is asked for the lowered names, the table keeps name expressions."""
     cc.get_kernels("fwd", "float32", 16, 16, 0, False)
-    meta, _ = _entry(fake_cupy)
-    lowered = json.loads(meta.read_text())["lowered"]
+    lowered = {}
+    for meta in fake_cupy.cache_dir.glob("*.json"):
+        lowered.update(json.loads(meta.read_text())["lowered"])
     assert lowered == {n: LOWERED + n for n in cc.pass_names("fwd", "float", 16, 16,
                                                              False).values()}
 

@@ -91,7 +91,7 @@ def test_the_program_waits_for_its_prefetch(prefetching):
     args = ("bwd", "__half", 32, 16, "90", True, False, "norm_residual")
     threading.Timer(0.2, release.set).start()
     start = time.perf_counter()
-    cc._prefetched(args)                                    # what _module does first
+    cc._prefetched(args)                                    # what _modules does first
     assert compiled and time.perf_counter() - start >= 0.15
     cc._prefetched(args)                                    # nothing pending: returns
 

@@ -1,10 +1,11 @@
 """Lazy compilation of the CUDA C++ kernels in ``csrc/`` (CuPy RawModule, NVRTC).
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
-builds one module holding that pass's template instances (forward: fwd_chain, fwd_out;
-backward: bwd_local, bwd_chain, bwd_grads; through ``name_expressions``), cached for the
-process and on disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between
-processes; a :class:`cupy.RawModule` compiled by CuPy where that cache fails). The *variant*
+builds that pass's template instances (forward: fwd_chain, fwd_out; backward: bwd_local,
+bwd_chain, bwd_grads; through ``name_expressions``), each as a program of its own, the
+programs compiled side by side (NVRTC runs outside the GIL), cached for the process and on
+disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between processes; where that
+cache fails, one :class:`cupy.RawModule` of the whole pass compiled by CuPy). The *variant*
 (``eta_key`` given, the output form) picks the instances of the kernels it changes (template
 parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (no eta_key,
 ``norm_residual``) names exactly the instances it always had, and the others are compiled
@@ -246,18 +247,19 @@ def include_options() -> tuple[str, ...]:
 
 
 _PREFETCHES: dict[tuple, threading.Thread] = {}
-"""Programs being compiled into the disk cache in the background, by their _module key."""
+"""Passes whose programs are being compiled into the disk cache in the background, by their
+_modules key."""
 _PREFETCHED: set[tuple] = set()
 _PREFETCH_LOCK = threading.Lock()
 
 
 def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, mma: bool,
              key: bool = False, out: str = "norm_residual") -> None:
-    """Start compiling one pass's program (the arguments of :func:`get_kernels`) into the
-    disk cache in a background thread, once per process: a training forward asks for its
-    backward's program, which then compiles while the forward's compiles and runs. The
-    thread calls NVRTC and writes files, nothing of CUDA (a CUDA graph may be captured
-    meanwhile); the first :func:`get_kernels` of that program waits for it, then loads."""
+    """Start compiling one pass's programs (the arguments of :func:`get_kernels`) into the
+    disk cache in the background, once per process: a training forward asks for its
+    backward's, which then compile while the forward's compile and run. The threads call
+    NVRTC and write files, nothing of CUDA (a CUDA graph may be captured meanwhile); the
+    first :func:`get_kernels` of that pass waits for them, then loads."""
     ctype = CTYPES[dtype_name]
     args = (pass_, ctype, dp, bt, device_arch(device_index), mma and ctype != "float", key,
             out)
@@ -272,12 +274,27 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
 
 
 def _compile_into_cache(pass_, ctype, dp, bt, arch, mma, key, out) -> None:
+    _compile_programs(pass_, list(pass_names(pass_, ctype, dp, bt, mma, key, out).values()),
+                      arch)
+
+
+def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
+    """Compile each name expression of ``names`` as a program of its own into the disk cache
+    (those it lacks), all at once, a thread each: a pass's kernels then take about as long
+    as the slowest of them instead of their sum. NVRTC and files only, no CUDA call; any
+    failure is left for the load (:func:`_modules`) to meet again."""
     from .config import config
     from .diskcache import compile_into
 
-    names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
-    compile_into(config().cache_dir, source(pass_), names, NVRTC_OPTIONS + include_options(),
-                 arch)
+    directory, code = config().cache_dir, source(pass_)
+    options = NVRTC_OPTIONS + include_options()
+    threads = [threading.Thread(target=compile_into, args=(directory, code, [name], options,
+                                                           arch),
+                                daemon=True, name="ttt-cupy-compile") for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def _prefetched(args: tuple) -> None:
@@ -289,13 +306,14 @@ def _prefetched(args: tuple) -> None:
 
 
 @functools.cache
-def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
-            out: str = "norm_residual") -> Any:
-    """One module per (pass, C++ type, D_PAD, BT, arch, mma, variant): loaded from the disk
-    cache (:mod:`ttt_cupy.diskcache`, compiled and stored there first if missing: by a
-    :func:`prefetch` under way, waited for, or now), else a RawModule compiled now by CuPy.
-    ``arch`` (the device's compute capability, e.g. "90") is part of the key: the cubin is
-    for the current device."""
+def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
+             out: str = "norm_residual") -> dict[str, Any]:
+    """{name expression: its module} of one (pass, C++ type, D_PAD, BT, arch, mma, variant):
+    each kernel its own program, loaded from the disk cache (:mod:`ttt_cupy.diskcache`) after
+    what the cache lacks compiled side by side (by a :func:`prefetch` under way, waited for,
+    or now); where the cache fails for any of them, one RawModule of the whole pass compiled
+    by CuPy. ``arch`` (the device's compute capability, e.g. "90") is part of the key: the
+    cubins are for the current device."""
     import cupy
 
     from .config import config
@@ -303,9 +321,11 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key:
 
     _prefetched((pass_, ctype, dp, bt, arch, mma, key, out))
     names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
+    _compile_programs(pass_, names, arch)
     code, options = source(pass_), NVRTC_OPTIONS + include_options()
-    cached = load_or_compile(config().cache_dir, code, names, options, arch)
-    if cached is not None:
+    cached = {name: load_or_compile(config().cache_dir, code, [name], options, arch)
+              for name in names}
+    if all(module is not None for module in cached.values()):
         return cached
     # without the disk cache (no cuda-python, any failure of it): CuPy compiles
     module = cupy.RawModule(code=code, options=options, name_expressions=names)
@@ -314,7 +334,7 @@ def _module(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key:
     except cupy.cuda.compiler.CompileException as err:
         raise RuntimeError(
             f"NVRTC could not compile {names} for sm_{arch}:\n{err.get_message()}") from err
-    return module
+    return dict.fromkeys(names, module)
 
 
 @functools.cache
@@ -352,6 +372,7 @@ def _kernel_table(pass_: str, ctype: str, dp: int, bt: int, device_index: int, a
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = _module(pass_, ctype, dp, bt, arch, mma, key, out)
+        modules = _modules(pass_, ctype, dp, bt, arch, mma, key, out)
         names = pass_names(pass_, ctype, dp, bt, mma, key, out)
-        return MappingProxyType({k: module.get_function(name) for k, name in names.items()})
+        return MappingProxyType({k: modules[name].get_function(name)
+                                 for k, name in names.items()})

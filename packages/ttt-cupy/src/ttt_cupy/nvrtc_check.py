@@ -1,7 +1,9 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
-``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT), as the
-backend does at run time, for each ``--arch`` (default sm_80 and sm_90): to cubins, or with
+``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT) holding
+every instance the backend compiles at run time (there each kernel is a program of its own,
+from the same source and options: an instance compiles to the same code either way), for
+each ``--arch`` (default sm_80 and sm_90): to cubins, or with
 ``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel is
 compiled twice (tensor-core and SIMT instance). It checks that the C++ traits equal the
 generated table the launcher reads, and that the PTX of a kernel holds tf32 ``mma.sync``
@@ -195,9 +197,10 @@ def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
     """((pass, C++ type, D_PAD, BT), name expressions) of each program that :func:`instances`
     selects with the keywords in ``only``: the instances of ``variants`` ((eta_key given, the
     output form) pairs: :func:`ttt_cupy.compile.program_names`), each once where variants
-    share it (the backend builds one program per variant; an instance compiles alike in
-    either). ``skip_default``: without the default variant's instances (those a run of the
-    default variant compiles); a program left with none is left out."""
+    share it (the backend builds each instance as a program of its own; an instance
+    compiles alike in any program). ``skip_default``: without the default variant's
+    instances (those a run of the default variant compiles); a program left with none is
+    left out."""
     result = []
     for program in instances(**(only or {})):
         default = set(program_names(*program)) if skip_default else set()
