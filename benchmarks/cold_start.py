@@ -7,8 +7,8 @@ configuration, with empty compile caches, with the caches a first process left, 
     python benchmarks/cold_start.py --quick --device cpu     # no GPU: the reference backend
 
 For each backend and configuration (dtype, head dim, chunk size, heads) it makes a new
-cache directory (``TRITON_CACHE_DIR`` and ``CUPY_CACHE_DIR`` point into it) and runs, each
-in a new Python process:
+cache directory (``TRITON_CACHE_DIR``, ``TTT_CUPY_CACHE_DIR`` and CuPy's own
+``CUPY_CACHE_DIR`` point into it) and runs, each in a new Python process:
 
 1. ``cold``: one forward + backward (``--shape B,T``), with the caches empty;
 2. ``second``: the same again, a second process finding what the first compiled;
@@ -36,7 +36,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-CACHE_VARIABLES = {"TRITON_CACHE_DIR": "triton", "CUPY_CACHE_DIR": "cupy"}
+CACHE_VARIABLES = {"TRITON_CACHE_DIR": "triton", "TTT_CUPY_CACHE_DIR": "ttt-cupy",
+                   "CUPY_CACHE_DIR": "cupy"}
+"""The compile caches a child may find: Triton's, the cupy backend's (its cubins) and CuPy's
+own (kernels CuPy compiles without name expressions)."""
 
 
 @dataclass
