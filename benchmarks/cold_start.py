@@ -15,8 +15,9 @@ cache directory (``TRITON_CACHE_DIR``, ``TTT_CUPY_CACHE_DIR`` and CuPy's own
 3. in a second, empty cache directory: ``python -m ttt warmup`` for that configuration,
    then ``after warmup``: the same call in a third process.
 
-Each child times its first call (CUDA initialised before, so the time is compiling and
-running) and a second call in the same process (``warm``). The table, with the GPU and the
+Each child times its first call (CUDA and torch's autograd initialised before, so the time
+is ttt's: loading or compiling its kernels, and running) and a second call in the same
+process (``warm``). The table, with the GPU and the
 versions, goes to stdout; ``--json PATH`` also writes the rows.
 """
 
@@ -62,7 +63,8 @@ class Row:
 
 
 def child(args: argparse.Namespace) -> int:
-    """One process: CUDA up, then the first and a second forward + backward; prints JSON."""
+    """One process: CUDA and torch's autograd up, then the first and a second forward +
+    backward; prints JSON."""
     import torch
 
     import ttt
@@ -76,6 +78,11 @@ def child(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
+    # torch's own first use, paid by any process whatever it runs: the first autograd.grad
+    # with a gradient tensor imports torch's symbolic shapes and sympy (seconds where
+    # site-packages has no bytecode)
+    one = torch.ones(1, device=device, requires_grad=True)
+    torch.autograd.grad(one * 2, one, torch.ones_like(one))
     xs = [x.requires_grad_() for x in make_inputs((B, T, args.heads, args.head_dim), dtype,
                                                   device, seed=0)]
     do = torch.randn_like(xs[0])
@@ -190,7 +197,7 @@ def header(device: str, backends: dict) -> str:
         f"{ttt.__version__}, python {platform.python_version()}; {engines}; commit "
         f"{commit}{' (uncommitted changes)' if dirty else ''}",
         f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; times are the first "
-        "forward + backward of a new process (CUDA initialised before), in seconds",
+        "forward + backward of a new process (CUDA and autograd initialised before), in seconds",
     ])
 
 
