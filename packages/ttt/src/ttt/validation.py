@@ -44,17 +44,12 @@ def _require_device(name: str, value: torch.Tensor, device: torch.device):
                          f"got one on {value.device}")
 
 
-def _is_like(t, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``t`` is a tensor of exactly ``shape``, ``dtype`` and ``device`` (the common
-    case, checked in one expression; the detailed checks name what differs)."""
-    return (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+def _is_tensor_of(t, shape: tuple[int, ...], dtypes, device: torch.device) -> bool:
+    """Whether ``t`` is a tensor of exactly ``shape``, a dtype in ``dtypes`` and on ``device``:
+    the common case, checked in one expression; the detailed checks run only when it fails,
+    to name what differs."""
+    return (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes
             and t.device == device)
-
-
-def _is_float_tensor(t, shape: tuple[int, ...], device: torch.device) -> bool:
-    """Whether ``t`` is a floating tensor of ``shape`` on ``device`` (see :func:`_is_like`)."""
-    return (isinstance(t, torch.Tensor) and t.shape == shape
-            and t.dtype in _FLOAT_DTYPE_SET and t.device == device)
 
 
 def _check_keys_values(k, v, shape: torch.Size, dtype: torch.dtype, device: torch.device):
@@ -131,7 +126,7 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
 def _check_eta_key(eta_key, shape: tuple[int, ...], device: torch.device):
     if eta_key is None:
         return None
-    if not _is_float_tensor(eta_key, shape, device):
+    if not _is_tensor_of(eta_key, shape, _FLOAT_DTYPE_SET, device):
         if not isinstance(eta_key, torch.Tensor):
             raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
                             f"got {type(eta_key).__name__}")
@@ -156,8 +151,7 @@ def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
     for name, state, shape, meaning in (
             ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
             ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        if state is None or (isinstance(state, torch.Tensor) and state.shape == shape
-                             and state.dtype in state_dtypes and state.device == device):
+        if state is None or _is_tensor_of(state, shape, state_dtypes, device):
             continue
         _require_tensor(name, state, 4)
         if tuple(state.shape) != shape:
@@ -215,17 +209,19 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     q = _require_tensor("q", q, 4)
     shape, dtype, device = q.shape, q.dtype, q.device
     B, T, H, D = shape
-    if not (_is_like(k, shape, dtype, device) and _is_like(v, shape, dtype, device)):
+    if not (_is_tensor_of(k, shape, (dtype,), device)
+            and _is_tensor_of(v, shape, (dtype,), device)):
         _check_keys_values(k, v, shape, dtype, device)
     if H < 1 or D < 1:
         raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
                          f"(B and T may be 0), got shape {tuple(q.shape)}")
-    if not (_is_float_tensor(w, (H, D), device) and _is_float_tensor(b, (H, D), device)):
+    if not (_is_tensor_of(w, (H, D), _FLOAT_DTYPE_SET, device)
+            and _is_tensor_of(b, (H, D), _FLOAT_DTYPE_SET, device)):
         _check_norm_parameters(w, b, (H, D), device)
 
     eta_is_tensor = isinstance(eta, torch.Tensor)
     if eta_is_tensor:
-        if not _is_float_tensor(eta, (B, T, H, 1), device):
+        if not _is_tensor_of(eta, (B, T, H, 1), _FLOAT_DTYPE_SET, device):
             _require_tensor("eta", eta, 4)
             _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
             _require_device("eta", eta, device)
