@@ -297,12 +297,14 @@ def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
         thread.join()
 
 
-def _prefetched(args: tuple) -> None:
-    """Wait for the background compile of ``args``' program, if one was started."""
+def _prefetched(args: tuple) -> bool:
+    """Wait for the background compile of ``args``' programs, if one was started; whether
+    one was."""
     with _PREFETCH_LOCK:
         thread = _PREFETCHES.pop(args, None)
     if thread is not None:
         thread.join()
+    return thread is not None
 
 
 @functools.cache
@@ -319,9 +321,9 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
     from .config import config
     from .diskcache import load_or_compile
 
-    _prefetched((pass_, ctype, dp, bt, arch, mma, key, out))
     names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
-    _compile_programs(pass_, names, arch)
+    if not _prefetched((pass_, ctype, dp, bt, arch, mma, key, out)):
+        _compile_programs(pass_, names, arch)
     code, options = source(pass_), NVRTC_OPTIONS + include_options()
     cached = {name: load_or_compile(config().cache_dir, code, [name], options, arch)
               for name in names}
