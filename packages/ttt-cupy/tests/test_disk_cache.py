@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -258,3 +260,30 @@ def test_nvrtc_cubin_and_lowered_names(tmp_path):
     path = diskcache.store(tmp_path, key, cubin, lowered)
     assert diskcache.lookup(tmp_path, key, names) == (path, lowered)
     assert diskcache.lookup(tmp_path, key, names[:1]) is None
+
+
+_EXIT_DURING_PREFETCH = """
+import sys, time
+from ttt_cupy import compile as cc
+cc.device_arch = lambda index: "90"          # no GPU here: the arch the cubins are for
+cc.prefetch("bwd", "bfloat16", 64, 16, 0, True)
+time.sleep(0.5)                              # the programs' threads are in NVRTC
+sys.exit(0)                                  # while they compile (about 2 s)
+"""
+
+
+def test_a_process_ending_during_a_prefetch_waits_for_it(tmp_path):
+    """A process that ends while its backward's programs compile in the background (a
+    forward with gradients, no backward) exits cleanly once they are in the cache: a thread
+    stopped inside NVRTC at interpreter exit crashed the process."""
+    pytest.importorskip("numpy")
+    try:
+        diskcache.nvrtc_version()
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"cuda-python's NVRTC: {err}")
+    env = dict(os.environ, **{CACHE_DIR_ENV: str(tmp_path)})
+    done = subprocess.run([sys.executable, "-c", _EXIT_DURING_PREFETCH], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entries = list(tmp_path.glob("*.json"))
+    assert len(entries) == len(cc.pass_names("bwd", "__nv_bfloat16", 64, 16, True)) == 4

@@ -259,7 +259,9 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
     disk cache in the background, once per process: a training forward asks for its
     backward's, which then compile while the forward's compile and run. The threads call
     NVRTC and write files, nothing of CUDA (a CUDA graph may be captured meanwhile); the
-    first :func:`get_kernels` of that pass waits for them, then loads."""
+    first :func:`get_kernels` of that pass waits for them, then loads. The threads are not
+    daemons: a process that ends first (a forward with gradients and no backward) waits for
+    them, since one stopped inside NVRTC at interpreter exit crashes the process."""
     ctype = CTYPES[dtype_name]
     args = (pass_, ctype, dp, bt, device_arch(device_index), mma and ctype != "float", key,
             out)
@@ -267,7 +269,7 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
         if args in _PREFETCHED:
             return
         _PREFETCHED.add(args)
-        thread = threading.Thread(target=_compile_into_cache, args=args, daemon=True,
+        thread = threading.Thread(target=_compile_into_cache, args=args,
                                   name="ttt-cupy-prefetch")
         _PREFETCHES[args] = thread
     thread.start()
@@ -290,7 +292,7 @@ def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
     options = NVRTC_OPTIONS + include_options()
     threads = [threading.Thread(target=compile_into, args=(directory, code, [name], options,
                                                            arch),
-                                daemon=True, name="ttt-cupy-compile") for name in names]
+                                name="ttt-cupy-compile") for name in names]
     for thread in threads:
         thread.start()
     for thread in threads:
