@@ -2,10 +2,11 @@
 
     python benchmarks/host_time.py [--backends cupy triton] [--shapes 8,2048,12,64 ...]
 
-Per backend and anchor shape: the Python side of one forward and of one backward (the time
-until the call returns, without synchronising), and the wall time per fwd+bwd of the same
-calls between two CUDA events. Where the host time is near the wall time, the host's launch
-work, not the GPU, sets the pace (e.g. the cupy backend's forward at 8,2048,12,64).
+Per backend (default: every installed GPU backend) and anchor shape: the Python side of one
+forward and of one backward (the time until the call returns, without synchronising), and
+the wall time per fwd+bwd of the same calls between two CUDA events. Where the host time is
+near the wall time, the host's launch work, not the GPU, sets the pace (e.g. the cupy
+backend's forward at 8,2048,12,64).
 Environment variables of the backends (``TTT_CUPY_MMA``, ...) apply.
 With ``--api``, also the CUDA runtime and driver calls one forward makes (torch.profiler's
 host-side events named ``cuda*`` / ``cu*``: launches, allocations, events, stream waits), the
@@ -16,6 +17,8 @@ time in one forward (the profiler's own cost included: compare lines, not totals
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import platform
 import re
 import sys
 import time
@@ -117,9 +120,32 @@ def forward_cprofile(backend: str, shape, iters: int, top: int) -> str:
     return own_time_table(prof, iters, top, 1e3, "ms")
 
 
+def header(backends: list[str]) -> str:
+    from run import _driver_version, _git_commit
+
+    driver = _driver_version()
+    statuses = ttt.available_backends()
+    engines = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in
+                                                statuses[name].versions.items())
+                        for name in backends if name in statuses)
+    commit, dirty = _git_commit()
+    return "\n".join([
+        f"# ttt host time: {torch.cuda.get_device_name()}"
+        f"{f', driver {driver}' if driver else ''}",
+        "",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), ttt {ttt.__version__}, "
+        f"python {platform.python_version()}; {engines}; commit {commit}"
+        f"{' (uncommitted changes)' if dirty else ''}",
+        f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; bf16, chunk 16; host: the "
+        "Python side of one call until it returns (no synchronisation), wall: one fwd+bwd "
+        "between CUDA events; ms per call (mean)",
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backends", nargs="+", default=["cupy"])
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="default: every available backend but the reference")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
                         metavar="B,T,H,D")
     parser.add_argument("--iters", type=int, default=20)
@@ -131,7 +157,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    args.backends = args.backends or [name for name, status in ttt.available_backends().items()
+                                      if status.available and name != "reference"]
+    print(header(args.backends))
+    print()
     print("| backend | B, T, H, D | host fwd ms | host bwd ms | wall fwd+bwd ms |")
     print("|---|---|---|---|---|")
     for backend in args.backends:
