@@ -26,25 +26,29 @@ Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)
 import triton
 import triton.language as tl
 
-IEEE_K_BLOCK = tl.constexpr(16)
-"""K block of the "ieee_kblocks" products (:func:`mm`)."""
+# No JIT function here reads a global ``tl.constexpr`` (constants are literals or
+# parameters): Triton 3.6 adds a called function's global constexprs to the caller's cache
+# key only when the callee's key was computed first, so a kernel's key, and its entry in
+# Triton's disk cache, then depended on the order in which a process first launched the
+# kernels. tests/test_cache_keys.py checks this.
 
 
 @triton.jit
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
     has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
-    ``tuning.dot_precision``): IEEE fp32 where products with K > IEEE_K_BLOCK run as one
+    ``tuning.dot_precision``): IEEE fp32 where products with K > KB = 16 run as one
     batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
     thread's whole K slices of both operands; at K = 128 that puts the kernels into local
     memory. The products stay exact fp32, only the summation order changes."""
     K: tl.constexpr = a.shape[1]
-    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
+    KB: tl.constexpr = 16
+    if PREC == "ieee_kblocks" and K > KB:
         M: tl.constexpr = a.shape[0]
         N: tl.constexpr = b.shape[1]
-        NB: tl.constexpr = K // IEEE_K_BLOCK
-        a3 = tl.permute(tl.reshape(a, (M, NB, IEEE_K_BLOCK)), (1, 0, 2))   # [NB, M, KB]
-        b3 = tl.reshape(b, (NB, IEEE_K_BLOCK, N))                           # [NB, KB, N]
+        NB: tl.constexpr = K // KB
+        a3 = tl.permute(tl.reshape(a, (M, NB, KB)), (1, 0, 2))             # [NB, M, KB]
+        b3 = tl.reshape(b, (NB, KB, N))                                     # [NB, KB, N]
         return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, input_precision="ieee")
@@ -56,7 +60,7 @@ def mm(a, b, PREC: tl.constexpr):
 def mm_acc(a, b, acc, PREC: tl.constexpr):
     """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
     K: tl.constexpr = a.shape[1]
-    if PREC == "ieee_kblocks" and K > IEEE_K_BLOCK:
+    if PREC == "ieee_kblocks" and K > 16:                  # (mm's K block)
         return acc + mm(a, b, PREC)
     elif PREC == "ieee_kblocks":
         return tl.dot(a, b, acc, input_precision="ieee")
