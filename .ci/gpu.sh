@@ -58,7 +58,7 @@ for stage in $stages; do
       suite cupy tests-cupy-simt.log TTT_CUPY_MMA=0 ;;
     bench)
       # the runner's copy has no .git: pass the commit, e.g. TTT_COMMIT=$(git rev-parse HEAD)
-      timeout ${BENCH_TIMEOUT:-560} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
+      timeout ${BENCH_TIMEOUT:-900} python3 -m nox --no-venv -s bench -- --out "$OUT/bench" \
         2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     compare)
       [ -d .ab/base/packages ] || { echo "compare: no .ab/base/packages (see the header)" >&2
