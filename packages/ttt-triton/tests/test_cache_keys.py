@@ -65,5 +65,5 @@ def test_kernel_cache_keys_do_not_depend_on_the_order_they_are_computed_in():
     keys = [subprocess.run([sys.executable, "-c", _KEYS_IN_ORDER, order], env=env,
                            capture_output=True, text=True, check=True).stdout
             for order in ("sorted", "reversed")]
-    assert int(keys[0].split()[0]) == 5
+    assert int(keys[0].split()[0]) >= 5       # the five kernels (at least) were found
     assert keys[0] == keys[1]
