@@ -37,6 +37,13 @@ class Row:
     speedup_fwdbwd: float | None = None
 
 
+def engine_versions(statuses: dict) -> str:
+    """``name: engine version, ...; ...`` of ttt backends' statuses ({name: BackendStatus};
+    ``-`` for one without versions): the engines line of the benchmarks' headers."""
+    return "; ".join(f"{name}: " + (", ".join(f"{k} {v}" for k, v in s.versions.items())
+                                    or "-") for name, s in statuses.items())
+
+
 def add_speedups(rows: list[Row], fla_names: set[str]) -> None:
     """Fill the speed-up columns against the fastest FLA variant of the same shape."""
     for shape in dict.fromkeys(r.shape for r in rows):

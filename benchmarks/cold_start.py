@@ -179,6 +179,7 @@ def header(device: str, backends: dict) -> str:
     import ttt
 
     sys.path.insert(0, str(HERE))
+    from _report import engine_versions
     from run import _driver_version, _git_commit
 
     if device.startswith("cuda"):
@@ -187,8 +188,7 @@ def header(device: str, backends: dict) -> str:
         gpu += f", driver {driver}" if driver else ""
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}): a smoke run, not a result"
-    engines = "; ".join(f"{name}: " + (", ".join(f"{k} {v}" for k, v in s.versions.items())
-                                        or "-") for name, s in backends.items())
+    engines = engine_versions(backends)
     commit, dirty = _git_commit()
     return "\n".join([
         f"# ttt first-call cost: {gpu}",

@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _timing  # noqa: E402
 from _providers import FLA_INSTALL_HINT, FLA_VARIANTS, SLOW_BACKENDS, fla_version  # noqa: E402
+from _report import engine_versions  # noqa: E402
 
 import ttt  # noqa: E402
 
@@ -189,9 +190,7 @@ def header(device: torch.device, backends: list[str], fla_absent: str | None) ->
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}): a smoke run, not a result"
     statuses = ttt.available_backends()
-    engines = "; ".join(f"{name}: " + (", ".join(f"{k} {v}" for k, v in
-                                                 statuses[name].versions.items()) or "-")
-                        for name in backends)
+    engines = engine_versions({name: statuses[name] for name in backends})
     try:
         import triton
         triton_version = triton.__version__

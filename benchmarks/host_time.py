@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import engine_versions  # noqa: E402
 from _timing import own_time_table  # noqa: E402
+from decode import gpu_backends  # noqa: E402
 from run import SHAPES, make_inputs, parse_shape  # noqa: E402
 
 import ttt  # noqa: E402
@@ -125,9 +127,7 @@ def header(backends: list[str]) -> str:
 
     driver = _driver_version()
     statuses = ttt.available_backends()
-    engines = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in
-                                                statuses[name].versions.items())
-                        for name in backends if name in statuses)
+    engines = engine_versions({name: statuses[name] for name in backends})
     commit, dirty = _git_commit()
     return "\n".join([
         f"# ttt host time: {torch.cuda.get_device_name()}"
@@ -157,8 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    args.backends = args.backends or [name for name, status in ttt.available_backends().items()
-                                      if status.available and name != "reference"]
+    args.backends = args.backends or gpu_backends(None, torch.device("cuda"))[0]
     print(header(args.backends))
     print()
     print("| backend | B, T, H, D | host fwd ms | host bwd ms | wall fwd+bwd ms |")
