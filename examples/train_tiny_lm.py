@@ -387,9 +387,30 @@ def main(argv=None) -> None:
             print(f"{args.steps} steps in {elapsed:.1f} s, "
                   f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             finish(model, state, losses, tokenizer, data, args, rank.device)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the process group; under gloo, then end the process at once.
+
+    PyTorch keeps a gloo group that DDP or FSDP2 used alive past ``destroy_process_group``,
+    and its worker thread may still be releasing the last collective's tensors when the
+    interpreter shuts down: that thread then aborts the process (``terminate called
+    without an active exception``). Leaving with ``os._exit`` after a barrier skips the
+    shutdown; everything this script writes is closed by then."""
+    gloo = dist.get_backend() == "gloo"
+    if gloo:
+        dist.barrier()
+    dist.destroy_process_group()
+    if gloo:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
