@@ -91,6 +91,31 @@ def test_launcher_variants_match_reference(emulated, case):
     _check_end_to_end(emulated, *case)
 
 
+def _kept_setups(device) -> tuple[int, int]:
+    """The launcher's kept forward and backward setups for ``device``."""
+    return tuple(sum(key[0] is device for key in setups)
+                 for setups in (launcher._FORWARD_SETUPS, launcher._BACKWARD_SETUPS))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], VARIANT_CASES[0]],
+                         ids=["unfused", "fused", "key-query_residual"])
+def test_a_configuration_seen_before_launches_on_the_new_tensors(emulated, case):
+    """A dense configuration's second call takes the setup kept by its first (the grouping,
+    the plan, the kernels, the scalar arguments); its launches read and write that call's
+    own tensors: new inputs, new buffers, all checked against the reference again."""
+    _check_end_to_end(emulated, *case)
+    kept = _kept_setups(emulated)
+    assert kept == (1, 1)
+    _check_end_to_end(emulated, *case, seed=1)
+    assert _kept_setups(emulated) == kept
+
+
+def test_packed_batches_keep_no_setup(emulated):
+    """A packed batch's grouping holds device tensors of its own: made at every call."""
+    _check_end_to_end(emulated, *CASES[4])
+    assert _kept_setups(emulated) == (0, 0)
+
+
 def _problem(x, cu, D, output="norm_residual"):
     return make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale=D ** -0.5,
                         eps=1e-6, chunk_size=16, initial_state=x.get("initial_state"),
@@ -100,8 +125,8 @@ def _problem(x, cu, D, output="norm_residual"):
 
 
 def _check_end_to_end(emulated, D, lens, H, param_dtype, init, schedule, key=False,
-                      output="norm_residual"):
-    x, cu = _inputs(D, lens, H, param_dtype, init, key=key)
+                      output="norm_residual", seed=0):
+    x, cu = _inputs(D, lens, H, param_dtype, init, seed=seed, key=key)
     scale, eps, bt = D ** -0.5, 1e-6, 16
     p = _problem(x, cu, D, output)
     emulated.inputs = [t for t in (*x.values(), cu) if t is not None]

@@ -6,6 +6,9 @@ allocate (no cast or copy kernels). Other shapes keep their schedules."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,6 +94,28 @@ def test_decode_is_one_launch(recording, case, form):
     assert name == cc.kernel_name("fwd_chain", "float", 32, BT, False, fused=True, **variant)
     assert grid == len(lens) * H
     assert not recording.waits
+
+
+def test_decode_steps_of_every_form_on_one_device(recording):
+    """Steps of each form in turn on one device, each form twice, every scale and eps: each
+    launch is its form's kernel, with that call's scalars and that call's output address
+    (what the launcher keeps per configuration never leaks into another)."""
+    lens, H, dense = DECODE[1]
+    for step in range(2):
+        for init, final, key, output in FORMS:
+            for scale, eps in ((0.125, 1e-6), (0.125, 1e-3), (0.5, 1e-3)):
+                p, _, _ = _problem(lens, H, 32, dense=dense, init=init, final=final, key=key,
+                                   output=output, seed=step)
+                p = dataclasses.replace(p, scale=scale, eps=eps)
+                recording.launches.clear()
+                o, ht, _, _ = launcher.ttt_linear_fwd(p, save_for_backward=False,
+                                                      device=recording)
+                (name, grid, _, _, args), = recording.launches
+                assert name == cc.kernel_name("fwd_chain", "float", 32, BT, False, fused=True,
+                                              key=key, out=output)
+                assert grid == len(lens) * H
+                assert args[14] == o.data_ptr() and args[8] == (ht.data_ptr() if final else 0)
+                assert (args[19], args[20]) == (np.float32(scale), np.float32(eps))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

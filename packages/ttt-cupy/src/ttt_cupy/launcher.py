@@ -12,13 +12,18 @@ dk, dv, dw, db; no backward chain when only dq is needed; no dw, db reductions, 
 deta_key buffers that nobody asked for. Every tensor returned is a new one (no input, no view
 of another result).
 
+What a pass's launches take besides its tensors (the grouping, the plan, the kernels with
+their block and shared memory sizes, the scalar arguments) is kept per configuration of a
+dense batch (:func:`_forward_setup`, :func:`_backward_setup`): a call like one before it (a
+generation step, a training step) only allocates, takes addresses and launches.
+
 ``device`` (default: the inputs' :class:`~ttt_cupy.device.CudaDevice`) is the one seam to
 the GPU: tests pass a stand-in that records the launches or runs them in the CPU emulation.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +35,7 @@ from .compile import FUSED_BWD_NAME, FUSED_NAME, d_pad
 from .config import AUTO, Schedule, config
 from .device import cuda_device
 from .layout import NO_SYNC, PLAIN_GROUP, BackwardBuffers, Kernel, Saved, f32, group_blocks
-from .placement import CKPT_INTERVAL, backward_plan, forward_plan
+from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan
 from .smem import bwd_chain_fused_smem_bytes, grads_split, smem_bytes, threads
 from .streams import WHOLE, Fork, overlap_sync, run_overlapped
 
@@ -63,19 +68,73 @@ def _variant(p: Problem) -> dict:
     return v
 
 
+@dataclass(frozen=True)
+class _ForwardSetup:
+    """What a forward's launches take besides its tensors: the grouping, the schedule, the
+    kernels with their block and shared memory sizes, and the scalar arguments."""
+
+    grp: ChunkGroups
+    plan: Plan
+    chain: tuple          # (kernel, block, smem)
+    out: tuple | None     # fwd_out's, None when the chain is fused
+    scalars: tuple        # layout.shape_args
+
+
+MAX_SETUPS = 64
+"""Setups kept per pass (dense batches); past this many they are all made again."""
+
+_FORWARD_SETUPS: dict[tuple, _ForwardSetup] = {}
+_BACKWARD_SETUPS: dict[tuple, _BackwardSetup] = {}
+
+
+def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
+                   device) -> _ForwardSetup:
+    """The setup of ``p``'s forward; for a dense batch kept per (device, shape, dtype and
+    options), so that a call of a configuration seen before (a generation step) looks it
+    up (a packed batch's grouping has device tensors of its own: made each call)."""
+    key = None if p.is_varlen else (
+        device, p.q.shape, p.q.dtype, p.chunk_size, p.output_final_state, p.output,
+        p.eta_key is not None, p.scale, p.eps, save_for_backward, schedule, config().mma)
+    setup = _FORWARD_SETUPS.get(key)
+    if setup is not None:
+        return setup
+    dtype_name = _dtype_name(p.q)
+    dp, bt = d_pad(p.D), p.chunk_size
+    grp = ChunkGroups.of(p, CKPT_INTERVAL)
+    plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
+    mma = device.uses_mma(dtype_name, config().mma)
+    if save_for_backward:      # the backward's program compiles while the forward's does
+        device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
+    kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
+    chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
+             smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
+    out = None if plan.fuse else (kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma))
+    setup = _ForwardSetup(grp, plan, chain, out, layout.shape_args(p, grp))
+    _keep(_FORWARD_SETUPS, key, setup)
+    return setup
+
+
+def _keep(setups: dict, key: tuple | None, setup) -> None:
+    """Keep ``setup`` under ``key`` (None: not kept); all forgotten past MAX_SETUPS."""
+    if key is None:
+        return
+    if len(setups) >= MAX_SETUPS:
+        setups.clear()
+    setups[key] = setup
+
+
 def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = AUTO,
                    device=None):
     """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
     save_for_backward."""
-    dtype_name = _dtype_name(p.q)
     device = device or cuda_device(p.q.device)
     B, T, H, D = p.q.shape
-    N, bt, dp = p.N, p.chunk_size, d_pad(D)
-    grp = ChunkGroups.of(p, CKPT_INTERVAL)
+    N = p.N
+    setup = _forward_setup(p, save_for_backward, schedule, device)
+    grp, plan = setup.grp, setup.plan
     f = dict(dtype=torch.float32, device=p.q.device)
     ht = torch.empty(N, H, D, D, **f) if p.output_final_state else None
     hbt = torch.empty(N, H, 1, D, **f) if p.output_final_state else None
-    plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
     save = save_for_backward or not plan.fuse     # fwd_out reads the slots and xhat, r
     ck = torch.empty(grp.slots, H, D, D, **f) if save else None
     ckb = torch.empty(grp.slots, H, D, **f) if save else None
@@ -85,19 +144,14 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     rlbuf = torch.empty(B, T, H, **f) if save and key else None   # the LayerNorm's r
     eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
     h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
-    mma = device.uses_mma(dtype_name, config().mma)
-    if save_for_backward:      # the backward's program compiles while the forward's does
-        device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
-    kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
     o = torch.empty_like(p.q)
     ptr = device.pointer
-    chain = Kernel(kern[FUSED_NAME if plan.fuse else "fwd_chain"],
-                   threads(dp, "fwd_chain", mma), smem_bytes("fwd_chain", dp, bt, mma, plan.fuse),
-                   layout.fwd_chain_args(ptr, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf,
-                                         rbuf, o, ekey, rlbuf))
+    chain = Kernel(*setup.chain, layout.fwd_chain_args(
+        ptr, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
+        setup.scalars))
     out = None if plan.fuse else Kernel(     # (fused: the chain writes o; no fwd_out)
-        kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma),
-        layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o))
+        *setup.out, layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o,
+                                        setup.scalars))
     here = device.current_stream()
     tickets = N * H * grp.groups_max               # (overlapped: an fwd_out block each)
     with device.active():
@@ -122,6 +176,49 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     return o, ht, hbt, saved
 
 
+@dataclass(frozen=True)
+class _BackwardSetup:
+    """What a backward's launches take besides its tensors (see :class:`_ForwardSetup`)."""
+
+    plan: Plan
+    split: int            # bwd_grads' blocks per group
+    local: tuple          # (kernel, block, smem) of bwd_local, the chain, bwd_grads
+    chain: tuple
+    grads: tuple
+    scalars: tuple        # layout.shape_args (bwd_local's, with eps)
+    scalars_no_eps: tuple  # (the chain's and bwd_grads')
+
+
+def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Schedule,
+                    device) -> _BackwardSetup:
+    """The setup of ``p``'s backward (``run_grads``: bwd_grads' work runs); kept as the
+    forward's is (:func:`_forward_setup`)."""
+    key = None if p.is_varlen else (
+        device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None, p.scale,
+        p.eps, run_grads, schedule, config().mma)
+    setup = _BACKWARD_SETUPS.get(key)
+    if setup is not None:
+        return setup
+    dtype_name = _dtype_name(p.q)
+    dp, bt = d_pad(p.D), p.chunk_size
+    mma = device.uses_mma(dtype_name, config().mma)
+    kern = device.kernels("bwd", dtype_name, dp, bt, mma, **_variant(p))
+    split = grads_split(dp, bt)
+    plan = backward_plan(p, grp.groups_max, split, mma, device.smem_limit, schedule)
+    if not run_grads:  # the unfused chain alone after bwd_local, or bwd_local alone
+        plan = replace(plan, fuse=False, overlap=False, segments=[WHOLE])
+    nt = threads(dp)
+    local = (kern["bwd_local"], nt, smem_bytes("bwd_local", dp, bt, mma))
+    chain = (kern[FUSED_BWD_NAME if plan.fuse else "bwd_chain"], threads(dp, "bwd_chain", mma),
+             bwd_chain_fused_smem_bytes(dp, bt) if plan.fuse
+             else smem_bytes("bwd_chain", dp, bt, mma))
+    grads = (kern["bwd_grads"], nt, smem_bytes("bwd_grads", dp, bt))
+    setup = _BackwardSetup(plan, split, local, chain, grads, layout.shape_args(p, grp),
+                           layout.shape_args(p, grp, eps=False))
+    _keep(_BACKWARD_SETUPS, key, setup)
+    return setup
+
+
 def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds | None = None,
                    schedule: Schedule = AUTO, device=None):
     """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the field order of
@@ -131,9 +228,8 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
                            "with needs_backward=True")
-    dtype_name = _dtype_name(p.q)
     device = device or cuda_device(p.q.device)
-    H, N, bt, dp = p.H, p.N, p.chunk_size, d_pad(p.D)
+    H, N = p.H, p.N
     grp = saved.groups
     needs = needs or GradNeeds()
     want = dict(
@@ -144,24 +240,15 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     want_dh0 = want["dh0"] or want["dhb0"]
     run_grads = needs.k or needs.v or needs.w or needs.b          # bwd_grads' outputs
     run_chain = run_grads or want_dh0 or want["deta"] or want["dkey"]
+    setup = _backward_setup(p, grp, run_grads, schedule, device)
+    plan, split = setup.plan, setup.split
     do, dht, dhbt = do.contiguous(), f32(dht), f32(dhbt)
-    mma = device.uses_mma(dtype_name, config().mma)
-    kern = device.kernels("bwd", dtype_name, dp, bt, mma, **_variant(p))
     g = BackwardBuffers.of(p, saved, want_dh0, run_grads, want["dkey"])
-    split = grads_split(dp, bt)
-    plan = backward_plan(p, grp.groups_max, split, mma, device.smem_limit, schedule)
-    if not run_grads:  # the unfused chain alone after bwd_local, or bwd_local alone
-        plan = replace(plan, fuse=False, overlap=False, segments=[WHOLE])
-    ptr, nt = device.pointer, threads(dp)
-    local = Kernel(kern["bwd_local"], nt, smem_bytes("bwd_local", dp, bt, mma),
-                   layout.bwd_local_args(ptr, p, saved, g, do))
-    chain = Kernel(kern[FUSED_BWD_NAME if plan.fuse else "bwd_chain"],
-                   threads(dp, "bwd_chain", mma),
-                   bwd_chain_fused_smem_bytes(dp, bt) if plan.fuse
-                   else smem_bytes("bwd_chain", dp, bt, mma),
-                   layout.bwd_chain_args(ptr, p, saved, g, dht, dhbt, plan.fuse))
-    grads = Kernel(kern["bwd_grads"], nt, smem_bytes("bwd_grads", dp, bt),
-                   layout.bwd_grads_args(ptr, p, saved, g))
+    ptr = device.pointer
+    local = Kernel(*setup.local, layout.bwd_local_args(ptr, p, saved, g, do, setup.scalars))
+    chain = Kernel(*setup.chain, layout.bwd_chain_args(ptr, p, saved, g, dht, dhbt, plan.fuse,
+                                                       setup.scalars_no_eps))
+    grads = Kernel(*setup.grads, layout.bwd_grads_args(ptr, p, saved, g, setup.scalars_no_eps))
     chain_tail = () if plan.fuse else (NO_SYNC,)
 
     def local_blocks(seg):

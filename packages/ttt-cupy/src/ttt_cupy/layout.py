@@ -113,24 +113,25 @@ def saved_shapes(p: Problem, ckpt_interval: int) -> list[tuple[tuple[int, ...], 
             ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *key, *grouping, *casts]
 
 
-def _shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
+def shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
     B, T, H, D = p.q.shape
     return ((np.float32(p.scale),) + ((np.float32(p.eps),) if eps else ())
             + (np.int64(T), np.int32(H), np.int32(D), np.int32(grp.G)))
 
 
 def fwd_chain_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                   xbuf, rbuf, o, ekey=None, rlbuf=None) -> tuple:
+                   xbuf, rbuf, o, ekey=None, rlbuf=None, scalars=None) -> tuple:
+    """``scalars``: :func:`shape_args` of ``p`` and ``grp``, when the caller has them."""
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(h0), ptr(hb0), ptr(ht),
             ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(ekey), ptr(rlbuf),
-            ptr(p.cu_seqlens), ptr(grp.offsets), *_shape_args(p, grp))
+            ptr(p.cu_seqlens), ptr(grp.offsets), *(scalars or shape_args(p, grp)))
 
 
 def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
-                 o) -> tuple:
+                 o, scalars=None) -> tuple:
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ck), ptr(ckb),
             ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens), ptr(grp.offsets), ptr(grp.seq),
-            *_shape_args(p, grp))
+            *(scalars or shape_args(p, grp)))
 
 
 @dataclass
@@ -171,17 +172,17 @@ class BackwardBuffers:
         return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb, dkey)
 
 
-def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do) -> tuple:
+def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do, scalars=None) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(do), ptr(s.ck),
             ptr(s.ckb), ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dq),
             ptr(g.deta), ptr(dwp[0]), ptr(dbp[0]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *_shape_args(p, s.groups))
+            ptr(s.groups.seq), *(scalars or shape_args(p, s.groups)))
 
 
 def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
-                   fused: bool) -> tuple:
+                   fused: bool, scalars=None) -> tuple:
     """The fused chain's also take the slots, dk, dv and the per-group dw, db partials."""
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
@@ -190,13 +191,13 @@ def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
             ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.deta), ptr(dht), ptr(dhbt), ptr(g.dck),
             ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), ptr(s.rlbuf), ptr(g.dkey), *fused_args,
             ptr(p.cu_seqlens),
-            ptr(s.groups.offsets), *_shape_args(p, s.groups, eps=False))
+            ptr(s.groups.offsets), *(scalars or shape_args(p, s.groups, eps=False)))
 
 
-def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers) -> tuple:
+def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, scalars=None) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.ck), ptr(g.dck),
             ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dk), ptr(g.dv),
             ptr(dwp[1]), ptr(dbp[1]), ptr(s.rlbuf), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *_shape_args(p, s.groups, eps=False))
+            ptr(s.groups.seq), *(scalars or shape_args(p, s.groups, eps=False)))
