@@ -115,14 +115,46 @@ def test_decode_step_is_one_launch(monkeypatch, B, seq_lens, eta_tensor, eta_key
     assert [kernel.fn.__name__ for kernel, _ in launches] == ["ttt_linear_fwd_chain_kernel"]
     N = len(seq_lens) if seq_lens else B
     assert launches[0][1] == (N * H,)
+    _check_against_oracle(x, final, (o, ht, hbt))
+
+
+def _check_against_oracle(x: dict, final: bool, results) -> None:
     want = oracle_chunk_ttt_linear(**{n: t for n, t in x.items() if n != "output_final_state"})
     tol = TOLERANCES[torch.float32][0]
-    for got, ref in zip((o, ht, hbt), want):
-        if not final and got is not o:
+    for got, ref in zip(results, want):
+        if not final and got is not results[0]:
             assert got is None
             continue
         err = ((got.to("cpu", F64) - ref).norm() / ref.norm()).item()
         assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+FORMS_IN_TURN = [  # eta_tensor, eta_key, states, final, output: each differs in one from the first
+    (True, False, False, True, "norm_residual"),
+    (True, False, True, True, "norm_residual"),
+    (True, False, "state", True, "norm_residual"),
+    (True, False, "bias", True, "norm_residual"),
+    (True, False, False, True, "query_residual"),
+    (True, False, False, True, "raw"),
+    (True, True, False, True, "norm_residual"),
+    (True, False, False, False, "norm_residual"),
+    (False, False, False, True, "norm_residual"),
+]
+
+
+def test_decode_steps_of_every_form_in_turn():
+    """Generation steps of one batch shape, each form after another and twice over with new
+    values: the launcher keeps what each configuration's launches take besides its tensors
+    (``launcher._forward_setup``), and every step still matches the oracle (nothing kept for
+    one configuration, or from an earlier step, reaches another step's launch)."""
+    B, H, D, chunk = 3, 2, 32, 16
+    for seed in (11, 12):
+        for eta_tensor, eta_key, states, final, output in FORMS_IN_TURN:
+            x = _inputs(B, None, H, D, chunk, seed, eta_tensor=eta_tensor, eta_key=eta_key,
+                        states=states, final=final, output=output)
+            with torch.no_grad():
+                results = ttt.chunk_ttt_linear(**_on_device(x), backend="triton")
+            _check_against_oracle(x, final, results)
 
 
 def test_launcher_does_no_other_device_work(monkeypatch):

@@ -93,8 +93,8 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     options), so that a call of a configuration seen before (a generation step) looks it
     up (a packed batch's grouping has device tensors of its own: made each call)."""
     key = None if p.is_varlen else (
-        device, p.q.shape, p.q.dtype, p.chunk_size, p.output_final_state, p.output,
-        p.eta_key is not None, p.scale, p.eps, save_for_backward, schedule, config().mma)
+        device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None,
+        p.scale, p.eps, save_for_backward, schedule, config().mma)
     setup = _FORWARD_SETUPS.get(key)
     if setup is not None:
         return setup

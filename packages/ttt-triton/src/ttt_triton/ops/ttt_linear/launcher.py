@@ -123,6 +123,66 @@ def _initial_states(p: Problem):
             None if hb0 is None else hb0.float().contiguous())
 
 
+@dataclass(frozen=True)
+class _ForwardSetup:
+    """What a forward's launches take besides its tensors and the few numbers of the call:
+    the grouping, whether the chain writes the outputs (``fuse``) and whether the slots,
+    xhat and r are stored (``save``), and each kernel's keyword arguments."""
+
+    grp: ChunkGroups
+    fuse: bool
+    save: bool
+    chain: dict           # fwd_chain's constexprs and launch options
+    out: dict | None      # fwd_out's, None when the chain writes the outputs
+
+
+MAX_SETUPS = 64
+"""Forward setups kept (dense batches); past this many they are all made again."""
+
+_FORWARD_SETUPS: dict[tuple, _ForwardSetup] = {}
+
+
+def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _ForwardSetup:
+    """The setup of ``p``'s forward; for a dense batch kept per shape, dtype and options,
+    so that a call like one before it (a generation step) looks it up (a packed batch's
+    grouping may hold its own tensors: made each call)."""
+    key = None if p.is_varlen else (
+        p.q.shape, p.q.dtype, p.chunk_size, p.output_final_state, p.output,
+        p.eta_key is not None, p.initial_state is not None,
+        p.initial_state_bias is not None, save_for_backward, tune, interpreting())
+    setup = _FORWARD_SETUPS.get(key)
+    if setup is not None:
+        return setup
+    H, D = p.H, p.D
+    BT, BD = block_sizes(D, p.chunk_size)
+    fuse = fused_forward(p, save_for_backward, tune)
+    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
+    # without slots nothing reads the packed grouping's maps (fwd_chain reads its offsets
+    # only for a slot index it then does not use): cu_seqlens stands in for both, sparing
+    # the two host-to-device copies of a generation step
+    cu_seqlens = p.cu_seqlens
+    maps = None if save or cu_seqlens is None else (cu_seqlens, cu_seqlens)
+    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune), maps)
+    G = grp.G
+    prec = dot_precision(p.q.dtype, BD)
+    varlen, half = cu_seqlens is not None, p.q.dtype != torch.float32
+    forms = dict(HAS_ETA_KEY=p.eta_key is not None, OUTPUT=p.output)
+    chain = dict(
+        H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=p.initial_state is not None,
+        USE_INITIAL_BIAS=p.initial_state_bias is not None, STORE_FINAL=p.output_final_state,
+        IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save, HALF=half, PREC=prec, **forms,
+        **_launch("chain", BD, p.q.dtype, tune))
+    out = None if fuse else dict(
+        H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
+        IS_VARLEN=varlen, HALF=half, PREC=prec, **forms, **_launch("group", BD, p.q.dtype, tune))
+    setup = _ForwardSetup(grp, fuse, save, chain, out)
+    if key is not None:
+        if len(_FORWARD_SETUPS) >= MAX_SETUPS:
+            _FORWARD_SETUPS.clear()
+        _FORWARD_SETUPS[key] = setup
+    return setup
+
+
 @_refusing_unfit_tunings
 def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
                    tuning: Tuning = DEFAULT_TUNING):
@@ -132,49 +192,31 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
     B, T, H, D = q.shape
     N = p.N
-    BT, BD = block_sizes(D, p.chunk_size)
     dev = q.device
     tune = _checked(tuning)
-    fuse = fused_forward(p, save_for_backward, tune)
-    save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
-    # without slots nothing reads the packed grouping's maps (fwd_chain reads its offsets
-    # only for a slot index it then does not use): cu_seqlens stands in for both, sparing
-    # the two host-to-device copies of a generation step
-    maps = None if save or cu_seqlens is None else (cu_seqlens, cu_seqlens)
-    grp = ChunkGroups.of(p, checkpoint_interval(p, BD, tune), maps)
-    G = grp.G
+    setup = _forward_setup(p, save_for_backward, tune)
+    grp = setup.grp
     ht = hbt = None
     if p.output_final_state:
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     h0, hb0 = _initial_states(p)
     ck = ckb = xbuf = rbuf = None
-    if save:
+    if setup.save:
         ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
         ckb = torch.empty(grp.slots, H, D, dtype=torch.float32, device=dev)
         xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
         rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    prec = dot_precision(q.dtype, BD)
-    varlen = cu_seqlens is not None
-    half = q.dtype != torch.float32
     o = torch.empty_like(q)
-    eta_key = p.eta_key
-    forms = dict(HAS_ETA_KEY=eta_key is not None, OUTPUT=p.output)
-
+    scale, eps, eta_key = float(p.scale), float(p.eps), p.eta_key
     launches = [Launch(ttt_linear_fwd_chain_kernel, (N * H,), (
         q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
-        grp.offsets, float(p.scale), float(p.eps), T), dict(
-        H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=h0 is not None,
-        USE_INITIAL_BIAS=hb0 is not None, STORE_FINAL=p.output_final_state, IS_VARLEN=varlen,
-        FUSE_OUT=fuse, SAVE=save, HALF=half, PREC=prec, **forms, **_launch("chain", BD, q.dtype, tune)))]
-    if not fuse:
+        grp.offsets, scale, eps, T), setup.chain)]
+    if setup.out is not None:
         launches.append(Launch(ttt_linear_fwd_out_kernel, (grp.count, H), (
             q, k, v, eta, w, b, eta_key, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets,
-            grp.seq, float(p.scale), float(p.eps), T), dict(
-            H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
-            IS_VARLEN=varlen, HALF=half, PREC=prec, **forms,
-            **_launch("group", BD, q.dtype, tune))))
-    launches_run(launches, dev, "fwd", p, save, fuse, tune)
+            grp.seq, scale, eps, T), setup.out))
+    launches_run(launches, dev, "fwd", p, setup.save, setup.fuse, tune)
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
     return o, ht, hbt, saved
 
