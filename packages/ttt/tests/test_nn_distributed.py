@@ -7,13 +7,13 @@ parameter's gradient equals the single-process gradient of the mean loss over th
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _process_group import destroy_and_exit
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -84,12 +84,6 @@ def _gradients(model: _Model, kind: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, init_file: str, result_file: str) -> None:
-    """One rank; it leaves with ``os._exit`` once both ranks are done.
-
-    PyTorch keeps a gloo group that DDP used alive past ``destroy_process_group``, and its
-    worker thread may still be releasing the last collective's tensors when the interpreter
-    shuts down: that thread then aborts the process (SIGABRT, ``terminate called without
-    an active exception``). Ending at once skips the shutdown."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:
@@ -98,9 +92,10 @@ def _worker(rank: int, init_file: str, result_file: str) -> None:
         if rank == 0:
             torch.save(grads, result_file)
         dist.barrier()   # neither rank tears gloo down while the other still talks to it
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    os._exit(0)
+        raise
+    destroy_and_exit()
 
 
 @pytest.fixture(scope="module")

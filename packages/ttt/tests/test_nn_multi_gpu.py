@@ -42,6 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _process_group import destroy_and_exit
 from torch import nn
 
 import ttt
@@ -161,8 +162,10 @@ def _worker(rank: int, setup: Setup, init_file: str, result_file: str) -> None:
         if rank == 0:
             torch.save(curves, result_file)
         dist.barrier()   # neither rank tears the group down while the other still talks
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    destroy_and_exit()
 
 
 def two_process_curves(setup: Setup, folder) -> dict[tuple[str, str], list[float]]:
