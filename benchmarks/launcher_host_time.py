@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_host_time import timed_runs  # noqa: E402
+from core_host_time import _ask, timed_runs  # noqa: E402
 
 import ttt  # noqa: E402
 
@@ -176,15 +176,6 @@ def _child(paths: list[str], iters: int, repeats: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--serve", "--iters", str(iters),
                              "--repeats", str(repeats)], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-
-def _ask(child: subprocess.Popen, case: int) -> list[float]:
-    child.stdin.write(f"{case}\n")
-    child.stdin.flush()
-    line = child.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the measuring child process ended (exit {child.wait()})")
-    return json.loads(line)
 
 
 def measure(sides: list[list[str]], iters: int, repeats: int, rounds: int
