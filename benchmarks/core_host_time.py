@@ -227,27 +227,30 @@ def profile(top: int, iters: int) -> str:
     return own_time_table(prof, iters, top, 1e6, "us")
 
 
-def _extract(rev: str, into: str) -> str:
-    """``packages/ttt/src`` of git revision ``rev``, extracted under ``into``."""
+def extract_sources(rev: str, into: str, sources) -> list[str]:
+    """The source folders ``sources`` (e.g. ``packages/ttt/src``) of git revision ``rev``,
+    extracted under ``into``; their paths there."""
     root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "packages/ttt/src/ttt"],
-                             check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, *sources], check=True,
+                             capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
-    return str(Path(into) / "packages/ttt/src")
+    return [str(Path(into) / src) for src in sources]
 
 
-def _child(src: str | None, iters: int, repeats: int) -> subprocess.Popen:
-    """A :func:`serve` process, with ``src`` first on its path (None: this checkout's)."""
+def child_process(script: str, paths: list[str], iters: int,
+                  repeats: int) -> subprocess.Popen:
+    """``script --serve``: a measuring child process, with the source folders ``paths`` first
+    on its path (none: what is installed)."""
     env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, __file__, "--serve", "--iters", str(iters),
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, script, "--serve", "--iters", str(iters),
                              "--repeats", str(repeats)], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def _ask(child: subprocess.Popen, case: int) -> list[float]:
+def ask(child: subprocess.Popen, case: int) -> list[float]:
     child.stdin.write(f"{case}\n")
     child.stdin.flush()
     line = child.stdout.readline()
@@ -262,18 +265,41 @@ def compare(rev: str, iters: int, repeats: int, rounds: int) -> list[tuple[list[
     that take turns case by case, ``rounds`` times (a change in the machine's load hits
     both sides); per cell the median of all runs of a side."""
     with tempfile.TemporaryDirectory() as tmp:
-        children = [_child(_extract(rev, tmp), iters, repeats), _child(None, iters, repeats)]
+        children = [child_process(__file__, extract_sources(rev, tmp, ["packages/ttt/src"]),
+                                  iters, repeats),
+                    child_process(__file__, [], iters, repeats)]
         samples = [[[] for _ in range(CHOICE + 1)] for _ in children]
         try:
             for r in range(rounds):
                 for case in range(CHOICE + 1):
                     for side in (0, 1) if r % 2 == 0 else (1, 0):
-                        samples[side][case] += _ask(children[side], case)
+                        samples[side][case] += ask(children[side], case)
         finally:
             for child in children:
                 child.stdin.close()
                 child.wait()
     return [(_rows(side[:CHOICE]), statistics.median(side[CHOICE])) for side in samples]
+
+
+def us_cell(after: float, before: float | None = None) -> str:
+    """A table cell: ``after`` us, or ``before -> after (ratio)``."""
+    if before is None:
+        return f"{after:.1f}"
+    return f"{before:.1f} -> {after:.1f} ({after / before:.2f}x)"
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser, iters: int, repeats: int,
+                          measured: str) -> None:
+    """The timing and comparison options shared by the CPU host-time scripts (``measured``:
+    what ``--compare-with`` measures of the other revision)."""
+    parser.add_argument("--iters", type=int, default=iters, help="calls per timed run")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="timed runs; the median counts")
+    parser.add_argument("--compare-with", metavar="REV",
+                        help=f"also measure {measured} of git revision REV")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare-with: turns of the two sides per case")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
 
 
 def table(rows: list[dict], before: list[dict] | None = None) -> str:
@@ -282,10 +308,7 @@ def table(rows: list[dict], before: list[dict] | None = None) -> str:
     for i, row in enumerate(rows):
         cells = []
         for mode in MODES:
-            cell = f"{row[mode]:.1f}"
-            if before is not None:
-                cell = f"{before[i][mode]:.1f} -> {cell} ({row[mode] / before[i][mode]:.2f}x)"
-            cells.append(cell)
+            cells.append(us_cell(row[mode], None if before is None else before[i][mode]))
         lines.append(f"| {row['shape']} | {row['layout']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -293,15 +316,9 @@ def table(rows: list[dict], before: list[dict] | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=2000, help="calls per timed run")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median counts")
-    parser.add_argument("--compare-with", metavar="REV",
-                        help="also measure the ttt package of git revision REV")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="with --compare-with: turns of the two sides per case")
+    add_measure_arguments(parser, 2000, 7, "the ttt package")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="print cProfile's N functions of most own time per fwd+bwd")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.iters, args.repeats)

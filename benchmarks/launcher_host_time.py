@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -41,7 +37,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_host_time import _ask, timed_runs  # noqa: E402
+from _ab_child import PACKAGES  # noqa: E402
+from core_host_time import (  # noqa: E402
+    add_measure_arguments,
+    ask,
+    child_process,
+    extract_sources,
+    timed_runs,
+    us_cell,
+)
 
 import ttt  # noqa: E402
 
@@ -50,7 +54,7 @@ CALLS = ("decode", "fwd", "bwd")
 BACKENDS = ("cupy", "triton")
 CASES = [(backend, shape, call) for backend in BACKENDS for shape in SHAPES for call in CALLS
          if call != "decode" or shape[1] == 1]
-SOURCES = ("packages/ttt/src", "packages/ttt-cupy/src", "packages/ttt-triton/src")
+SOURCES = tuple(PACKAGES.values())
 
 
 class _Stream:
@@ -159,37 +163,18 @@ def serve(iters: int, repeats: int) -> None:
         print(json.dumps(timed_runs(calls[case], iters, repeats)), flush=True)
 
 
-def _extract(rev: str, into: str) -> list[str]:
-    """The three packages' sources of git revision ``rev``, extracted under ``into``."""
-    root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "-C", str(root), "archive", rev, *SOURCES], check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return [str(Path(into) / src) for src in SOURCES]
-
-
-def _child(paths: list[str], iters: int, repeats: int) -> subprocess.Popen:
-    """A :func:`serve` process with the sources ``paths`` first on its path."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, __file__, "--serve", "--iters", str(iters),
-                             "--repeats", str(repeats)], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-
 def measure(sides: list[list[str]], iters: int, repeats: int, rounds: int
             ) -> list[list[float]]:
     """Per side (its source paths), the median us of every case: one child process a side,
     taking turns case by case, ``rounds`` times."""
-    children = [_child(paths, iters, repeats) for paths in sides]
+    children = [child_process(__file__, paths, iters, repeats) for paths in sides]
     samples = [[[] for _ in CASES] for _ in children]
     try:
         for r in range(rounds):
             for case in range(len(CASES)):
                 order = range(len(children)) if r % 2 == 0 else reversed(range(len(children)))
                 for side in order:
-                    samples[side][case] += _ask(children[side], case)
+                    samples[side][case] += ask(children[side], case)
     finally:
         for child in children:
             child.stdin.close()
@@ -209,10 +194,7 @@ def table(after: list[float], before: list[float] | None = None) -> str:
                     cells.append("-")
                     continue
                 i = CASES.index(key)
-                cell = f"{after[i]:.1f}"
-                if before is not None:
-                    cell = f"{before[i]:.1f} -> {cell} ({after[i] / before[i]:.2f}x)"
-                cells.append(cell)
+                cells.append(us_cell(after[i], None if before is None else before[i]))
             lines.append(f"| {backend} | {','.join(map(str, shape))} | " + " | ".join(cells)
                          + " |")
     return "\n".join(lines)
@@ -221,13 +203,7 @@ def table(after: list[float], before: list[float] | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=1000, help="calls per timed run")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median counts")
-    parser.add_argument("--compare-with", metavar="REV",
-                        help="also measure the packages of git revision REV")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="turns of the sides per case")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    add_measure_arguments(parser, 1000, 5, "the three packages")
     args = parser.parse_args()
     if args.serve:
         serve(args.iters, args.repeats)
@@ -240,7 +216,8 @@ def main() -> None:
         print(table(after))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        before, after = measure([_extract(args.compare_with, tmp), here], args.iters,
+        before, after = measure([extract_sources(args.compare_with, tmp, SOURCES), here],
+                                args.iters,
                                 args.repeats, args.rounds)
     print(f"\n{args.compare_with} -> this checkout, us per call (ratio):")
     print(table(after, before))

@@ -120,18 +120,18 @@ def shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
 
 
 def fwd_chain_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                   xbuf, rbuf, o, ekey=None, rlbuf=None, scalars=None) -> tuple:
-    """``scalars``: :func:`shape_args` of ``p`` and ``grp``, when the caller has them."""
+                   xbuf, rbuf, o, ekey, rlbuf, scalars: tuple) -> tuple:
+    """``scalars``: :func:`shape_args` of ``p`` and ``grp`` (as every builder below)."""
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(h0), ptr(hb0), ptr(ht),
             ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(ekey), ptr(rlbuf),
-            ptr(p.cu_seqlens), ptr(grp.offsets), *(scalars or shape_args(p, grp)))
+            ptr(p.cu_seqlens), ptr(grp.offsets), *scalars)
 
 
 def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
-                 o, scalars=None) -> tuple:
+                 o, scalars: tuple) -> tuple:
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ck), ptr(ckb),
             ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens), ptr(grp.offsets), ptr(grp.seq),
-            *(scalars or shape_args(p, grp)))
+            *scalars)
 
 
 @dataclass
@@ -172,17 +172,17 @@ class BackwardBuffers:
         return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb, dkey)
 
 
-def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do, scalars=None) -> tuple:
+def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do, scalars: tuple) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(do), ptr(s.ck),
             ptr(s.ckb), ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dq),
             ptr(g.deta), ptr(dwp[0]), ptr(dbp[0]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *(scalars or shape_args(p, s.groups)))
+            ptr(s.groups.seq), *scalars)
 
 
 def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
-                   fused: bool, scalars=None) -> tuple:
+                   fused: bool, scalars: tuple) -> tuple:
     """The fused chain's also take the slots, dk, dv and the per-group dw, db partials."""
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
@@ -191,13 +191,13 @@ def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
             ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.deta), ptr(dht), ptr(dhbt), ptr(g.dck),
             ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), ptr(s.rlbuf), ptr(g.dkey), *fused_args,
             ptr(p.cu_seqlens),
-            ptr(s.groups.offsets), *(scalars or shape_args(p, s.groups, eps=False)))
+            ptr(s.groups.offsets), *scalars)
 
 
-def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, scalars=None) -> tuple:
+def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, scalars: tuple) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.ck), ptr(g.dck),
             ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dk), ptr(g.dv),
             ptr(dwp[1]), ptr(dbp[1]), ptr(s.rlbuf), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *(scalars or shape_args(p, s.groups, eps=False)))
+            ptr(s.groups.seq), *scalars)
