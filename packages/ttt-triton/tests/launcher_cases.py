@@ -1,9 +1,11 @@
 """Inputs, the float64 oracle and the launcher's results for the tests that call the
 launcher directly under a forced :class:`Tuning` (test_forced_paths.py,
-test_eta_key_and_outputs.py). On CUDA when there is a GPU, else in the Triton interpreter."""
+test_eta_key_and_outputs.py), and the kernel spy the launch-recording tests put in the
+launcher's place. On CUDA when there is a GPU, else in the Triton interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ttt
@@ -85,6 +87,41 @@ def launch(problem, cotangents, tuning, with_grad=True, needs=None):
         gradients = ttt.Gradients(*grads)          # (the launcher returns its fields)
         got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS})
     return got
+
+
+def launch_or_skip_unfit(problem, cotangents, tuning, with_grad=True):
+    """:func:`launch`, skipping the test where this GPU refuses the forced ``tuning`` (a
+    kernel needing more shared memory than the device has); on the CPU a refusal fails."""
+    try:
+        return launch(problem, cotangents, tuning, with_grad)
+    except ValueError as err:
+        if DEVICE == "cpu" or "the device allows" not in str(err):
+            raise
+        pytest.skip(f"this device cannot run the forced configuration: {err}")
+
+
+class LaunchSpy:
+    """Stands in for a kernel in the launcher: records each launch's grid in ``grids`` (and
+    ``(kernel, grid)`` in ``log``, when given), then launches, or with ``run=False`` does not.
+    Compiling ahead (``warmup``, which a pass's first call on a GPU does for its kernels but
+    the first, :mod:`~ttt_triton.ops.ttt_linear.launches`) is no launch: it goes to the
+    kernel, unrecorded (with ``run=False``, it compiles nothing)."""
+
+    def __init__(self, kernel, log: list | None = None, run: bool = True):
+        self.kernel, self.log, self.run, self.grids = kernel, log, run, []
+
+    @property
+    def launches(self) -> int:
+        return len(self.grids)
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        if self.log is not None:
+            self.log.append((self.kernel, grid))
+        return self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
+
+    def warmup(self, *args, **kwargs):
+        return self.kernel.warmup(*args, **kwargs) if self.run else None
 
 
 def relative_errors(got, want):

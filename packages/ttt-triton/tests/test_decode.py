@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
+from launcher_cases import LaunchSpy  # noqa: E402
+
 import ttt  # noqa: E402
 from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.testing.tolerances import TOLERANCES  # noqa: E402
@@ -29,22 +31,10 @@ KERNELS = ("ttt_linear_fwd_chain_kernel", "ttt_linear_fwd_out_kernel",
            "ttt_linear_bwd_grads_kernel")
 
 
-class _LaunchSpy:
-    """Stands in for a kernel in the launcher: records each launch, then launches (or, with
-    ``run=False``, does not)."""
-
-    def __init__(self, kernel, launches, run=True):
-        self.kernel, self.launches, self.run = kernel, launches, run
-
-    def __getitem__(self, grid):
-        self.launches.append((self.kernel, grid))
-        return self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
-
-
 def _spy(monkeypatch, run=True) -> list:
     launches = []
     for name in KERNELS:
-        monkeypatch.setattr(launcher, name, _LaunchSpy(getattr(launcher, name), launches, run))
+        monkeypatch.setattr(launcher, name, LaunchSpy(getattr(launcher, name), launches, run))
     return launches
 
 

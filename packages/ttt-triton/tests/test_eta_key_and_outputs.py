@@ -17,11 +17,13 @@ pytest.importorskip("triton")
 
 from launcher_cases import (  # noqa: E402
     DEVICE,
+    LaunchSpy,
     as_run,
     assert_within_bounds,
     cotangents,
     inputs,
     launch,
+    launch_or_skip_unfit,
     oracle,
     problem,
     relative_errors,
@@ -42,7 +44,7 @@ def _check(T, H, D, chunk, seq_lens, seed, tuning, output, eta_key=True,
     x = as_run(x, dtype)
     dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
     want = oracle(x, cu, chunk, dys, output)
-    got = launch(problem(x, cu, chunk, dtype, output), dys, tuning)
+    got = launch_or_skip_unfit(problem(x, cu, chunk, dtype, output), dys, tuning)
     assert_within_bounds(relative_errors(got, want), dtype, f"{tuning}, {output}")
 
 
@@ -117,12 +119,25 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+SAME_ON_GPU = 1e-6
+"""How far (relative, in norm) a float32 gradient of a backward that computes only some may
+be from the full backward's on a GPU, where the compiler may contract a multiply-add
+differently once the unneeded code is gone (a few float32 roundings); the interpreter runs
+the same operations, so there the two are bitwise equal."""
+
+
+def _same_gradient(grad: torch.Tensor, full: torch.Tensor) -> bool:
+    if DEVICE == "cpu":
+        return torch.equal(grad, full)
+    return bool((grad - full).norm() <= SAME_ON_GPU * full.norm())
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("output", ["norm_residual", "query_residual"])
-def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
-    """For each pattern of needs: the needed gradients bitwise equal the full backward's,
-    the others are None, and every returned tensor is fresh (no storage shared with an
-    input or with another result)."""
+def test_needed_gradients_are_those_of_the_full_backward(fuse, output):
+    """For each pattern of needs: the needed gradients equal the full backward's (bitwise
+    in the interpreter, within :data:`SAME_ON_GPU` on a GPU), the others are None, and every
+    returned tensor is fresh (no storage shared with an input or with another result)."""
     tuning = Tuning(fuse_forward=fuse, fuse_backward=fuse, checkpoint_interval=2)
     T, H, D = 60, 2, 32
     x, cu = inputs(T, H, D, (23, 37), 31, eta_key=True)
@@ -140,7 +155,7 @@ def test_needed_gradients_are_bitwise_those_of_the_full_backward(fuse, output):
                 assert grad is None, f"{label}: d{name} computed though not needed"
                 continue
             assert grad is not None, f"{label}: d{name} missing"
-            assert torch.equal(grad, want), f"{label}: d{name} differs from the full backward"
+            assert _same_gradient(grad, want), f"{label}: d{name} differs from the full backward"
             returned.append((name, grad))
         for i, (name, grad) in enumerate(returned):
             assert not any(_shares_storage(grad, t) for t in given), f"{label}: d{name}"
@@ -158,18 +173,6 @@ def test_a_float_eta_gets_no_gradient():
     assert got["dq"] is not None and got["dinitial_state"] is not None
 
 
-class _LaunchCount:
-    """Stands in for a kernel in the launcher: counts launches, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 def test_the_backend_launches_only_what_autograd_needs(monkeypatch):
     """Through ``ttt.chunk_ttt_linear``: with only q requiring grad (frozen w, b, a float
     eta, no initial state) the backward launches bwd_local alone; dq equals that of a call
@@ -179,7 +182,7 @@ def test_the_backend_launches_only_what_autograd_needs(monkeypatch):
     counts = {}
     for name in ("ttt_linear_bwd_local_kernel", "ttt_linear_bwd_chain_kernel",
                  "ttt_linear_bwd_grads_kernel"):
-        counts[name] = _LaunchCount(getattr(launcher, name))
+        counts[name] = LaunchSpy(getattr(launcher, name))
         monkeypatch.setattr(launcher, name, counts[name])
     x, _ = inputs(40, 2, 16, None, 35, eta_key=True)
     args = {n: x[n].to(DEVICE, torch.float32) for n in ("q", "k", "v", "w", "b", "eta_key")}

@@ -17,11 +17,13 @@ pytest.importorskip("triton")
 from launcher_cases import (  # noqa: E402
     DEVICE,
     F64,
+    LaunchSpy,
     as_run,
     assert_within_bounds,
     cotangents,
     inputs,
     launch,
+    launch_or_skip_unfit,
     oracle,
     problem,
     relative_errors,
@@ -39,12 +41,7 @@ def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float
     x = as_run(x, dtype)
     dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
     want = oracle(x, cu, chunk, dys, with_grad=with_grad)
-    try:
-        got = launch(problem(x, cu, chunk, dtype), dys, tuning, with_grad)
-    except ValueError as err:      # a forced Tuning this device cannot run, refused
-        if DEVICE == "cpu" or "the device allows" not in str(err):
-            raise
-        pytest.skip(f"this device cannot run the forced configuration: {err}")
+    got = launch_or_skip_unfit(problem(x, cu, chunk, dtype), dys, tuning, with_grad)
     return relative_errors(got, want)
 
 
@@ -121,18 +118,6 @@ def test_forced_chains_on_gpu(dtype, tuning, with_grad, D, chunk):
     assert_within_bounds(errs, dtype, tuning)
 
 
-class _LaunchSpy:
-    """Stands in for a kernel in the launcher: records each launch's grid, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("tuning,fwd_out,bwd_grads,split", [
     (Tuning(fuse_forward=True, fuse_backward=True), 0, 0, None),
     (Tuning(fuse_forward=False, fuse_backward=False), 1, 1, 1),
@@ -145,7 +130,7 @@ def test_forcing_takes_the_path(monkeypatch, tuning, fwd_out, bwd_grads, split):
 
     spies = {}
     for name in ("ttt_linear_fwd_out_kernel", "ttt_linear_bwd_grads_kernel"):
-        spies[name] = _LaunchSpy(getattr(launcher, name))
+        spies[name] = LaunchSpy(getattr(launcher, name))
         monkeypatch.setattr(launcher, name, spies[name])
     _errors(40, 2, 32, 16, None, 3, tuning, with_grad=True)
     assert len(spies["ttt_linear_fwd_out_kernel"].grids) == fwd_out
@@ -160,11 +145,18 @@ class _OutOfSharedMemory:
     has: Triton raises OutOfResources when it loads it, before it runs."""
 
     def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self._refuse()
+        return launch
+
+    def warmup(self, *args, **kwargs):      # compiling ahead loads it too (launches.py)
+        self._refuse()
+
+    @staticmethod
+    def _refuse():
         from triton.runtime.errors import OutOfResources
 
-        def launch(*args, **kwargs):
-            raise OutOfResources(377344, 232448, "shared memory")
-        return launch
+        raise OutOfResources(377344, 232448, "shared memory")
 
 
 def test_unfit_forced_tuning_is_refused_with_the_need_and_the_limit(monkeypatch):
