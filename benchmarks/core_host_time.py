@@ -238,11 +238,19 @@ def extract_sources(rev: str, into: str, sources) -> list[str]:
     return [str(Path(into) / src) for src in sources]
 
 
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+"""The measuring children's glibc malloc settings: large CPU buffers (a backward's, some MB)
+stay on the heap, as freed blocks to reuse. With glibc's dynamic thresholds, whether they are
+mapped and unmapped (page faults) on every call depends on what the process freed before, so
+two sides running the same launcher code measured up to 1.4x apart."""
+
+
 def child_process(script: str, paths: list[str], iters: int,
                   repeats: int) -> subprocess.Popen:
     """``script --serve``: a measuring child process, with the source folders ``paths`` first
-    on its path (none: what is installed)."""
-    env = dict(os.environ)
+    on its path (none: what is installed), and glibc's malloc thresholds fixed
+    (:data:`FIXED_MALLOC`)."""
+    env = {**os.environ, **FIXED_MALLOC}
     if paths:
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, script, "--serve", "--iters", str(iters),

@@ -20,7 +20,9 @@ On a GPU the same code also pays for CUDA allocations, casts and launches (see
 ``benchmarks/host_time.py``); this measures the part a change to a launcher's Python moves,
 on any machine. ``--compare-with REV`` runs the same cases with the three packages of git
 revision ``REV`` in one child process and this checkout's in another, taking turns case by
-case for ``--rounds`` rounds; it prints per cell both medians and their ratio.
+case for ``--rounds`` rounds; it prints per cell both medians and their ratio. The
+measuring children run with glibc's malloc thresholds fixed (``core_host_time.FIXED_MALLOC``),
+so that the backward's MB buffers do not measure the heap's history.
 """
 
 from __future__ import annotations
