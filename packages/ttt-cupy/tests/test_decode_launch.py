@@ -152,15 +152,15 @@ def test_decode_with_backward_keeps_its_schedule(recording, case):
 @pytest.mark.parametrize("lens,H,dense", [((BT + 1,), 2, True), ((1, BT + 1), 2, False),
                                           ((40,) * 4, 8, True)])
 def test_longer_sequences_keep_their_schedule(recording, lens, H, dense):
-    """A sequence past one chunk: the chain-count rule, as before (few chains: overlapped,
-    chain and fwd_out)."""
+    """A sequence past one chunk: the chain-count rule, as before (few chains of one
+    checkpoint group: plain, chain then fwd_out)."""
     p, _, _ = _problem(lens, H, 32, dense=dense)
     launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     names = [launch[0] for launch in recording.launches]
     assert len(lens) * H < FUSED["forward_inference"]
     assert any("fwd_out" in n for n in names) and not any("true>" in n for n in names[:1])
     plan = forward_plan(p, 1, False)
-    assert not plan.fuse and plan.overlap
+    assert not plan.fuse and not plan.overlap and plan.segments == [(0, 0)]
 
 
 def test_decode_forced_unfused(recording):

@@ -381,27 +381,36 @@ def test_segment_plan():
 
 def test_overlap_rule():
     """No GPU needed: when a pass runs its chain and group kernels at once
-    (placement.overlapped: up to OVERLAP_MAX_CHAINS chains per pass, not fused, tickets within
-    int32), Schedule.overlap forcing it either way, and a forced segment count never
-    overlapped."""
+    (placement.overlapped: up to OVERLAP_MAX_CHAINS chains per pass of sequences of at least
+    OVERLAP_MIN_GROUPS groups, not fused, tickets within int32), Schedule.overlap forcing it
+    either way, and a forced segment count never overlapped."""
     from types import SimpleNamespace
 
     from ttt_cupy.config import Schedule
-    from ttt_cupy.placement import OVERLAP_MAX_CHAINS, backward_plan, forward_plan, overlapped
+    from ttt_cupy.placement import (
+        OVERLAP_MAX_CHAINS,
+        OVERLAP_MIN_GROUPS,
+        backward_plan,
+        forward_plan,
+        overlapped,
+    )
 
-    assert OVERLAP_MAX_CHAINS == {"forward": 96, "backward": 32}
+    assert OVERLAP_MAX_CHAINS == {"forward": 96, "backward": 32} and OVERLAP_MIN_GROUPS == 2
     at_fwd, at_bwd = SimpleNamespace(N=8, H=12), SimpleNamespace(N=2, H=16)  # 96, 32 chains
     over_fwd, over_bwd = SimpleNamespace(N=97, H=1), SimpleNamespace(N=1, H=33)
-    assert overlapped(at_fwd, False) and not overlapped(over_fwd, False)
-    assert overlapped(at_bwd, False, backward=True)
-    assert not overlapped(over_bwd, False, backward=True) and overlapped(over_bwd, False)
-    assert not overlapped(at_bwd, True)                              # fused: no group kernel
-    assert not overlapped(at_bwd, False, tickets=2**31)              # past the int32 counters
+    assert overlapped(at_fwd, False, 2) and not overlapped(over_fwd, False, 2)
+    assert overlapped(at_bwd, False, 2, backward=True)
+    assert not overlapped(over_bwd, False, 2, backward=True) and overlapped(over_bwd, False, 2)
+    assert not overlapped(at_fwd, False, 1)                  # one group: nothing to overlap
+    assert not overlapped(at_bwd, False, 1, backward=True)
+    assert not overlapped(at_bwd, True, 2)                           # fused: no group kernel
+    assert not overlapped(at_bwd, False, 2, tickets=2**31)           # past the int32 counters
     on, off = Schedule(overlap=True), Schedule(overlap=False)
-    assert overlapped(over_fwd, False, schedule=on)
-    assert overlapped(over_bwd, False, backward=True, schedule=on)
-    assert not overlapped(over_fwd, True, schedule=on)
-    assert not overlapped(at_bwd, False, backward=True, schedule=off)
+    assert overlapped(over_fwd, False, 2, schedule=on)
+    assert overlapped(over_bwd, False, 2, backward=True, schedule=on)
+    assert overlapped(at_fwd, False, 1, schedule=on)                 # forced: one group too
+    assert not overlapped(over_fwd, True, 2, schedule=on)
+    assert not overlapped(at_bwd, False, 2, backward=True, schedule=off)
     # the plans: a forced segment count is a segmented pass, never an overlapped one
     p = SimpleNamespace(N=1, H=2, D=64, chunk_size=16)
     seg = Schedule(overlap=False, segments=2)

@@ -5,7 +5,8 @@ per kernel, except the fused chains, which compute the same math in another orde
 - fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway; and
   a forward without a backward whose every sequence fits in one chunk, a generation step:
   one launch, see :func:`fused_forward`);
-- overlapped: chain and group kernel at the same time, on per-group flags (few chains);
+- overlapped: chain and group kernel at the same time, on per-group flags (few chains of
+  several groups);
 - segmented: the chain once per segment of whole groups, each segment's group kernels
   beside the chain's next segment (few long chains);
 - plain: one launch per kernel, one after the other.
@@ -45,6 +46,12 @@ least groups per segment); a shorter segment's chain does not cover its host wor
 OVERLAP_MAX_CHAINS = {"forward": 96, "backward": 32}
 """Overlap only up to this many chains: with more, the group blocks share the chains' SMs and
 slow their steps."""
+
+OVERLAP_MIN_GROUPS = 2
+"""Overlap only sequences of at least this many groups: a group block starts when its chain
+has finished its group, so with one group per sequence it waits for the whole chain and
+the overlapped pass is the plain one plus its host work (a zeroed sync buffer, the fork's
+events and stream waits, the cleanup launch)."""
 
 
 @dataclass(frozen=True)
@@ -99,15 +106,17 @@ def sync_words(n_chains: int, tickets: int) -> int:
     return 3 + n_chains + tickets
 
 
-def overlapped(p: Problem, fuse: bool, backward: bool = False, tickets: int = 0,
-               schedule: Schedule = AUTO) -> bool:
+def overlapped(p: Problem, fuse: bool, groups_max: int, backward: bool = False,
+               tickets: int = 0, schedule: Schedule = AUTO) -> bool:
     """Whether the pass runs its chain and group kernel at the same time: the group kernel
-    not fused away, its sync buffer within int32 counters, and at most
-    :data:`OVERLAP_MAX_CHAINS` chains (or ``schedule.overlap`` forcing it)."""
+    not fused away, its sync buffer within int32 counters, and (unless ``schedule.overlap``
+    forces it) at most :data:`OVERLAP_MAX_CHAINS` chains with a sequence of at least
+    :data:`OVERLAP_MIN_GROUPS` groups (``groups_max``)."""
     if fuse or schedule.overlap is False or sync_words(chains(p), tickets) >= 2**31:
         return False
-    return schedule.overlap is True or \
-        chains(p) <= OVERLAP_MAX_CHAINS["backward" if backward else "forward"]
+    return schedule.overlap is True or (
+        groups_max >= OVERLAP_MIN_GROUPS
+        and chains(p) <= OVERLAP_MAX_CHAINS["backward" if backward else "forward"])
 
 
 def segment_count(p: Problem, groups_max: int, backward: bool) -> int:
@@ -137,7 +146,8 @@ def segment_plan(p: Problem, groups_max: int, backward: bool = True,
 def forward_plan(p: Problem, groups_max: int, save_for_backward: bool,
                  schedule: Schedule = AUTO) -> Plan:
     fuse = fused_forward(p, save_for_backward, schedule)
-    overlap = overlapped(p, fuse, tickets=chains(p) * groups_max, schedule=schedule)
+    overlap = overlapped(p, fuse, groups_max, tickets=chains(p) * groups_max,
+                         schedule=schedule)
     segments = [(0, 0)] if fuse or overlap else segment_plan(p, groups_max, False, schedule)
     return Plan(fuse, overlap, segments)
 
@@ -146,6 +156,7 @@ def backward_plan(p: Problem, groups_max: int, split_rows: int, mma: bool, smem_
                   schedule: Schedule = AUTO) -> Plan:
     fuse = fused_backward(p, mma, smem_limit, schedule)
     tickets = chains(p) * groups_max * split_rows
-    overlap = overlapped(p, fuse, backward=True, tickets=tickets, schedule=schedule)
+    overlap = overlapped(p, fuse, groups_max, backward=True, tickets=tickets,
+                         schedule=schedule)
     segments = [(0, 0)] if overlap else segment_plan(p, groups_max, True, schedule)
     return Plan(fuse, overlap, segments)

@@ -142,13 +142,21 @@ number of chains and their length, at thresholds within this range."""
 WARMUP_LONG_CHAIN_CHUNKS = 2**15
 """Chunks over all chains of each long generic warm-up shape."""
 
+WARMUP_TWO_GROUP_CHUNKS = 16
+"""Whole chunks of the generic warm-up's second one-sequence shape (one more, partial, comes
+after them): past 16 in all, so that its few chains span two checkpoint groups, as a long
+sequence's do (the cupy backend overlaps only such chains; the 2.5-chunk shape's one group
+runs plain)."""
+
 
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
-    """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence with a
-    partial last chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
+    """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence of
+    2.5 chunks and one of :data:`WARMUP_TWO_GROUP_CHUNKS` chunks, each with a partial last
+    chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
     sequences (one chunk) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all);
     each as a dense and as a packed batch."""
-    shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2)]
+    shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2),
+              WarmupShape(1, WARMUP_TWO_GROUP_CHUNKS * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
         sequences = math.ceil(chains / heads)
         chunks = math.ceil(WARMUP_LONG_CHAIN_CHUNKS / (sequences * heads))
