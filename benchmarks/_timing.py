@@ -8,6 +8,7 @@ from __future__ import annotations
 import cProfile
 import gc
 import io
+import math
 import pstats
 import statistics
 import time
@@ -49,6 +50,37 @@ def _quantiles(times: list[float]) -> tuple[float, float, float]:
         return ordered[0], ordered[0], ordered[0]
     cuts = statistics.quantiles(ordered, n=10, method="inclusive")  # deciles: 10%..90%
     return cuts[1], statistics.median(ordered), cuts[7]
+
+
+BATCH_MS = 2.0
+"""About how long one sample of :func:`back_to_back` runs its calls."""
+
+
+def back_to_back(fn: Callable[[], object], device: torch.device,
+                 budget: Budget) -> tuple[float, float, float]:
+    """``(p20, p50, p80)`` ms per call of ``fn`` called back to back, as a generation loop
+    calls it: each sample is a batch of calls (about :data:`BATCH_MS`), timed from an idle
+    device to the end of the last call's work, over the batch's size; the first call is
+    untimed. The host's work and the device's overlap as in such a loop, so a host-bound
+    call measures its host time and a device-bound one its device time. (:func:`bench`
+    times each call alone after flushing the L2 cache, and the flush's kernel hides up to
+    its own length of the host's work: no per-call time for a host-bound call.)"""
+    fn()                                   # compile / autotune outside every timed region
+    estimate = max(_one_call_ms(fn, device), 1e-3)
+    calls = max(budget.min_iters, math.ceil(BATCH_MS / estimate))
+    deadline = time.perf_counter() + budget.warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + min(budget.rep_ms, MAX_REP_MS) / 1e3
+    while len(samples) < budget.min_iters or time.perf_counter() < deadline:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) * 1e3 / calls)
+    return _quantiles(samples)
 
 
 def bench(fn: Callable[[], object], device: torch.device,

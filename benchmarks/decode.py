@@ -10,13 +10,15 @@ generation cache carries them) and ``output_final_state=True``, in two forms: th
 (``eta_key`` and ``output="query_residual"``, as ``ttt.nn.TTTLinear`` calls it) and the
 op's default (``norm_residual``, no ``eta_key``); ``eta`` a tensor. Each is timed eager
 (the whole call: validation, the backend's launcher, the kernels) and replayed in a CUDA
-graph captured around the same call (the kernels alone, the host's work gone). Beside them,
-FLA's ``fused_chunk`` and ``chunk`` TTT-linear ops on the same default-form call (FLA has no
-``eta_key`` or other output forms) when ``fla`` is installed.
+graph captured around the same call (the kernels and one graph launch, the host's work
+gone). Beside them, FLA's ``fused_chunk`` and ``chunk`` TTT-linear ops on the same
+default-form call (FLA has no ``eta_key`` or other output forms) when ``fla`` is installed.
 
-Times are ``triton.testing.do_bench`` medians (``benchmarks/_timing.py``), in microseconds
-per call, under a header with the GPU, the driver and the versions. Nothing is written to
-files. A cell that cannot run says why (``unsupported: ...``, ``error: ...``); the script
+Times are medians of back-to-back calls, as a generation loop makes them
+(``_timing.back_to_back``: batches of calls from an idle GPU to the end of the last one's
+work, the host's work and the GPU's overlapping), in microseconds per call, under a header
+with the GPU, the driver and the versions. Nothing is written to files. A cell that cannot
+run says why (``unsupported: ...``, ``error: ...``); the script
 exits 1 when no measurement succeeded, else 0.
 
 ``--device cpu --quick``: the reference backend on a tiny shape (B 2, H 2, D 16, fp32) with
@@ -153,7 +155,7 @@ def measure(fn, device: torch.device, budget: _timing.Budget, graph: bool) -> st
     try:
         with torch.no_grad():
             run = graph_replay(fn, device) if graph else fn
-            p50 = _timing.bench(run, device, budget)[1]
+            p50 = _timing.back_to_back(run, device, budget)[1]
     except Exception as exc:  # noqa: BLE001 - one cell failing is a cell, not the run
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -207,7 +209,7 @@ def header(device: torch.device, backends: list[str], fla_absent: str | None) ->
         f"{' (uncommitted changes)' if dirty else ''}",
         f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; T = 1 per sequence, "
         f"chunk {CHUNK}, carried float32 states, final states returned; us per call "
-        "(median); graph: the same call replayed in a CUDA graph",
+        "(median of back-to-back calls); graph: the same call replayed in a CUDA graph",
     ])
 
 
