@@ -67,7 +67,7 @@ def back_to_back(fn: Callable[[], object], device: torch.device,
     its own length of the host's work: no per-call time for a host-bound call.)"""
     fn()                                   # compile / autotune outside every timed region
     estimate = max(_one_call_ms(fn, device), 1e-3)
-    calls = max(budget.min_iters, math.ceil(BATCH_MS / estimate))
+    calls = max(1, math.ceil(BATCH_MS / estimate))
     deadline = time.perf_counter() + budget.warmup_ms / 1e3
     while time.perf_counter() < deadline:
         fn()

@@ -151,10 +151,10 @@ runs plain)."""
 
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
     """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence of
-    2.5 chunks and one of :data:`WARMUP_TWO_GROUP_CHUNKS` chunks, each with a partial last
-    chunk; for each of :data:`WARMUP_CHAINS` (at least that many chains), short
-    sequences (one chunk) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all);
-    each as a dense and as a packed batch."""
+    2.5 chunks and one of :data:`WARMUP_TWO_GROUP_CHUNKS` and a half; for each of
+    :data:`WARMUP_CHAINS` (at least that many chains), short sequences (one chunk) and long
+    ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all); each as a dense and as a packed
+    batch."""
     shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2),
               WarmupShape(1, WARMUP_TWO_GROUP_CHUNKS * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
