@@ -63,10 +63,13 @@ class _Compiled:
 
 @pytest.fixture
 def on_gpu(monkeypatch):
-    """As on a GPU: not interpreting; torch.cuda.device a no-op; no key seen yet."""
+    """As on a GPU: not interpreting; torch.cuda.device a no-op; no key seen or compiled
+    ahead yet."""
     monkeypatch.setattr(launches, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Nothing())
     monkeypatch.setattr(launches, "_SEEN", set())
+    monkeypatch.setattr(launches, "_AHEAD", {})
+    monkeypatch.setattr(launches, "_AHEAD_KEYS", set())
 
 
 class _Nothing:
@@ -133,3 +136,115 @@ def test_the_memory_of_keys_is_bounded(on_gpu, monkeypatch):
         launches.run(_pass([]), CPU, "fwd", PROBLEM, i)
     assert len(launches._SEEN) <= 3
     assert launches.pass_key("fwd", PROBLEM, 6) in launches._SEEN
+
+
+# --- compiling a later pass ahead ----------------------------------------------------------
+
+def test_a_prefetch_compiles_in_the_background_and_the_next_run_of_its_kind_waits(on_gpu):
+    log = []
+    ahead_pass = [Launch(_Kernel(f"ahead {n}", log, 0.05), (1,), (), {}) for n in "abc"]
+    launches.prefetch(ahead_pass, CPU, "bwd", PROBLEM, "flags")
+    launches.run(_pass(log)[:1], CPU, "fwd", PROBLEM)       # another kind: does not wait
+    assert "bwd" in launches._AHEAD
+    launches.run(_pass(log), CPU, "bwd", PROBLEM, "other flags")
+    assert launches._AHEAD == {}
+    me = threading.get_ident()
+    bwd_launch = [i for i, (event, *_) in enumerate(log) if event == "launch"][1]
+    ahead = sorted(name for event, name, *_, thread in log[:bwd_launch]
+                   if event == "compile" and thread != me and name.startswith("ahead"))
+    assert ahead == ["ahead a", "ahead b", "ahead c"]   # all compiled before the backward ran
+
+
+def test_a_prefetch_runs_once_per_key_not_for_a_seen_key_nor_in_the_interpreter(on_gpu,
+                                                                                monkeypatch):
+    log = []
+    launches.run(_pass(log), CPU, "bwd", PROBLEM, 1)
+    log.clear()
+    launches.prefetch(_pass(log), CPU, "bwd", PROBLEM, 1)              # seen: nothing
+    launches.prefetch(_pass(log), CPU, "bwd", PROBLEM, 2)
+    launches.prefetch(_pass(log), CPU, "bwd", PROBLEM, 2)              # once per key
+    launches._wait_for_prefetches("bwd")
+    assert sorted(name for event, name, *_ in log if event == "compile") == ["a", "b", "c"]
+    monkeypatch.setattr(launches, "interpreting", lambda: True)
+    assert not launches.wants_prefetch("bwd", PROBLEM, 3)
+
+
+def test_a_failed_prefetch_is_left_to_the_run(on_gpu):
+    log = []
+    launches.prefetch(_pass(log, error=RuntimeError("no registers")), CPU, "bwd", PROBLEM, 1)
+    with pytest.raises(RuntimeError, match="no registers"):
+        launches.run(_pass(log, error=RuntimeError("no registers")), CPU, "bwd", PROBLEM, 1)
+
+
+@pytest.fixture
+def launcher_on_gpu(on_gpu, monkeypatch):
+    """The Triton launcher as on a GPU with its five kernels replaced by recording stand-ins
+    (``warmup`` records a compile of its arguments' dtypes and values, a launch records the
+    same); returns the log."""
+    from ttt_triton.ops.ttt_linear import launcher
+
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(launcher, "_FORWARD_SETUPS", {})
+    log = []
+    for name in ("ttt_linear_fwd_chain_kernel", "ttt_linear_fwd_out_kernel",
+                 "ttt_linear_bwd_local_kernel", "ttt_linear_bwd_chain_kernel",
+                 "ttt_linear_bwd_grads_kernel"):
+        monkeypatch.setattr(launcher, name, _Specialising(name, log))
+    return log
+
+
+def _specialisation(args: tuple) -> tuple:
+    """What a compile keys on, per argument: a tensor's dtype (and an aligned address), a
+    scalar's value, None."""
+    return tuple(("tensor", a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else a for a in args)
+
+
+class _Specialising:
+    """A stand-in kernel recording ``(event, name, specialisation, kwargs)``."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("launch", self.name, _specialisation(args), kwargs))
+        return launch
+
+    def warmup(self, *args, grid, **kwargs):
+        self.log.append(("compile", self.name, _specialisation(args), kwargs))
+        return None
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("eta_key", [False, True])
+def test_a_training_forward_compiles_its_backward_ahead_as_the_backward_launches_it(
+        launcher_on_gpu, varlen, eta_key):
+    """The first forward that saves for a backward compiles that backward's kernels ahead,
+    with the arguments' dtypes, scalars and keyword arguments the backward then launches them
+    with (so that the backward finds them compiled); later forwards compile nothing ahead."""
+    from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd
+
+    log = launcher_on_gpu
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 40, 2, 16, generator=g, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 15, 40]) if varlen else None
+    p = ttt.make_problem(q, q, q, torch.ones(2, 16), torch.zeros(2, 16),
+                         torch.rand(1, 40, 2, 1, generator=g), chunk_size=16, cu_seqlens=cu,
+                         eta_key=torch.rand(1, 40, 2, 1, generator=g) if eta_key else None)
+    _, _, _, saved = ttt_linear_fwd(p, save_for_backward=True)
+    launches._wait_for_prefetches("bwd")
+    ahead = sorted((name, spec, tuple(sorted(kw.items())))
+                   for event, name, spec, kw in log if event == "compile" and "bwd" in name)
+    assert len(ahead) == 3
+    log.clear()
+    ttt_linear_bwd(p, saved, torch.randn(q.shape, generator=g).to(q.dtype), None, None,
+                   needs=ttt.GradNeeds(initial_state=False, initial_state_bias=False,
+                                       eta_key=eta_key))
+    launched = sorted((name, spec, tuple(sorted(kw.items())))
+                      for event, name, spec, kw in log if event == "launch")
+    assert launched == ahead
+    log.clear()
+    ttt_linear_fwd(p, save_for_backward=True)
+    ttt_linear_fwd(p, save_for_backward=False)
+    assert not any(event == "compile" and "bwd" in name for event, name, *_ in log)

@@ -7,6 +7,7 @@ Every launch choice comes from the rules and tables of :mod:`.tuning`; ``tuning=
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,9 @@ from .bwd_local import ttt_linear_bwd_local_kernel
 from .fwd_chain import ttt_linear_fwd_chain_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
 from .launches import Launch
+from .launches import prefetch as launches_prefetch
 from .launches import run as launches_run
+from .launches import wants_prefetch as launches_wants_prefetch
 from .tuning import (
     DEFAULT_TUNING,
     WIDE_BACKWARD,
@@ -123,17 +126,19 @@ def _initial_states(p: Problem):
             None if hb0 is None else hb0.float().contiguous())
 
 
-@dataclass(frozen=True)
+@dataclass
 class _ForwardSetup:
     """What a forward's launches take besides its tensors and the few numbers of the call:
     the grouping, whether the chain writes the outputs (``fuse``) and whether the slots,
-    xhat and r are stored (``save``), and each kernel's keyword arguments."""
+    xhat and r are stored (``save``), and each kernel's keyword arguments; and whether its
+    backward was looked at for compiling ahead (:func:`_prefetch_backward`)."""
 
     grp: ChunkGroups
     fuse: bool
     save: bool
     chain: dict           # fwd_chain's constexprs and launch options
     out: dict | None      # fwd_out's, None when the chain writes the outputs
+    backward_ahead: bool = False
 
 
 MAX_SETUPS = 64
@@ -216,27 +221,30 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
         launches.append(Launch(ttt_linear_fwd_out_kernel, (grp.count, H), (
             q, k, v, eta, w, b, eta_key, ck, ckb, xbuf, rbuf, o, cu_seqlens, grp.offsets,
             grp.seq, scale, eps, T), setup.out))
-    launches_run(launches, dev, "fwd", p, setup.save, setup.fuse, tune)
     saved = Saved(ck, ckb, xbuf, rbuf, grp) if save_for_backward else None
+    if saved is not None and not setup.backward_ahead:
+        setup.backward_ahead = True           # (a setup kept: once per configuration)
+        _prefetch_backward(p, saved, tune)
+    launches_run(launches, dev, "fwd", p, setup.save, setup.fuse, tune)
     return o, ht, hbt, saved
 
 
-@_refusing_unfit_tunings
-def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
-                   tuning: Tuning = DEFAULT_TUNING, needs: GradNeeds | None = None):
-    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the order of
-    :class:`ttt.Gradients`); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32. Each is
-    None where not needed: ``needs`` (a :class:`ttt.GradNeeds`, every gradient when None)
-    does not ask for it, or it does not apply (dh0/dhb0 without initial states, deta of a
-    float eta, deta_key without eta_key). Only the kernels, stores and buffers the needed
-    ones take run or are allocated; each needed gradient comes from the same operations as in
-    a backward that computes them all (bitwise equal under the interpreter; on a GPU the
-    compiler may contract a multiply-add differently once unneeded code is gone). Every
-    returned tensor is freshly allocated."""
-    p = problem
+@dataclass
+class _BackwardPass:
+    """A backward's launches, the flags of their pass key (:func:`.launches.pass_key`) and
+    ``finish()``, the gradients once they ran."""
+
+    launches: list[Launch]
+    flags: tuple
+    finish: Callable[[], tuple]
+
+
+def _backward_pass(p: Problem, saved: Saved, do, dht, dhbt, tune: Tuning, needs: GradNeeds,
+                   alloc: Callable[..., torch.Tensor]) -> _BackwardPass | None:
+    """The backward of ``p`` (see :func:`ttt_linear_bwd`), its buffers from ``alloc`` (as
+    ``torch.empty``); None when nothing is needed."""
     q, k, v, w, b, eta, cu_seqlens = p.q, p.k, p.v, p.w, p.b, p.eta, p.cu_seqlens
     eta_key = p.eta_key
-    needs = GradNeeds() if needs is None else needs
     has_h0 = p.initial_state is not None or p.initial_state_bias is not None
     n_dq, n_dk, n_dv, n_dw, n_db = needs.q, needs.k, needs.v, needs.w, needs.b
     n_deta = needs.eta and p.eta_is_tensor
@@ -246,20 +254,19 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
     n_grads = n_dk or n_dv or n_dw or n_db or n_deta     # bwd_grads' (or the fused chain's)
     n_chain = n_grads or n_dh0 or n_dhb0 or n_dl
     if not (n_dq or n_chain):
-        return (None,) * 9
+        return None
     B, T, H, D = q.shape
     N = p.N
     BT, BD = block_sizes(D, p.chunk_size)
     grp = saved.groups
     G = grp.G
-    tune = _checked(tuning)
     dev = q.device
     prec = dot_precision(q.dtype, BD)
     varlen = cu_seqlens is not None
     f32 = dict(dtype=torch.float32, device=dev)
 
     def empty(shape, needed, **like):
-        return torch.empty(shape, **(like or f32)) if needed else None
+        return alloc(shape, **(like or f32)) if needed else None
 
     xbuf, rbuf = saved.xbuf, saved.rbuf
     dopbuf = empty(q.shape, n_chain)
@@ -325,12 +332,64 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
                 H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
                 IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
                 **needs_flags, **group_launch)))
-    launches_run(launches, dev, "bwd", p, needs, use_dht, fuse, tune)
-    if fuse:
-        dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
-        db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)
-        return dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key
-    return dq, dk, dv, _reduced(dwp), _reduced(dbp), deta, dh0, dhb0, deta_key
+
+    def finish():
+        if fuse:
+            dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
+            db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)
+            return dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key
+        return dq, dk, dv, _reduced(dwp), _reduced(dbp), deta, dh0, dhb0, deta_key
+
+    return _BackwardPass(launches, (needs, use_dht, fuse, tune), finish)
+
+
+@_refusing_unfit_tunings
+def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
+                   tuning: Tuning = DEFAULT_TUNING, needs: GradNeeds | None = None):
+    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the order of
+    :class:`ttt.Gradients`); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32. Each is
+    None where not needed: ``needs`` (a :class:`ttt.GradNeeds`, every gradient when None)
+    does not ask for it, or it does not apply (dh0/dhb0 without initial states, deta of a
+    float eta, deta_key without eta_key). Only the kernels, stores and buffers the needed
+    ones take run or are allocated; each needed gradient comes from the same operations as in
+    a backward that computes them all (bitwise equal under the interpreter; on a GPU the
+    compiler may contract a multiply-add differently once unneeded code is gone). Every
+    returned tensor is freshly allocated."""
+    tune = _checked(tuning)
+    bwd = _backward_pass(problem, saved, do, dht, dhbt, tune,
+                         GradNeeds() if needs is None else needs, torch.empty)
+    if bwd is None:
+        return (None,) * 9
+    launches_run(bwd.launches, problem.q.device, "bwd", problem, *bwd.flags)
+    return bwd.finish()
+
+
+def _placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` holding one element (stride 0): what a kernel's
+    compile sees of an argument (its dtype and an aligned address), without the memory."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+def _training_needs(p: Problem) -> GradNeeds:
+    """The gradients a training step asks for: every input's that ``p`` has."""
+    return GradNeeds(eta=p.eta_is_tensor, initial_state=p.initial_state is not None,
+                     initial_state_bias=p.initial_state_bias is not None,
+                     eta_key=p.eta_key is not None)
+
+
+def _prefetch_backward(p: Problem, saved: Saved, tune: Tuning) -> None:
+    """On a GPU, a forward that saves for a backward, the first of its configuration, starts
+    compiling that backward's kernels in background threads (:func:`.launches.prefetch`)
+    beside its own: the launches of a training step's backward (every gradient the inputs
+    have, no final-state cotangents) built on placeholder tensors. A backward that needs
+    other gradients compiles its own kernels on its first call."""
+    needs = _training_needs(p)
+    flags = (needs, False, fused_backward(p, tune), tune)
+    if not launches_wants_prefetch("bwd", p, *flags):
+        return
+    bwd = _backward_pass(p, saved, _placeholder(p.q.shape, p.q.dtype, p.q.device), None, None,
+                         tune, needs, _placeholder)
+    launches_prefetch(bwd.launches, p.q.device, "bwd", p, *bwd.flags)
 
 
 def _reduced(partials: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,11 +13,17 @@ loaded. Later passes with the same key launch directly.
 The key names what picks the kernels' specialisations but the batch shape (so that a new
 shape does not pay for threads); a pass whose kernels the key does not tell apart compiles
 what it lacks on launch, one after another, as Triton alone would.
+
+A pass can also be compiled ahead (:func:`prefetch`): the launcher builds a later pass's
+launches (the backward's, on a forward's first call) from placeholder tensors and their
+kernels compile in background threads while the caller goes on; the first :func:`run` of
+that kind waits for them, then finds them compiled.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,20 @@ MAX_KEYS = 4096
 threads again, finding its kernels compiled)."""
 
 _SEEN: set[tuple] = set()
+
+_AHEAD: dict[str, list[Future]] = {}
+"""Per pass kind, the compiles :func:`prefetch` started that no :func:`run` waited for yet."""
+
+_AHEAD_KEYS: set[tuple] = set()
+"""The pass keys :func:`prefetch` took (each is compiled ahead once)."""
+
+AHEAD_THREADS = 4
+"""Threads of the compiles ahead (a backward has at most three kernels)."""
+
+
+@functools.cache
+def _ahead_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="ttt-triton-prefetch")
 
 
 @dataclass(slots=True)
@@ -67,9 +87,45 @@ def pass_key(kind: str, p: Problem, *flags) -> tuple:
             p.output_final_state, p.is_varlen, p.output, p.q.device, *flags)
 
 
+def wants_prefetch(kind: str, p: Problem, *flags) -> bool:
+    """Whether a pass of this :func:`pass_key` is worth compiling ahead: on a GPU, neither
+    run nor compiled ahead in this process."""
+    key = pass_key(kind, p, *flags)
+    return not interpreting() and key not in _SEEN and key not in _AHEAD_KEYS
+
+
+def prefetch(launches: list[Launch], device: torch.device, kind: str, p: Problem,
+             *flags) -> None:
+    """Compile ``launches`` (a later pass's, :func:`pass_key` ``kind``, ``p``, ``flags``; their
+    tensors placeholders of the dtypes the real ones have) in background threads, once per
+    key, so that the first :func:`run` of ``kind`` finds them compiled. A compile that fails
+    here is left to that run, which compiles and raises as it would have."""
+    if not wants_prefetch(kind, p, *flags):
+        return
+    _AHEAD_KEYS.add(pass_key(kind, p, *flags))
+    pool = _ahead_pool()
+    _AHEAD.setdefault(kind, []).extend(pool.submit(_compile_quietly, launch, device)
+                                       for launch in launches)
+
+
+def _compile_quietly(launch: Launch, device: torch.device) -> None:
+    try:
+        launch.compile(device)
+    except Exception:  # noqa: BLE001 - the pass's own run compiles it again and raises there
+        pass
+
+
+def _wait_for_prefetches(kind: str) -> None:
+    for done in _AHEAD.pop(kind, ()):
+        done.result()
+
+
 def run(launches: list[Launch], device: torch.device, kind: str, p: Problem, *flags) -> None:
-    """Launch ``launches`` in order; the first time their :func:`pass_key` comes (on a GPU,
-    with more than one launch), compile them all at once first."""
+    """Launch ``launches`` in order, after the compiles ahead of passes of ``kind``
+    (:func:`prefetch`); the first time their :func:`pass_key` comes (on a GPU, with more than
+    one launch), compile them all at once first."""
+    if kind in _AHEAD:
+        _wait_for_prefetches(kind)
     key = None if len(launches) < 2 else pass_key(kind, p, *flags)
     if key is None or key in _SEEN or interpreting():
         for launch in launches:
