@@ -169,6 +169,15 @@ def test_a_prefetch_runs_once_per_key_not_for_a_seen_key_nor_in_the_interpreter(
     assert not launches.wants_prefetch("bwd", PROBLEM, 3)
 
 
+def test_the_memory_of_keys_compiled_ahead_is_bounded(on_gpu, monkeypatch):
+    monkeypatch.setattr(launches, "MAX_KEYS", 3)
+    for i in range(7):
+        launches.prefetch(_pass([]), CPU, "bwd", PROBLEM, i)
+    launches._wait_for_prefetches("bwd")
+    assert len(launches._AHEAD_KEYS) <= 3
+    assert launches.pass_key("bwd", PROBLEM, 6) in launches._AHEAD_KEYS
+
+
 def test_a_failed_prefetch_is_left_to_the_run(on_gpu):
     log = []
     launches.prefetch(_pass(log, error=RuntimeError("no registers")), CPU, "bwd", PROBLEM, 1)

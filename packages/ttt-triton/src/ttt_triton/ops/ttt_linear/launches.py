@@ -42,7 +42,8 @@ _AHEAD: dict[str, list[Future]] = {}
 """Per pass kind, the compiles :func:`prefetch` started that no :func:`run` waited for yet."""
 
 _AHEAD_KEYS: set[tuple] = set()
-"""The pass keys :func:`prefetch` took (each is compiled ahead once)."""
+"""The pass keys :func:`prefetch` took (each is compiled ahead once; at most
+:data:`MAX_KEYS`, as ``_SEEN``)."""
 
 AHEAD_THREADS = 4
 """Threads of the compiles ahead (a backward has at most three kernels)."""
@@ -102,6 +103,8 @@ def prefetch(launches: list[Launch], device: torch.device, kind: str, p: Problem
     here is left to that run, which compiles and raises as it would have."""
     if not wants_prefetch(kind, p, *flags):
         return
+    if len(_AHEAD_KEYS) >= MAX_KEYS:
+        _AHEAD_KEYS.clear()
     _AHEAD_KEYS.add(pass_key(kind, p, *flags))
     pool = _ahead_pool()
     _AHEAD.setdefault(kind, []).extend(pool.submit(_compile_quietly, launch, device)
