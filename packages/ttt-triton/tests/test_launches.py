@@ -1,8 +1,10 @@
 """A pass's launches: the first time its key comes, every kernel but the first compiles and
 loads in a thread of its own (``JITFunction.warmup``, then indexing the compiled kernel with
-its grid) while the first launches; then all launch, in order. Stand-in kernels record
-what happens where; the real kernels' results are the suite's (the interpreter runs the
-same launches in order, compiling nothing)."""
+its grid) while the first launches; then all launch, in order. A later pass compiled ahead
+(``prefetch``: the backward's, from a training forward) compiles in the background and
+the first run of its kind waits for it; the launcher builds those launches as the backward
+then launches them. Stand-in kernels record what happens where; the real kernels' results
+are the suite's (the interpreter runs the same launches in order, compiling nothing)."""
 
 from __future__ import annotations
 
