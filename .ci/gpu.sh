@@ -29,13 +29,15 @@ stages=${*:-info ref triton cupy bench}
 XDIST=${XDIST:--n 8}
 
 suite() {  # suite BACKEND LOG [ENV...]: the nox tests session, shared then whole_device
+  # (-v: each failure is named in the log as it happens, so a run cut short by the time
+  # limit still names its failures)
   local backend=$1 log=$2; shift 2
   { timeout ${SUITE_TIMEOUT:-400} env "$@" python3 -m nox --no-venv \
-      -s "tests(backend='$backend')" -- -q $XDIST \
+      -s "tests(backend='$backend')" -- -v -rfE $XDIST \
       -m "not whole_device" &&
     timeout ${SUITE_TIMEOUT:-400} env "$@" python3 -m nox --no-venv \
-      -s "tests(backend='$backend')" -- -q -n 0 \
-      -m whole_device; } 2>&1 | tee "$OUT/$log" | grep -E "passed|failed|error|FAILED|ERROR"
+      -s "tests(backend='$backend')" -- -v -rfE -n 0 \
+      -m whole_device; } 2>&1 | tee "$OUT/$log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed|errors?)"
 }
 for stage in $stages; do
   case $stage in
