@@ -52,6 +52,32 @@ def _quantiles(times: list[float]) -> tuple[float, float, float]:
     return cuts[1], statistics.median(ordered), cuts[7]
 
 
+def _first_call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Calls ``fn`` untimed (compilation, autotuning outside every timed region), then once
+    timed: that call's ms (at least 1e-3)."""
+    fn()
+    return max(_one_call_ms(fn, device), 1e-3)
+
+
+def _call_for(fn: Callable[[], object], ms: float) -> None:
+    """Calls ``fn`` for ``ms`` milliseconds (a warm-up)."""
+    deadline = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+
+
+def _samples(take: Callable[[], float], ms: float, least: int) -> list[float]:
+    """``take()``'s results for at least ``ms`` milliseconds and ``least`` samples (at most
+    10,000)."""
+    samples: list[float] = []
+    deadline = time.perf_counter() + ms / 1e3
+    while len(samples) < least or time.perf_counter() < deadline:
+        samples.append(take())
+        if len(samples) >= 10_000:
+            break
+    return samples
+
+
 BATCH_MS = 2.0
 """About how long one sample of :func:`back_to_back` runs its calls."""
 
@@ -65,29 +91,24 @@ def back_to_back(fn: Callable[[], object], device: torch.device,
     call measures its host time and a device-bound one its device time. (:func:`bench`
     times each call alone after flushing the L2 cache, and the flush's kernel hides up to
     its own length of the host's work: no per-call time for a host-bound call.)"""
-    fn()                                   # compile / autotune outside every timed region
-    estimate = max(_one_call_ms(fn, device), 1e-3)
-    calls = max(1, math.ceil(BATCH_MS / estimate))
-    deadline = time.perf_counter() + budget.warmup_ms / 1e3
-    while time.perf_counter() < deadline:
-        fn()
-    samples: list[float] = []
-    deadline = time.perf_counter() + min(budget.rep_ms, MAX_REP_MS) / 1e3
-    while len(samples) < budget.min_iters or time.perf_counter() < deadline:
+    calls = max(1, math.ceil(BATCH_MS / _first_call_ms(fn, device)))
+    _call_for(fn, budget.warmup_ms)
+
+    def batch_ms() -> float:
         _sync(device)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return _quantiles(samples)
+        return (time.perf_counter() - start) * 1e3 / calls
+
+    return _quantiles(_samples(batch_ms, min(budget.rep_ms, MAX_REP_MS), budget.min_iters))
 
 
 def bench(fn: Callable[[], object], device: torch.device,
           budget: Budget) -> tuple[float, float, float]:
     """``(p20, p50, p80)`` ms of ``fn``; the first call (compilation, autotuning) is untimed."""
-    fn()                                   # compile / autotune outside every timed region
-    estimate = max(_one_call_ms(fn, device), 1e-3)
+    estimate = _first_call_ms(fn, device)
     rep = min(max(budget.rep_ms, budget.min_iters * estimate), MAX_REP_MS)
     if device.type == "cuda":
         import triton.testing
@@ -99,16 +120,8 @@ def bench(fn: Callable[[], object], device: torch.device,
         p20, p50, p80 = (float(x) for x in result)
         return p20, p50, p80
     # CPU (smoke test of the reporting path only): a plain wall clock.
-    deadline = time.perf_counter() + budget.warmup_ms / 1e3
-    while time.perf_counter() < deadline:
-        fn()
-    times: list[float] = []
-    deadline = time.perf_counter() + rep / 1e3
-    while len(times) < budget.min_iters or time.perf_counter() < deadline:
-        times.append(_one_call_ms(fn, device))
-        if len(times) >= 10_000:
-            break
-    return _quantiles(times)
+    _call_for(fn, budget.warmup_ms)
+    return _quantiles(_samples(lambda: _one_call_ms(fn, device), rep, budget.min_iters))
 
 
 def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:

@@ -384,8 +384,9 @@ def _prefetch_backward(p: Problem, saved: Saved, tune: Tuning) -> None:
     have, no final-state cotangents) built on placeholder tensors. A backward that needs
     other gradients compiles its own kernels on its first call."""
     needs = _training_needs(p)
-    flags = (needs, False, fused_backward(p, tune), tune)
-    if not launches_wants_prefetch("bwd", p, *flags):
+    # the flags _backward_pass gives this backward (no cotangents; the chain needed): checked
+    # before building it, which a packed batch's forward would otherwise do on every call
+    if not launches_wants_prefetch("bwd", p, needs, False, fused_backward(p, tune), tune):
         return
     bwd = _backward_pass(p, saved, _placeholder(p.q.shape, p.q.dtype, p.q.device), None, None,
                          tune, needs, _placeholder)

@@ -91,7 +91,10 @@ def pass_key(kind: str, p: Problem, *flags) -> tuple:
 def wants_prefetch(kind: str, p: Problem, *flags) -> bool:
     """Whether a pass of this :func:`pass_key` is worth compiling ahead: on a GPU, neither
     run nor compiled ahead in this process."""
-    key = pass_key(kind, p, *flags)
+    return _new_ahead(pass_key(kind, p, *flags))
+
+
+def _new_ahead(key: tuple) -> bool:
     return not interpreting() and key not in _SEEN and key not in _AHEAD_KEYS
 
 
@@ -101,11 +104,12 @@ def prefetch(launches: list[Launch], device: torch.device, kind: str, p: Problem
     tensors placeholders of the dtypes the real ones have) in background threads, once per
     key, so that the first :func:`run` of ``kind`` finds them compiled. A compile that fails
     here is left to that run, which compiles and raises as it would have."""
-    if not wants_prefetch(kind, p, *flags):
+    key = pass_key(kind, p, *flags)
+    if not _new_ahead(key):
         return
     if len(_AHEAD_KEYS) >= MAX_KEYS:
         _AHEAD_KEYS.clear()
-    _AHEAD_KEYS.add(pass_key(kind, p, *flags))
+    _AHEAD_KEYS.add(key)
     pool = _ahead_pool()
     _AHEAD.setdefault(kind, []).extend(pool.submit(_compile_quietly, launch, device)
                                        for launch in launches)
