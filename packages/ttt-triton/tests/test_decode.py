@@ -1,6 +1,7 @@
-"""Generation steps (every sequence within one chunk, no gradient): one kernel launch, the
-fused forward chain, whatever the chain count (``tuning.decode_step``), and no other device
-work in the launcher. Results against the float64 oracle. Runs on CUDA when there is a GPU,
+"""Generation steps (every sequence within one chunk, no gradient): one kernel launch,
+whatever the chain count, and no other device work in the launcher: fwd_decode when every
+sequence is short enough (``tuning.row_step``), else the fused forward chain
+(``tuning.decode_step``). Results against the float64 oracle. Runs on CUDA when there is a GPU,
 else in the Triton interpreter (float32)."""
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ import ttt  # noqa: E402
 from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.testing.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
-from ttt_triton.ops.ttt_linear.tuning import DEFAULT_TUNING, decode_step, fused_forward  # noqa: E402
+from ttt_triton.ops.ttt_linear.tuning import (  # noqa: E402
+    DEFAULT_TUNING,
+    ROW_STEP_ROWS,
+    Tuning,
+    decode_step,
+    fused_forward,
+    row_step,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 F64 = torch.float64
-KERNELS = ("ttt_linear_fwd_chain_kernel", "ttt_linear_fwd_out_kernel",
-           "ttt_linear_bwd_local_kernel", "ttt_linear_bwd_chain_kernel",
-           "ttt_linear_bwd_grads_kernel")
+KERNELS = ("ttt_linear_fwd_decode_kernel", "ttt_linear_fwd_chain_kernel",
+           "ttt_linear_fwd_out_kernel", "ttt_linear_bwd_local_kernel",
+           "ttt_linear_bwd_chain_kernel", "ttt_linear_bwd_grads_kernel")
 
 
 def _spy(monkeypatch, run=True) -> list:
@@ -81,11 +89,14 @@ DECODE_CASES = [
     # (B, seq_lens, eta_tensor, eta_key, states, final, output)
     (1, None, True, False, True, True, "norm_residual"),
     (4, None, False, True, True, True, "query_residual"),
+    (1, (1, 0, 1, 1), True, True, True, True, "query_residual"),
+    (1, (0, 1), False, False, True, True, "norm_residual"),
     (4, None, True, True, False, False, "raw"),
     (3, None, False, False, False, True, "norm_residual"),
     (1, (1, 1, 1), True, True, True, True, "query_residual"),
     (1, (1, 5, 16, 2), False, False, True, True, "raw"),
     (1, (3, 1), True, False, False, True, "norm_residual"),
+    (1, (4, 2, 3), False, True, True, True, "query_residual"),
     (2, None, True, True, "state", True, "query_residual"),
     (1, (2, 1), True, False, "bias", True, "norm_residual"),
 ]
@@ -94,16 +105,21 @@ DECODE_CASES = [
 @pytest.mark.parametrize("B,seq_lens,eta_tensor,eta_key,states,final,output", DECODE_CASES)
 def test_decode_step_is_one_launch(monkeypatch, B, seq_lens, eta_tensor, eta_key, states,
                                    final, output):
-    """A generation step through the public op launches fwd_chain alone, once, and matches
-    the float64 oracle."""
-    H, D, chunk = 2, 32, 16
+    """A generation step through the public op launches one kernel, once: fwd_decode when
+    every sequence is short enough for it (float32: ``ROW_STEP_ROWS["fp32"]``; a packed
+    sequence may be empty), else fwd_chain; and matches the float64 oracle. The head dim
+    (24) is not a power of two: the tiles are masked."""
+    H, D, chunk = 2, 24, 16
     x = _inputs(B, seq_lens, H, D, chunk, 5, eta_tensor=eta_tensor, eta_key=eta_key,
                 states=states, final=final, output=output)
     launches = _spy(monkeypatch)
     with torch.no_grad():
         o, ht, hbt = ttt.chunk_ttt_linear(**_on_device(x), backend="triton")
-    assert [kernel.fn.__name__ for kernel, _ in launches] == ["ttt_linear_fwd_chain_kernel"]
-    N = len(seq_lens) if seq_lens else B
+    rows = max(seq_lens or (1,))
+    expected = ("ttt_linear_fwd_decode_kernel" if rows <= ROW_STEP_ROWS["fp32"]
+                else "ttt_linear_fwd_chain_kernel")
+    assert [kernel.fn.__name__ for kernel, _ in launches] == [expected]
+    N = sum(length > 0 for length in seq_lens) if seq_lens else B   # (the op drops empty ones)
     assert launches[0][1] == (N * H,)
     _check_against_oracle(x, final, (o, ht, hbt))
 
@@ -117,6 +133,21 @@ def _check_against_oracle(x: dict, final: bool, results) -> None:
             continue
         err = ((got.to("cpu", F64) - ref).norm() / ref.norm()).item()
         assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def test_decode_kernel_passes_an_empty_sequence_through():
+    """fwd_decode called by the launcher on a packed batch with an empty sequence (the public
+    op drops those before the backend): its state comes out as it went in, the others'
+    match the oracle."""
+    x = _inputs(1, (1, 0, 1), 2, 24, 16, 9, eta_tensor=True, eta_key=True, states=True,
+                final=True, output="norm_residual")
+    with torch.no_grad():
+        problem = ttt.make_problem(**_on_device(x))
+        assert row_step(problem, False, DEFAULT_TUNING)
+        o, ht, hbt, _ = launcher.ttt_linear_fwd(problem, save_for_backward=False)
+    assert torch.equal(ht[1].cpu(), x["initial_state"][1].float())
+    assert torch.equal(hbt[1].cpu(), x["initial_state_bias"][1].float())
+    _check_against_oracle(x, True, (o, ht, hbt))
 
 
 FORMS_IN_TURN = [  # eta_tensor, eta_key, states, final, output: each differs in one from the first
@@ -194,3 +225,24 @@ def test_training_and_long_calls_keep_their_rule():
     assert not decode_step(problem((1, 17)), False)
     assert decode_step(problem((1, 17), chunk=32), False)
     assert not fused_forward(problem((1, 17)), False, DEFAULT_TUNING)   # 4 chains < 96
+
+
+def test_row_steps_by_dtype_and_head_dim():
+    """fwd_decode takes the generation steps of at most ``ROW_STEP_ROWS`` rows per sequence
+    for the dtype and head dim, unless the chained kernels are forced; never a training call."""
+    def problem(T, D, dtype):
+        x = _inputs(2, None, 2, D, 16, 4, eta_tensor=True, eta_key=True, states=True,
+                    final=True, output="query_residual")
+        x = {n: (t.expand(2, T, *t.shape[2:]) if n in ("q", "k", "v", "eta", "eta_key")
+                 else t) for n, t in x.items()}
+        return ttt.make_problem(**_on_device(x, dtype))
+
+    for dtype, D, rows in ((torch.bfloat16, 64, ROW_STEP_ROWS["half"]),
+                           (torch.float16, 128, ROW_STEP_ROWS["half"]),
+                           (torch.float32, 64, ROW_STEP_ROWS["fp32"]),
+                           (torch.float32, 100, ROW_STEP_ROWS["fp32_wide"])):
+        assert row_step(problem(rows, D, dtype), False, DEFAULT_TUNING)
+        assert not row_step(problem(rows, D, dtype), True, DEFAULT_TUNING)
+        assert not row_step(problem(rows, D, dtype), False, Tuning(fuse_forward=True))
+        if rows < 16:
+            assert not row_step(problem(rows + 1, D, dtype), False, DEFAULT_TUNING)

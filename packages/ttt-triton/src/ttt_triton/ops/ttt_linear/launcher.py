@@ -21,6 +21,7 @@ from .bwd_chain import ttt_linear_bwd_chain_kernel
 from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
 from .fwd_chain import ttt_linear_fwd_chain_kernel
+from .fwd_decode import ttt_linear_fwd_decode_kernel
 from .fwd_out import ttt_linear_fwd_out_kernel
 from .launches import Launch
 from .launches import prefetch as launches_prefetch
@@ -31,11 +32,13 @@ from .tuning import (
     WIDE_BACKWARD,
     Tuning,
     checkpoint_interval,
+    decode_options,
     dot_precision,
     fused_backward,
     fused_forward,
     grads_split,
     launch_options,
+    row_step,
     rows_per_block,
     unfit_tuning_error,
     wide_backward,
@@ -131,13 +134,16 @@ class _ForwardSetup:
     """What a forward's launches take besides its tensors and the few numbers of the call:
     the grouping, whether the chain writes the outputs (``fuse``) and whether the slots,
     xhat and r are stored (``save``), and each kernel's keyword arguments; and whether its
-    backward was looked at for compiling ahead (:func:`_prefetch_backward`)."""
+    backward was looked at for compiling ahead (:func:`_prefetch_backward`). A short
+    generation step (``row_step``, :func:`.tuning.row_step`) runs fwd_decode alone, with
+    ``chain`` its arguments."""
 
-    grp: ChunkGroups
+    grp: ChunkGroups | None   # None for a row step
     fuse: bool
     save: bool
-    chain: dict           # fwd_chain's constexprs and launch options
+    chain: dict           # fwd_chain's (or fwd_decode's) constexprs and launch options
     out: dict | None      # fwd_out's, None when the chain writes the outputs
+    row_step: bool = False
     backward_ahead: bool = False
 
 
@@ -160,6 +166,8 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
         return setup
     H, D = p.H, p.D
     BT, BD = block_sizes(D, p.chunk_size)
+    if row_step(p, save_for_backward, tune):
+        return _kept(key, _row_step_setup(p, BD))
     fuse = fused_forward(p, save_for_backward, tune)
     save = save_for_backward or not fuse     # fwd_out reads the slots and xhat, r
     # without slots nothing reads the packed grouping's maps (fwd_chain reads its offsets
@@ -180,12 +188,26 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
     out = None if fuse else dict(
         H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=half, PREC=prec, **forms, **_launch("group", BD, p.q.dtype, tune))
-    setup = _ForwardSetup(grp, fuse, save, chain, out)
+    return _kept(key, _ForwardSetup(grp, fuse, save, chain, out))
+
+
+def _kept(key: tuple | None, setup: _ForwardSetup) -> _ForwardSetup:
     if key is not None:
         if len(_FORWARD_SETUPS) >= MAX_SETUPS:
             _FORWARD_SETUPS.clear()
         _FORWARD_SETUPS[key] = setup
     return setup
+
+
+def _row_step_setup(p: Problem, BD: int) -> _ForwardSetup:
+    """The setup of a short generation step (:func:`.tuning.row_step`): fwd_decode's
+    arguments; no grouping, slots or outputs kernel."""
+    decode = dict(
+        H=p.H, D=p.D, BD=BD, USE_INITIAL=p.initial_state is not None,
+        USE_INITIAL_BIAS=p.initial_state_bias is not None, STORE_FINAL=p.output_final_state,
+        IS_VARLEN=p.cu_seqlens is not None, HAS_ETA_KEY=p.eta_key is not None,
+        OUTPUT=p.output, **({} if interpreting() else decode_options(BD)))
+    return _ForwardSetup(None, True, False, decode, None, row_step=True)
 
 
 @_refusing_unfit_tunings
@@ -206,6 +228,13 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
         ht = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
         hbt = torch.empty(N, H, 1, D, dtype=torch.float32, device=dev)
     h0, hb0 = _initial_states(p)
+    scale, eps, eta_key = float(p.scale), float(p.eps), p.eta_key
+    if setup.row_step:
+        o = torch.empty_like(q)
+        Launch(ttt_linear_fwd_decode_kernel, (N * H,), (
+            q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, cu_seqlens, scale, eps, T),
+            setup.chain)()
+        return o, ht, hbt, None
     ck = ckb = xbuf = rbuf = None
     if setup.save:
         ck = torch.empty(grp.slots, H, D, D, dtype=torch.float32, device=dev)
@@ -213,7 +242,6 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
         xbuf = torch.empty(q.shape, dtype=torch.float32, device=dev)
         rbuf = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     o = torch.empty_like(q)
-    scale, eps, eta_key = float(p.scale), float(p.eps), p.eta_key
     launches = [Launch(ttt_linear_fwd_chain_kernel, (N * H,), (
         q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, cu_seqlens,
         grp.offsets, scale, eps, T), setup.chain)]

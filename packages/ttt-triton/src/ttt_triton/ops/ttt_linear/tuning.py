@@ -71,7 +71,8 @@ path, which only pays when enough chains run at once to hide it (docs/benchmarks
 A forward without backward in which every sequence fits in one chunk (a generation step:
 dense ``T <= chunk_size``, or a packed batch whose every sequence is that short) is fused
 whatever the chain count (:func:`decode_step`): with one chunk per chain there is no chain
-latency to hide, and the call is one launch (``fwd_chain``) instead of two."""
+latency to hide, and the call is one launch (``fwd_chain``) instead of two. The shortest
+such steps run ``fwd_decode`` instead (:data:`ROW_STEP_ROWS`)."""
 
 _ROWS_FIELD = {"S_out": "rows_out", "S_local": "rows_local", "S_grads": "rows_grads"}
 
@@ -199,6 +200,42 @@ def decode_step(p: Problem, save_for_backward: bool) -> bool:
     """Whether ``p`` is a generation step: a forward without backward in which every
     sequence fits in one chunk (dense ``T <= chunk_size``; packed, every length)."""
     return not save_for_backward and max(p.seq_lens) <= p.chunk_size
+
+
+DECODE_WARPS = {"max_state_per_thread": 32}
+"""num_warps of fwd_decode: enough threads that each holds at most this many fp32 entries of
+each [BD, BD] tile it keeps in registers (the state and the update so far), up to 8 warps: 4
+at BD 64, 8 at BD 128."""
+
+
+ROW_STEP_ROWS = {"half": 1, "fp32": 4, "fp32_wide": 16}
+"""The most rows of one sequence that a generation step (:func:`decode_step`) runs through
+fwd_decode, one row at a time, instead of the fused chain's chunk products: for half inputs,
+and float32 ones at padded head dims <= 64 and at 128 (``fp32_wide``). fwd_decode reads and
+writes the state once, but its per-row work grows with the rows, while the chain's products
+cost one padded chunk whatever the rows. On an H100 (B 64, H 16, layer form, CUDA graph
+replay, us per call, fwd_decode / fused chain): bf16 D 64 15.1 / 24.4 at 1 row, 33.4 / 25.1
+at 4; fp32 D 64 14.3 / 64.4 at 1 row, 37.8 / 66.5 at 4, 132 / 70 at 16; fp32 D 128 549 /
+1969 at 16 rows (docs/benchmarks.md)."""
+
+
+def row_step(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
+    """Whether ``p``'s forward runs fwd_decode alone: a generation step (:func:`decode_step`)
+    of at most :data:`ROW_STEP_ROWS` rows per sequence, the chained kernels not forced
+    (``tune.fuse_forward``)."""
+    if tune.fuse_forward is not None or not decode_step(p, save_for_backward):
+        return False
+    if p.q.dtype != torch.float32:
+        rows = ROW_STEP_ROWS["half"]
+    else:
+        rows = ROW_STEP_ROWS["fp32_wide" if p.D > 64 else "fp32"]
+    return max(p.seq_lens, default=0) <= rows
+
+
+def decode_options(BD: int) -> dict:
+    """fwd_decode's compiler options (:data:`DECODE_WARPS`)."""
+    warps = BD * BD // (32 * DECODE_WARPS["max_state_per_thread"])
+    return dict(num_warps=min(8, max(1, warps)), num_stages=1)
 
 
 def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:

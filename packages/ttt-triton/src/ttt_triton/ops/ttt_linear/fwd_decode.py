@@ -1,0 +1,105 @@
+r"""Forward of a generation step: every sequence holds a few tokens (at most one chunk), no
+backward.
+
+One program per (sequence, head), walking its rows one by one against the state ``W``,
+``hb`` before the chunk (``e_i`` row i's eta, ``l_i`` its per-key factor, 1 without
+``HAS_ETA_KEY``, ``g`` the inner-loss gradient of common.py, ``\tilde q = s\, q``). The
+chunk's products ``P \odot (q k^\top + 1)`` (fwd_chain.py) become running sums, the
+update so far ``A_i = \sum_{j \le i} k_j^\top g_j`` and ``a_i = \sum_{j \le i} g_j``:
+
+.. math::
+
+    kh_i = k_i W + hb, \quad g_i \leftarrow l_i\, g(kh_i), \quad
+    A_i = A_{i-1} + k_i^\top g_i, \quad a_i = a_{i-1} + g_i\\
+    o_{pre,i} = \tilde q_i (W - e_i A_i) + hb - e_i\, a_i
+    \qquad (= \tilde q_i W + hb - e_i \textstyle\sum_{j \le i} (\tilde q_i \cdot k_j + 1)\, g_j)\\
+    W \leftarrow W - e_{last} A, \qquad hb \leftarrow hb - e_{last}\, a
+
+and ``o`` from ``o_pre`` in the form ``OUTPUT`` (common.output_form). Each row is two
+products of a row with a [D, D] tile and an outer product, in fp32 without dot
+instructions; the state is read once and written once. A packed sequence of no token
+passes its state through.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import inner_grad, output_form
+
+
+@triton.jit(do_not_specialize=["T"])
+def ttt_linear_fwd_decode_kernel(
+    q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
+    o,                  # [B, T, H, D] input dtype
+    h0, hb0,            # [N, H, D, D] fp32 (USE_INITIAL), [N, H, 1, D] (USE_INITIAL_BIAS)
+    ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
+    cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
+    scale, eps,
+    T,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    USE_INITIAL: tl.constexpr,
+    USE_INITIAL_BIAS: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr,
+    OUTPUT: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_dd = m_d[:, None] & m_d[None, :]
+    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    m_row = (tl.arange(0, 1) < 1)[:, None] & m_d[None, :]                  # [1, BD]
+
+    if USE_INITIAL:
+        b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.)
+    else:
+        b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
+    if USE_INITIAL_BIAS:
+        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.)
+    else:
+        b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_A = tl.zeros([BD, BD], dtype=tl.float32)                             # [BD, BD] sum k^T g
+    b_a = tl.zeros([1, BD], dtype=tl.float32)                              # [1, BD] sum g
+    for i_t in range(0, seq_len):
+        p_e = (bos + i_t) * H + i_h
+        p_x = p_e * D + o_d[None, :]                                       # [1, BD]
+        r_q = tl.load(q + p_x, mask=m_row, other=0.)                       # [1, BD]
+        b_k = tl.load(k + p_x, mask=m_row, other=0.).to(tl.float32)        # [1, BD]
+        b_v = tl.load(v + p_x, mask=m_row, other=0.).to(tl.float32)        # [1, BD]
+        b_e = tl.load(eta + p_e).to(tl.float32)
+
+        b_kh = tl.sum(tl.trans(b_k) * b_W, 0)[None, :] + b_hb[None, :]     # [1, BD]
+        b_g, _, _, _ = inner_grad(b_kh, b_k, b_v, b_w, b_b, m_row, D, eps)  # [1, BD]
+        if HAS_ETA_KEY:
+            b_g = b_g * tl.load(eta_key + p_e).to(tl.float32)
+        b_A += tl.trans(b_k) * b_g
+        b_a += b_g
+
+        b_q = r_q.to(tl.float32) * scale                                   # [1, BD]
+        b_o = tl.sum(tl.trans(b_q) * (b_W - b_e * b_A), 0)[None, :] \
+            + b_hb[None, :] - b_e * b_a                                    # [1, BD]
+        b_o = output_form(b_o, r_q, b_w, b_b, m_row, D, eps, OUTPUT)
+        tl.store(o + p_x, b_o.to(o.dtype.element_ty), mask=m_row)
+
+    if STORE_FINAL:
+        # the last row's eta (no row: A and a are zero, any row's will do)
+        r_last = tl.where(seq_len > 0, bos + seq_len - 1, 0)
+        b_el = tl.load(eta + r_last * H + i_h).to(tl.float32)
+        b_W = b_W - b_el * b_A                                             # [BD, BD]
+        b_hb = b_hb - b_el * tl.sum(b_a, 0)                                # [BD]
+        tl.store(ht + i_nh.to(tl.int64) * D * D + o_dd, b_W, mask=m_dd)
+        tl.store(hbt + i_nh.to(tl.int64) * D + o_d, b_hb, mask=m_d)
