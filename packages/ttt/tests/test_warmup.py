@@ -287,9 +287,10 @@ def test_generic_shapes_reach_every_triton_choice(H, D, chunk, dtype):
                                  reason="ttt-triton is not installed")
     BD = max(16, 1 << (D - 1).bit_length())
 
-    def rule(p):                      # the specialisations: G and the fused chains
+    def rule(p):                      # the specialisations: G, the fused chains, fwd_decode
         G = tuning.checkpoint_interval(p, BD, tuning.DEFAULT_TUNING)
-        return (G, tuning.fused_forward(p, False, tuning.DEFAULT_TUNING),
+        return (G, tuning.row_step(p, False, tuning.DEFAULT_TUNING),
+                tuning.fused_forward(p, False, tuning.DEFAULT_TUNING),
                 tuning.fused_forward(p, True, tuning.DEFAULT_TUNING),
                 tuning.fused_backward(p, tuning.DEFAULT_TUNING))
 

@@ -152,15 +152,15 @@ runs plain)."""
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
     """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence of
     2.5 chunks and one of :data:`WARMUP_TWO_GROUP_CHUNKS` and a half; for each of
-    :data:`WARMUP_CHAINS` (at least that many chains), short sequences (one chunk) and long
-    ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in all); each as a dense and as a packed
-    batch."""
+    :data:`WARMUP_CHAINS` (at least that many chains), sequences of one token (a generation
+    step), short ones (1.5 chunks) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in
+    all); each as a dense and as a packed batch."""
     shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2),
               WarmupShape(1, WARMUP_TWO_GROUP_CHUNKS * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
         sequences = math.ceil(chains / heads)
         chunks = math.ceil(WARMUP_LONG_CHAIN_CHUNKS / (sequences * heads))
-        shapes += [WarmupShape(sequences, chunk_size),
+        shapes += [WarmupShape(sequences, 1), WarmupShape(sequences, chunk_size + chunk_size // 2),
                    WarmupShape(sequences, chunks * chunk_size)]
     return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes]
 
