@@ -231,9 +231,9 @@ def ttt_linear_fwd(problem: Problem, save_for_backward: bool, *,
     scale, eps, eta_key = float(p.scale), float(p.eps), p.eta_key
     if setup.row_step:
         o = torch.empty_like(q)
-        Launch(ttt_linear_fwd_decode_kernel, (N * H,), (
+        launches_run([Launch(ttt_linear_fwd_decode_kernel, (N * H,), (
             q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, cu_seqlens, scale, eps, T),
-            setup.chain)()
+            setup.chain)], dev, "fwd", p)
         return o, ht, hbt, None
     ck = ckb = xbuf = rbuf = None
     if setup.save:
