@@ -12,7 +12,8 @@ import ctypes
 
 import pytest
 
-from ttt_cupy.smem import grads_split, traits
+from ttt_cupy.compile import d_pad
+from ttt_cupy.smem import decode_rows, grads_split, traits
 
 np = pytest.importorskip("numpy")
 
@@ -631,3 +632,117 @@ def test_variant_schedules_match_one_launch(emu, case, variant, mma, launch):
     ref, ref_g = _variant_run(emu, case, variant, mma=mma)
     got, got_g = _variant_run(emu, case, variant, mma=mma, **order)
     _assert_bitwise(got, ref, got_g, ref_g, f"{launch} differs from one launch")
+
+
+# ---------------------------------------------------------------- fwd_decode
+DECODE_CASES = [
+    # D, dense (B, T) or packed lengths, H, initial states ("both", "state", "bias", "none"),
+    # final states, eta_key, output form, eta a constant (a float through the op)
+    (24, (3, 1), 2, "both", True, False, "norm_residual", False),
+    (24, (2, 3), 2, "both", True, True, "query_residual", False),
+    (64, (2, 4), 1, "none", True, False, "raw", True),
+    (64, (2, 1), 2, "state", True, True, "norm_residual", False),
+    (24, [1, 0, 3, 1, 4], 2, "bias", True, True, "raw", False),     # an empty sequence
+    (64, [4, 1, 0, 1], 1, "both", False, False, "query_residual", True),
+    (64, [1, 1, 1], 2, "none", False, True, "norm_residual", False),
+    (24, (1, 1), 2, "both", False, True, "raw", False),
+    (100, (1, 16), 1, "both", True, True, "query_residual", False),  # D_PAD 128, 16 rows
+    (16, (2, 2), 2, "both", True, False, "raw", False),              # D_PAD 16
+    (64, [16, 3, 0], 2, "both", True, False, "norm_residual", False),
+]
+
+
+def _decode_id(c):
+    D, shape, H, states, final, key, out, const = c
+    what = f"B{shape[0]}-T{shape[1]}" if isinstance(shape, tuple) else \
+        "packed" + "+".join(map(str, shape))
+    return (f"D{D}-{what}-H{H}-{states}{'-final' if final else ''}{'-key' if key else ''}-"
+            f"{out}{'-eta-float' if const else ''}")
+
+
+def _decode_inputs(case, seed=7):
+    """Fresh random inputs of a DECODE_CASES case (float32 values in float64 arrays; none
+    zero), its sequences (batch, start, length) and cu_seqlens (None: dense)."""
+    D, shape, H, states, final, key, out, const = case
+    rng = np.random.default_rng(seed)
+    if isinstance(shape, tuple):
+        B, T = shape
+        seqs, cu = [(bi, 0, T) for bi in range(B)], None
+    else:
+        B, T = 1, sum(shape)
+        cu = np.concatenate([[0], np.cumsum(shape)]).astype(np.int64)
+        seqs = [(0, int(cu[n]), int(shape[n])) for n in range(len(shape))]
+    N = len(seqs)
+    k = rng.standard_normal((B, T, H, D))
+    x = dict(q=rng.standard_normal((B, T, H, D)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
+             v=rng.standard_normal((B, T, H, D)),
+             eta=np.full((B, T, H), 0.07) if const else rng.uniform(0.02, 0.2, (B, T, H)),
+             w=1 + 0.3 * rng.standard_normal((H, D)), b=0.3 * rng.standard_normal((H, D)),
+             h0=0.3 * rng.standard_normal((N, H, D, D)), hb0=0.3 * rng.standard_normal((N, H, D)))
+    if key:
+        x["eta_key"] = rng.uniform(0.3, 1.7, (B, T, H))
+    x = {n: a.astype(np.float32).astype(np.float64) for n, a in x.items()}
+    return x, seqs, cu
+
+
+def run_decode(emu, x, seqs, cu, scale, states, final, out, rows):
+    """fwd_decode on the emulation as the launcher launches it (one block per (sequence,
+    head), shared memory for ``rows`` rows): (o, ht, hbt), ht and hbt None without final
+    states. ``states``: which initial states are given (the others null)."""
+    f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
+    B, T, H, D = f["q"].shape
+    N = len(seqs)
+    o = _empty(B, T, H, D)
+    ht, hbt = (_empty(N, H, D, D), _empty(N, H, D)) if final else (None, None)
+    h0 = f["h0"] if states in ("both", "state") else None
+    hb0 = f["hb0"] if states in ("both", "bias") else None
+    cu_arr = None if cu is None else np.asarray(cu, dtype=np.int64)
+    arrays = [f["q"], f["k"], f["v"], f["eta"], f["w"], f["b"], f.get("eta_key"), h0, hb0, ht,
+              hbt, o, cu_arr]
+    emu.emu_clear_buffers()
+    for a in arrays:
+        if a is not None:
+            emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
+    emu.emu_set_variant(int("eta_key" in f), OUT_FORMS[out])
+    try:
+        rc = emu.emu_fwd_decode(
+            d_pad(D), 0, ctypes.c_longlong(N * H),
+            *[None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays],
+            ctypes.c_float(scale), ctypes.c_float(EPS), ctypes.c_longlong(T), ctypes.c_int(H),
+            ctypes.c_int(D), ctypes.c_int(rows))
+    finally:
+        emu.emu_set_variant(0, 0)
+    assert rc == 0, "no emulated fwd_decode instance"
+    return o, ht, hbt
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_decode_id)
+def test_decode_kernel_matches_oracle(emu, case):
+    """fwd_decode (a short generation step's kernel: every row of a sequence at once against
+    the state in registers) against the float64 oracle: outputs and final states, dense and
+    packed (an empty sequence passes its states through bitwise), each initial state alone,
+    both or none (zeros), with and without final states, eta_key, every output form, a
+    constant eta, head dims 16, 24, 64 and 100; shared memory for the longest sequence's rows
+    rounded up to a power of two (as the launcher sizes it) and for more rows."""
+    D, shape, H, states, final, key, out, const = case
+    x, seqs, cu = _decode_inputs(case)
+    scale = D ** -0.5
+    zero_h0 = x["h0"] if states in ("both", "state") else 0 * x["h0"]
+    zero_hb0 = x["hb0"] if states in ("both", "bias") else 0 * x["hb0"]
+    ref = oracle(x["q"], x["k"], x["v"], x["eta"], x["w"], x["b"], zero_h0, zero_hb0, seqs,
+                 scale, 64, x.get("eta_key"), out)
+    rows = decode_rows(max(length for _, _, length in seqs))
+    got = run_decode(emu, x, seqs, cu, scale, states, final, out, rows)
+    assert np.isfinite(got[0]).all(), "o: not every entry written (NaN poison)"
+    assert _rel(got[0], ref[0]) < 2e-5, f"o: relative error {_rel(got[0], ref[0]):.2e}"
+    if final:
+        _assert_close(got, ref, None, None, 2e-5)
+        for n, (_, _, length) in enumerate(seqs):
+            if length == 0:   # passed through as given (zeros without an initial state)
+                assert np.array_equal(got[1][n], zero_h0[n].astype(np.float32))
+                assert np.array_equal(got[2][n], zero_hb0[n].astype(np.float32))
+    else:
+        assert got[1] is None and got[2] is None
+    roomier = run_decode(emu, x, seqs, cu, scale, states, final, out, 2 * rows + 3)
+    for a, b in zip(got, roomier):
+        assert a is None or np.array_equal(a, b), "the result depends on the rows held"

@@ -1,12 +1,16 @@
 """No GPU needed: a decode step (a forward without a backward whose every sequence fits in one
-chunk) is one launch, the fused forward chain writing the outputs (placement.fused_forward),
-at any number of chains, dense and packed, with and without states, with eta_key and every
-output form; and with float32 inputs the launcher does nothing else on the device but
-allocate (no cast or copy kernels). Other shapes keep their schedules."""
+chunk) is one launch at any number of chains, dense and packed, with and without states, with
+eta_key and every output form: fwd_decode when every sequence has at most
+placement.ROW_STEP_ROWS rows (placement.row_step: 1 for half inputs, 4 for float32, 16 at
+D_PAD 128), else the fused forward chain writing the outputs (placement.fused_forward); and
+with float32 inputs the launcher does nothing else on the device but allocate (no cast or
+copy kernels). A forced Schedule.fuse_forward and a forward with a backward never take
+fwd_decode; other shapes keep their schedules."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,13 +22,17 @@ from ttt import make_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
 from ttt_cupy.config import Schedule
-from ttt_cupy.placement import FUSED, forward_plan
+from ttt_cupy.placement import FUSED, ROW_STEP_ROWS, forward_plan, row_step
+from ttt_cupy.smem import decode_rows, decode_smem_bytes, decode_threads
 
 BT = 16
 
 
 def _problem(lens, H, D, *, dense=True, init=True, final=True, key=False,
-             output="norm_residual", dtype=torch.float32, param_dtype=torch.float32, seed=0):
+             output="norm_residual", dtype=torch.float32, param_dtype=torch.float32, seed=0,
+             eta_float=False):
+    """A problem of CPU tensors (random, none zero): ``init`` True (both initial states),
+    False, "state" or "bias" (that one alone); ``eta_float``: eta a float (a constant)."""
     gen = torch.Generator().manual_seed(seed)
     N = len(lens)
 
@@ -43,11 +51,14 @@ def _problem(lens, H, D, *, dense=True, init=True, final=True, key=False,
              w=randn(H, D, scale=0.1, dt=param_dtype) + 1, b=randn(H, D, scale=0.1,
                                                                   dt=param_dtype),
              eta=(0.1 * torch.rand(B, T, H, 1, generator=gen)).to(param_dtype))
-    if init:
+    if init in (True, "state"):
         x["initial_state"] = randn(N, H, D, D, scale=0.1, dt=torch.float32)
+    if init in (True, "bias"):
         x["initial_state_bias"] = randn(N, H, 1, D, scale=0.1, dt=torch.float32)
     if key:
         x["eta_key"] = (0.3 + 1.4 * torch.rand(B, T, H, 1, generator=gen)).to(param_dtype)
+    if eta_float:
+        x["eta"] = 0.05
     p = make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale=D ** -0.5,
                      eps=1e-6, chunk_size=BT, initial_state=x.get("initial_state"),
                      initial_state_bias=x.get("initial_state_bias"), output_final_state=final,
@@ -58,6 +69,8 @@ def _problem(lens, H, D, *, dense=True, init=True, final=True, key=False,
 DECODE = [  # sequence lengths (all within one chunk), heads, dense
     ((1,), 1, True),              # one token, one chain
     ((1,) * 4, 8, True),          # a batch of generation steps
+    ((4,) * 2, 2, True),          # four tokens each: float32's most rows for fwd_decode
+    ((5,) * 2, 2, True),          # five: the fused chain
     ((BT,) * 2, 4, True),         # a whole chunk (prefill of a short prompt)
     ((1, 5, BT), 2, False),       # packed
     ((3, 0, 1), 2, False),        # packed, an empty sequence
@@ -70,12 +83,32 @@ def _did(case):
     return f"{'dense' if dense else 'packed'}-N{len(lens)}-T{max(lens)}-H{H}"
 
 
+def _decode_kernel(lens, D, dtype=torch.float32) -> bool:
+    """Whether a generation step of sequences of ``lens`` runs fwd_decode (the rule's table
+    as this test reads it: ROW_STEP_ROWS by input dtype and padded head dim)."""
+    if dtype != torch.float32:
+        return max(lens) <= ROW_STEP_ROWS["half"]
+    return max(lens) <= ROW_STEP_ROWS["float32_wide" if cc.d_pad(D) > 64 else "float32"]
+
+
+def _decode_name(lens, D, dtype=torch.float32, mma=True, **variant) -> str:
+    """The one kernel a generation step of sequences of ``lens`` launches: fwd_decode, or the
+    fused forward chain (its tensor-core instance for half inputs)."""
+    ctype = cc.CTYPES[str(dtype).removeprefix("torch.")]
+    if _decode_kernel(lens, D, dtype):
+        return cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), BT, **variant)
+    return cc.kernel_name("fwd_chain", ctype, cc.d_pad(D), BT, mma and ctype != "float",
+                          fused=True, **variant)
+
+
 FORMS = [  # initial states, final states, eta_key, output form
     (False, False, False, "norm_residual"),
     (True, True, False, "norm_residual"),
     (True, False, True, "query_residual"),
     (False, True, True, "raw"),
     (True, True, False, "raw"),
+    ("state", True, False, "query_residual"),
+    ("bias", True, True, "norm_residual"),
 ]
 
 
@@ -89,10 +122,12 @@ def test_decode_is_one_launch(recording, case, form):
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert saved is None and (ht is not None) == final
     assert len(recording.launches) == 1, [launch[0] for launch in recording.launches]
-    name, grid, *_ = recording.launches[0]
-    variant = dict(key=key, out=output)
-    assert name == cc.kernel_name("fwd_chain", "float", 32, BT, False, fused=True, **variant)
+    name, grid, block, smem, _ = recording.launches[0]
+    assert name == _decode_name(lens, 32, key=key, out=output)
     assert grid == len(lens) * H
+    if _decode_kernel(lens, 32):   # the block and its rows' shared memory
+        assert (block, smem) == (decode_threads(32), decode_smem_bytes(32, decode_rows(
+            max(lens))))
     assert not recording.waits
 
 
@@ -105,48 +140,62 @@ FORMS_IN_TURN = [  # as FORMS; each differs in one from the first
     (False, False, False, "raw"),
 ]
 
+ARG_INDEX = {  # (o, ht, scale, eps) in each kernel's arguments (csrc/*.cu)
+    "fwd_chain": (14, 8, 19, 20),
+    "fwd_decode": (11, 9, 13, 14),
+}
 
-def test_decode_steps_of_every_form_on_one_device(recording):
+
+@pytest.mark.parametrize("lens", [(1,) * 4, (5,) * 4], ids=["fwd_decode", "fused-chain"])
+def test_decode_steps_of_every_form_on_one_device(recording, lens):
     """Steps of each form in turn on one device, each form twice, every scale and eps: each
-    launch is its form's kernel, with that call's scalars and that call's output address
-    (what the launcher keeps per configuration never leaks into another)."""
-    lens, H, dense = DECODE[1]
+    launch is its form's kernel (fwd_decode, or the fused chain for longer sequences), with
+    that call's scalars and that call's output address (what the launcher keeps per
+    configuration never leaks into another)."""
+    H = 8
+    kernel = cc.DECODE_KERNEL if _decode_kernel(lens, 32) else "fwd_chain"
+    i_o, i_ht, i_scale, i_eps = ARG_INDEX[kernel]
     for step in range(2):
         for init, final, key, output in FORMS_IN_TURN:
             for scale, eps in ((0.125, 1e-6), (0.125, 1e-3), (0.5, 1e-3)):
-                p, _, _ = _problem(lens, H, 32, dense=dense, init=init, final=final, key=key,
+                p, _, _ = _problem(lens, H, 32, init=init, final=final, key=key,
                                    output=output, seed=step)
                 p = dataclasses.replace(p, scale=scale, eps=eps)
                 recording.launches.clear()
                 o, ht, _, _ = launcher.ttt_linear_fwd(p, save_for_backward=False,
                                                       device=recording)
                 (name, grid, _, _, args), = recording.launches
-                assert name == cc.kernel_name("fwd_chain", "float", 32, BT, False, fused=True,
-                                              key=key, out=output)
+                assert name == _decode_name(lens, 32, key=key, out=output)
+                assert name.startswith(f"ttt_linear_{kernel}<")
                 assert grid == len(lens) * H
-                assert args[14] == o.data_ptr() and args[8] == (ht.data_ptr() if final else 0)
-                assert (args[19], args[20]) == (np.float32(scale), np.float32(eps))
+                assert args[i_o] == o.data_ptr() and args[i_ht] == (ht.data_ptr() if final
+                                                                   else 0)
+                assert (args[i_scale], args[i_eps]) == (np.float32(scale), np.float32(eps))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_half_is_one_launch(recording, dtype):
-    """Half inputs: the tensor-core fused chain, still one launch."""
-    p, _, _ = _problem((1,) * 2, 4, 64, dtype=dtype)
+@pytest.mark.parametrize("T", [1, 2])
+def test_decode_half_is_one_launch(recording, dtype, T):
+    """Half inputs: fwd_decode for one token (ROW_STEP_ROWS["half"]), the tensor-core fused
+    chain for more; one launch either way."""
+    p, _, _ = _problem((T,) * 2, 4, 64, dtype=dtype)
     launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     (name, *_), = recording.launches
-    ctype = cc.CTYPES[str(dtype).removeprefix("torch.")]
-    assert name == cc.kernel_name("fwd_chain", ctype, 64, BT, True, fused=True)
+    assert name == _decode_name((T,) * 2, 64, dtype)
+    assert (cc.DECODE_KERNEL in name) == (T == 1)
 
 
-@pytest.mark.parametrize("case", DECODE[:4], ids=[_did(c) for c in DECODE[:4]])
+@pytest.mark.parametrize("case", DECODE[:6], ids=[_did(c) for c in DECODE[:6]])
 def test_decode_with_backward_keeps_its_schedule(recording, case):
-    """A forward that saves for a backward keeps the chain-count rule: few chains unfused."""
+    """A forward that saves for a backward keeps the chain-count rule: few chains unfused;
+    never fwd_decode (it stores nothing for a backward)."""
     lens, H, dense = case
     p, _, _ = _problem(lens, H, 32, dense=dense)
     launcher.ttt_linear_fwd(p, save_for_backward=True, device=recording)
     names = [launch[0] for launch in recording.launches]
     fused = len(lens) * H >= FUSED["forward_training"]
     assert any("fwd_out" in n for n in names) != fused
+    assert not any(cc.DECODE_KERNEL in n for n in names)
 
 
 @pytest.mark.parametrize("lens,H,dense", [((BT + 1,), 2, True), ((1, BT + 1), 2, False),
@@ -171,6 +220,77 @@ def test_decode_forced_unfused(recording):
     assert any("fwd_out" in launch[0] for launch in recording.launches)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_forced_fused_runs_the_chain(recording, dtype):
+    """Schedule.fuse_forward=True forces the fused chain where fwd_decode would run (A/B
+    timing of the two kernels)."""
+    p, _, _ = _problem((1,) * 2, 2, 32, dtype=dtype)
+    launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording,
+                            schedule=Schedule(fuse_forward=True))
+    (name, *_), = recording.launches
+    ctype = cc.CTYPES[str(dtype).removeprefix("torch.")]
+    assert name == cc.kernel_name("fwd_chain", ctype, 32, BT, ctype != "float", fused=True)
+
+
+def _rule_problem(dtype, D, lens, chunk=BT):
+    return SimpleNamespace(q=SimpleNamespace(dtype=dtype), D=D, seq_lens=tuple(lens),
+                           chunk_size=chunk)
+
+
+H200_SMEM = 227 * 1024
+
+
+@pytest.mark.parametrize("dtype,D,rows", [
+    (torch.bfloat16, 64, 1), (torch.float16, 128, 1), (torch.bfloat16, 24, 1),
+    (torch.float32, 16, 4), (torch.float32, 24, 4), (torch.float32, 64, 4),
+    (torch.float32, 65, 16), (torch.float32, 128, 16)])
+def test_row_step_rule(dtype, D, rows):
+    """placement.row_step: a generation step runs fwd_decode when its longest sequence has at
+    most 1 row for half inputs, 4 for float32 at D_PAD <= 64 and 16 at D_PAD 128 (an empty
+    sequence beside them counts nothing); never with a backward, with a forced
+    Schedule.fuse_forward (either way), past one chunk, or where its shared memory does not
+    fit the device."""
+    assert ROW_STEP_ROWS == {"half": 1, "float32": 4, "float32_wide": 16}
+    for lens in ((rows,), (1, rows, 0), (rows,) * 3):
+        p = _rule_problem(dtype, D, lens)
+        assert row_step(p, False, H200_SMEM)
+        assert row_step(p, False, H200_SMEM, Schedule(overlap=True))   # (not fuse_forward)
+        assert not row_step(p, True, H200_SMEM)                         # a training forward
+        for forced in (True, False):
+            assert not row_step(p, False, H200_SMEM, Schedule(fuse_forward=forced))
+        need = decode_smem_bytes(cc.d_pad(D), decode_rows(max(lens)))
+        assert row_step(p, False, need) and not row_step(p, False, need - 1)
+    for lens in ((rows + 1,), (1, rows + 1), (rows, 0, rows + 1)):
+        assert not row_step(_rule_problem(dtype, D, lens), False, H200_SMEM)
+    assert not row_step(_rule_problem(dtype, D, (rows, BT + 1), BT), False, H200_SMEM)
+    assert row_step(_rule_problem(dtype, D, (0,)), False, H200_SMEM)   # nothing to run
+
+
+def test_decode_rows_and_smem():
+    """fwd_decode's shared memory holds the step's longest sequence's rows rounded up to a
+    power of two (one size for steps of about one length): k, q, v, kh / g and q W tiles of
+    D_PAD floats and eta, eta_key per row; threads 128, at D_PAD 128 256."""
+    assert [decode_rows(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 64)] == [1, 1, 2, 4, 4, 8, 16,
+                                                                         32, 64]
+    for dp in (16, 32, 64, 128):
+        assert decode_smem_bytes(dp, 4) == 4 * 4 * (5 * dp + 2)
+        assert decode_threads(dp) == (256 if dp == 128 else 128)
+
+
+def test_decode_setup_is_kept(recording):
+    """A dense generation step seen before takes its kept setup (kernel, block, shared
+    memory, scalars); its launch takes the new call's tensors."""
+    for seed in range(3):
+        p, _, _ = _problem((1,) * 3, 2, 32, seed=seed)
+        recording.launches.clear()
+        o, ht, _, _ = launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
+        (name, _, _, _, args), = recording.launches
+        assert cc.DECODE_KERNEL in name
+        assert (args[0], args[9], args[11]) == (p.q.data_ptr(), ht.data_ptr(), o.data_ptr())
+    kept = [setup for key, setup in launcher._FORWARD_SETUPS.items() if key[0] is recording]
+    assert len(kept) == 1 and isinstance(kept[0], launcher._DecodeSetup)
+
+
 class _Ops(TorchDispatchMode):
     """The aten operators run under it."""
 
@@ -186,49 +306,63 @@ class _Ops(TorchDispatchMode):
 ALLOCATIONS = {"empty", "empty_like", "empty_strided"}
 
 
+@pytest.mark.parametrize("lens,dense", [((1,) * 2, True), ((5,) * 2, True),
+                                        ((1, 0, 4), False)],
+                         ids=["dense-fwd_decode", "dense-fused-chain", "packed-fwd_decode"])
 @pytest.mark.parametrize("form", FORMS, ids=["-".join(map(str, f)) for f in FORMS])
-def test_decode_float32_only_allocates(recording, form):
-    """Dense float32 inputs: besides its one launch, the launcher only allocates (the outputs
-    and final states): no cast, copy or fill of an input that is float32 already."""
+def test_decode_float32_only_allocates(recording, form, lens, dense):
+    """float32 inputs: besides its one launch (fwd_decode or the fused chain), the launcher
+    only allocates (the outputs and final states): no cast, copy or fill of an input that is
+    float32 already."""
     init, final, key, output = form
-    p, _, _ = _problem((1,) * 2, 4, 32, init=init, final=final, key=key, output=output)
+    p, _, _ = _problem(lens, 4, 32, init=init, final=final, key=key, output=output,
+                       dense=dense)
     with _Ops() as ops:
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert set(ops.ops) <= ALLOCATIONS, ops.ops
-    assert len(recording.launches) == 1
+    (name, *_), = recording.launches
+    assert (cc.DECODE_KERNEL in name) == _decode_kernel(lens, 32)
 
 
-def test_decode_half_params_cast_once(recording):
+@pytest.mark.parametrize("T", [1, 5], ids=["fwd_decode", "fused-chain"])
+def test_decode_half_params_cast_once(recording, T):
     """bfloat16 eta, w, b: one cast each (the kernels read them in fp32), nothing else."""
-    p, _, _ = _problem((1,) * 2, 4, 32, param_dtype=torch.bfloat16)
+    p, _, _ = _problem((T,) * 2, 4, 32, param_dtype=torch.bfloat16)
     with _Ops() as ops:
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert [op for op in ops.ops if op not in ALLOCATIONS] == ["_to_copy"] * 3, ops.ops
 
 
-EMULATED = [  # sequence lengths, heads, dense, initial states, eta_key, output form, dtype
-    ((1,) * 3, 2, True, True, False, "norm_residual", torch.float32),
-    ((BT,) * 2, 1, True, False, False, "norm_residual", torch.float32),
-    ((1, 9, BT), 2, False, True, True, "query_residual", torch.bfloat16),
-    ((5, 0, 1), 1, False, True, False, "raw", torch.float16),
+EMULATED = [  # sequence lengths, heads, dense, initial states, eta_key, output form,
+    # eta / w / b dtype, head dim, eta a float
+    ((1,) * 3, 2, True, True, False, "norm_residual", torch.float32, 20, False),
+    ((BT,) * 2, 1, True, False, False, "norm_residual", torch.float32, 20, False),
+    ((1, 9, BT), 2, False, True, True, "query_residual", torch.bfloat16, 20, False),
+    ((5, 0, 1), 1, False, True, False, "raw", torch.float16, 20, False),
+    ((1, 0, 4, 1), 2, False, True, True, "query_residual", torch.float32, 20, False),
+    ((3,) * 2, 2, True, "state", False, "raw", torch.bfloat16, 64, True),
+    ((4,) * 2, 1, True, "bias", True, "norm_residual", torch.float32, 64, False),
+    ((1,) * 2, 2, True, False, True, "raw", torch.float32, 64, True),
+    ((16,) * 1, 1, True, True, True, "query_residual", torch.float32, 100, False),
 ]
 
 
 @pytest.mark.parametrize("case", EMULATED, ids=[
     f"{'dense' if c[2] else 'packed'}-{'+'.join(map(str, c[0]))}-H{c[1]}-"
-    f"{'h0' if c[3] else 'no-h0'}-{'key-' if c[4] else ''}{c[5]}-{str(c[6])[6:]}"
+    f"{'h0' if c[3] is True else 'no-h0' if not c[3] else c[3]}-{'key-' if c[4] else ''}"
+    f"{c[5]}-{str(c[6])[6:]}-D{c[7]}{'-eta-float' if c[8] else ''}"
     for c in EMULATED])
 def test_decode_end_to_end_matches_reference(emulated, case):
-    """The one fused launch run by the emulation: outputs and final states against the
-    reference backend in float64."""
-    lens, H, dense, init, key, output, param_dtype = case
-    D = 20
+    """The one launch (fwd_decode, or the fused chain for longer sequences) run by the
+    emulation: outputs and final states against the reference backend in float64."""
+    lens, H, dense, init, key, output, param_dtype, D, eta_float = case
     p, x, cu = _problem(lens, H, D, dense=dense, init=init, key=key, output=output,
-                        param_dtype=param_dtype, seed=3)
-    emulated.inputs = [t for t in (*x.values(), cu) if t is not None]
+                        param_dtype=param_dtype, seed=3, eta_float=eta_float)
+    emulated.inputs = [t for t in (*x.values(), cu, p.eta) if isinstance(t, torch.Tensor)]
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=False, device=emulated)
-    assert emulated.ran == ["emu_fwd_chain_fused"] and saved is None
-    ref_in = {name: t.double() for name, t in x.items()}
+    want = "emu_fwd_decode" if _decode_kernel(lens, D) else "emu_fwd_chain_fused"
+    assert emulated.ran == [want] and saved is None
+    ref_in = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in x.items()}
     ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, scale=D ** -0.5, eps=1e-6, chunk_size=BT,
                                          output_final_state=True, cu_seqlens=cu,
                                          output=output, backend="reference")
@@ -236,3 +370,7 @@ def test_decode_end_to_end_matches_reference(emulated, case):
         assert a.shape == b.shape, what
         err = float((a.double() - b).norm() / b.norm())
         assert err < 2e-4, f"{what}: relative error {err:.2e}"
+    for n, length in enumerate(lens if not dense else ()):
+        if length == 0:   # an empty sequence's states pass through (the op drops those)
+            h0 = x.get("initial_state")
+            assert torch.equal(ht[n], h0[n] if h0 is not None else torch.zeros_like(ht[n]))

@@ -2,7 +2,8 @@
 ``Schedule``): the segmented and overlapped passes (also the overlapped fallback path,
 ``overlap_spins=0``) give bitwise the outputs, final states and gradients of one launch per
 kernel, also on a stream of the caller's; and every schedule, the fused chains included,
-matches the float64 reference within the suite's tolerances. Dense and varlen batches, every
+matches the float64 reference within the suite's tolerances; fwd_decode (a short generation
+step's kernel) against the reference and the fused chain. Dense and varlen batches, every
 dtype. Skips without a CUDA GPU and cupy; on CPU the same launches run through the emulation
 (test_cpu_launcher.py, test_cpu_emulation.py)."""
 
@@ -183,3 +184,64 @@ def test_variants_every_schedule(case, variant):
     if key:
         _assert_same([few[-1]], [full[-1]], "deta_key of a backward asked for few gradients")
     assert all(t is None for t in few[4:-1]), "gradients computed though not needed"
+
+
+DECODE_CASES = [
+    # dtype, D, sequence lengths (dense: all equal), eta_key, output form
+    (torch.float32, 64, (1,) * 8, True, "query_residual"),
+    (torch.float32, 64, (4,) * 3, False, "norm_residual"),
+    (torch.float32, 24, (1, 0, 3, 4, 1), True, "raw"),
+    (torch.float32, 100, (16,) * 2, True, "query_residual"),
+    (torch.bfloat16, 64, (1,) * 8, True, "query_residual"),
+    (torch.float16, 128, (1, 1, 0, 1), False, "norm_residual"),
+    (torch.bfloat16, 64, (3,) * 2, True, "raw"),                 # 3 rows, forced below
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[
+    f"{str(c[0]).removeprefix('torch.')}-D{c[1]}-{'+'.join(map(str, c[2]))}-"
+    f"{'key-' if c[3] else ''}{c[4]}" for c in DECODE_CASES])
+def test_decode_kernel_matches_reference(case, monkeypatch):
+    """fwd_decode (placement.row_step; forced past its rows by raising ROW_STEP_ROWS) against
+    the float64 reference and against the fused chain (Schedule.fuse_forward=True), outputs
+    and final states, dense and packed (an empty sequence passes its states through)."""
+    from ttt_cupy import launcher, placement
+    from ttt_cupy.config import AUTO, Schedule
+
+    dtype, D, lens, key, output = case
+    monkeypatch.setattr(placement, "ROW_STEP_ROWS", dict.fromkeys(placement.ROW_STEP_ROWS, 16))
+    monkeypatch.setattr(launcher, "_FORWARD_SETUPS", {})   # (none kept under the real table)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dense = len(set(lens)) == 1
+    B, T, N, H = (len(lens), lens[0], len(lens), 2) if dense else (1, sum(lens), len(lens), 2)
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=gen, device="cuda")
+
+    x = dict(q=randn(B, T, H, D), k=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1),
+             v=randn(B, T, H, D), w=1 + randn(H, D, scale=0.1), b=randn(H, D, scale=0.1),
+             eta=0.1 * torch.rand(B, T, H, 1, generator=gen, device="cuda"))
+    x = {n: a.to(dtype) for n, a in x.items()}
+    x["initial_state"] = randn(N, H, D, D, scale=0.1)
+    x["initial_state_bias"] = randn(N, H, 1, D, scale=0.1)
+    if key:
+        x["eta_key"] = (0.3 + 1.4 * torch.rand(B, T, H, 1, generator=gen, device="cuda")).to(
+            dtype)
+    cu = None if dense else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                         device="cuda")
+    p = make_problem(**x, output_final_state=True, cu_seqlens=cu, output=output)
+    assert placement.row_step(p, False, 227 * 1024)
+    got = launcher.ttt_linear_fwd(p, False, schedule=AUTO)[:3]
+    chain = launcher.ttt_linear_fwd(p, False, schedule=Schedule(fuse_forward=True))[:3]
+    ref = ttt.chunk_ttt_linear(**{n: t.double() for n, t in x.items()},
+                               output_final_state=True, cu_seqlens=cu, output=output,
+                               backend="reference")
+    out_tol, _ = TOLERANCES[dtype]
+    for i, (a, c, r) in enumerate(zip(got, chain, ref)):
+        for what, b in (("reference", r), ("fused chain", c.double())):
+            err = float((a.double() - b).norm() / b.norm())
+            assert err < out_tol, f"result {i}: relative error {err:.2e} to the {what}"
+    for n, length in enumerate(() if dense else lens):
+        if length == 0:
+            assert torch.equal(got[1][n], x["initial_state"][n])
+            assert torch.equal(got[2][n], x["initial_state_bias"][n])

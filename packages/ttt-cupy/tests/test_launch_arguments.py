@@ -155,3 +155,24 @@ def test_launch_arguments_match_kernel_signatures(recording, dtype, D, lens, ini
                 assert _inside(int(arg), tensors), f"{name}: argument {i} points nowhere known"
         assert int(args[-1]) == smem, f"{name}: tells the kernel {args[-1]} bytes, launches {smem}"
         assert grid > 0 and block % 32 == 0 and 0 < block <= 1024, (name, grid, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("D", [24, 100], ids=["D24", "D100"])
+@pytest.mark.parametrize("lens", [(1,), (1, 0, 1)], ids=["dense", "varlen"])
+@pytest.mark.parametrize("init", [False, True], ids=["no-h0", "h0"])
+def test_decode_launch_arguments_match_kernel_signature(recording, dtype, D, lens, init):
+    """A short generation step (placement.row_step): fwd_decode's one launch, each argument
+    against its signature, every pointer null or inside a tensor of the call, the shared
+    memory it is told that of the launch, a block per (sequence, head)."""
+    p = _problem(dtype, D, lens, init)
+    launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
+    (name, grid, block, smem, args), = recording.launches
+    ctype = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"]
+    assert name == cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), 16)
+    params = _signatures()[f"ttt_linear_{cc.DECODE_KERNEL}"]
+    assert [type(a) for a in args] == params
+    for i, arg in enumerate(args[:-1]):
+        if params[i] is np.uint64 and int(arg) != 0:
+            assert _inside(int(arg), recording.tensors), f"argument {i} points nowhere known"
+    assert int(args[-1]) == smem and grid == len(lens) * 2 and block % 32 == 0

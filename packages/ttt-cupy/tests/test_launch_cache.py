@@ -42,6 +42,21 @@ def test_kernel_table_is_built_once(fake_cupy):
     assert cc.get_kernels("fwd", "float32", 32, 16, 1, False) is forward  # (float: SIMT)
 
 
+def test_decode_table_is_one_for_every_chunk_size(fake_cupy):
+    """The ``dec`` pass (fwd_decode: no chunk size, no tensor-core instance) has one table per
+    (dtype, D_PAD, device, variant), whatever BT and mma a call names: one program, one
+    kernel object."""
+    first = cc.get_kernels("dec", "bfloat16", 64, 16, 0, True)
+    assert set(first) == {cc.DECODE_KERNEL} and len(fake_cupy) == 1
+    assert first[cc.DECODE_KERNEL].name == cc.decode_name("__nv_bfloat16", 64)
+    for bt in (16, 32, 64):
+        for mma in (False, True):
+            assert cc.get_kernels("dec", "bfloat16", 64, bt, 0, mma) is first
+    assert len(fake_cupy) == 1 and len(fake_cupy.nvrtc) == 1
+    variant = cc.get_kernels("dec", "bfloat16", 64, 16, 0, True, key=True, out="raw")
+    assert variant[cc.DECODE_KERNEL].name == cc.decode_name("__nv_bfloat16", 64, True, "raw")
+
+
 def test_function_opts_in_once(fake_cupy):
     kernel = cc.get_kernels("fwd", "bfloat16", 64, 16, 0, True)["fwd_out"]
     device = CudaDevice(0)

@@ -35,7 +35,7 @@ def test_a_compile_with_an_empty_log_leaves_the_interpreter_intact():
     assert chr(0x20).encode()[0] == 0x20   # the shared one-byte object is still a space
 
 
-EVERY_INSTANCE = [(arch, pass_, dtype) for arch in ("90", "80") for pass_ in ("bwd", "fwd")
+EVERY_INSTANCE = [(arch, pass_, dtype) for arch in ("90", "80") for pass_ in ("bwd", "fwd", "dec")
                   for dtype in ("bfloat16", "float16", "float32")]
 """The parts of the full check, (arch, pass, dtype), one test each (sm_90 and the backward
 first: the longest), so that pytest-xdist spreads them over its workers."""
@@ -44,9 +44,12 @@ first: the longest), so that pytest-xdist spreads them over its workers."""
 def _instances(pass_: str, dtype: str) -> int:
     """The kernel instances of one pass and dtype at every (D_PAD, BT): the pass's kernels (+
     the fused forward chain), x 2 for the half types (their SIMT instances too, TTT_CUPY_MMA=0),
-    + the half types' fused backward chain at D_PAD <= 64."""
-    from ttt_cupy.compile import BLOCK_TS, D_PADS, FUSED_BWD_MAX_D_PAD, PASSES
+    + the half types' fused backward chain at D_PAD <= 64; the ``dec`` pass: fwd_decode once
+    per D_PAD (no BT, SIMT only)."""
+    from ttt_cupy.compile import BLOCK_TS, D_PADS, DECODE_PASS, FUSED_BWD_MAX_D_PAD, PASSES
 
+    if pass_ == DECODE_PASS:
+        return len(D_PADS)
     half = dtype != "float32"
     per_shape = (len(PASSES[pass_]) + (pass_ == "fwd")) * (2 if half else 1)
     fused_bwd = sum(dp <= FUSED_BWD_MAX_D_PAD for dp in D_PADS) if pass_ == "bwd" and half else 0
@@ -57,16 +60,17 @@ def test_every_instance_is_in_a_part():
     """No NVRTC needed: the parts of test_every_instance_compiles cover every (arch, pass,
     dtype) and add up to every instance: the five kernels and the fused forward chain per
     dtype, the SIMT instances of all of them for the two half types, the fused backward chain
-    for the two half types at D_PAD <= 64, at every (D_PAD, BT)."""
+    for the two half types at D_PAD <= 64, at every (D_PAD, BT); fwd_decode per dtype and
+    D_PAD."""
     from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS, PASSES
 
     assert sorted(EVERY_INSTANCE) == sorted((arch, pass_, dtype) for arch in ("80", "90")
                                             for pass_ in PASSES for dtype in CTYPES)
     assert MMA_KERNELS == KERNELS
     expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
-        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS)
+        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS) + len(CTYPES) * len(D_PADS)
     assert sum(_instances(pass_, dtype) for pass_ in PASSES for dtype in CTYPES) == expected
-    assert expected == 378
+    assert expected == 390
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
@@ -117,12 +121,67 @@ def test_variant_instances_compile(shape):
     # a pass's instances that the default variant lacks: fwd_chain with KEY, fwd_out with
     # each other OUT, the fused chain with each other (KEY, OUT); bwd_local with each other
     # OUT, bwd_chain and bwd_grads with KEY (+ the half types' fused backward chain with KEY
-    # at D_PAD <= 64); x 2 for the half types (their SIMT instances too)
-    fwd, bwd = 1 + 2 + 5, 2 + 1 + 1
-    expected = {"float16-dpad64-chunk16": 2 * (fwd + bwd) + 1,
-                "float32-dpad128-chunk64": fwd + bwd,
-                "bfloat16-dpad128-chunk64": 2 * (fwd + bwd)}[shape]
+    # at D_PAD <= 64); x 2 for the half types (their SIMT instances too); fwd_decode with
+    # each other (KEY, OUT) (no BT: in every chunk's selection; SIMT only)
+    fwd, bwd, dec = 1 + 2 + 5, 2 + 1 + 1, 5
+    expected = {"float16-dpad64-chunk16": 2 * (fwd + bwd) + 1 + dec,
+                "float32-dpad128-chunk64": fwd + bwd + dec,
+                "bfloat16-dpad128-chunk64": 2 * (fwd + bwd) + dec}[shape]
     assert counts == {"90": expected}, out.getvalue()
+
+
+@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_decode_instances_compile(dtype):
+    """fwd_decode (the ``dec`` pass) of every variant (eta_key, each output form) at every
+    D_PAD, through ptxas to cubins for sm_90 (its default variant for sm_80 is in
+    test_every_instance_compiles); no tf32 mma.sync in any (SIMT fp32)."""
+    from ttt_cupy import nvrtc_check
+    from ttt_cupy.compile import D_PADS, variants
+
+    out = io.StringIO()
+    try:
+        counts = nvrtc_check.run(("90",), jobs=1, out=out,
+                                 only=dict(passes=["dec"], dtypes=[dtype]), variants=variants())
+    except nvrtc_check.CheckError as err:
+        pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
+    assert counts == {"90": len(D_PADS) * len(variants())}, out.getvalue()
+    assert "0 with tf32 mma.sync" in out.getvalue()
+
+
+def test_decode_names():
+    """No NVRTC needed: fwd_decode's names (``<T, D_PAD, KEY, OUT>``, trailing defaults left
+    out), the ``dec`` pass's table and programs whatever BT and mma, and the compile check's
+    selection of its programs (no BT: in every chunk's)."""
+    from ttt_cupy.compile import (
+        DECODE_KERNEL,
+        DECODE_PASS,
+        decode_name,
+        kernel_name,
+        pass_names,
+        program_names,
+    )
+    from ttt_cupy.nvrtc_check import instances, is_mma_instance
+
+    assert decode_name("float", 64) == "ttt_linear_fwd_decode<float, 64>"
+    assert decode_name("__half", 32, key=True) == "ttt_linear_fwd_decode<__half, 32, true>"
+    assert decode_name("__nv_bfloat16", 128, out="raw") == \
+        "ttt_linear_fwd_decode<__nv_bfloat16, 128, false, 2>"
+    assert decode_name("float", 16, True, "query_residual") == \
+        "ttt_linear_fwd_decode<float, 16, true, 1>"
+    assert kernel_name(DECODE_KERNEL, "__half", 64, 16) == decode_name("__half", 64)
+    with pytest.raises(ValueError, match="MMA"):
+        kernel_name(DECODE_KERNEL, "__half", 64, 16, True)
+    for bt in (16, 64):
+        for mma in (False, True):
+            assert pass_names(DECODE_PASS, "__half", 64, bt, mma, True, "raw") == {
+                DECODE_KERNEL: "ttt_linear_fwd_decode<__half, 64, true, 2>"}
+    assert program_names(DECODE_PASS, "__half", 64, 16) == [decode_name("__half", 64)]
+    assert not is_mma_instance("ttt_linear_fwd_decode<__half, 64, true, 2>")
+    assert instances(passes=[DECODE_PASS], dtypes=["float32"], block_ts=[64]) == [
+        (DECODE_PASS, "float", dp, 0) for dp in (16, 32, 64, 128)]
+    with pytest.raises(ValueError, match="output"):
+        decode_name("float", 64, out="residual")
 
 
 def test_variant_names():
@@ -154,7 +213,8 @@ def test_variant_names():
     every = programs(only, variants())
     others = programs(only, variants()[1:], skip_default=True)
     assert [p for p, _ in every] == [p for p, _ in others] == [("fwd", "__half", 64, 16),
-                                                               ("bwd", "__half", 64, 16)]
+                                                               ("bwd", "__half", 64, 16),
+                                                               ("dec", "__half", 64, 0)]
     for (program, names), (_, new) in zip(every, others):
         assert len(set(names)) == len(names) and len(set(new)) == len(new)
         assert set(names) == {n for v in variants() for n in program_names(*program, *v)}

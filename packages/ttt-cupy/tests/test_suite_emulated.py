@@ -177,9 +177,19 @@ def test_strided_views_give_the_contiguous_results(ttt_backend, ttt_backend_name
 @pytest.mark.parametrize("case", [c for c in decode_suite.DECODE_CASES if c.dtype == F32],
                          ids=lambda c: c.id)
 def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
-    """Generation steps (every sequence within one chunk, no gradient)."""
+    """Generation steps (every sequence within one chunk, no gradient): fwd_decode for the
+    shortest (placement.row_step), the fused forward chain for the others."""
     decode_suite.test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name,
                                                  ttt_device)
+
+
+@pytest.mark.parametrize("case", [c for c in decode_suite.MULTI_STEP_CASES if c.dtype == F32],
+                         ids=lambda c: c.id)
+def test_decode_after_prefill_one_token_steps(case, ttt_backend, ttt_backend_name, ttt_device):
+    """A prefill, then steps of the open chunk's tokens so far (one to five rows: fwd_decode
+    up to placement.ROW_STEP_ROWS, the fused chain past them), against one call."""
+    decode_suite.test_decode_after_prefill_one_token_steps(case, ttt_backend, ttt_backend_name,
+                                                           ttt_device)
 
 
 @pytest.mark.parametrize("case", [c for c in empty_suite.EMPTY_CASES

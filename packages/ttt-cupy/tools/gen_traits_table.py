@@ -28,6 +28,7 @@ FIELDS = (
     "kFwdChainBytes", "kFwdChainTcBytes", "kFwdChainFusedBytes", "kFwdChainFusedTcBytes",
     "kFwdOutBytes", "kFwdOutTcBytes", "kBwdLocalBytes", "kBwdLocalTcBytes",
     "kBwdChainBytes", "kBwdChainTcBytes", "kBwdChainFusedTcBytes", "kBwdGradsBytes",
+    "kDecThreads", "kDecRowBytes",
 )
 
 

@@ -2,8 +2,9 @@
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
 builds that pass's template instances (forward: fwd_chain, fwd_out; backward: bwd_local,
-bwd_chain, bwd_grads; through ``name_expressions``), each as a program of its own, the
-programs compiled side by side (NVRTC runs outside the GIL), cached for the process and on
+bwd_chain, bwd_grads; a short generation step, ``"dec"``: fwd_decode; through
+``name_expressions``), each as a program of its own, the programs compiled side by side
+(NVRTC runs outside the GIL), cached for the process and on
 disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between processes; where that
 cache fails, one :class:`cupy.RawModule` of the whole pass compiled by CuPy). The *variant*
 (``eta_key`` given, the output form) picks the instances of the kernels it changes (template
@@ -11,9 +12,9 @@ parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (n
 ``norm_residual``) names exactly the instances it always had, and the others are compiled
 only when a call needs them. For half inputs every kernel is its tensor-core (tf32 mma.sync)
 instance unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float
-inputs always run SIMT fp32.
-The same sources, names and options are compile-checked without a GPU by
-:mod:`ttt_cupy.nvrtc_check`.
+inputs always run SIMT fp32, and so does fwd_decode for every type (it has no chunk size and
+no tensor-core instance: :data:`DECODE_KERNEL`). The same sources, names and options are
+compile-checked without a GPU by :mod:`ttt_cupy.nvrtc_check`.
 """
 
 from __future__ import annotations
@@ -33,15 +34,26 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 PASSES = {
     "fwd": ("fwd_chain", "fwd_out"),
     "bwd": ("bwd_local", "bwd_chain", "bwd_grads"),
+    "dec": ("fwd_decode",),
 }
 """The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
-template ``ttt_linear_x<T, D_PAD, BT>``. One program (RawModule) per pass and instance."""
+template ``ttt_linear_x<T, D_PAD, BT, MMA, ...>`` (the chunked passes ``fwd`` and ``bwd``),
+or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT>`` (``dec``: :data:`DECODE_KERNEL`). One
+program (RawModule) per pass and instance."""
 
-KERNELS = tuple(k for ks in PASSES.values() for k in ks)
+DECODE_PASS = "dec"
+DECODE_KERNEL = "fwd_decode"
+"""The kernel of a short generation step (placement.row_step): one block per (sequence, head)
+over all its rows, the state in registers; SIMT fp32 for every input type, so it has no chunk
+size and no ``MMA`` parameter, only the variant's ``KEY`` and ``OUT`` (:func:`decode_name`)."""
+
+KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
+"""The chunked passes' kernels (templates on T, D_PAD, BT, MMA, ...)."""
 
 MMA_KERNELS = KERNELS
-"""Every kernel has a template parameter ``bool MMA``: its tile products on tensor cores
-(tf32 mma.sync, fp32 accumulation); only the half types have MMA instances."""
+"""Every kernel of the chunked passes has a template parameter ``bool MMA``: its tile products
+on tensor cores (tf32 mma.sync, fp32 accumulation); only the half types have MMA instances
+(fwd_decode has none)."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """Their MMA instances keep the state in registers (one warp per 16 state columns)."""
@@ -93,8 +105,8 @@ def d_pad(D: int) -> int:
 
 
 def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS and kernel != DECODE_KERNEL:
+        raise ValueError(f"kernel: expected one of {(*KERNELS, DECODE_KERNEL)}, got {kernel!r}")
 
 
 def _check_pass(pass_: str) -> None:
@@ -137,6 +149,10 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
     _check_kernel(kernel)
     _check_fused(kernel, fused)
     _check_variant(key, out)
+    if kernel == DECODE_KERNEL:
+        if mma:
+            raise ValueError(f"{DECODE_KERNEL} has no MMA instance (SIMT fp32 for every type)")
+        return decode_name(ctype, dp, key, out)
     if mma is None:
         mma = ctype != "float"
     if mma and ctype == "float":
@@ -150,12 +166,26 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
     return f"ttt_linear_{kernel}<{', '.join(targs)}>"
 
 
+def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual") -> str:
+    """The name expression of a :data:`DECODE_KERNEL` instance, e.g.
+    ``ttt_linear_fwd_decode<float, 64>``: ``KEY`` and ``OUT`` as :func:`kernel_name` spells
+    them, trailing defaults left out (``ttt_linear_fwd_decode<__half, 64, false, 2>``)."""
+    _check_variant(key, out)
+    extra = [key, OUT_FORMS[out]]
+    while extra and not extra[-1]:
+        extra.pop()
+    return f"ttt_linear_{DECODE_KERNEL}<{', '.join([ctype, str(dp)] + [_cpp(x) for x in extra])}>"
+
+
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
                out: str = "norm_residual") -> dict[str, str]:
     """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`; ``key``,
     ``out``: the variant, see :func:`kernel_name`); the forward also holds
-    :data:`FUSED_NAME`, the chain that writes the outputs."""
+    :data:`FUSED_NAME`, the chain that writes the outputs. The ``dec`` pass: its one kernel,
+    whatever ``bt`` and ``mma`` (:func:`decode_name`)."""
     _check_pass(pass_)
+    if pass_ == DECODE_PASS:
+        return {DECODE_KERNEL: decode_name(ctype, dp, key, out)}
     mma = mma and ctype != "float"
     v = dict(key=key, out=out)
     names = {k: kernel_name(k, ctype, dp, bt, mma, **v) for k in PASSES[pass_]}
@@ -176,10 +206,11 @@ def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
                   out: str = "norm_residual") -> list[str]:
     """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant)
     program: the pass's kernels (and the fused forward chain), plus their SIMT instances for
-    half types."""
+    half types (the ``dec`` pass: its one instance)."""
     names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
     if ctype != "float":
-        names += list(pass_names(pass_, ctype, dp, bt, False, key, out).values())
+        names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out).values()
+                  if n not in names]
     return names
 
 
@@ -263,8 +294,8 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
     daemons: a process that ends first (a forward with gradients and no backward) waits for
     them, since one stopped inside NVRTC at interpreter exit crashes the process."""
     ctype = CTYPES[dtype_name]
-    args = (pass_, ctype, dp, bt, device_arch(device_index), mma and ctype != "float", key,
-            out)
+    bt, mma = _pass_key(pass_, ctype, bt, mma)
+    args = (pass_, ctype, dp, bt, device_arch(device_index), mma, key, out)
     with _PREFETCH_LOCK:
         if args in _PREFETCHED:
             return
@@ -352,11 +383,12 @@ def device_arch(device_index: int) -> str:
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int,
                 mma: bool, key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
-    """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"`` or ``"bwd"``) for the inputs'
-    dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if ``mma`` (see
-    :func:`use_mma`), of the variant ``key`` (eta_key) and ``out`` (the output form); compiled
-    on first use, then the same read-only table and kernel objects at every call (CuPy's
-    ``get_function`` builds a new RawKernel each time it is asked)."""
+    """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"``, ``"bwd"`` or ``"dec"``) for
+    the inputs' dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if
+    ``mma`` (see :func:`use_mma`), of the variant ``key`` (eta_key) and ``out`` (the output
+    form); compiled on first use, then the same read-only table and kernel objects at every
+    call (CuPy's ``get_function`` builds a new RawKernel each time it is asked). The ``dec``
+    pass has one table whatever BT and ``mma`` (:func:`_pass_key`)."""
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -366,8 +398,18 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
         raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
     _check_variant(key, out)
     ctype = CTYPES[dtype_name]
-    return _kernel_table(pass_, ctype, dp, bt, device_index, device_arch(device_index),
-                         mma and ctype != "float", key, out)
+    bt, mma = _pass_key(pass_, ctype, bt, mma)
+    return _kernel_table(pass_, ctype, dp, bt, device_index, device_arch(device_index), mma,
+                         key, out)
+
+
+def _pass_key(pass_: str, ctype: str, bt: int, mma: bool) -> tuple[int, bool]:
+    """(BT, mma) as the caches key a pass's programs: float inputs have no tensor-core
+    instances, and the ``dec`` pass neither those nor a chunk size (0), so that every chunk
+    size and ``TTT_CUPY_MMA`` setting shares its program."""
+    if pass_ == DECODE_PASS:
+        return 0, False
+    return bt, mma and ctype != "float"
 
 
 @functools.cache

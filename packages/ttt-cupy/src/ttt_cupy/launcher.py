@@ -3,7 +3,8 @@ torch's current stream (raw ``data_ptr()`` addresses, zero copy), in the schedul
 :mod:`ttt_cupy.placement` picks.
 
 Forward: fwd_chain (per (sequence, head): the state chain, the checkpoint slots, xhat and r),
-then fwd_out (per (group, head): the outputs); or fwd_chain's fused instance alone. Backward:
+then fwd_out (per (group, head): the outputs); or fwd_chain's fused instance alone; or, for a
+generation step of a few rows per sequence (placement.row_step), fwd_decode alone. Backward:
 bwd_local (per group), bwd_chain (per sequence, reverse), bwd_grads (per group, reverse); or
 the fused backward chain instead of the last two. ``eta_key`` and the output form pick the
 kernels' variant (:func:`ttt_cupy.compile.kernel_name`), compiled when first needed. The
@@ -24,6 +25,7 @@ the GPU: tests pass a stand-in that records the launches or runs them in the CPU
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -31,12 +33,20 @@ from ttt import GradNeeds, Problem
 from ttt.chunking import ChunkGroups
 
 from . import layout
-from .compile import FUSED_BWD_NAME, FUSED_NAME, d_pad
+from .compile import DECODE_KERNEL, DECODE_PASS, FUSED_BWD_NAME, FUSED_NAME, d_pad
 from .config import AUTO, Schedule, config
 from .device import cuda_device
 from .layout import NO_SYNC, PLAIN_GROUP, BackwardBuffers, Kernel, Saved, f32, group_blocks
-from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan
-from .smem import bwd_chain_fused_smem_bytes, grads_split, smem_bytes, threads
+from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan, row_step
+from .smem import (
+    bwd_chain_fused_smem_bytes,
+    decode_rows,
+    decode_smem_bytes,
+    decode_threads,
+    grads_split,
+    smem_bytes,
+    threads,
+)
 from .streams import WHOLE, Fork, overlap_sync, run_overlapped
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -80,6 +90,17 @@ class _ForwardSetup:
     scalars: tuple        # layout.shape_args
 
 
+@dataclass(frozen=True)
+class _DecodeSetup:
+    """A short generation step's launch (placement.row_step) besides its tensors: fwd_decode,
+    its block and shared memory, and its scalar arguments (layout.decode_scalars)."""
+
+    kernel: Any
+    block: int
+    smem: int
+    scalars: tuple
+
+
 MAX_SETUPS = 64
 """Setups kept per pass (dense batches); past this many they are all made again."""
 
@@ -88,16 +109,39 @@ _BACKWARD_SETUPS: dict[tuple, _BackwardSetup] = {}
 
 
 def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
-                   device) -> _ForwardSetup:
-    """The setup of ``p``'s forward; for a dense batch kept per (device, shape, dtype and
-    options), so that a call of a configuration seen before (a generation step) looks it
-    up (a packed batch's grouping has device tensors of its own: made each call)."""
+                   device) -> _ForwardSetup | _DecodeSetup:
+    """The setup of ``p``'s forward (a :class:`_DecodeSetup` for a short generation step,
+    placement.row_step); for a dense batch kept per (device, shape, dtype and options), so
+    that a call of a configuration seen before (a generation step) looks it up (a packed
+    batch's is made each call: its grouping has device tensors of its own)."""
     key = None if p.is_varlen else (
         device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None,
         p.scale, p.eps, save_for_backward, schedule, config().mma)
     setup = _FORWARD_SETUPS.get(key)
-    if setup is not None:
-        return setup
+    if setup is None:
+        if row_step(p, save_for_backward, device.smem_limit, schedule):
+            setup = _decode_setup(p, device)
+        else:
+            setup = _chunked_setup(p, save_for_backward, schedule, device)
+        _keep(_FORWARD_SETUPS, key, setup)
+    return setup
+
+
+def _decode_setup(p: Problem, device) -> _DecodeSetup:
+    """fwd_decode's launch for ``p``: shared memory for its longest sequence's rows
+    (smem.decode_rows); the same kernel at every chunk size and tensor-core setting."""
+    dp = d_pad(p.D)
+    rows = decode_rows(max(p.seq_lens, default=0))
+    smem = decode_smem_bytes(dp, rows)
+    kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
+                          **_variant(p))
+    return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem,
+                        layout.decode_scalars(p, rows, smem))
+
+
+def _chunked_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
+                   device) -> _ForwardSetup:
+    """The setup of ``p``'s forward through the chunked kernels (fwd_chain, fwd_out)."""
     dtype_name = _dtype_name(p.q)
     dp, bt = d_pad(p.D), p.chunk_size
     grp = ChunkGroups.of(p, CKPT_INTERVAL)
@@ -109,9 +153,7 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
              smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
     out = None if plan.fuse else (kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma))
-    setup = _ForwardSetup(grp, plan, chain, out, layout.shape_args(p, grp))
-    _keep(_FORWARD_SETUPS, key, setup)
-    return setup
+    return _ForwardSetup(grp, plan, chain, out, layout.shape_args(p, grp))
 
 
 def _keep(setups: dict, key: tuple | None, setup) -> None:
@@ -131,6 +173,8 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     B, T, H, D = p.q.shape
     N = p.N
     setup = _forward_setup(p, save_for_backward, schedule, device)
+    if isinstance(setup, _DecodeSetup):
+        return _decode_step(p, setup, device)
     grp, plan = setup.grp, setup.plan
     f = dict(dtype=torch.float32, device=p.q.device)
     ht = torch.empty(N, H, D, D, **f) if p.output_final_state else None
@@ -174,6 +218,24 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     saved = (Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b), rlbuf, ekey) if save_for_backward
              else None)
     return o, ht, hbt, saved
+
+
+def _decode_step(p: Problem, setup: _DecodeSetup, device):
+    """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
+    launch only allocations, and casts of eta, w, b, eta_key not in float32. Returns (o, ht,
+    hbt, None)."""
+    B, T, H, D = p.q.shape
+    f = dict(dtype=torch.float32, device=p.q.device)
+    ht = torch.empty(p.N, H, D, D, **f) if p.output_final_state else None
+    hbt = torch.empty(p.N, H, 1, D, **f) if p.output_final_state else None
+    o = torch.empty_like(p.q)
+    args = layout.fwd_decode_args(
+        device.pointer, p, f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key),
+        f32(p.initial_state), f32(p.initial_state_bias), ht, hbt, o, setup.scalars)
+    here = device.current_stream()
+    with device.active():
+        device.launch(setup.kernel, p.N * H, setup.block, setup.smem, args, here)
+    return o, ht, hbt, None
 
 
 @dataclass(frozen=True)

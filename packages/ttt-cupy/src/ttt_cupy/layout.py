@@ -134,6 +134,21 @@ def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rb
             *scalars)
 
 
+def decode_scalars(p: Problem, rows: int, smem: int) -> tuple:
+    """fwd_decode's arguments after its pointers: scale, eps, T, H, D, its rows and its
+    shared memory in bytes (the last argument of every kernel)."""
+    B, T, H, D = p.q.shape
+    return (np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
+            np.int32(rows), np.uint64(smem))
+
+
+def fwd_decode_args(ptr, p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o,
+                    scalars: tuple) -> tuple:
+    """``scalars``: :func:`decode_scalars`."""
+    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ekey), ptr(h0),
+            ptr(hb0), ptr(ht), ptr(hbt), ptr(o), ptr(p.cu_seqlens), *scalars)
+
+
 @dataclass
 class BackwardBuffers:
     """The backward's outputs and work buffers (fp32 but dq, dk, dv). None: not computed

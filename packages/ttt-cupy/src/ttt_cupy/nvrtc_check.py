@@ -5,12 +5,13 @@ every instance the backend compiles at run time (there each kernel is a program 
 from the same source and options: an instance compiles to the same code either way), for
 each ``--arch`` (default sm_80 and sm_90): to cubins, or with
 ``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel is
-compiled twice (tensor-core and SIMT instance). It checks that the C++ traits equal the
-generated table the launcher reads, and that the PTX of a kernel holds tf32 ``mma.sync``
-exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc`` (``pip install
-'./packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC log on the first
-failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some programs (e.g.
-``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
+compiled twice (tensor-core and SIMT instance), but the ``dec`` pass's fwd_decode (SIMT
+only, and no BT: one program per dtype and D_PAD, whatever ``--chunk``). It checks that the
+C++ traits equal the generated table the launcher reads, and that the PTX of a kernel holds
+tf32 ``mma.sync`` exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc``
+(``pip install './packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC
+log on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some
+programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from .compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
+    DECODE_KERNEL,
+    DECODE_PASS,
     NVRTC_OPTIONS,
     OUT_FORMS,
     PASSES,
@@ -59,7 +62,9 @@ MMA_PTX = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
 
 def is_mma_instance(name: str) -> bool:
     """Whether a name expression is a tensor-core instance (fourth template argument ``true``;
-    a fifth one is ``FUSE``)."""
+    a fifth one is ``FUSE``; :data:`~ttt_cupy.compile.DECODE_KERNEL` has none)."""
+    if name.startswith(f"ttt_linear_{DECODE_KERNEL}<"):
+        return False
     args = name[name.index("<") + 1:name.rindex(">")].replace(" ", "").split(",")
     return len(args) >= 4 and args[3] == "true"
 
@@ -181,11 +186,13 @@ def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
 def instances(passes=None, dtypes=None, d_pads=None,
               block_ts=None) -> list[tuple[str, str, int, int]]:
     """(pass, C++ type, D_PAD, BT) of every program the backend may build, or of those in the
-    given passes / dtype names (``float16``) / D_PADs / BTs (None: all)."""
+    given passes / dtype names (``float16``) / D_PADs / BTs (None: all). The ``dec`` pass has
+    no chunk size: its programs (BT 0) are in whatever BTs are asked for."""
     return [(pass_, ct, dp, bt) for pass_ in PASSES if passes is None or pass_ in passes
             for name, ct in CTYPES.items() if dtypes is None or name in dtypes
             for dp in D_PADS if d_pads is None or dp in d_pads
-            for bt in BLOCK_TS if block_ts is None or bt in block_ts]
+            for bt in ((0,) if pass_ == DECODE_PASS else BLOCK_TS)
+            if pass_ == DECODE_PASS or block_ts is None or bt in block_ts]
 
 
 DEFAULT_VARIANT = (False, "norm_residual")

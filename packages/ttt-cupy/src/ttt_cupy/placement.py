@@ -1,7 +1,10 @@
 """Which schedule a pass runs: pure functions of the problem's shape (and a forced
 :class:`~ttt_cupy.config.Schedule`). Every schedule gives bitwise the results of one launch
-per kernel, except the fused chains, which compute the same math in another order.
+per kernel, except the fused chains and fwd_decode, which compute the same math in another
+order.
 
+- row step: a generation step of a few rows per sequence runs fwd_decode alone, one launch
+  (:func:`row_step`, :data:`ROW_STEP_ROWS`);
 - fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway; and
   a forward without a backward whose every sequence fits in one chunk, a generation step:
   one launch, see :func:`fused_forward`);
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ttt import Problem
 
 from .compile import FUSED_BWD_MAX_D_PAD, d_pad
 from .config import AUTO, Schedule
-from .smem import bwd_chain_fused_smem_bytes
+from .smem import bwd_chain_fused_smem_bytes, decode_rows, decode_smem_bytes
 
 CKPT_INTERVAL = 16
 """G: chunks per group (a checkpoint slot every G chunks); the group kernels replay one group
@@ -85,6 +90,49 @@ def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO
     if not save_for_backward and single_chunk(p):
         return True
     return chains(p) >= FUSED["forward_training" if save_for_backward else "forward_inference"]
+
+
+ROW_STEP_ROWS = {"half": 1, "float32": 4, "float32_wide": 16}
+"""The most rows of a sequence with which a generation step (no backward, every sequence
+within one chunk: :func:`single_chunk`) runs fwd_decode alone (:func:`row_step`) instead of
+fwd_chain's fused instance:
+
+======================  ============  ==================
+inputs (q, k, v)        D_PAD         rows per sequence
+======================  ============  ==================
+bfloat16, float16       any           1 (``"half"``)
+float32                 16 .. 64      4 (``"float32"``)
+float32                 128           16 (``"float32_wide"``)
+======================  ============  ==================
+
+fwd_decode reads and writes the state once and computes only the step's rows (each row a
+row times the state, its work growing with the rows), where the fused chain runs a whole
+padded chunk of tile products (tensor cores for half inputs) whatever the rows: it pays
+for the fewest rows, more of them in float32 (SIMT chain products) and at D_PAD 128. The
+values are the Triton backend's (``ROW_STEP_ROWS`` of its tuning.py, from an H100 A/B of
+its fwd_decode), to be measured for these kernels (A/B: ``Schedule(fuse_forward=True)``
+forces the fused chain)."""
+
+
+def row_step_rows(p: Problem) -> int:
+    """:data:`ROW_STEP_ROWS` for ``p``'s input dtype and padded head dim."""
+    if p.q.dtype != torch.float32:
+        return ROW_STEP_ROWS["half"]
+    return ROW_STEP_ROWS["float32_wide" if d_pad(p.D) > 64 else "float32"]
+
+
+def row_step(p: Problem, save_for_backward: bool, smem_limit: int,
+             schedule: Schedule = AUTO) -> bool:
+    """Whether ``p``'s forward runs fwd_decode alone (one launch): a generation step (no
+    backward, :func:`single_chunk`) whose every sequence has at most :func:`row_step_rows`
+    rows, fwd_decode's block within ``smem_limit`` bytes of shared memory, and the fused
+    chain not forced either way (``schedule.fuse_forward`` None: a forced Schedule runs the
+    chained kernels, for tests and A/B timing)."""
+    if schedule.fuse_forward is not None or save_for_backward or not single_chunk(p):
+        return False
+    longest = max(p.seq_lens, default=0)
+    return (longest <= row_step_rows(p)
+            and decode_smem_bytes(d_pad(p.D), decode_rows(longest)) <= smem_limit)
 
 
 def fused_backward(p: Problem, mma: bool, smem_limit: int, schedule: Schedule = AUTO) -> bool:

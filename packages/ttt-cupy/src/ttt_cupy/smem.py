@@ -3,7 +3,8 @@
 
 Shared memory holds fp32 tiles with rows padded by one float, plus cp.async stages where the
 block stays within an A100's 163 KiB; at D_PAD 128 with chunk 64 bwd_grads runs
-:func:`grads_split` blocks per (group, head), each with part of the state's rows.
+:func:`grads_split` blocks per (group, head), each with part of the state's rows. fwd_decode
+(no chunk size) takes shared memory by the step's rows (:func:`decode_smem_bytes`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,24 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     if fused and kernel != FUSED_KERNEL:
         raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
     return traits(dp, bt)[traits_field(kernel, mma and kernel != "bwd_grads", fused)]
+
+
+def decode_threads(dp: int) -> int:
+    """Threads per block of fwd_decode (kDecThreads: DecodeTraits in csrc/traits.cuh)."""
+    return traits(dp, 16)["kDecThreads"]
+
+
+def decode_rows(longest: int) -> int:
+    """The rows of shared memory a fwd_decode launch holds for a step whose longest sequence
+    has ``longest`` rows: that rounded up to a power of two (at least 1), so that steps of
+    about the same length share one size (and one kept setup, one opt-in)."""
+    return 1 << max(0, longest - 1).bit_length()
+
+
+def decode_smem_bytes(dp: int, rows: int) -> int:
+    """Dynamic shared memory of a fwd_decode block holding ``rows`` rows (kDecRowBytes a
+    row: its k, q, v, kh / g and q W tiles, eta and eta_key)."""
+    return rows * traits(dp, 16)["kDecRowBytes"]
 
 
 def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:

@@ -6,8 +6,8 @@
 // barrier yields to the scheduler, which resumes the block's fibers round by round (see
 // fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
 // NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry
-// points, called in the launcher's order by test_cpu_emulation.py) and fwd_chain's fused
-// instances (emu_fwd_chain_fused*). Only T = float is exposed (the fake cuda_fp16.h /
+// points, called in the launcher's order by test_cpu_emulation.py), fwd_chain's fused
+// instances (emu_fwd_chain_fused*) and fwd_decode (emu_fwd_decode). Only T = float is exposed (the fake cuda_fp16.h /
 // cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
@@ -293,6 +293,7 @@ extern "C" long long emu_prefetch_strays() { return g_prefetch_strays; }
 #endif
 
 #include "fwd_chain.cu"
+#include "fwd_decode.cu"
 #include "fwd_out.cu"
 #include "bwd_local.cu"
 #include "bwd_chain.cu"
@@ -433,6 +434,46 @@ ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, 
     if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS);
 #if EMU_IN_PART(1)
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS), P_(, KEY))
+#endif
+
+// fwd_decode (a short generation step: no chunk size, bt ignored; T = float), every variant at
+// every D_PAD (the kernel is small); its shared memory for `rows` rows, as the launcher sizes it.
+#define FWD_DECODE_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ekey, cf h0, cf hb0, \
+    float* ht, float* hbt, float* o, ci64 cu, float scale, float eps, i64 T, int H, int D, \
+    int rows
+#define FWD_DECODE_ARGS q, k, v, eta, w, b, ekey, h0, hb0, ht, hbt, o, cu, scale, eps, T, H, D, \
+    rows
+template <int DP>
+static int fwd_decode_t(i64 grid, FWD_DECODE_PARAMS) {
+    using Tr = ttt::DecodeTraits<DP>;
+    const unsigned long long bytes = (unsigned long long)rows * Tr::kRowBytes;
+    if (bytes > sizeof(smem)) __trap();  // (more than the emulated shared memory)
+    auto run = [&](auto key, auto out) {
+        constexpr bool KEY = decltype(key)::value;
+        constexpr int OUT = decltype(out)::value;
+        launch(grid, Tr::kThreads,
+               [&] { ttt_linear_fwd_decode<float, DP, KEY, OUT>(FWD_DECODE_ARGS, bytes); });
+    };
+    auto outs = [&](auto key) {
+        if (g_out == ttt::kOutQuery) return run(key, Out<ttt::kOutQuery>{});
+        if (g_out == ttt::kOutRaw) return run(key, Out<ttt::kOutRaw>{});
+        return run(key, Out<ttt::kOutNorm>{});
+    };
+    if (g_key)
+        outs(Key<true>{});
+    else
+        outs(Key<false>{});
+    return 0;
+}
+#if EMU_IN_PART(0)
+extern "C" int emu_fwd_decode(int dp, int bt, i64 grid, FWD_DECODE_PARAMS) {
+    (void)bt;
+    if (dp == 16) return fwd_decode_t<16>(grid, FWD_DECODE_ARGS);
+    if (dp == 32) return fwd_decode_t<32>(grid, FWD_DECODE_ARGS);
+    if (dp == 64) return fwd_decode_t<64>(grid, FWD_DECODE_ARGS);
+    if (dp == 128) return fwd_decode_t<128>(grid, FWD_DECODE_ARGS);
+    return 1;
+}
 #endif
 
 // The chain kernels' tensor-core instances (T = the fake __half: a float in a struct, so the

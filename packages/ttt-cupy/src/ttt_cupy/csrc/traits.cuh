@@ -4,6 +4,24 @@
 
 namespace ttt {
 
+// fwd_decode (fwd_decode.cu: a short generation step, no chunk size): kThreads threads, each
+// holding kEntries entries of the [D_PAD, D_PAD] state in registers, one column's rows in
+// kParts parts (the lanes of a column: kParts consecutive lanes), read kVec at a time from
+// shared memory; kRowBytes of shared memory per row of the step's longest sequence (the k,
+// q, v, kh / g and q W tiles, [rows, D_PAD] fp32 each, eta and eta_key [rows])
+template <int D_PAD>
+struct DecodeTraits {
+    static constexpr int kThreads = D_PAD >= 128 ? 256 : 128;
+    static constexpr int kWarps = kThreads / 32;
+    static constexpr int kParts = kThreads / D_PAD;      // 8, 4, 2, 2 at D_PAD 16 .. 128
+    static constexpr int kEntries = D_PAD / kParts;      // 2, 8, 32, 64
+    static constexpr int kVec = kEntries < 4 ? kEntries : 4;
+    static constexpr int kRowFloats = 5 * D_PAD + 2;
+    static constexpr unsigned long long kRowBytes = 4ull * kRowFloats;
+    static_assert(kParts * D_PAD == kThreads && 32 % kParts == 0, "a column's lanes in a warp");
+    static_assert(kEntries % kVec == 0, "whole shared-memory vectors");
+};
+
 template <int D_PAD, int BT>
 struct Traits {
     static_assert(D_PAD == 16 || D_PAD == 32 || D_PAD == 64 || D_PAD == 128,
@@ -142,6 +160,9 @@ struct Traits {
     static constexpr unsigned long long kBwdLocalBytes = 4ull * kBwdLocalFloats;
     static constexpr unsigned long long kBwdChainBytes = 4ull * kBwdChainFloats;
     static constexpr unsigned long long kBwdGradsBytes = 4ull * kBwdGradsFloats;
+    // fwd_decode's (DecodeTraits; the same at every BT), for the launcher's table
+    static constexpr int kDecThreads = DecodeTraits<D_PAD>::kThreads;
+    static constexpr unsigned long long kDecRowBytes = DecodeTraits<D_PAD>::kRowBytes;
     static_assert(BT % kWarps == 0, "BT must be a multiple of the warp count");
     // Lanes per row of the group kernels' MMA row passes over ROWS rows (row_col): 32 / (rows
     // per warp), so that a warp takes all its rows in one pass, but at least D_PAD / 4 (at
