@@ -219,8 +219,9 @@ class RecordingDevice:
         return cc.use_mma(cc.CTYPES[dtype_name], self.arch, requested)
 
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
-                key: bool = False, out: str = "norm_residual"):
-        return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma, key, out)
+                key: bool = False, out: str = "norm_residual", native_params: bool = False):
+        return cc.pass_names(pass_, cc.CTYPES[dtype_name], dp, bt, mma, key, out,
+                             native_params)
 
     def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                  key: bool = False, out: str = "norm_residual") -> None:
@@ -317,12 +318,13 @@ def _entry(name: str) -> tuple[str, int, int]:
 def _entry_variant(name: str) -> tuple[str, int, int, tuple[int, int]]:
     """_entry and the instance's variant (key, out) for ``emu_set_variant``: the template
     arguments after ``MMA`` (and fwd_chain's ``FUSE``) that compile.VARIANT_KERNELS names;
-    fwd_decode's (``<T, D_PAD, KEY, OUT>``: no chunk size, BT 0) after D_PAD."""
+    fwd_decode's (``<T, D_PAD, KEY, OUT, P>``: no chunk size, BT 0) after D_PAD."""
     base, _, targs = name.partition("<")
     if base == f"ttt_linear_{cc.DECODE_KERNEL}":
         t, dp, *rest = (a.strip() for a in targs.rstrip(">").split(","))
         assert t == "float", f"{name}: only float instances run here"
-        rest += ["false", "0"][len(rest):]
+        rest += ["false", "0", "float"][len(rest):]
+        assert rest[2] == "float", name
         return f"emu_{cc.DECODE_KERNEL}", int(dp), 0, (int(rest[0] == "true"), int(rest[1]))
     t, dp, bt, mma, *rest = (a.strip() for a in targs.rstrip(">").split(","))
     assert (t, mma) == ("float", "false"), f"{name}: only float SIMT instances run here"

@@ -685,10 +685,12 @@ def _decode_inputs(case, seed=7):
     return x, seqs, cu
 
 
-def run_decode(emu, x, seqs, cu, scale, states, final, out, rows):
+def run_decode(emu, x, seqs, cu, scale, states, final, out, rows, entry="emu_fwd_decode"):
     """fwd_decode on the emulation as the launcher launches it (one block per (sequence,
     head), shared memory for ``rows`` rows): (o, ht, hbt), ht and hbt None without final
-    states. ``states``: which initial states are given (the others null)."""
+    states. ``states``: which initial states are given (the others null). ``entry``: the
+    instance (emu_fwd_decode: T = P = float; emu_fwd_decode_half, _bf16: T = P = the stand-in
+    half types, which hold floats)."""
     f = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in x.items()}
     B, T, H, D = f["q"].shape
     N = len(seqs)
@@ -705,7 +707,7 @@ def run_decode(emu, x, seqs, cu, scale, states, final, out, rows):
             emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
     emu.emu_set_variant(int("eta_key" in f), OUT_FORMS[out])
     try:
-        rc = emu.emu_fwd_decode(
+        rc = getattr(emu, entry)(
             d_pad(D), 0, ctypes.c_longlong(N * H),
             *[None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays],
             ctypes.c_float(scale), ctypes.c_float(EPS), ctypes.c_longlong(T), ctypes.c_int(H),
@@ -746,3 +748,21 @@ def test_decode_kernel_matches_oracle(emu, case):
     roomier = run_decode(emu, x, seqs, cu, scale, states, final, out, 2 * rows + 3)
     for a, b in zip(got, roomier):
         assert a is None or np.array_equal(a, b), "the result depends on the rows held"
+
+
+@pytest.mark.parametrize("entry", ["emu_fwd_decode_half", "emu_fwd_decode_bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES[:6] + DECODE_CASES[8:9], ids=_decode_id)
+def test_decode_native_params_instance(emu, case, entry):
+    """fwd_decode's instance that reads eta, w, b and eta_key in the input type (P = T, the
+    launcher's native_params) widens them on load exactly as the launcher's fp32 casts do: with
+    the stand-in half types (floats inside) it gives bitwise the float instance's outputs and
+    final states, every variant among the cases."""
+    D, shape, H, states, final, key, out, const = case
+    x, seqs, cu = _decode_inputs(case)
+    rows = decode_rows(max(length for _, _, length in seqs))
+    args = (x, seqs, cu, D ** -0.5, states, final, out, rows)
+    want = run_decode(emu, *args)
+    got = run_decode(emu, *args, entry=entry)
+    assert np.isfinite(got[0]).all(), "o: not every entry written (NaN poison)"
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b))

@@ -3,9 +3,10 @@ chunk) is one launch at any number of chains, dense and packed, with and without
 eta_key and every output form: fwd_decode when every sequence has at most
 placement.ROW_STEP_ROWS rows (placement.row_step: 1 for half inputs, 4 for float32, 16 at
 D_PAD 128), else the fused forward chain writing the outputs (placement.fused_forward); and
-with float32 inputs the launcher does nothing else on the device but allocate (no cast or
-copy kernels). A forced Schedule.fuse_forward and a forward with a backward never take
-fwd_decode; other shapes keep their schedules."""
+with float32 inputs, or half inputs whose eta, w, b (and eta_key) are in their dtype
+(fwd_decode's native_params instance), the launcher does nothing else on the device but
+allocate (no cast or copy kernels). A forced Schedule.fuse_forward and a forward with a
+backward never take fwd_decode; other shapes keep their schedules."""
 
 from __future__ import annotations
 
@@ -324,9 +325,54 @@ def test_decode_float32_only_allocates(recording, form, lens, dense):
     assert (cc.DECODE_KERNEL in name) == _decode_kernel(lens, 32)
 
 
+PARAM_ARGS = slice(3, 7)
+"""eta, w, b, eta_key in fwd_decode's arguments (csrc/fwd_decode.cu)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", FORMS, ids=["-".join(map(str, f)) for f in FORMS])
+def test_decode_half_native_params_only_allocates(recording, form, dtype):
+    """Half inputs with eta, w, b (and eta_key) in their dtype (the usual generation call):
+    fwd_decode's native_params instance (P = T: it widens them on load) takes the inputs
+    themselves; besides its one launch the launcher only allocates, no cast."""
+    init, final, key, output = form
+    p, _, _ = _problem((1,) * 2, 4, 32, init=init, final=final, key=key, output=output,
+                       dtype=dtype, param_dtype=dtype)
+    with _Ops() as ops:
+        launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
+    assert set(ops.ops) <= ALLOCATIONS, ops.ops
+    (name, _, _, _, args), = recording.launches
+    assert name == _decode_name((1,), 32, dtype, key=key, out=output, native_params=True)
+    assert name.endswith(f", {cc.CTYPES[str(dtype).removeprefix('torch.')]}>")
+    given = (p.eta, p.w, p.b, p.eta_key)
+    assert list(args[PARAM_ARGS]) == [0 if t is None else t.data_ptr() for t in given]
+
+
+@pytest.mark.parametrize("key", [False, True], ids=["no-key", "key"])
+def test_decode_half_mixed_params_cast(recording, key):
+    """Half inputs with a float32 w among bfloat16 eta, b (and eta_key): the fp32 instance
+    (P = float) as before, the bfloat16 ones cast (one each), w as it is. The kept setup of a
+    shape never leaks between the two instances."""
+    p, _, _ = _problem((1,) * 2, 4, 32, key=key, dtype=torch.bfloat16,
+                       param_dtype=torch.bfloat16)
+    mixed = dataclasses.replace(p, w=p.w.float())
+    for problem, native in ((p, True), (mixed, False), (p, True)):
+        recording.launches.clear()
+        with _Ops() as ops:
+            launcher.ttt_linear_fwd(problem, save_for_backward=False, device=recording)
+        casts = [op for op in ops.ops if op not in ALLOCATIONS]
+        assert casts == ([] if native else ["_to_copy"] * (3 if key else 2)), ops.ops
+        (name, _, _, _, args), = recording.launches
+        assert name == _decode_name((1,), 32, torch.bfloat16, key=key, native_params=native)
+        assert args[4] == problem.w.data_ptr()    # (float32 already: read as it is)
+        if not native:
+            assert args[3] != problem.eta.data_ptr()
+
+
 @pytest.mark.parametrize("T", [1, 5], ids=["fwd_decode", "fused-chain"])
 def test_decode_half_params_cast_once(recording, T):
-    """bfloat16 eta, w, b: one cast each (the kernels read them in fp32), nothing else."""
+    """float32 inputs, bfloat16 eta, w, b: one cast each (the kernels read them in fp32),
+    nothing else."""
     p, _, _ = _problem((T,) * 2, 4, 32, param_dtype=torch.bfloat16)
     with _Ops() as ops:
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)

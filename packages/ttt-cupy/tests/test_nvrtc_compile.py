@@ -45,12 +45,13 @@ def _instances(pass_: str, dtype: str) -> int:
     """The kernel instances of one pass and dtype at every (D_PAD, BT): the pass's kernels (+
     the fused forward chain), x 2 for the half types (their SIMT instances too, TTT_CUPY_MMA=0),
     + the half types' fused backward chain at D_PAD <= 64; the ``dec`` pass: fwd_decode once
-    per D_PAD (no BT, SIMT only)."""
+    per D_PAD (no BT, SIMT only), twice for the half types (eta, w, b, eta_key in fp32 or in
+    the input type: native_params)."""
     from ttt_cupy.compile import BLOCK_TS, D_PADS, DECODE_PASS, FUSED_BWD_MAX_D_PAD, PASSES
 
-    if pass_ == DECODE_PASS:
-        return len(D_PADS)
     half = dtype != "float32"
+    if pass_ == DECODE_PASS:
+        return len(D_PADS) * (2 if half else 1)
     per_shape = (len(PASSES[pass_]) + (pass_ == "fwd")) * (2 if half else 1)
     fused_bwd = sum(dp <= FUSED_BWD_MAX_D_PAD for dp in D_PADS) if pass_ == "bwd" and half else 0
     return (per_shape * len(D_PADS) + fused_bwd) * len(BLOCK_TS)
@@ -61,16 +62,16 @@ def test_every_instance_is_in_a_part():
     dtype) and add up to every instance: the five kernels and the fused forward chain per
     dtype, the SIMT instances of all of them for the two half types, the fused backward chain
     for the two half types at D_PAD <= 64, at every (D_PAD, BT); fwd_decode per dtype and
-    D_PAD."""
+    D_PAD, and its native_params instances for the two half types."""
     from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS, PASSES
 
     assert sorted(EVERY_INSTANCE) == sorted((arch, pass_, dtype) for arch in ("80", "90")
                                             for pass_ in PASSES for dtype in CTYPES)
     assert MMA_KERNELS == KERNELS
     expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
-        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS) + len(CTYPES) * len(D_PADS)
+        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS) + (len(CTYPES) + 2) * len(D_PADS)
     assert sum(_instances(pass_, dtype) for pass_ in PASSES for dtype in CTYPES) == expected
-    assert expected == 390
+    assert expected == 398
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
@@ -122,11 +123,12 @@ def test_variant_instances_compile(shape):
     # each other OUT, the fused chain with each other (KEY, OUT); bwd_local with each other
     # OUT, bwd_chain and bwd_grads with KEY (+ the half types' fused backward chain with KEY
     # at D_PAD <= 64); x 2 for the half types (their SIMT instances too); fwd_decode with
-    # each other (KEY, OUT) (no BT: in every chunk's selection; SIMT only)
+    # each other (KEY, OUT) (no BT: in every chunk's selection; SIMT only; x 2 for the half
+    # types: the native_params instances too)
     fwd, bwd, dec = 1 + 2 + 5, 2 + 1 + 1, 5
-    expected = {"float16-dpad64-chunk16": 2 * (fwd + bwd) + 1 + dec,
+    expected = {"float16-dpad64-chunk16": 2 * (fwd + bwd + dec) + 1,
                 "float32-dpad128-chunk64": fwd + bwd + dec,
-                "bfloat16-dpad128-chunk64": 2 * (fwd + bwd) + dec}[shape]
+                "bfloat16-dpad128-chunk64": 2 * (fwd + bwd + dec)}[shape]
     assert counts == {"90": expected}, out.getvalue()
 
 
@@ -135,7 +137,8 @@ def test_variant_instances_compile(shape):
 def test_decode_instances_compile(dtype):
     """fwd_decode (the ``dec`` pass) of every variant (eta_key, each output form) at every
     D_PAD, through ptxas to cubins for sm_90 (its default variant for sm_80 is in
-    test_every_instance_compiles); no tf32 mma.sync in any (SIMT fp32)."""
+    test_every_instance_compiles), for the half types both instances (eta, w, b, eta_key in
+    fp32, and in the input type: native_params); no tf32 mma.sync in any (SIMT fp32)."""
     from ttt_cupy import nvrtc_check
     from ttt_cupy.compile import D_PADS, variants
 
@@ -145,13 +148,15 @@ def test_decode_instances_compile(dtype):
                                  only=dict(passes=["dec"], dtypes=[dtype]), variants=variants())
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
-    assert counts == {"90": len(D_PADS) * len(variants())}, out.getvalue()
+    per_variant = len(D_PADS) * (1 if dtype == "float32" else 2)
+    assert counts == {"90": per_variant * len(variants())}, out.getvalue()
     assert "0 with tf32 mma.sync" in out.getvalue()
 
 
 def test_decode_names():
-    """No NVRTC needed: fwd_decode's names (``<T, D_PAD, KEY, OUT>``, trailing defaults left
-    out), the ``dec`` pass's table and programs whatever BT and mma, and the compile check's
+    """No NVRTC needed: fwd_decode's names (``<T, D_PAD, KEY, OUT, P>``, trailing defaults
+    left out: P = float unless native_params, where it is T), the ``dec`` pass's table and
+    programs whatever BT and mma (both P for the half types), and the compile check's
     selection of its programs (no BT: in every chunk's)."""
     from ttt_cupy.compile import (
         DECODE_KERNEL,
@@ -176,7 +181,22 @@ def test_decode_names():
         for mma in (False, True):
             assert pass_names(DECODE_PASS, "__half", 64, bt, mma, True, "raw") == {
                 DECODE_KERNEL: "ttt_linear_fwd_decode<__half, 64, true, 2>"}
-    assert program_names(DECODE_PASS, "__half", 64, 16) == [decode_name("__half", 64)]
+    assert decode_name("__half", 64, native_params=True) == \
+        "ttt_linear_fwd_decode<__half, 64, false, 0, __half>"
+    assert decode_name("__nv_bfloat16", 32, True, "raw", True) == \
+        "ttt_linear_fwd_decode<__nv_bfloat16, 32, true, 2, __nv_bfloat16>"
+    assert decode_name("float", 64, native_params=True) == decode_name("float", 64)
+    assert kernel_name(DECODE_KERNEL, "__half", 64, 16, native_params=True) == \
+        decode_name("__half", 64, native_params=True)
+    with pytest.raises(ValueError, match="native_params"):
+        kernel_name("fwd_chain", "__half", 64, 16, native_params=True)
+    with pytest.raises(ValueError, match="native_params"):
+        pass_names("fwd", "__half", 64, 16, True, native_params=True)
+    assert pass_names(DECODE_PASS, "__half", 64, 16, False, native_params=True) == {
+        DECODE_KERNEL: decode_name("__half", 64, native_params=True)}
+    assert program_names(DECODE_PASS, "__half", 64, 16) == [
+        decode_name("__half", 64), decode_name("__half", 64, native_params=True)]
+    assert program_names(DECODE_PASS, "float", 64, 16, True) == [decode_name("float", 64, True)]
     assert not is_mma_instance("ttt_linear_fwd_decode<__half, 64, true, 2>")
     assert instances(passes=[DECODE_PASS], dtypes=["float32"], block_ts=[64]) == [
         (DECODE_PASS, "float", dp, 0) for dp in (16, 32, 64, 128)]

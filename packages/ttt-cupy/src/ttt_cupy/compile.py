@@ -13,8 +13,9 @@ parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (n
 only when a call needs them. For half inputs every kernel is its tensor-core (tf32 mma.sync)
 instance unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float
 inputs always run SIMT fp32, and so does fwd_decode for every type (it has no chunk size and
-no tensor-core instance: :data:`DECODE_KERNEL`). The same sources, names and options are
-compile-checked without a GPU by :mod:`ttt_cupy.nvrtc_check`.
+no tensor-core instance: :data:`DECODE_KERNEL`; it reads eta, w, b and eta_key in fp32 or,
+``native_params``, in the input type). The same sources, names and options are compile-checked
+without a GPU by :mod:`ttt_cupy.nvrtc_check`.
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ PASSES = {
 }
 """The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
 template ``ttt_linear_x<T, D_PAD, BT, MMA, ...>`` (the chunked passes ``fwd`` and ``bwd``),
-or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT>`` (``dec``: :data:`DECODE_KERNEL`). One
+or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>`` (``dec``: :data:`DECODE_KERNEL`). One
 program (RawModule) per pass and instance."""
 
 DECODE_PASS = "dec"
 DECODE_KERNEL = "fwd_decode"
 """The kernel of a short generation step (placement.row_step): one block per (sequence, head)
 over all its rows, the state in registers; SIMT fp32 for every input type, so it has no chunk
-size and no ``MMA`` parameter, only the variant's ``KEY`` and ``OUT`` (:func:`decode_name`)."""
+size and no ``MMA`` parameter, only the variant's ``KEY`` and ``OUT`` and ``P``, the type it
+reads eta, w, b and eta_key in: float, or T (``native_params``: a generation step whose
+parameters are all in the input type runs without casting them first) (:func:`decode_name`)."""
 
 KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
 """The chunked passes' kernels (templates on T, D_PAD, BT, MMA, ...)."""
@@ -135,24 +138,33 @@ def _check_variant(key: bool, out: str) -> None:
         raise TypeError(f"key: expected a bool, got {key!r}")
 
 
+def _check_native(kernel: str, native_params: bool) -> None:
+    if native_params and kernel != DECODE_KERNEL:
+        raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
+                         f"type, not {kernel!r}")
+
+
 def _cpp(x: bool | int) -> str:
     return ("true" if x else "false") if isinstance(x, bool) else str(x)
 
 
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
-                fused: bool = False, key: bool = False, out: str = "norm_residual") -> str:
+                fused: bool = False, key: bool = False, out: str = "norm_residual",
+                native_params: bool = False) -> str:
     """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``;
     ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance; ``key``
     (eta_key) and ``out`` (the output form): the variant, spelled only where the kernel has
     the parameter (:data:`VARIANT_KERNELS`; fwd_chain's ``OUT`` only in its FUSE instance)
-    and the trailing defaults left out, so that the default variant keeps its names."""
+    and the trailing defaults left out, so that the default variant keeps its names;
+    ``native_params``: :data:`DECODE_KERNEL`'s instance reading eta, w, b in the input type."""
     _check_kernel(kernel)
     _check_fused(kernel, fused)
     _check_variant(key, out)
+    _check_native(kernel, native_params)
     if kernel == DECODE_KERNEL:
         if mma:
             raise ValueError(f"{DECODE_KERNEL} has no MMA instance (SIMT fp32 for every type)")
-        return decode_name(ctype, dp, key, out)
+        return decode_name(ctype, dp, key, out, native_params)
     if mma is None:
         mma = ctype != "float"
     if mma and ctype == "float":
@@ -166,26 +178,33 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
     return f"ttt_linear_{kernel}<{', '.join(targs)}>"
 
 
-def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual") -> str:
+def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual",
+                native_params: bool = False) -> str:
     """The name expression of a :data:`DECODE_KERNEL` instance, e.g.
     ``ttt_linear_fwd_decode<float, 64>``: ``KEY`` and ``OUT`` as :func:`kernel_name` spells
-    them, trailing defaults left out (``ttt_linear_fwd_decode<__half, 64, false, 2>``)."""
+    them, then ``P`` (eta, w, b, eta_key's type): ``ctype`` with ``native_params``, else float;
+    trailing defaults left out (``ttt_linear_fwd_decode<__half, 64, false, 2>``,
+    ``ttt_linear_fwd_decode<__half, 64, false, 0, __half>``; float inputs: one name either
+    way, P = T = float)."""
     _check_variant(key, out)
-    extra = [key, OUT_FORMS[out]]
+    # "" for P = float (the default): dropped with the other trailing defaults
+    extra = [key, OUT_FORMS[out], ctype if native_params and ctype != "float" else ""]
     while extra and not extra[-1]:
         extra.pop()
     return f"ttt_linear_{DECODE_KERNEL}<{', '.join([ctype, str(dp)] + [_cpp(x) for x in extra])}>"
 
 
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
-               out: str = "norm_residual") -> dict[str, str]:
+               out: str = "norm_residual", native_params: bool = False) -> dict[str, str]:
     """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`; ``key``,
     ``out``: the variant, see :func:`kernel_name`); the forward also holds
     :data:`FUSED_NAME`, the chain that writes the outputs. The ``dec`` pass: its one kernel,
-    whatever ``bt`` and ``mma`` (:func:`decode_name`)."""
+    whatever ``bt`` and ``mma``, reading eta, w, b, eta_key in the input type with
+    ``native_params`` (:func:`decode_name`; the chunked passes have no such instance)."""
     _check_pass(pass_)
     if pass_ == DECODE_PASS:
-        return {DECODE_KERNEL: decode_name(ctype, dp, key, out)}
+        return {DECODE_KERNEL: decode_name(ctype, dp, key, out, native_params)}
+    _check_native(PASSES[pass_][0], native_params)
     mma = mma and ctype != "float"
     v = dict(key=key, out=out)
     names = {k: kernel_name(k, ctype, dp, bt, mma, **v) for k in PASSES[pass_]}
@@ -206,10 +225,12 @@ def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
                   out: str = "norm_residual") -> list[str]:
     """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant)
     program: the pass's kernels (and the fused forward chain), plus their SIMT instances for
-    half types (the ``dec`` pass: its one instance)."""
+    half types (the ``dec`` pass: its one instance, and for half types the one that reads
+    eta, w, b, eta_key in the input type too)."""
     names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
-    if ctype != "float":
-        names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out).values()
+    if ctype != "float":    # (the dec pass: mma is ignored, native_params not)
+        native = pass_ == DECODE_PASS
+        names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out, native).values()
                   if n not in names]
     return names
 
@@ -342,7 +363,7 @@ def _prefetched(args: tuple) -> bool:
 
 @functools.cache
 def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
-             out: str = "norm_residual") -> dict[str, Any]:
+             out: str = "norm_residual", native_params: bool = False) -> dict[str, Any]:
     """{name expression: its module} of one (pass, C++ type, D_PAD, BT, arch, mma, variant):
     each kernel its own program, loaded from the disk cache (:mod:`ttt_cupy.diskcache`) after
     what the cache lacks compiled side by side (by a :func:`prefetch` under way, waited for,
@@ -354,7 +375,7 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
     from .config import config
     from .diskcache import load_or_compile
 
-    names = list(pass_names(pass_, ctype, dp, bt, mma, key, out).values())
+    names = list(pass_names(pass_, ctype, dp, bt, mma, key, out, native_params).values())
     if not _prefetched((pass_, ctype, dp, bt, arch, mma, key, out)):
         _compile_programs(pass_, names, arch)
     code, options = source(pass_), NVRTC_OPTIONS + include_options()
@@ -382,13 +403,16 @@ def device_arch(device_index: int) -> str:
 
 
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int,
-                mma: bool, key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
+                mma: bool, key: bool = False, out: str = "norm_residual",
+                native_params: bool = False) -> Mapping[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"``, ``"bwd"`` or ``"dec"``) for
     the inputs' dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if
     ``mma`` (see :func:`use_mma`), of the variant ``key`` (eta_key) and ``out`` (the output
     form); compiled on first use, then the same read-only table and kernel objects at every
     call (CuPy's ``get_function`` builds a new RawKernel each time it is asked). The ``dec``
-    pass has one table whatever BT and ``mma`` (:func:`_pass_key`)."""
+    pass has one table whatever BT and ``mma`` (:func:`_pass_key`) and, with
+    ``native_params``, fwd_decode reading eta, w, b, eta_key in the input type (float inputs:
+    the same table either way)."""
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -399,8 +423,9 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
     _check_variant(key, out)
     ctype = CTYPES[dtype_name]
     bt, mma = _pass_key(pass_, ctype, bt, mma)
+    native = native_params and ctype != "float"   # (P = T = float: the default instance)
     return _kernel_table(pass_, ctype, dp, bt, device_index, device_arch(device_index), mma,
-                         key, out)
+                         key, out, native)
 
 
 def _pass_key(pass_: str, ctype: str, bt: int, mma: bool) -> tuple[int, bool]:
@@ -414,11 +439,12 @@ def _pass_key(pass_: str, ctype: str, bt: int, mma: bool) -> tuple[int, bool]:
 
 @functools.cache
 def _kernel_table(pass_: str, ctype: str, dp: int, bt: int, device_index: int, arch: str,
-                  mma: bool, key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
+                  mma: bool, key: bool = False, out: str = "norm_residual",
+                  native_params: bool = False) -> Mapping[str, Any]:
     import cupy
 
     with cupy.cuda.Device(device_index):
-        modules = _modules(pass_, ctype, dp, bt, arch, mma, key, out)
-        names = pass_names(pass_, ctype, dp, bt, mma, key, out)
+        modules = _modules(pass_, ctype, dp, bt, arch, mma, key, out, native_params)
+        names = pass_names(pass_, ctype, dp, bt, mma, key, out, native_params)
         return MappingProxyType({k: modules[name].get_function(name)
                                  for k, name in names.items()})

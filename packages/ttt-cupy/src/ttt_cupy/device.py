@@ -99,9 +99,11 @@ class CudaDevice:
         return use_mma(CTYPES[dtype_name], device_arch(self.index), requested)
 
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
-                key: bool = False, out: str = "norm_residual") -> Mapping[str, Any]:
-        """The pass's kernel table (``key``, ``out``: the variant, compile.kernel_name)."""
-        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out)
+                key: bool = False, out: str = "norm_residual",
+                native_params: bool = False) -> Mapping[str, Any]:
+        """The pass's kernel table (``key``, ``out``: the variant, compile.kernel_name;
+        ``native_params``: fwd_decode reading eta, w, b, eta_key in the input type)."""
+        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out, native_params)
 
     def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                  key: bool = False, out: str = "norm_residual") -> None:

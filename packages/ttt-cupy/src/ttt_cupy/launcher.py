@@ -93,12 +93,14 @@ class _ForwardSetup:
 @dataclass(frozen=True)
 class _DecodeSetup:
     """A short generation step's launch (placement.row_step) besides its tensors: fwd_decode,
-    its block and shared memory, and its scalar arguments (layout.decode_scalars)."""
+    its block and shared memory, its scalar arguments (layout.decode_scalars), and whether it
+    reads eta, w, b, eta_key as given (:func:`_native_params`) or in fp32."""
 
     kernel: Any
     block: int
     smem: int
     scalars: tuple
+    native: bool = False
 
 
 MAX_SETUPS = 64
@@ -116,7 +118,7 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     batch's is made each call: its grouping has device tensors of its own)."""
     key = None if p.is_varlen else (
         device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None,
-        p.scale, p.eps, save_for_backward, schedule, config().mma)
+        p.scale, p.eps, save_for_backward, schedule, config().mma, _native_params(p))
     setup = _FORWARD_SETUPS.get(key)
     if setup is None:
         if row_step(p, save_for_backward, device.smem_limit, schedule):
@@ -129,14 +131,27 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
 
 def _decode_setup(p: Problem, device) -> _DecodeSetup:
     """fwd_decode's launch for ``p``: shared memory for its longest sequence's rows
-    (smem.decode_rows); the same kernel at every chunk size and tensor-core setting."""
+    (smem.decode_rows); the same kernel at every chunk size and tensor-core setting, its
+    instance reading eta, w, b, eta_key in the input type where :func:`_native_params`."""
     dp = d_pad(p.D)
     rows = decode_rows(max(p.seq_lens, default=0))
     smem = decode_smem_bytes(dp, rows)
+    native = _native_params(p)
     kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
-                          **_variant(p))
+                          **_variant(p), **({"native_params": True} if native else {}))
     return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem,
-                        layout.decode_scalars(p, rows, smem))
+                        layout.decode_scalars(p, rows, smem), native)
+
+
+def _native_params(p: Problem) -> bool:
+    """Whether fwd_decode takes eta, w, b (and eta_key) as they are, in half inputs' dtype
+    (its P = T instance, which widens them on load): the usual generation call has every
+    tensor in the input dtype, and would otherwise cost a cast kernel each. Any other mix
+    (a float32 one among them) keeps the fp32 instance, the others cast (float32 inputs:
+    nothing to cast either way)."""
+    dtype = p.q.dtype
+    return dtype != torch.float32 and all(
+        t.dtype == dtype for t in (p.eta, p.w, p.b, p.eta_key) if t is not None)
 
 
 def _chunked_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
@@ -222,16 +237,20 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
 
 def _decode_step(p: Problem, setup: _DecodeSetup, device):
     """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
-    launch only allocations, and casts of eta, w, b, eta_key not in float32. Returns (o, ht,
-    hbt, None)."""
+    launch only allocations: eta, w, b, eta_key go as they are (all in the input dtype: the
+    kernel's P = T instance, :func:`_native_params`), else those not in float32 are cast
+    first. Returns (o, ht, hbt, None)."""
     B, T, H, D = p.q.shape
     f = dict(dtype=torch.float32, device=p.q.device)
     ht = torch.empty(p.N, H, D, D, **f) if p.output_final_state else None
     hbt = torch.empty(p.N, H, 1, D, **f) if p.output_final_state else None
     o = torch.empty_like(p.q)
+    params = (p.eta, p.w, p.b, p.eta_key)     # (a Problem's tensors are contiguous)
+    if not setup.native:
+        params = tuple(map(f32, params))
     args = layout.fwd_decode_args(
-        device.pointer, p, f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key),
-        f32(p.initial_state), f32(p.initial_state_bias), ht, hbt, o, setup.scalars)
+        device.pointer, p, *params, f32(p.initial_state), f32(p.initial_state_bias), ht, hbt,
+        o, setup.scalars)
     here = device.current_stream()
     with device.active():
         device.launch(setup.kernel, p.N * H, setup.block, setup.smem, args, here)

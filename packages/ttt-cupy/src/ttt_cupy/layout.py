@@ -144,7 +144,8 @@ def decode_scalars(p: Problem, rows: int, smem: int) -> tuple:
 
 def fwd_decode_args(ptr, p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o,
                     scalars: tuple) -> tuple:
-    """``scalars``: :func:`decode_scalars`."""
+    """``scalars``: :func:`decode_scalars`; eta, w, b, ekey in fp32 or all in the input
+    dtype (the kernel's ``P``)."""
     return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ekey), ptr(h0),
             ptr(hb0), ptr(ht), ptr(hbt), ptr(o), ptr(p.cu_seqlens), *scalars)
 

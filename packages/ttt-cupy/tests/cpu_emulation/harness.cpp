@@ -7,7 +7,8 @@
 // fiber::run). Blocks run one after the other and share one static "shared memory" buffer,
 // NaN-poisoned before each block. It drives the five kernels of csrc/ (emu_<kernel> entry
 // points, called in the launcher's order by test_cpu_emulation.py), fwd_chain's fused
-// instances (emu_fwd_chain_fused*) and fwd_decode (emu_fwd_decode). Only T = float is exposed (the fake cuda_fp16.h /
+// instances (emu_fwd_chain_fused*) and fwd_decode (emu_fwd_decode; T = P = the fake half types
+// in emu_fwd_decode_half, _bf16). Otherwise only T = float is exposed (the fake cuda_fp16.h /
 // cuda_bf16.h store floats), plus the tensor-core instances of all five kernels
 // (emu_<kernel>_mma: T = the fake __half, which holds a float, and MMA = true) with an
 // emulated mma.sync (below).
@@ -436,23 +437,31 @@ ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, 
 ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS), P_(, KEY))
 #endif
 
-// fwd_decode (a short generation step: no chunk size, bt ignored; T = float), every variant at
-// every D_PAD (the kernel is small); its shared memory for `rows` rows, as the launcher sizes it.
+// fwd_decode (a short generation step: no chunk size, bt ignored), every variant at every D_PAD
+// (the kernel is small); its shared memory for `rows` rows, as the launcher sizes it.
+// emu_fwd_decode: T = P = float. emu_fwd_decode_half, emu_fwd_decode_bf16: T = P = the fake
+// __half / __nv_bfloat16 (a float in a struct: the float arrays are read as they are), the
+// instance that reads eta, w, b and eta_key in the input type (the launcher's native_params).
 #define FWD_DECODE_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ekey, cf h0, cf hb0, \
-    float* ht, float* hbt, float* o, ci64 cu, float scale, float eps, i64 T, int H, int D, \
+    float* ht, float* hbt, float* o, ci64 cu, float scale, float eps, i64 T_len, int H, int D, \
     int rows
-#define FWD_DECODE_ARGS q, k, v, eta, w, b, ekey, h0, hb0, ht, hbt, o, cu, scale, eps, T, H, D, \
-    rows
-template <int DP>
+#define FWD_DECODE_ARGS q, k, v, eta, w, b, ekey, h0, hb0, ht, hbt, o, cu, scale, eps, T_len, H, \
+    D, rows
+template <int DP, typename T>
 static int fwd_decode_t(i64 grid, FWD_DECODE_PARAMS) {
     using Tr = ttt::DecodeTraits<DP>;
+    static_assert(sizeof(T) == sizeof(float), "the stand-in types hold a float");
     const unsigned long long bytes = (unsigned long long)rows * Tr::kRowBytes;
     if (bytes > sizeof(smem)) __trap();  // (more than the emulated shared memory)
+    auto in = [](cf a) { return reinterpret_cast<const T*>(a); };
     auto run = [&](auto key, auto out) {
         constexpr bool KEY = decltype(key)::value;
         constexpr int OUT = decltype(out)::value;
-        launch(grid, Tr::kThreads,
-               [&] { ttt_linear_fwd_decode<float, DP, KEY, OUT>(FWD_DECODE_ARGS, bytes); });
+        launch(grid, Tr::kThreads, [&] {
+            ttt_linear_fwd_decode<T, DP, KEY, OUT, T>(
+                in(q), in(k), in(v), in(eta), in(w), in(b), in(ekey), h0, hb0, ht, hbt,
+                reinterpret_cast<T*>(o), cu, scale, eps, T_len, H, D, rows, bytes);
+        });
     };
     auto outs = [&](auto key) {
         if (g_out == ttt::kOutQuery) return run(key, Out<ttt::kOutQuery>{});
@@ -465,14 +474,25 @@ static int fwd_decode_t(i64 grid, FWD_DECODE_PARAMS) {
         outs(Key<false>{});
     return 0;
 }
-#if EMU_IN_PART(0)
-extern "C" int emu_fwd_decode(int dp, int bt, i64 grid, FWD_DECODE_PARAMS) {
-    (void)bt;
-    if (dp == 16) return fwd_decode_t<16>(grid, FWD_DECODE_ARGS);
-    if (dp == 32) return fwd_decode_t<32>(grid, FWD_DECODE_ARGS);
-    if (dp == 64) return fwd_decode_t<64>(grid, FWD_DECODE_ARGS);
-    if (dp == 128) return fwd_decode_t<128>(grid, FWD_DECODE_ARGS);
+template <typename T>
+static int fwd_decode_dispatch(int dp, i64 grid, FWD_DECODE_PARAMS) {
+    if (dp == 16) return fwd_decode_t<16, T>(grid, FWD_DECODE_ARGS);
+    if (dp == 32) return fwd_decode_t<32, T>(grid, FWD_DECODE_ARGS);
+    if (dp == 64) return fwd_decode_t<64, T>(grid, FWD_DECODE_ARGS);
+    if (dp == 128) return fwd_decode_t<128, T>(grid, FWD_DECODE_ARGS);
     return 1;
+}
+#if EMU_IN_PART(0)
+extern "C" int emu_fwd_decode(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
+    return fwd_decode_dispatch<float>(dp, grid, FWD_DECODE_ARGS);
+}
+#endif
+#if EMU_IN_PART(1)  // (the half instances: in the other part, which builds at the same time)
+extern "C" int emu_fwd_decode_half(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
+    return fwd_decode_dispatch<__half>(dp, grid, FWD_DECODE_ARGS);
+}
+extern "C" int emu_fwd_decode_bf16(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
+    return fwd_decode_dispatch<__nv_bfloat16>(dp, grid, FWD_DECODE_ARGS);
 }
 #endif
 

@@ -1,4 +1,4 @@
-// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT>. No backward,
+// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>. No backward,
 // and every sequence within `rows` rows (placement.row_step routes steps of a few rows here;
 // longer ones run fwd_chain's fused instance): no product padded to a chunk, the state read
 // once and written once.
@@ -19,7 +19,10 @@
 // R lanes of a column (shuffles); the update k^T g is E per row. The rows' k, q, v, kh (then g)
 // and q~ W + hb sit in shared memory as [rows, D_PAD] fp32 tiles; the LayerNorm, g and the
 // output form run one warp a row (rows.cuh). Three barriers: the rows loaded, the products,
-// g. All arithmetic fp32; o in the input type T.
+// g. All arithmetic fp32; o in the input type T. eta, the LayerNorm's w, b and eta_key are
+// read in their type P (float, or T when the caller has them all in the input type: no cast
+// kernels before a generation step) and widened to fp32 on load, which is exact, so both
+// instances compute the same.
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -97,14 +100,15 @@ __device__ __forceinline__ float row_times_slot(const float* xrow,
 }
 
 // The step's L rows into shared memory: k, q (as given), v as [L, D_PAD] fp32 (zero past D),
-// eta and (KEY) eta_key [L]. Row i of q, k, v at p_base + i row_stride, of eta at p_ebase + i H.
-template <int D_PAD, bool KEY, typename T>
+// eta and (KEY) eta_key [L] (fp32, from their type S). Row i of q, k, v at p_base + i row_stride,
+// of eta at p_ebase + i H.
+template <int D_PAD, bool KEY, typename T, typename S>
 __device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* s_v, float* s_e,
                                                  float* s_l, const T* __restrict__ q,
                                                  const T* __restrict__ k,
                                                  const T* __restrict__ v,
-                                                 const float* __restrict__ eta,
-                                                 const float* __restrict__ ekey,
+                                                 const S* __restrict__ eta,
+                                                 const S* __restrict__ ekey,
                                                  long long p_base, long long p_ebase,
                                                  long long row_stride, int L, int H, int D) {
     constexpr int NT = DecodeTraits<D_PAD>::kThreads;
@@ -117,18 +121,18 @@ __device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* 
         s_v[idx] = ok ? to_f32(v[off]) : 0.f;
     }
     for (int i = threadIdx.x; i < L; i += NT) {
-        s_e[i] = eta[p_ebase + (long long)i * H];
-        if constexpr (KEY) s_l[i] = ekey[p_ebase + (long long)i * H];
+        s_e[i] = to_f32(eta[p_ebase + (long long)i * H]);
+        if constexpr (KEY) s_l[i] = to_f32(ekey[p_ebase + (long long)i * H]);
     }
 }
 
 // g of row i (one warp) over its kh in s_x: the LayerNorm of kh, then g = l r (y - ..) with
-// l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D].
-template <int D_PAD, bool KEY>
+// l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D] (in their type S).
+template <int D_PAD, bool KEY, typename S>
 __device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, const float* s_v,
                                                 const float* s_l, int i,
-                                                const float* __restrict__ lnw,
-                                                const float* __restrict__ lnb, int D, float eps) {
+                                                const S* __restrict__ lnw,
+                                                const S* __restrict__ lnb, int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float x[P], kr[P], vr[P], g[P], y[P], b_w[P], b_b[P];
     load_row<D_PAD>(b_w, lnw, D, 1.f);
@@ -144,12 +148,12 @@ __device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, co
 
 // o of row i (one warp): o_pre = (q~ W + hb)_i - e_i sum_{j <= i} (q~_i . k_j + 1) g_j, then the
 // output form (lnw, lnb as in decode_grad_row), stored to orow.
-template <int D_PAD, int OUT, typename T>
+template <int D_PAD, int OUT, typename T, typename S>
 __device__ __forceinline__ void decode_out_row(T* __restrict__ orow, const float* s_q,
                                                const float* s_k, const float* s_g,
                                                const float* s_o, const float* s_e, int i,
-                                               const float* __restrict__ lnw,
-                                               const float* __restrict__ lnb, float scale, int D,
+                                               const S* __restrict__ lnw,
+                                               const S* __restrict__ lnb, float scale, int D,
                                                float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float qs[P], acc[P], o[P], b_w[P], b_b[P];
@@ -199,14 +203,15 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, bool KEY = false, int OUT = ttt::kOutNorm>
+// P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
+template <typename T, int D_PAD, bool KEY = false, int OUT = ttt::kOutNorm, typename P = float>
 __global__ void __launch_bounds__(ttt::DecodeTraits<D_PAD>::kThreads)
 ttt_linear_fwd_decode(const T* __restrict__ q,         // [B, T, H, D]
                       const T* __restrict__ k, const T* __restrict__ v,
-                      const float* __restrict__ eta,   // [B, T, H] fp32
-                      const float* __restrict__ lnw,   // [H, D] fp32
-                      const float* __restrict__ lnb,   // [H, D] fp32
-                      const float* __restrict__ ekey,  // [B, T, H] fp32 eta_key (KEY) or null
+                      const P* __restrict__ eta,       // [B, T, H]
+                      const P* __restrict__ lnw,       // [H, D]
+                      const P* __restrict__ lnb,       // [H, D]
+                      const P* __restrict__ ekey,      // [B, T, H] eta_key (KEY) or null
                       const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
                       const float* __restrict__ hb0,   // [N, H, D] fp32 or null
                       float* __restrict__ ht,          // [N, H, D, D] or null
@@ -260,8 +265,8 @@ ttt_linear_fwd_decode(const T* __restrict__ q,         // [B, T, H, D]
     __syncthreads();
 
     const int wid = threadIdx.x >> 5;
-    const float* w_h = lnw + (long long)i_h * D;
-    const float* b_h = lnb + (long long)i_h * D;
+    const P* w_h = lnw + (long long)i_h * D;
+    const P* b_h = lnb + (long long)i_h * D;
     for (int i = wid; i < L; i += NW)  // g_i over kh_i
         decode_grad_row<D_PAD, KEY>(s_x, s_k, s_v, s_l, i, w_h, b_h, D, eps);
     __syncthreads();
