@@ -85,8 +85,10 @@ class NoLaunchDevice:
     def uses_mma(self, dtype_name: str, requested: bool) -> bool:
         return self._cc.use_mma(self._cc.CTYPES[dtype_name], "90", requested)
 
-    def kernels(self, pass_, dtype_name, dp, bt, mma, key=False, out="norm_residual"):
-        return self._cc.pass_names(pass_, self._cc.CTYPES[dtype_name], dp, bt, mma, key, out)
+    def kernels(self, pass_, dtype_name, dp, bt, mma, key=False, out="norm_residual",
+                **native):      # (native_params: the decode kernel's, where the launcher has it)
+        return self._cc.pass_names(pass_, self._cc.CTYPES[dtype_name], dp, bt, mma, key, out,
+                                   **native)
 
     def prefetch(self, *args, **kwargs) -> None:
         pass
