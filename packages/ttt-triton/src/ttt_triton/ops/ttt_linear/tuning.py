@@ -90,7 +90,8 @@ class Tuning:
 
     - ``checkpoint_interval``: G, chunks per group (:data:`CKPT_INTERVAL`); a power of two.
       The forward's choice; the backward takes the forward's groups.
-    - ``fuse_forward``: the forward chain writes the outputs (:data:`FUSED`).
+    - ``fuse_forward``: the forward chain writes the outputs (:data:`FUSED`); set either way,
+      a generation step runs the chained kernels, never fwd_decode (:func:`row_step`).
     - ``fuse_backward``: the backward chain computes dk, dv, the last-row deta (:data:`FUSED`).
     - ``grads_split``: bwd_grads programs per (group, head), 1 or 2 (:data:`WIDE_BACKWARD`).
     - ``rows_out``, ``rows_local``, ``rows_grads``: rows per block of fwd_out, bwd_local,
