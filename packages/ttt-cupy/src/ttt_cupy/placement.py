@@ -110,8 +110,8 @@ row times the state, its work growing with the rows), where the fused chain runs
 padded chunk of tile products (tensor cores for half inputs) whatever the rows: it pays
 for the fewest rows, more of them in float32 (SIMT chain products) and at D_PAD 128. The
 values are the Triton backend's (``ROW_STEP_ROWS`` of its tuning.py, from an H100 A/B of
-its fwd_decode), to be measured for these kernels (A/B: ``Schedule(fuse_forward=True)``
-forces the fused chain)."""
+its fwd_decode), not yet measured for these kernels: ``benchmarks/row_step.py --backends
+cupy`` does (``Schedule(fuse_forward=True)`` forces the fused chain)."""
 
 
 def row_step_rows(p: Problem) -> int:

@@ -217,7 +217,7 @@ writes the state once, but its per-row work grows with the rows, while the chain
 cost one padded chunk whatever the rows. On an H100 (B 64, H 16, layer form, CUDA graph
 replay, us per call, fwd_decode / fused chain): bf16 D 64 15.1 / 24.4 at 1 row, 33.4 / 25.1
 at 4; fp32 D 64 14.3 / 64.4 at 1 row, 37.8 / 66.5 at 4, 132 / 70 at 16; fp32 D 128 549 /
-1969 at 16 rows (docs/benchmarks.md)."""
+1969 at 16 rows (``benchmarks/row_step.py`` measures it)."""
 
 
 def row_step(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
