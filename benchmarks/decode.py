@@ -70,8 +70,9 @@ class Step:
 
 
 def make_step(B: int, H: int, D: int, dtype: torch.dtype, device: torch.device,
-              seed: int = 0) -> Step:
-    """Fresh random inputs (seeded), k L2-normalised over D, states 0.1 randn."""
+              seed: int = 0, rows: int = 1) -> Step:
+    """Fresh random inputs (seeded), k L2-normalised over D, states 0.1 randn; ``rows``
+    tokens per sequence."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
@@ -81,10 +82,10 @@ def make_step(B: int, H: int, D: int, dtype: torch.dtype, device: torch.device,
         return offset + scale * torch.rand(*size, generator=gen, device=device,
                                            dtype=torch.float32)
 
-    q, k, v = randn(B, 1, H, D), randn(B, 1, H, D), randn(B, 1, H, D)
+    q, k, v = randn(B, rows, H, D), randn(B, rows, H, D), randn(B, rows, H, D)
     k = torch.nn.functional.normalize(k, p=2, dim=-1)
     inputs = [q, k, v, 1.0 + randn(H, D, scale=0.1), randn(H, D, scale=0.1),
-              rand(B, 1, H, 1, scale=0.1), rand(B, 1, H, 1, offset=0.5)]
+              rand(B, rows, H, 1, scale=0.1), rand(B, rows, H, 1, offset=0.5)]
     return Step(*(x.to(dtype).contiguous() for x in inputs),
                 h0=randn(B, H, D, D, scale=0.1), hb0=randn(B, H, 1, D, scale=0.1))
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _timing  # noqa: E402
-from decode import DTYPES, gpu_backends, graph_replay, header  # noqa: E402
+from decode import DTYPES, gpu_backends, graph_replay, header, make_step  # noqa: E402
 
 import ttt  # noqa: E402
 
@@ -72,23 +72,12 @@ def every_row_count(launcher, rules):
 
 
 def make_problem(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
-    """A step's problem from fresh random inputs (seeded; k L2-normalised over D)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*size, scale=1.0, offset=0.0):
-        return offset + scale * torch.randn(*size, generator=gen, device=device)
-
-    def rand(*size, scale=1.0, offset=0.0):
-        return offset + scale * torch.rand(*size, generator=gen, device=device)
-
-    k = torch.nn.functional.normalize(randn(B, T, H, D), dim=-1)
-    x = [randn(B, T, H, D), k, randn(B, T, H, D), randn(H, D, scale=0.1, offset=1.0),
-         randn(H, D, scale=0.1), rand(B, T, H, 1, scale=0.1), rand(B, T, H, 1, offset=0.5)]
-    q, k, v, w, b, eta, eta_key = (t.to(dtype).contiguous() for t in x)
-    return ttt.make_problem(q, k, v, w, b, eta, chunk_size=CHUNK,
-                            initial_state=randn(B, H, D, D, scale=0.1),
-                            initial_state_bias=randn(B, H, 1, D, scale=0.1),
-                            output_final_state=True, eta_key=eta_key, output="query_residual")
+    """The layer-form problem of decode.py's step inputs with ``T`` rows per sequence."""
+    s = make_step(B, H, D, dtype, device, rows=T)
+    return ttt.make_problem(s.q, s.k, s.v, s.w, s.b, s.eta, chunk_size=CHUNK,
+                            initial_state=s.h0, initial_state_bias=s.hb0,
+                            output_final_state=True, eta_key=s.eta_key,
+                            output="query_residual")
 
 
 def difference(a, b) -> float:

@@ -116,29 +116,30 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     placement.row_step); for a dense batch kept per (device, shape, dtype and options), so
     that a call of a configuration seen before (a generation step) looks it up (a packed
     batch's is made each call: its grouping has device tensors of its own)."""
+    native = _native_params(p)
     key = None if p.is_varlen else (
         device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None,
-        p.scale, p.eps, save_for_backward, schedule, config().mma, _native_params(p))
+        p.scale, p.eps, save_for_backward, schedule, config().mma, native)
     setup = _FORWARD_SETUPS.get(key)
     if setup is None:
         if row_step(p, save_for_backward, device.smem_limit, schedule):
-            setup = _decode_setup(p, device)
+            setup = _decode_setup(p, device, native)
         else:
             setup = _chunked_setup(p, save_for_backward, schedule, device)
         _keep(_FORWARD_SETUPS, key, setup)
     return setup
 
 
-def _decode_setup(p: Problem, device) -> _DecodeSetup:
+def _decode_setup(p: Problem, device, native: bool) -> _DecodeSetup:
     """fwd_decode's launch for ``p``: shared memory for its longest sequence's rows
     (smem.decode_rows); the same kernel at every chunk size and tensor-core setting, its
-    instance reading eta, w, b, eta_key in the input type where :func:`_native_params`."""
+    instance reading eta, w, b, eta_key in the input type where ``native``
+    (:func:`_native_params`)."""
     dp = d_pad(p.D)
     rows = decode_rows(max(p.seq_lens, default=0))
     smem = decode_smem_bytes(dp, rows)
-    native = _native_params(p)
     kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
-                          **_variant(p), **({"native_params": True} if native else {}))
+                          **_variant(p), native_params=native)
     return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem,
                         layout.decode_scalars(p, rows, smem), native)
 

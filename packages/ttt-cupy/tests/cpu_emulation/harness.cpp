@@ -340,21 +340,25 @@ template <bool V> using Key = std::integral_constant<bool, V>;
 template <int V> using Out = std::integral_constant<int, V>;
 template <int DP, int BT>
 constexpr bool kAllVariants = (BT == 16 && DP <= 64) || (DP == 128 && BT == 64);
+template <typename F>
+static void every_variant(F&& f) {  // f(Key, Out) of the variant g_key, g_out asks for
+    auto outs = [&](auto key) {
+        if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
+        if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
+        return f(key, Out<ttt::kOutNorm>{});
+    };
+    if (g_key)
+        outs(Key<true>{});
+    else
+        outs(Key<false>{});
+}
 template <int DP, int BT, typename F>
 static int with_variant(F&& f) {  // 1: the variant has no instance here
     if constexpr (!kAllVariants<DP, BT>) {
         if (g_key || g_out != ttt::kOutNorm) return 1;
         f(Key<false>{}, Out<ttt::kOutNorm>{});
     } else {
-        auto outs = [&](auto key) {
-            if (g_out == ttt::kOutQuery) return f(key, Out<ttt::kOutQuery>{});
-            if (g_out == ttt::kOutRaw) return f(key, Out<ttt::kOutRaw>{});
-            return f(key, Out<ttt::kOutNorm>{});
-        };
-        if (g_key)
-            outs(Key<true>{});
-        else
-            outs(Key<false>{});
+        every_variant(f);
     }
     return 0;
 }
@@ -463,15 +467,7 @@ static int fwd_decode_t(i64 grid, FWD_DECODE_PARAMS) {
                 reinterpret_cast<T*>(o), cu, scale, eps, T_len, H, D, rows, bytes);
         });
     };
-    auto outs = [&](auto key) {
-        if (g_out == ttt::kOutQuery) return run(key, Out<ttt::kOutQuery>{});
-        if (g_out == ttt::kOutRaw) return run(key, Out<ttt::kOutRaw>{});
-        return run(key, Out<ttt::kOutNorm>{});
-    };
-    if (g_key)
-        outs(Key<true>{});
-    else
-        outs(Key<false>{});
+    every_variant(run);
     return 0;
 }
 template <typename T>

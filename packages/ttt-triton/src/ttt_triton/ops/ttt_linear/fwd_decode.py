@@ -24,7 +24,7 @@ passes its state through.
 import triton
 import triton.language as tl
 
-from .common import inner_grad, output_form
+from .common import inner_grad, output_form, seq_coords
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -49,18 +49,14 @@ def ttt_linear_fwd_decode_kernel(
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
+    # (no slots: cu_seqlens stands in for the group offsets, whose slot index goes unused)
+    bos, seq_len, _, _ = seq_coords(i_n, cu_seqlens, cu_seqlens, T, 1, 1, IS_VARLEN)
 
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_dd = m_d[:, None] & m_d[None, :]
     o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
-    m_row = (tl.arange(0, 1) < 1)[:, None] & m_d[None, :]                  # [1, BD]
+    m_row = m_d[None, :]                                                   # [1, BD]
 
     if USE_INITIAL:
         b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.)
