@@ -50,7 +50,9 @@ def ttt_linear_fwd_decode_kernel(
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     # (no slots: cu_seqlens stands in for the group offsets, whose slot index goes unused)
-    bos, seq_len, _, _ = seq_coords(i_n, cu_seqlens, cu_seqlens, T, 1, 1, IS_VARLEN)
+    # (names of their own for the unused values: a name assigned here and in the loop would
+    # be a loop-carried variable, whose type must not change)
+    bos, seq_len, _nc, _slot = seq_coords(i_n, cu_seqlens, cu_seqlens, T, 1, 1, IS_VARLEN)
 
     o_d = tl.arange(0, BD)
     m_d = o_d < D

@@ -1,0 +1,176 @@
+"""Compiles, for sm_90 and without a GPU, every kernel launch the launcher makes for a set of
+calls (test_sm90_compile.py runs this file in a child process without ``TRITON_INTERPRET``).
+
+The interpreter runs a kernel's Python on CPU tensors; the compiler checks more (a loop's
+carried variables keep one type, constexpr branches, layouts, register and shared-memory
+limits through ptxas). Here the launcher runs on CPU tensors with its launch step replaced
+by a recorder (nothing runs), then each distinct launch is compiled as Triton would compile
+it on a GPU: the argument types of the recorded tensors and scalars, ``None`` and the
+constexprs as constants, the 16-byte alignment of the pointers, the launch's compiler
+options. Prints one line per compiled launch; exits 1 naming each launch that fails.
+
+    python packages/ttt-triton/tests/sm90_compile.py               # every case below
+    python packages/ttt-triton/tests/sm90_compile.py --case step   # one (repeatable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import ttt  # noqa: E402
+from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+         torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# (label, dtype, B, T, H, D, chunk, packed lengths or None, layer form, calls)
+# calls: "train" (forward saving for the backward, then the backward), "infer" (forward
+# without backward); generation steps are "infer" with T within one chunk. H sets the chain
+# count, and with it the fused chains (tuning.FUSED: >= 96 for inference, 256 for training).
+CASES = (
+    ("train", "bf16", 2, 40, 2, 64, 16, None, False, "train"),
+    ("train layer", "bf16", 2, 40, 2, 64, 16, None, True, "train"),
+    ("train fused", "bf16", 1, 40, 256, 64, 16, None, True, "train"),
+    ("train fp32", "fp32", 2, 40, 2, 64, 16, None, True, "train"),
+    ("train fp32 fused", "fp32", 1, 40, 256, 64, 16, None, False, "train"),
+    ("train packed", "bf16", 1, 40, 2, 64, 16, (7, 0, 33), True, "train"),
+    ("train d128 c64", "bf16", 1, 130, 2, 128, 64, None, True, "train"),
+    ("train d24", "fp16", 1, 40, 2, 24, 16, (17, 23), False, "train"),
+    ("infer", "bf16", 2, 40, 2, 64, 16, None, True, "infer"),
+    ("infer fused", "bf16", 1, 40, 96, 64, 16, None, True, "infer"),
+    ("infer fp32 d128 fused", "fp32", 1, 40, 96, 128, 16, None, False, "infer"),
+    ("step", "bf16", 4, 1, 2, 64, 16, None, True, "infer"),
+    ("step default", "bf16", 4, 1, 2, 64, 16, None, False, "infer"),
+    ("step fp32 rows", "fp32", 4, 4, 2, 64, 16, None, True, "infer"),
+    ("step packed", "fp32", 1, 3, 2, 128, 16, (1, 0, 2), True, "infer"),
+    ("step chain", "bf16", 4, 16, 2, 64, 16, None, True, "infer"),
+)
+
+
+def problem(dtype, B, T, H, D, chunk, packed, layer, train):
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0, offset=0.0, uniform=False):
+        x = (torch.rand if uniform else torch.randn)(*shape, generator=gen)
+        return (offset + scale * x).to(dtype)
+
+    N = len(packed) if packed else B
+    extra = {}
+    if packed:
+        lengths = torch.tensor([0, *packed])
+        extra["cu_seqlens"] = lengths.cumsum(0)
+    if layer:
+        extra.update(eta_key=rand(B, T, H, 1, offset=0.5, uniform=True),
+                     output="query_residual")
+    if not train:
+        extra.update(initial_state=0.1 * torch.randn(N, H, D, D, generator=gen),
+                     initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=gen),
+                     output_final_state=True)
+    x = [rand(B, T, H, D) for _ in range(3)]
+    return ttt.make_problem(*x, rand(H, D, scale=0.1, offset=1.0), rand(H, D, scale=0.1),
+                            rand(B, T, H, 1, scale=0.1, uniform=True), chunk_size=chunk,
+                            **extra)
+
+
+def recorded_launches(case) -> list:
+    """The launches (``launches.Launch``) of ``case``'s calls, run (and compiled ahead)
+    nowhere."""
+    _, dtype, B, T, H, D, chunk, packed, layer, calls = case
+    recorded = []
+    launcher.launches_run = lambda launches, *args, **kwargs: recorded.extend(launches)
+    launcher.launches_prefetch = lambda launches, *args, **kwargs: None
+    launcher.launches_wants_prefetch = lambda *args, **kwargs: False
+    p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, calls == "train")
+    o, _, _, saved = launcher.ttt_linear_fwd(p, calls == "train")
+    if calls == "train":
+        launcher.ttt_linear_bwd(p, saved, torch.randn_like(o), None, None)
+    return recorded
+
+
+def compile_inputs(launch):
+    """``(signature, constexprs, attrs, options)`` of one launch, as a launch with these
+    arguments compiles (the inputs of ``ASTSource`` and ``triton.compile``)."""
+    fn = launch.kernel
+    values = dict(zip(fn.arg_names, launch.args))
+    options = {}
+    for name, value in launch.kwargs.items():
+        if name in fn.arg_names:
+            values[name] = value
+        else:
+            options[name] = value
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = values[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {param.name} of type "
+                            f"{type(value).__name__}")
+    return signature, constexprs, attrs, options
+
+
+def launch_key(launch) -> tuple:
+    signature, constexprs, attrs, options = compile_inputs(launch)
+    return (launch.kernel.__name__, tuple(signature.items()),
+            tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+            tuple(sorted(attrs)), tuple(sorted(options.items())))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--case", action="append", choices=[case[0] for case in CASES],
+                        help="only this case (default: every case)")
+    args = parser.parse_args()
+    seen, failed = set(), []
+    for case in CASES:
+        if args.case and case[0] not in args.case:
+            continue
+        for launch in recorded_launches(case):
+            key = launch_key(launch)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = f"{case[0]}: {launch.kernel.__name__}"
+            start = time.perf_counter()
+            try:
+                signature, constexprs, attrs, options = compile_inputs(launch)
+                src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs,
+                                attrs=attrs)
+                triton.compile(src, target=TARGET, options=options)
+            except Exception:  # noqa: BLE001 - every failing launch is named, then exit 1
+                failed.append(name)
+                print(f"FAILED {name}\n{traceback.format_exc()}", flush=True)
+                continue
+            print(f"ok {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+    print(f"{len(seen)} launches compiled for sm_90, {len(failed)} failed")
+    for name in failed:
+        print(f"FAILED {name}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
