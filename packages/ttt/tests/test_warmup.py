@@ -15,10 +15,19 @@ import pytest
 import torch
 
 import ttt
-from ttt import WarmupShape, registry
+from ttt import WarmupShape, _warmup_workers, registry
 from ttt.backend import generic_warmup_shapes
 from ttt.reference import ReferenceBackend
-from ttt.warmup import DEFAULT_HEAD_DIMS, FORMS, ProgressBar, param_dtypes, warmup
+from ttt.warmup import (
+    DEFAULT_HEAD_DIMS,
+    FORMS,
+    Config,
+    ProgressBar,
+    _call_groups,
+    _Plan,
+    param_dtypes,
+    warmup,
+)
 
 
 class _Recorder(ReferenceBackend):
@@ -55,15 +64,14 @@ def test_reference_warmup_runs_every_form(recorder):
                     chunk_sizes=[16], heads=[2], device="cpu", shapes=SMALL)
     assert [e.config.dtype for e in report.entries] == [torch.float32, torch.bfloat16]
     fp32_calls = len(SMALL) * len(FORMS) * 2
-    assert [e.calls for e in report.entries] == [fp32_calls, 4 * fp32_calls]  # bf16: 4 mixes
+    assert [e.calls for e in report.entries] == [fp32_calls, 2 * fp32_calls]  # bf16: 2 pairs
     assert report.skipped == [] and report.device == torch.device("cpu")
     forwards = [(p, grad) for kind, p, grad in recorder.calls if kind == "forward"]
     backwards = [(p, dht) for kind, p, dht in recorder.calls if kind == "backward"]
-    assert len(forwards) == 5 * fp32_calls and len(backwards) == 5 * fp32_calls // 2
+    assert len(forwards) == 3 * fp32_calls and len(backwards) == 3 * fp32_calls // 2
     bf16 = [p for p, _ in forwards if p.q.dtype == torch.bfloat16]
-    half_or_float = {torch.bfloat16, torch.float32}
-    assert {(p.w.dtype, p.eta.dtype) for p in bf16} == {(a, r) for a in half_or_float
-                                                       for r in half_or_float}
+    assert {(p.w.dtype, p.eta.dtype) for p in bf16} == {(torch.bfloat16, torch.bfloat16),
+                                                       (torch.float32, torch.float32)}
     assert all(p.b.dtype == p.w.dtype for p in bf16)
     assert all(p.eta_key.dtype == p.eta.dtype for p in bf16 if p.eta_key is not None)
     assert {grad for _, grad in forwards} == {False, True}           # inference and training
@@ -102,7 +110,9 @@ def test_reference_default_shapes_and_defaults():
     assert report.entries[0].backend == "reference"
     assert report.entries[0].calls == 2 * len(FORMS) * 2
     assert DEFAULT_HEAD_DIMS == (64, 128)
-    assert len(param_dtypes(torch.float16)) == 4
+    assert param_dtypes(torch.float16) == [(torch.float16, torch.float16),
+                                           (torch.float32, torch.float32)]
+    assert param_dtypes(torch.float32) == [(torch.float32, torch.float32)]
     assert param_dtypes(torch.float64) == [(torch.float64, torch.float64)]
 
 
@@ -130,6 +140,36 @@ def test_workers_run_the_calls_then_this_process_loads(recorder):
     in_children = [done for done, _, label in seen if "compiling in 2 processes" in label]
     assert in_children == list(range(calls + 1))       # every call, counted as it ended
     assert seen[-1] == (2 * calls, 2 * calls, "done")
+
+
+def test_call_groups_share_no_kernel_class():
+    """The workers' call groups: one per parameter dtypes, dense or packed layout and plain
+    or layer form (each part of every kernel's specialisation), every call in exactly one."""
+    config = Config(torch.bfloat16, 64, 16, 4)
+    layouts = [WarmupShape(2, 40), WarmupShape(2, 40, packed=True), WarmupShape(8, 1)]
+    calls = [(layout, form, params, grad) for layout in layouts for form in FORMS
+             for params in param_dtypes(torch.bfloat16) for grad in (False, True)]
+    groups = _call_groups([_Plan(config, "triton", calls)])
+    assert sum(len(g) for g in groups) == len(calls)
+    classes = []
+    for group in groups:
+        kinds = {(tuple(c["params"]), c["layout"][2], c["form"].startswith("layer"))
+                 for c in group}
+        assert len(kinds) == 1
+        classes += kinds
+    assert len(classes) == len(set(classes)) == 2 * 2 * 2
+
+
+def test_deal_keeps_groups_whole_and_splits_only_when_short_of_groups():
+    groups = [[f"a{i}" for i in range(6)], [f"b{i}" for i in range(4)], ["c0", "c1"],
+              ["d0"]]
+    shares = _warmup_workers.deal(groups, 3)
+    assert sorted(map(sorted, shares)) == sorted(map(sorted, (groups[0], groups[1],
+                                                              groups[2] + groups[3])))
+    shares = _warmup_workers.deal([[f"a{i}" for i in range(6)]], 4)   # one group, 4 workers
+    assert sorted(sum(shares, [])) == sorted(f"a{i}" for i in range(6))
+    assert sorted(len(s) for s in shares) == [1, 1, 2, 2]
+    assert _warmup_workers.deal([["x"]], 3) == [["x"], [], []]
 
 
 def test_a_failed_worker_warns_and_this_process_runs_every_call(recorder):

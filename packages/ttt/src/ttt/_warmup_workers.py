@@ -26,20 +26,21 @@ import torch
 DEFAULT_MAX_WORKERS = 8
 
 
-def default_workers(device: torch.device, units: int) -> int:
-    """Processes a warm-up of ``units`` call groups uses when not told: one per CPU core up
+def default_workers(device: torch.device, calls: int) -> int:
+    """Processes a warm-up of ``calls`` calls uses when not told: one per CPU core up
     to DEFAULT_MAX_WORKERS on a GPU, none on the CPU (no kernel backend compiles there)."""
     if device.type == "cpu":
         return 1
-    return max(1, min(DEFAULT_MAX_WORKERS, os.cpu_count() or 1, units))
+    return max(1, min(DEFAULT_MAX_WORKERS, os.cpu_count() or 1, calls))
 
 
-def run(units: Sequence[list[dict]], device: torch.device, workers: int,
+def run(groups: Sequence[list[dict]], device: torch.device, workers: int,
         on_call: Callable[[], None]) -> list[str]:
-    """Run the call groups ``units`` (each a list of JSON-able calls, see ``call_of``) in
-    ``workers`` child processes; ``on_call()`` after each finished call. Returns one line per
-    child that failed (its exit status and the last line it wrote to stderr)."""
-    shares = [[call for unit in units[i::workers] for call in unit] for i in range(workers)]
+    """Run the call groups ``groups`` (each a list of JSON-able calls, see ``call_of``) in
+    ``workers`` child processes (:func:`deal`); ``on_call()`` after each finished call.
+    Returns one line per child that failed (its exit status and the last line it wrote to
+    stderr)."""
+    shares = deal(groups, workers)
     done: queue.Queue = queue.Queue()
     children = [_start(share, device, done) for share in shares if share]
     running = len(children)
@@ -54,6 +55,22 @@ def run(units: Sequence[list[dict]], device: torch.device, workers: int,
             last = errors[-1].strip() if errors else "no message"
             failures.append(f"exit status {process.returncode}: {last}")
     return failures
+
+
+def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
+    """The calls of ``groups`` in ``workers`` shares: each group whole in one share (the
+    share with the fewest calls so far, largest group first), so that calls that may need
+    the same kernels compile them in one process. While there are fewer groups than
+    workers, the largest is split in two (its calls taken in turn)."""
+    groups = sorted((list(g) for g in groups if g), key=len, reverse=True)
+    while 0 < len(groups) < workers and len(groups[0]) > 1:
+        largest = groups.pop(0)
+        groups += [largest[0::2], largest[1::2]]
+        groups.sort(key=len, reverse=True)
+    shares: list[list[dict]] = [[] for _ in range(workers)]
+    for group in groups:
+        min(shares, key=len).extend(group)
+    return shares
 
 
 def _start(calls: list[dict], device: torch.device, done: queue.Queue):

@@ -137,9 +137,9 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
     calls = sum(len(plan.calls) for plan in plans)
-    units = _call_groups(plans)
-    workers = _workers.default_workers(device, len(units)) if workers is None else workers
-    workers = min(workers, len(units))
+    groups = _call_groups(plans)
+    workers = _workers.default_workers(device, calls) if workers is None else workers
+    workers = min(workers, calls)
     total, done, entries = calls * (2 if workers > 1 else 1), 0, []
     if workers > 1:
         def count():
@@ -150,7 +150,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
 
         if progress is not None:
             progress(done, total, f"compiling in {workers} processes")
-        for failure in _workers.run(units, device, workers, count):
+        for failure in _workers.run(groups, device, workers, count):
             warnings.warn(f"ttt.warmup: a worker process failed ({failure}); this process "
                           f"compiles what it left", RuntimeWarning, stacklevel=2)
         done = calls
@@ -169,13 +169,15 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
 
 
 def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
-    """The calls as JSON for worker processes, grouped so that the calls most likely to
-    need the same kernels (one layout, form and parameter dtypes, with and without
-    gradients) go to one process."""
+    """The calls as JSON for worker processes, in groups that need no kernel in common: one
+    per backend, configuration, parameter dtypes, dense or packed layout and plain or layer
+    form. Each of these is part of every kernel's specialisation (Triton's: the dtypes of its
+    tensor arguments, ``cu_seqlens`` present or not, ``eta_key`` present or not), so a kernel
+    is compiled by the one process its group goes to, not by several side by side."""
     groups: dict[tuple, list[dict]] = {}
     for plan in plans:
         for layout, form, params, grad in plan.calls:
-            key = (plan.backend, plan.config, layout, form, params)
+            key = (plan.backend, plan.config, params, layout.packed, form.layer)
             groups.setdefault(key, []).append(
                 _workers.call_of(plan.backend, plan.config, layout, form, params, grad))
     return list(groups.values())
@@ -219,9 +221,13 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
 
 def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
     """(dtype of ``w`` and ``b``, dtype of ``eta`` and ``eta_key``) of the warm-up calls of
-    inputs of ``dtype``: each the input dtype or, for half inputs, float32."""
-    each = (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
-    return [(affine, rates) for affine in each for rates in each]
+    inputs of ``dtype``: both the input dtype (a model cast to it) and, for half inputs, both
+    float32 (float32 parameters, activations in the half dtype under autocast): the two
+    setups of ``ttt.nn.TTTLinear``. Other pairings compile on their first call."""
+    pairs = [(dtype, dtype)]
+    if dtype not in (torch.float32, torch.float64):
+        pairs.append((torch.float32, torch.float32))
+    return pairs
 
 
 def _device(device) -> torch.device:
