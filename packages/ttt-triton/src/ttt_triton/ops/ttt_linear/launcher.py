@@ -147,6 +147,10 @@ class _ForwardSetup:
     backward_ahead: bool = False
 
 
+UNSAVED_G = 1
+"""The G fwd_chain gets when it stores no slots (a fused forward without backward), where
+nothing reads it: one kernel specialisation whatever the grouping's G."""
+
 MAX_SETUPS = 64
 """Forward setups kept (dense batches); past this many they are all made again."""
 
@@ -180,8 +184,10 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
     prec = dot_precision(p.q.dtype, BD)
     varlen, half = cu_seqlens is not None, p.q.dtype != torch.float32
     forms = dict(HAS_ETA_KEY=p.eta_key is not None, OUTPUT=p.output)
+    # (G sets the slots alone: a chain that stores none compiles one specialisation for any G)
     chain = dict(
-        H=H, D=D, BT=BT, BD=BD, G=G, USE_INITIAL=p.initial_state is not None,
+        H=H, D=D, BT=BT, BD=BD, G=G if save else UNSAVED_G,
+        USE_INITIAL=p.initial_state is not None,
         USE_INITIAL_BIAS=p.initial_state_bias is not None, STORE_FINAL=p.output_final_state,
         IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save, HALF=half, PREC=prec, **forms,
         **_launch("chain", BD, p.q.dtype, tune))
