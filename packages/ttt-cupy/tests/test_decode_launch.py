@@ -1,8 +1,9 @@
 """No GPU needed: a decode step (a forward without a backward whose every sequence fits in one
 chunk) is one launch at any number of chains, dense and packed, with and without states, with
 eta_key and every output form: fwd_decode when every sequence has at most
-placement.ROW_STEP_ROWS rows (placement.row_step: 1 for half inputs, 4 for float32, 16 at
-D_PAD 128), else the fused forward chain writing the outputs (placement.fused_forward); and
+placement.ROW_STEP_ROWS rows (placement.row_step: 16 for every dtype and D_PAD, so every step
+at chunk 16), else the fused forward chain writing the outputs (placement.fused_forward: the
+cases of more rows, in a chunk of 32 or 64); and
 with float32 inputs, or half inputs whose eta, w, b (and eta_key) are in their dtype
 (fwd_decode's native_params instance), the launcher does nothing else on the device but
 allocate (no cast or copy kernels). A forced Schedule.fuse_forward and a forward with a
@@ -27,13 +28,17 @@ from ttt_cupy.placement import FUSED, ROW_STEP_ROWS, forward_plan, row_step
 from ttt_cupy.smem import decode_rows, decode_smem_bytes, decode_threads
 
 BT = 16
+"""The chunk size of most cases: every step within one such chunk runs fwd_decode."""
+BT_LONG = 32
+"""A chunk size whose steps of more than ROW_STEP_ROWS rows run the fused chain."""
 
 
 def _problem(lens, H, D, *, dense=True, init=True, final=True, key=False,
              output="norm_residual", dtype=torch.float32, param_dtype=torch.float32, seed=0,
-             eta_float=False):
-    """A problem of CPU tensors (random, none zero): ``init`` True (both initial states),
-    False, "state" or "bias" (that one alone); ``eta_float``: eta a float (a constant)."""
+             eta_float=False, chunk=BT):
+    """A problem of CPU tensors (random, none zero) at chunk size ``chunk``: ``init`` True
+    (both initial states), False, "state" or "bias" (that one alone); ``eta_float``: eta a
+    float (a constant)."""
     gen = torch.Generator().manual_seed(seed)
     N = len(lens)
 
@@ -61,45 +66,62 @@ def _problem(lens, H, D, *, dense=True, init=True, final=True, key=False,
     if eta_float:
         x["eta"] = 0.05
     p = make_problem(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"], scale=D ** -0.5,
-                     eps=1e-6, chunk_size=BT, initial_state=x.get("initial_state"),
+                     eps=1e-6, chunk_size=chunk, initial_state=x.get("initial_state"),
                      initial_state_bias=x.get("initial_state_bias"), output_final_state=final,
                      cu_seqlens=cu, eta_key=x.get("eta_key"), output=output)
     return p, x, cu
 
 
-DECODE = [  # sequence lengths (all within one chunk), heads, dense
-    ((1,), 1, True),              # one token, one chain
-    ((1,) * 4, 8, True),          # a batch of generation steps
-    ((4,) * 2, 2, True),          # four tokens each: float32's most rows for fwd_decode
-    ((5,) * 2, 2, True),          # five: the fused chain
-    ((BT,) * 2, 4, True),         # a whole chunk (prefill of a short prompt)
-    ((1, 5, BT), 2, False),       # packed
-    ((3, 0, 1), 2, False),        # packed, an empty sequence
-    ((1,) * 64, 4, False),        # many chains (256: fused by the count too)
+DECODE = [  # sequence lengths (all within one chunk), heads, dense, chunk size
+    ((1,), 1, True, BT),                # one token, one chain
+    ((1,) * 4, 8, True, BT),            # a batch of generation steps
+    ((5,) * 2, 2, True, BT),            # five tokens each
+    ((BT,) * 2, 4, True, BT),           # a whole chunk (prefill of a short prompt): 16 rows
+    ((17,) * 2, 2, True, BT_LONG),      # 17 rows: the fused chain
+    ((BT,) * 2, 2, True, BT_LONG),      # 16 rows of a chunk of 32: fwd_decode
+    ((BT_LONG,) * 2, 4, True, BT_LONG),  # a whole chunk of 32
+    ((1, 5, BT), 2, False, BT),         # packed
+    ((1, 20, BT_LONG), 2, False, BT_LONG),  # packed, past 16 rows
+    ((3, 0, 1), 2, False, BT),          # packed, an empty sequence
+    ((3, 0, 17), 2, False, BT_LONG),    # packed, an empty sequence, past 16 rows
+    ((1,) * 64, 4, False, BT),          # many chains (256: fused by the count too)
+    ((1, 17) * 32, 4, False, BT_LONG),  # many chains past 16 rows
 ]
 
 
 def _did(case):
-    lens, H, dense = case
-    return f"{'dense' if dense else 'packed'}-N{len(lens)}-T{max(lens)}-H{H}"
+    lens, H, dense, chunk = case
+    return f"{'dense' if dense else 'packed'}-N{len(lens)}-T{max(lens)}-H{H}-c{chunk}"
 
 
 def _decode_kernel(lens, D, dtype=torch.float32) -> bool:
-    """Whether a generation step of sequences of ``lens`` runs fwd_decode (the rule's table
-    as this test reads it: ROW_STEP_ROWS by input dtype and padded head dim)."""
+    """Whether a generation step of sequences of ``lens`` (within one chunk) runs fwd_decode
+    (the rule's table as this test reads it: ROW_STEP_ROWS by input dtype and padded head
+    dim)."""
     if dtype != torch.float32:
         return max(lens) <= ROW_STEP_ROWS["half"]
     return max(lens) <= ROW_STEP_ROWS["float32_wide" if cc.d_pad(D) > 64 else "float32"]
 
 
-def _decode_name(lens, D, dtype=torch.float32, mma=True, **variant) -> str:
-    """The one kernel a generation step of sequences of ``lens`` launches: fwd_decode, or the
-    fused forward chain (its tensor-core instance for half inputs)."""
+def _decode_name(lens, D, dtype=torch.float32, mma=True, chunk=BT, **variant) -> str:
+    """The one kernel a generation step of sequences of ``lens`` at chunk size ``chunk``
+    launches: fwd_decode, or the fused forward chain (its tensor-core instance for half
+    inputs)."""
     ctype = cc.CTYPES[str(dtype).removeprefix("torch.")]
     if _decode_kernel(lens, D, dtype):
-        return cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), BT, **variant)
-    return cc.kernel_name("fwd_chain", ctype, cc.d_pad(D), BT, mma and ctype != "float",
+        return cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), chunk, **variant)
+    return cc.kernel_name("fwd_chain", ctype, cc.d_pad(D), chunk, mma and ctype != "float",
                           fused=True, **variant)
+
+
+def test_cases_take_both_kernels():
+    """The cases keep both kernels tested: fwd_decode at chunk 16 (and up to the table's rows
+    at chunk 32), the fused chain at chunk 32 past them; the emulated ones both too."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for D in (32, 64, 128):
+            taken = {(chunk, _decode_kernel(lens, D, dtype)) for lens, _, _, chunk in DECODE}
+            assert taken == {(BT, True), (BT_LONG, True), (BT_LONG, False)}
+    assert {_decode_kernel(case[0], case[7]) for case in EMULATED} == {True, False}
 
 
 FORMS = [  # initial states, final states, eta_key, output form
@@ -116,15 +138,15 @@ FORMS = [  # initial states, final states, eta_key, output form
 @pytest.mark.parametrize("form", FORMS, ids=["-".join(map(str, f)) for f in FORMS])
 @pytest.mark.parametrize("case", DECODE, ids=[_did(c) for c in DECODE])
 def test_decode_is_one_launch(recording, case, form):
-    lens, H, dense = case
+    lens, H, dense, chunk = case
     init, final, key, output = form
     p, _, _ = _problem(lens, H, 32, dense=dense, init=init, final=final, key=key,
-                       output=output)
+                       output=output, chunk=chunk)
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert saved is None and (ht is not None) == final
     assert len(recording.launches) == 1, [launch[0] for launch in recording.launches]
     name, grid, block, smem, _ = recording.launches[0]
-    assert name == _decode_name(lens, 32, key=key, out=output)
+    assert name == _decode_name(lens, 32, chunk=chunk, key=key, out=output)
     assert grid == len(lens) * H
     if _decode_kernel(lens, 32):   # the block and its rows' shared memory
         assert (block, smem) == (decode_threads(32), decode_smem_bytes(32, decode_rows(
@@ -147,12 +169,13 @@ ARG_INDEX = {  # (o, ht, scale, eps) in each kernel's arguments (csrc/*.cu)
 }
 
 
-@pytest.mark.parametrize("lens", [(1,) * 4, (5,) * 4], ids=["fwd_decode", "fused-chain"])
-def test_decode_steps_of_every_form_on_one_device(recording, lens):
+@pytest.mark.parametrize("lens,chunk", [((1,) * 4, BT), ((BT,) * 4, BT), ((17,) * 4, BT_LONG)],
+                         ids=["fwd_decode", "fwd_decode-16-rows", "fused-chain"])
+def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
     """Steps of each form in turn on one device, each form twice, every scale and eps: each
-    launch is its form's kernel (fwd_decode, or the fused chain for longer sequences), with
-    that call's scalars and that call's output address (what the launcher keeps per
-    configuration never leaks into another)."""
+    launch is its form's kernel (fwd_decode, or the fused chain for a step past the table's
+    rows in a chunk of 32), with that call's scalars and that call's output address (what
+    the launcher keeps per configuration never leaks into another)."""
     H = 8
     kernel = cc.DECODE_KERNEL if _decode_kernel(lens, 32) else "fwd_chain"
     i_o, i_ht, i_scale, i_eps = ARG_INDEX[kernel]
@@ -160,13 +183,13 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens):
         for init, final, key, output in FORMS_IN_TURN:
             for scale, eps in ((0.125, 1e-6), (0.125, 1e-3), (0.5, 1e-3)):
                 p, _, _ = _problem(lens, H, 32, init=init, final=final, key=key,
-                                   output=output, seed=step)
+                                   output=output, seed=step, chunk=chunk)
                 p = dataclasses.replace(p, scale=scale, eps=eps)
                 recording.launches.clear()
                 o, ht, _, _ = launcher.ttt_linear_fwd(p, save_for_backward=False,
                                                       device=recording)
                 (name, grid, _, _, args), = recording.launches
-                assert name == _decode_name(lens, 32, key=key, out=output)
+                assert name == _decode_name(lens, 32, chunk=chunk, key=key, out=output)
                 assert name.startswith(f"ttt_linear_{kernel}<")
                 assert grid == len(lens) * H
                 assert args[i_o] == o.data_ptr() and args[i_ht] == (ht.data_ptr() if final
@@ -175,23 +198,24 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T", [1, 2])
-def test_decode_half_is_one_launch(recording, dtype, T):
-    """Half inputs: fwd_decode for one token (ROW_STEP_ROWS["half"]), the tensor-core fused
-    chain for more; one launch either way."""
-    p, _, _ = _problem((T,) * 2, 4, 64, dtype=dtype)
+@pytest.mark.parametrize("T,chunk", [(1, BT), (2, BT), (BT, BT), (BT, BT_LONG), (17, BT_LONG),
+                                     (BT_LONG, BT_LONG)])
+def test_decode_half_is_one_launch(recording, dtype, T, chunk):
+    """Half inputs: fwd_decode up to 16 rows (ROW_STEP_ROWS["half"]), the tensor-core fused
+    chain for more (in a chunk of 32); one launch either way."""
+    p, _, _ = _problem((T,) * 2, 4, 64, dtype=dtype, chunk=chunk)
     launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     (name, *_), = recording.launches
-    assert name == _decode_name((T,) * 2, 64, dtype)
-    assert (cc.DECODE_KERNEL in name) == (T == 1)
+    assert name == _decode_name((T,) * 2, 64, dtype, chunk=chunk)
+    assert (cc.DECODE_KERNEL in name) == (T <= 16)
 
 
-@pytest.mark.parametrize("case", DECODE[:6], ids=[_did(c) for c in DECODE[:6]])
+@pytest.mark.parametrize("case", DECODE, ids=[_did(c) for c in DECODE])
 def test_decode_with_backward_keeps_its_schedule(recording, case):
     """A forward that saves for a backward keeps the chain-count rule: few chains unfused;
     never fwd_decode (it stores nothing for a backward)."""
-    lens, H, dense = case
-    p, _, _ = _problem(lens, H, 32, dense=dense)
+    lens, H, dense, chunk = case
+    p, _, _ = _problem(lens, H, 32, dense=dense, chunk=chunk)
     launcher.ttt_linear_fwd(p, save_for_backward=True, device=recording)
     names = [launch[0] for launch in recording.launches]
     fused = len(lens) * H >= FUSED["forward_training"]
@@ -242,29 +266,30 @@ H200_SMEM = 227 * 1024
 
 
 @pytest.mark.parametrize("dtype,D,rows", [
-    (torch.bfloat16, 64, 1), (torch.float16, 128, 1), (torch.bfloat16, 24, 1),
-    (torch.float32, 16, 4), (torch.float32, 24, 4), (torch.float32, 64, 4),
+    (torch.bfloat16, 64, 16), (torch.float16, 128, 16), (torch.bfloat16, 24, 16),
+    (torch.float32, 16, 16), (torch.float32, 24, 16), (torch.float32, 64, 16),
     (torch.float32, 65, 16), (torch.float32, 128, 16)])
 def test_row_step_rule(dtype, D, rows):
     """placement.row_step: a generation step runs fwd_decode when its longest sequence has at
-    most 1 row for half inputs, 4 for float32 at D_PAD <= 64 and 16 at D_PAD 128 (an empty
-    sequence beside them counts nothing); never with a backward, with a forced
-    Schedule.fuse_forward (either way), past one chunk, or where its shared memory does not
-    fit the device."""
-    assert ROW_STEP_ROWS == {"half": 1, "float32": 4, "float32_wide": 16}
-    for lens in ((rows,), (1, rows, 0), (rows,) * 3):
-        p = _rule_problem(dtype, D, lens)
-        assert row_step(p, False, H200_SMEM)
-        assert row_step(p, False, H200_SMEM, Schedule(overlap=True))   # (not fuse_forward)
-        assert not row_step(p, True, H200_SMEM)                         # a training forward
-        for forced in (True, False):
-            assert not row_step(p, False, H200_SMEM, Schedule(fuse_forward=forced))
-        need = decode_smem_bytes(cc.d_pad(D), decode_rows(max(lens)))
-        assert row_step(p, False, need) and not row_step(p, False, need - 1)
-    for lens in ((rows + 1,), (1, rows + 1), (rows, 0, rows + 1)):
-        assert not row_step(_rule_problem(dtype, D, lens), False, H200_SMEM)
-    assert not row_step(_rule_problem(dtype, D, (rows, BT + 1), BT), False, H200_SMEM)
-    assert row_step(_rule_problem(dtype, D, (0,)), False, H200_SMEM)   # nothing to run
+    most 16 rows, for every input dtype and D_PAD (an empty sequence beside them counts
+    nothing), at chunk 16 (every step) and in chunks of 32 and 64 (the steps of more rows
+    run the fused chain); never with a backward, with a forced Schedule.fuse_forward (either
+    way), past one chunk, or where its shared memory does not fit the device."""
+    assert ROW_STEP_ROWS == {"half": 16, "float32": 16, "float32_wide": 16}
+    for chunk in (BT, 32, 64):
+        for lens in ((rows,), (1, rows, 0), (rows,) * 3):
+            p = _rule_problem(dtype, D, lens, chunk)
+            assert row_step(p, False, H200_SMEM)
+            assert row_step(p, False, H200_SMEM, Schedule(overlap=True))  # (not fuse_forward)
+            assert not row_step(p, True, H200_SMEM)                        # a training forward
+            for forced in (True, False):
+                assert not row_step(p, False, H200_SMEM, Schedule(fuse_forward=forced))
+            need = decode_smem_bytes(cc.d_pad(D), decode_rows(max(lens)))
+            assert row_step(p, False, need) and not row_step(p, False, need - 1)
+        for lens in ((rows + 1,), (1, rows + 1), (rows, 0, rows + 1)):
+            assert not row_step(_rule_problem(dtype, D, lens, chunk), False, H200_SMEM)
+        assert not row_step(_rule_problem(dtype, D, (1, chunk + 1), chunk), False, H200_SMEM)
+        assert row_step(_rule_problem(dtype, D, (0,), chunk), False, H200_SMEM)  # nothing to run
 
 
 def test_decode_rows_and_smem():
@@ -307,17 +332,17 @@ class _Ops(TorchDispatchMode):
 ALLOCATIONS = {"empty", "empty_like", "empty_strided"}
 
 
-@pytest.mark.parametrize("lens,dense", [((1,) * 2, True), ((5,) * 2, True),
-                                        ((1, 0, 4), False)],
+@pytest.mark.parametrize("lens,dense,chunk", [((1,) * 2, True, BT), ((17,) * 2, True, BT_LONG),
+                                              ((1, 0, 4), False, BT)],
                          ids=["dense-fwd_decode", "dense-fused-chain", "packed-fwd_decode"])
 @pytest.mark.parametrize("form", FORMS, ids=["-".join(map(str, f)) for f in FORMS])
-def test_decode_float32_only_allocates(recording, form, lens, dense):
+def test_decode_float32_only_allocates(recording, form, lens, dense, chunk):
     """float32 inputs: besides its one launch (fwd_decode or the fused chain), the launcher
     only allocates (the outputs and final states): no cast, copy or fill of an input that is
     float32 already."""
     init, final, key, output = form
     p, _, _ = _problem(lens, 4, 32, init=init, final=final, key=key, output=output,
-                       dense=dense)
+                       dense=dense, chunk=chunk)
     with _Ops() as ops:
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert set(ops.ops) <= ALLOCATIONS, ops.ops
@@ -369,47 +394,58 @@ def test_decode_half_mixed_params_cast(recording, key):
             assert args[3] != problem.eta.data_ptr()
 
 
-@pytest.mark.parametrize("T", [1, 5], ids=["fwd_decode", "fused-chain"])
-def test_decode_half_params_cast_once(recording, T):
+@pytest.mark.parametrize("T,chunk", [(1, BT), (17, BT_LONG)], ids=["fwd_decode", "fused-chain"])
+def test_decode_half_params_cast_once(recording, T, chunk):
     """float32 inputs, bfloat16 eta, w, b: one cast each (the kernels read them in fp32),
     nothing else."""
-    p, _, _ = _problem((T,) * 2, 4, 32, param_dtype=torch.bfloat16)
+    p, _, _ = _problem((T,) * 2, 4, 32, param_dtype=torch.bfloat16, chunk=chunk)
     with _Ops() as ops:
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert [op for op in ops.ops if op not in ALLOCATIONS] == ["_to_copy"] * 3, ops.ops
+    (name, *_), = recording.launches
+    assert (cc.DECODE_KERNEL in name) == (T <= 16)
 
 
 EMULATED = [  # sequence lengths, heads, dense, initial states, eta_key, output form,
-    # eta / w / b dtype, head dim, eta a float
-    ((1,) * 3, 2, True, True, False, "norm_residual", torch.float32, 20, False),
-    ((BT,) * 2, 1, True, False, False, "norm_residual", torch.float32, 20, False),
-    ((1, 9, BT), 2, False, True, True, "query_residual", torch.bfloat16, 20, False),
-    ((5, 0, 1), 1, False, True, False, "raw", torch.float16, 20, False),
-    ((1, 0, 4, 1), 2, False, True, True, "query_residual", torch.float32, 20, False),
-    ((3,) * 2, 2, True, "state", False, "raw", torch.bfloat16, 64, True),
-    ((4,) * 2, 1, True, "bias", True, "norm_residual", torch.float32, 64, False),
-    ((1,) * 2, 2, True, False, True, "raw", torch.float32, 64, True),
-    ((16,) * 1, 1, True, True, True, "query_residual", torch.float32, 100, False),
+    # eta / w / b dtype, head dim, eta a float, chunk size (the fused chain's variants with
+    # eta_key or another output form are emulated at chunk 16, and at D_PAD 128 at chunk 64)
+    ((1,) * 3, 2, True, True, False, "norm_residual", torch.float32, 20, False, BT),
+    ((BT,) * 2, 1, True, False, False, "norm_residual", torch.float32, 20, False, BT),
+    ((20,) * 2, 1, True, False, False, "norm_residual", torch.float32, 20, False, BT_LONG),
+    ((1, 9, BT), 2, False, True, True, "query_residual", torch.bfloat16, 20, False, BT),
+    ((1, 9, 30), 2, False, True, False, "norm_residual", torch.bfloat16, 20, False, BT_LONG),
+    ((1, 17, 40), 1, False, True, True, "query_residual", torch.bfloat16, 100, False, 64),
+    ((5, 0, 1), 1, False, True, False, "raw", torch.float16, 20, False, BT),
+    ((17, 0, 1), 1, False, True, False, "raw", torch.float16, 100, False, 64),
+    ((1, 0, 4, 1), 2, False, True, True, "query_residual", torch.float32, 20, False, BT),
+    ((3,) * 2, 2, True, "state", False, "raw", torch.bfloat16, 64, True, BT),
+    ((24,) * 2, 2, True, "state", False, "norm_residual", torch.bfloat16, 64, True, BT_LONG),
+    ((4,) * 2, 1, True, "bias", True, "norm_residual", torch.float32, 64, False, BT),
+    ((1,) * 2, 2, True, False, True, "raw", torch.float32, 64, True, BT),
+    ((16,) * 1, 1, True, True, True, "query_residual", torch.float32, 100, False, BT),
+    ((16,) * 1, 1, True, True, True, "query_residual", torch.float32, 100, False, 64),
+    ((17,) * 1, 1, True, "bias", True, "raw", torch.float32, 100, False, 64),
 ]
 
 
 @pytest.mark.parametrize("case", EMULATED, ids=[
     f"{'dense' if c[2] else 'packed'}-{'+'.join(map(str, c[0]))}-H{c[1]}-"
     f"{'h0' if c[3] is True else 'no-h0' if not c[3] else c[3]}-{'key-' if c[4] else ''}"
-    f"{c[5]}-{str(c[6])[6:]}-D{c[7]}{'-eta-float' if c[8] else ''}"
+    f"{c[5]}-{str(c[6])[6:]}-D{c[7]}{'-eta-float' if c[8] else ''}-c{c[9]}"
     for c in EMULATED])
 def test_decode_end_to_end_matches_reference(emulated, case):
-    """The one launch (fwd_decode, or the fused chain for longer sequences) run by the
-    emulation: outputs and final states against the reference backend in float64."""
-    lens, H, dense, init, key, output, param_dtype, D, eta_float = case
+    """The one launch (fwd_decode up to 16 rows, the fused chain for more, in a chunk of 32
+    or 64) run by the emulation: outputs and final states against the reference backend in
+    float64."""
+    lens, H, dense, init, key, output, param_dtype, D, eta_float, chunk = case
     p, x, cu = _problem(lens, H, D, dense=dense, init=init, key=key, output=output,
-                        param_dtype=param_dtype, seed=3, eta_float=eta_float)
+                        param_dtype=param_dtype, seed=3, eta_float=eta_float, chunk=chunk)
     emulated.inputs = [t for t in (*x.values(), cu, p.eta) if isinstance(t, torch.Tensor)]
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=False, device=emulated)
     want = "emu_fwd_decode" if _decode_kernel(lens, D) else "emu_fwd_chain_fused"
     assert emulated.ran == [want] and saved is None
     ref_in = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in x.items()}
-    ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, scale=D ** -0.5, eps=1e-6, chunk_size=BT,
+    ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, scale=D ** -0.5, eps=1e-6, chunk_size=chunk,
                                          output_final_state=True, cu_seqlens=cu,
                                          output=output, backend="reference")
     for what, a, b in (("o", o, ro), ("ht", ht, rht), ("hbt", hbt, rhbt)):

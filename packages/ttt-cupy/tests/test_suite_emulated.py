@@ -27,7 +27,8 @@ from ttt.testing import test_empty_and_meta as empty_suite
 from ttt.testing import test_fresh_outputs as fresh_suite
 from ttt.testing import test_properties as property_suite
 from ttt.testing import test_pytorch_integration as integration_suite
-from ttt.testing.cases import F32, oracle_params
+from ttt.testing.cases import F32, Case, oracle_params
+from ttt_cupy import placement
 from ttt_cupy.backend import CupyBackend
 from ttt_cupy.compile import d_pad
 
@@ -50,6 +51,7 @@ class EmulatedCupyBackend(CupyBackend):
 
     def __init__(self, emu) -> None:
         self.emu = emu
+        self.ran: list[str] = []   # the emulated entry points its launches ran, every call's
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -68,6 +70,7 @@ class EmulatedCupyBackend(CupyBackend):
 
     def launch_device(self, problem: Problem) -> EmulatedDevice:
         device = EmulatedDevice(self.emu)
+        device.ran = self.ran
         device.inputs = [t for t in (problem.q, problem.k, problem.v, problem.w, problem.b,
                                      problem.eta, problem.initial_state,
                                      problem.initial_state_bias, problem.cu_seqlens)
@@ -174,22 +177,50 @@ def test_strided_views_give_the_contiguous_results(ttt_backend, ttt_backend_name
                                                                   ttt_backend_name, ttt_device)
 
 
-@pytest.mark.parametrize("case", [c for c in decode_suite.DECODE_CASES if c.dtype == F32],
-                         ids=lambda c: c.id)
+def _step_kernel(rows: int, D: int) -> str:
+    """The emulated entry point of a float32 generation step of at most ``rows`` rows per
+    sequence: fwd_decode up to placement.ROW_STEP_ROWS, the fused chain past them."""
+    most = placement.ROW_STEP_ROWS["float32_wide" if d_pad(D) > 64 else "float32"]
+    return "emu_fwd_decode" if rows <= most else "emu_fwd_chain_fused"
+
+
+DECODE_PAST_ROWS = [  # generation steps of 17 to 32 rows in a chunk of 32: the fused chain
+    Case(2, 20, 2, 32, 32, F32),
+    Case(1, 31, 2, 32, 32, F32, seq_lens=(3, 1, 20, 7)),
+    Case(1, 25, 2, 32, 32, F32, seq_lens=(1, 24), eta_tensor=False, final_state=False),
+]
+"""(The suite's float32 steps are all at chunk 16, within ROW_STEP_ROWS: fwd_decode.)"""
+
+
+@pytest.mark.parametrize("case", [c for c in decode_suite.DECODE_CASES if c.dtype == F32]
+                         + DECODE_PAST_ROWS, ids=lambda c: c.id)
 def test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name, ttt_device):
-    """Generation steps (every sequence within one chunk, no gradient): fwd_decode for the
-    shortest (placement.row_step), the fused forward chain for the others."""
+    """Generation steps (every sequence within one chunk, no gradient): fwd_decode up to
+    placement.ROW_STEP_ROWS rows (placement.row_step), the fused forward chain past them
+    (in a chunk of 32)."""
+    ttt_backend.ran.clear()
     decode_suite.test_decode_step_matches_oracle(case, ttt_backend, ttt_backend_name,
                                                  ttt_device)
+    assert ttt_backend.ran == [_step_kernel(max(case.seq_lens or (case.T,)), case.D)]
 
 
-@pytest.mark.parametrize("case", [c for c in decode_suite.MULTI_STEP_CASES if c.dtype == F32],
-                         ids=lambda c: c.id)
+MULTI_STEP_PAST_ROWS = [  # chunk 64: the prefill's 37 tokens and each step one open chunk
+    Case(2, decode_suite.PREFILL + decode_suite.STEPS, 2, 16, 64, F32),
+]
+
+
+@pytest.mark.parametrize("case", [c for c in decode_suite.MULTI_STEP_CASES if c.dtype == F32]
+                         + MULTI_STEP_PAST_ROWS, ids=lambda c: c.id)
 def test_decode_after_prefill_one_token_steps(case, ttt_backend, ttt_backend_name, ttt_device):
-    """A prefill, then steps of the open chunk's tokens so far (one to five rows: fwd_decode
-    up to placement.ROW_STEP_ROWS, the fused chain past them), against one call."""
+    """A prefill, then steps of the open chunk's tokens so far (6 to 10 rows at chunk 16 and
+    32: fwd_decode; 38 to 42 at chunk 64: the fused chain), against one call."""
+    ttt_backend.ran.clear()
     decode_suite.test_decode_after_prefill_one_token_steps(case, ttt_backend, ttt_backend_name,
                                                            ttt_device)
+    prefill, steps = decode_suite.PREFILL, decode_suite.STEPS
+    open_rows = prefill % case.chunk   # the prefill's tokens in the open chunk
+    assert ttt_backend.ran[-steps:] == [_step_kernel(open_rows + step, case.D)
+                                        for step in range(1, steps + 1)]
 
 
 @pytest.mark.parametrize("case", [c for c in empty_suite.EMPTY_CASES

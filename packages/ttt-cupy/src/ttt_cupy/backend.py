@@ -54,9 +54,10 @@ class CupyBackend(Backend):
             "fused forward from 128 (sequence, head) chains (256 with a backward), and for "
             "every decode step (no backward, each sequence within one chunk: one launch): "
             "the chain writes the outputs, no fwd_out (placement.fused_forward)",
-            "short decode steps (at most 1 row per sequence for half inputs, 4 for float32, "
-            "16 at head dims over 64: placement.ROW_STEP_ROWS) run fwd_decode alone: one "
-            "block per (sequence, head), the state in registers, read and written once",
+            "short decode steps (at most 16 rows per sequence, every dtype and head dim: "
+            "placement.ROW_STEP_ROWS; more rows, in a chunk of 32 or 64, the fused chain) "
+            "run fwd_decode alone: one block per (sequence, head), the state in registers, "
+            "read and written once",
             "few long sequences: each pass in segments of whole groups, the chain on a side "
             "stream and each segment's group kernels beside its next segment; bitwise the "
             "results of one launch (placement.segment_plan)",

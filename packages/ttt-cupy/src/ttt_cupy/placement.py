@@ -3,7 +3,7 @@
 per kernel, except the fused chains and fwd_decode, which compute the same math in another
 order.
 
-- row step: a generation step of a few rows per sequence runs fwd_decode alone, one launch
+- row step: a generation step of up to 16 rows per sequence runs fwd_decode alone, one launch
   (:func:`row_step`, :data:`ROW_STEP_ROWS`);
 - fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway; and
   a forward without a backward whose every sequence fits in one chunk, a generation step:
@@ -92,26 +92,29 @@ def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO
     return chains(p) >= FUSED["forward_training" if save_for_backward else "forward_inference"]
 
 
-ROW_STEP_ROWS = {"half": 1, "float32": 4, "float32_wide": 16}
+ROW_STEP_ROWS = {"half": 16, "float32": 16, "float32_wide": 16}
 """The most rows of a sequence with which a generation step (no backward, every sequence
 within one chunk: :func:`single_chunk`) runs fwd_decode alone (:func:`row_step`) instead of
-fwd_chain's fused instance:
+fwd_chain's fused instance; every step at chunk 16, and in a chunk of 32 or 64 those of up
+to 16 rows. From an H100 A/B of the two kernels (``benchmarks/row_step.py --backends cupy``:
+the layer's form, H 16, chunk 16, B 4 and 64, D 64 and 128, CUDA-graph replay), fwd_decode's
+time over the fused chain's at 1, 2, 4 and 16 rows:
 
-======================  ============  ==================
-inputs (q, k, v)        D_PAD         rows per sequence
-======================  ============  ==================
-bfloat16, float16       any           1 (``"half"``)
-float32                 16 .. 64      4 (``"float32"``)
-float32                 128           16 (``"float32_wide"``)
-======================  ============  ==================
+======================  ============  ====  ==========================================
+inputs (q, k, v)        D_PAD         rows  fwd_decode / fused chain (1 .. 16 rows)
+======================  ============  ====  ==========================================
+bfloat16, float16       any           16    0.33 .. 0.98 (``"half"``, bf16 measured)
+float32                 16 .. 64      16    0.24 .. 0.89 (``"float32"``)
+float32                 128           16    0.22 .. 0.46 (``"float32_wide"``)
+======================  ============  ====  ==========================================
 
 fwd_decode reads and writes the state once and computes only the step's rows (each row a
 row times the state, its work growing with the rows), where the fused chain runs a whole
-padded chunk of tile products (tensor cores for half inputs) whatever the rows: it pays
-for the fewest rows, more of them in float32 (SIMT chain products) and at D_PAD 128. The
-values are the Triton backend's (``ROW_STEP_ROWS`` of its tuning.py, from an H100 A/B of
-its fwd_decode), not yet measured for these kernels: ``benchmarks/row_step.py --backends
-cupy`` does (``Schedule(fuse_forward=True)`` forces the fused chain)."""
+padded chunk of tile products (tensor cores for half inputs) whatever the rows: fwd_decode
+was the faster at every row count measured, least so at 16 rows (bf16 at B 64, D 64: 53 us
+against 55), and the two kernels' results differed by at most 8.2e-4 (bf16) and 1.8e-7
+(float32) of the norm. Steps of more than 16 rows (chunks of 32 and 64) are not measured,
+so the fused chain keeps them (``Schedule(fuse_forward=True)`` forces it at any rows)."""
 
 
 def row_step_rows(p: Problem) -> int:
