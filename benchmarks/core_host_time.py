@@ -3,6 +3,7 @@
     python benchmarks/core_host_time.py                       # this checkout's ttt
     python benchmarks/core_host_time.py --compare-with main   # and another revision's
     python benchmarks/core_host_time.py --cprofile 15         # where the time goes
+    python benchmarks/core_host_time.py --device cuda         # with CUDA tensors (GPU)
 
 The calls run on a null backend, registered in this process only: its forward returns
 views of tensors allocated once (``saved`` empty), its backward views of gradients
@@ -22,6 +23,11 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 
 And the automatic choice alone: ``registry.select_backend`` over the backends installed
 here and the null backend, for the first shape.
+
+``--device cuda`` makes the inputs CUDA tensors (the null backend still launches nothing): the
+core's host time as a GPU call pays it, where reading tensors' devices, the autocast state
+and the aliasing check may cost more than on CPU tensors. The null backend then comes first
+in the automatic choice (before the GPU backends, which would take the call).
 
 ``--compare-with REV`` extracts ``packages/ttt/src/ttt`` of git revision ``REV`` into a
 temporary folder and runs the same measurement (same inputs, same null backend) in two
@@ -62,9 +68,11 @@ SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64))
 """A tiny call and the decode call (one token for each of four sequences)."""
 MODES = ("fwd", "fwd grad", "fwd+bwd", "fwd auto", "fwd eta float")
 NULL = "null"
-NULL_PRIORITY = 999
-"""The null backend's place in the automatic choice: after the GPU backends (which decline
-CPU inputs), before ``reference``."""
+NULL_PRIORITY = {"cpu": 999, "cuda": -1}
+"""The null backend's place in the automatic choice (lower first): on CPU inputs after the GPU
+backends (which decline them), before ``reference``; on CUDA inputs first."""
+DEVICE = torch.device("cpu")
+"""The inputs' device (``--device``)."""
 
 
 def _fields(cls) -> set[str]:
@@ -81,7 +89,7 @@ class NullBackend(ttt.Backend):
     def __init__(self):
         wide = {"eta_key": True, "outputs": frozenset({"norm_residual", "query_residual", "raw"})}
         self.capabilities = ttt.Capabilities(
-            devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16}),
+            devices=frozenset({"cpu", "cuda"}), dtypes=frozenset({torch.float32, torch.bfloat16}),
             **{k: v for k, v in wide.items() if k in _fields(ttt.Capabilities)})
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
 
@@ -109,12 +117,23 @@ class NullBackend(ttt.Backend):
         return ttt.Gradients(**{n: buf[n].detach() for n in names})
 
 
+def use_device(device: torch.device) -> None:
+    """Make the inputs on ``device`` (``--device``; CUDA needs a GPU)."""
+    global DEVICE
+    if device.type not in NULL_PRIORITY:
+        raise SystemExit(f"--device: expected cpu or cuda, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    DEVICE = device
+
+
 def register_null_backend() -> None:
     """Makes ``backend="null"`` / ``ttt.set_backend("null")`` resolve to a NullBackend, and
     the automatic choice take it (see NULL_PRIORITY)."""
     registry._LOADED[NULL] = NullBackend()
     registry.KNOWN_BACKENDS[NULL] = registry.KnownBackend(
-        f"{__name__}:NullBackend", "registered by benchmarks/core_host_time.py", NULL_PRIORITY)
+        f"{__name__}:NullBackend", "registered by benchmarks/core_host_time.py",
+        NULL_PRIORITY[DEVICE.type])
 
 
 def make_case(shape, packed: bool, requires_grad: bool, seed: int = 0):
@@ -130,8 +149,8 @@ def make_case(shape, packed: bool, requires_grad: bool, seed: int = 0):
     k = torch.nn.functional.normalize(k, dim=-1)
     w, b = 1 + 0.1 * torch.randn(H, D, generator=gen), 0.1 * torch.randn(H, D, generator=gen)
     eta = 0.1 * torch.rand(B, T, H, 1, generator=gen)
-    xs = [x.requires_grad_(requires_grad) for x in (q, k, v, w, b, eta)]
-    return xs, dict(cu_seqlens=cu_seqlens)
+    xs = [x.to(DEVICE).requires_grad_(requires_grad) for x in (q, k, v, w, b, eta)]
+    return xs, dict(cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(DEVICE))
 
 
 def one_call(mode: str, shape, packed: bool):
@@ -167,16 +186,24 @@ def _call(case: int):
 
 
 def timed_runs(fn, iters: int, repeats: int) -> list[float]:
-    """``repeats`` times the mean time of ``iters`` calls of ``fn`` (after a warm-up), us."""
+    """``repeats`` times the mean time of ``iters`` calls of ``fn`` (after a warm-up), us
+    (on CUDA inputs, what a call queued is finished between runs, outside the timing)."""
     for _ in range(max(iters // 10, 10)):
         fn()
     runs = []
     for _ in range(repeats):
+        _synchronize()
         t0 = time.perf_counter_ns()
         for _ in range(iters):
             fn()
         runs.append((time.perf_counter_ns() - t0) / iters / 1e3)
+    _synchronize()
     return runs
+
+
+def _synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _rows(samples: list[list[float]]) -> list[dict]:
@@ -245,16 +272,16 @@ mapped and unmapped (page faults) on every call depends on what the process free
 two sides running the same launcher code measured up to 1.4x apart."""
 
 
-def child_process(script: str, paths: list[str], iters: int,
-                  repeats: int) -> subprocess.Popen:
-    """``script --serve``: a measuring child process, with the source folders ``paths`` first
-    on its path (none: what is installed), and glibc's malloc thresholds fixed
-    (:data:`FIXED_MALLOC`)."""
+def child_process(script: str, paths: list[str], iters: int, repeats: int,
+                  extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``script --serve`` (and the options ``extra``): a measuring child process, with the
+    source folders ``paths`` first on its path (none: what is installed), and glibc's malloc
+    thresholds fixed (:data:`FIXED_MALLOC`)."""
     env = {**os.environ, **FIXED_MALLOC}
     if paths:
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, script, "--serve", "--iters", str(iters),
-                             "--repeats", str(repeats)], env=env, text=True,
+                             "--repeats", str(repeats), *extra], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
@@ -273,9 +300,10 @@ def compare(rev: str, iters: int, repeats: int, rounds: int) -> list[tuple[list[
     that take turns case by case, ``rounds`` times (a change in the machine's load hits
     both sides); per cell the median of all runs of a side."""
     with tempfile.TemporaryDirectory() as tmp:
+        extra = ("--device", str(DEVICE))
         children = [child_process(__file__, extract_sources(rev, tmp, ["packages/ttt/src"]),
-                                  iters, repeats),
-                    child_process(__file__, [], iters, repeats)]
+                                  iters, repeats, extra),
+                    child_process(__file__, [], iters, repeats, extra)]
         samples = [[[] for _ in range(CHOICE + 1)] for _ in children]
         try:
             for r in range(rounds):
@@ -325,13 +353,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_measure_arguments(parser, 2000, 7, "the ttt package")
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"),
+                        help="the inputs' device: cpu (default) or cuda")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="print cProfile's N functions of most own time per fwd+bwd")
     args = parser.parse_args()
+    use_device(args.device)
     if args.serve:
         serve(args.iters, args.repeats)
         return
-    print(f"torch {torch.__version__}, ttt from {Path(ttt.__file__).parent}, one CPU thread")
+    print(f"torch {torch.__version__}, ttt from {Path(ttt.__file__).parent}, one CPU thread, "
+          f"{DEVICE} inputs")
     if args.compare_with:
         (before, choice_before), (rows, choice) = compare(
             args.compare_with, args.iters, args.repeats, args.rounds)
