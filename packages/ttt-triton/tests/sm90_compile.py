@@ -38,8 +38,10 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # (label, dtype, B, T, H, D, chunk, packed lengths or None, layer form, calls)
-# calls: "train" (forward saving for the backward, then the backward), "infer" (forward
-# without backward); generation steps are "infer" with T within one chunk. H sets the chain
+# calls: "train" (forward saving for the backward, then the backward), "train states" (the
+# same with initial and final states, the backward getting the final states' cotangents),
+# "infer" (forward without backward, with states); generation steps are "infer" with T within
+# one chunk. H sets the chain
 # count, and with it the fused chains (tuning.FUSED: >= 96 for inference, 256 for training).
 CASES = (
     ("train", "bf16", 2, 40, 2, 64, 16, None, False, "train"),
@@ -48,6 +50,8 @@ CASES = (
     ("train fp32", "fp32", 2, 40, 2, 64, 16, None, True, "train"),
     ("train fp32 fused", "fp32", 1, 40, 256, 64, 16, None, False, "train"),
     ("train packed", "bf16", 1, 40, 2, 64, 16, (7, 0, 33), True, "train"),
+    ("train states", "bf16", 2, 40, 2, 64, 16, None, True, "train states"),
+    ("train states packed", "fp32", 1, 40, 2, 32, 16, (9, 31), False, "train states"),
     ("train d128 c64", "bf16", 1, 130, 2, 128, 64, None, True, "train"),
     ("train d24", "fp16", 1, 40, 2, 24, 16, (17, 23), False, "train"),
     ("infer", "bf16", 2, 40, 2, 64, 16, None, True, "infer"),
@@ -61,7 +65,7 @@ CASES = (
 )
 
 
-def problem(dtype, B, T, H, D, chunk, packed, layer, train):
+def problem(dtype, B, T, H, D, chunk, packed, layer, states):
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0, offset=0.0, uniform=False):
@@ -76,7 +80,7 @@ def problem(dtype, B, T, H, D, chunk, packed, layer, train):
     if layer:
         extra.update(eta_key=rand(B, T, H, 1, offset=0.5, uniform=True),
                      output="query_residual")
-    if not train:
+    if states:
         extra.update(initial_state=0.1 * torch.randn(N, H, D, D, generator=gen),
                      initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=gen),
                      output_final_state=True)
@@ -94,10 +98,13 @@ def recorded_launches(case) -> list:
     launcher.launches_run = lambda launches, *args, **kwargs: recorded.extend(launches)
     launcher.launches_prefetch = lambda launches, *args, **kwargs: None
     launcher.launches_wants_prefetch = lambda *args, **kwargs: False
-    p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, calls == "train")
-    o, _, _, saved = launcher.ttt_linear_fwd(p, calls == "train")
-    if calls == "train":
-        launcher.ttt_linear_bwd(p, saved, torch.randn_like(o), None, None)
+    train = calls.startswith("train")
+    p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, calls != "train")
+    o, ht, hbt, saved = launcher.ttt_linear_fwd(p, train)
+    if train:
+        cotangents = (None, None) if ht is None else (torch.randn_like(ht),
+                                                      torch.randn_like(hbt))
+        launcher.ttt_linear_bwd(p, saved, torch.randn_like(o), *cotangents)
     return recorded
 
 
