@@ -12,9 +12,10 @@ the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real c
   generation cache (initial states, ``eta_key``, the ``query_residual`` output; final states
   with the cache), when the backend declares ``eta_key`` and that output.
 
-Each form runs with ``w``, ``b`` and with ``eta``, ``eta_key`` in the input dtype and, for
-half inputs, in float32 (float32 parameters, an ``eta`` given as a float, half activations
-under autocast; :func:`param_dtypes`): kernels are compiled per dtype of every tensor. Each
+Each form runs with ``w``, ``b``, ``eta`` and ``eta_key`` all in the input dtype and, for
+half inputs, all in float32 (float32 parameters with half activations under autocast, an
+``eta`` given as a float; :func:`param_dtypes`): kernels are compiled per dtype of every
+tensor, and a call mixing the two compiles on its first use. Each
 of these runs once without gradients (inference) and, unless ``backward=False``, once more
 forward and backward. The compiled kernels stay in the process, and Triton's and cupy's also
 in their on-disk caches (docs/warmup.md), so later processes start warm too.
