@@ -141,8 +141,9 @@ def compile_inputs(launch):
     return signature, constexprs, attrs, options
 
 
-def launch_key(launch) -> tuple:
-    signature, constexprs, attrs, options = compile_inputs(launch)
+def launch_key(launch, inputs: tuple) -> tuple:
+    """What tells one compile from another: the kernel and its :func:`compile_inputs`."""
+    signature, constexprs, attrs, options = inputs
     return (launch.kernel.__name__, tuple(signature.items()),
             tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
             tuple(sorted(attrs)), tuple(sorted(options.items())))
@@ -158,14 +159,15 @@ def main() -> int:
         if args.case and case[0] not in args.case:
             continue
         for launch in recorded_launches(case):
-            key = launch_key(launch)
+            inputs = compile_inputs(launch)
+            key = launch_key(launch, inputs)
             if key in seen:
                 continue
             seen.add(key)
             name = f"{case[0]}: {launch.kernel.__name__}"
             start = time.perf_counter()
             try:
-                signature, constexprs, attrs, options = compile_inputs(launch)
+                signature, constexprs, attrs, options = inputs
                 src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs,
                                 attrs=attrs)
                 triton.compile(src, target=TARGET, options=options)
