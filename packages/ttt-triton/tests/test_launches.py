@@ -66,8 +66,11 @@ class _Compiled:
 @pytest.fixture
 def on_gpu(monkeypatch):
     """As on a GPU: not interpreting; torch.cuda.device a no-op; no key seen or compiled
-    ahead yet."""
+    ahead yet; each launch ``kernel[grid](*args, **kwargs)`` (the route through compiled
+    kernels is test_compiled.py's)."""
     monkeypatch.setattr(launches, "interpreting", lambda: False)
+    monkeypatch.setattr(launches.compiled, "launch",
+                        lambda kernel, grid, args, kwargs: kernel[grid](*args, **kwargs))
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Nothing())
     monkeypatch.setattr(launches, "_SEEN", set())
     monkeypatch.setattr(launches, "_AHEAD", {})

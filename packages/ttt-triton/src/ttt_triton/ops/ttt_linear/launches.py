@@ -31,6 +31,7 @@ import torch
 from ttt import Problem
 
 from ..._env import interpreting
+from . import compiled
 
 MAX_KEYS = 4096
 """Pass keys remembered; past this many the memory starts over (a pass then compiles in
@@ -64,7 +65,10 @@ class Launch:
     kwargs: dict
 
     def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        if interpreting():
+            self.kernel[self.grid](*self.args, **self.kwargs)
+        else:
+            compiled.launch(self.kernel, self.grid, self.args, self.kwargs)
 
     def compile(self, device: torch.device) -> None:
         """Compile (and keep, in Triton's caches) what launching would, and load it, without
