@@ -58,12 +58,14 @@ def _args(x=None, y=None, n=16, s=0.5):
 
 
 def test_a_seen_key_calls_the_compiled_launcher_with_every_parameter_in_order(log):
+    """In parameter order, defaults filled in; a tensor as its address."""
     kernel, x = _Kernel(log), torch.randn(8)
     kwargs = dict(H=4, OUT="query_residual", num_warps=4)
     compiled.launch(kernel, (6,), _args(x), kwargs)
     compiled.launch(kernel, (6,), _args(x, s=0.25), kwargs)
     assert log == [("run", (6,), (x, None, 16, 0.5), kwargs),
-                   ("runner", (6, 1, 1), (x, None, 16, 0.25, 4, 64, "query_residual"), None)]
+                   ("runner", (6, 1, 1), (x.data_ptr(), None, 16, 0.25, 4, 64,
+                                          "query_residual"), None)]
 
 
 @pytest.mark.parametrize("change", ["dtype", "alignment", "int", "none", "constexpr",

@@ -13,9 +13,11 @@ Triton's key is a function of what :func:`launch_key` reads, which is cheaper to
 
 The first launch of a key goes through ``JITFunction.run``, which compiles if needed and
 returns the compiled kernel; later launches of that key call its launcher
-(``CompiledKernel[grid](*arguments, stream=...)``, the call ``JITFunction.run`` ends in,
-launch hooks included) with the arguments in the kernel's parameter order. In Triton's
-interpreter every launch goes through ``JITFunction.run``.
+(``CompiledKernel[grid](*arguments)``, the call ``JITFunction.run`` ends in, launch hooks
+included) with the arguments in the kernel's parameter order, each tensor as its address:
+the launcher takes an int pointer as it is, where for a tensor it calls ``data_ptr`` and
+asks the driver whether the address is a device pointer (the core has checked the device).
+In Triton's interpreter every launch goes through ``JITFunction.run``.
 """
 
 from __future__ import annotations
@@ -36,25 +38,36 @@ current_device = torch.cuda.current_device
 
 def launch_key(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
     """What fixes the compiled kernel ``kernel[grid](*args, **kwargs)`` launches (above)."""
+    return _key_and_values(kernel, grid, args, kwargs)[0]
+
+
+def _key_and_values(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """The :func:`launch_key` and the runtime arguments as the compiled kernel's launcher
+    takes them: each tensor as its address (an int, which the launcher passes on as it is;
+    a tensor it would ask the driver about), the rest as they are."""
     key = [kernel, grid, current_device(), *kwargs.items()]
+    values = []
     for a in args:
         if isinstance(a, torch.Tensor):
+            address = a.data_ptr()
             key.append(a.dtype)
-            key.append(a.data_ptr() & 15 == 0)
+            key.append(address & 15 == 0)
+            values.append(address)
         else:
             key.append(type(a))
             key.append(None if type(a) is float else a)
-    return tuple(key)
+            values.append(a)
+    return tuple(key), values
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``kernel[grid](*args, **kwargs)`` on the current CUDA stream, through the compiled
     kernel's launcher where this launch key was seen."""
-    key = launch_key(kernel, grid, args, kwargs)
+    key, values = _key_and_values(kernel, grid, args, kwargs)
     found = _RUNNERS.get(key)
     if found is not None:
         runner, constants = found
-        runner(*args, *constants)             # (on Triton's current stream, as run's)
+        runner(*values, *constants)           # (on Triton's current stream, as run's)
         return
     compiled = kernel[grid](*args, **kwargs)
     if len(_RUNNERS) >= MAX_KEYS:
