@@ -161,15 +161,70 @@ def test_call_groups_share_no_kernel_class():
 
 
 def test_deal_keeps_groups_whole_and_splits_only_when_short_of_groups():
-    groups = [[f"a{i}" for i in range(6)], [f"b{i}" for i in range(4)], ["c0", "c1"],
-              ["d0"]]
+    groups = [[_call(f"a{i}") for i in range(6)], [_call(f"b{i}") for i in range(4)],
+              [_call("c0"), _call("c1")], [_call("d0")]]
     shares = _warmup_workers.deal(groups, 3)
-    assert sorted(map(sorted, shares)) == sorted(map(sorted, (groups[0], groups[1],
-                                                              groups[2] + groups[3])))
-    shares = _warmup_workers.deal([[f"a{i}" for i in range(6)]], 4)   # one group, 4 workers
-    assert sorted(sum(shares, [])) == sorted(f"a{i}" for i in range(6))
+    assert _names(shares) == _names((groups[0], groups[1], groups[2] + groups[3]))
+    shares = _warmup_workers.deal([[_call(f"a{i}") for i in range(6)]], 4)   # one group
+    assert sorted(sum(_names(shares), [])) == sorted(f"a{i}" for i in range(6))
     assert sorted(len(s) for s in shares) == [1, 1, 2, 2]
-    assert _warmup_workers.deal([["x"]], 3) == [["x"], [], []]
+    assert _warmup_workers.deal([[_call("x")]], 3) == [[_call("x")], [], []]
+
+
+def test_split_parts_calls_by_initial_then_final_states_then_gradients():
+    """A group is split where its calls' kernels differ most: initial states given or not,
+    then final states returned or not, then gradients or not; then alternately."""
+    calls = [_call(f"{form.name} {grad}", form.name, grad) for form in FORMS
+             for grad in (False, True)]
+    plain = [c for c in calls if not FORMS_BY_NAME[c["form"]].layer]
+    layer = [c for c in calls if FORMS_BY_NAME[c["form"]].layer]
+    assert _names(_warmup_workers.split(plain)) == [
+        ["final False", "final True", "plain False", "plain True"],
+        ["initial False", "initial True", "states False", "states True"]]
+    assert _names(_warmup_workers.split(layer)) == [
+        ["layer False", "layer True"], ["layer_cache False", "layer_cache True"]]
+    assert _names(_warmup_workers.split(layer[:2])) == [["layer False"], ["layer True"]]
+    same = [_call(f"x{i}") for i in range(5)]
+    assert _names(_warmup_workers.split(same)) == [["x0", "x2", "x4"], ["x1", "x3"]]
+
+
+def test_a_half_dtype_configuration_deals_out_to_the_default_cap_evenly():
+    """One bf16 configuration's 8 groups (4 of them twice the others) make
+    DEFAULT_MAX_WORKERS equal shares, each of one group and one initial-states setting."""
+    config = Config(torch.bfloat16, 64, 16, 4)
+    layouts = [WarmupShape(2, 40), WarmupShape(2, 40, packed=True)]
+    calls = [(layout, form, params, grad) for layout in layouts for form in FORMS
+             for params in param_dtypes(torch.bfloat16) for grad in (False, True)]
+    shares = _warmup_workers.deal(_call_groups([_Plan(config, "triton", calls)]),
+                                  _warmup_workers.DEFAULT_MAX_WORKERS)
+    assert _warmup_workers.DEFAULT_MAX_WORKERS == 12
+    assert [len(share) for share in shares] == [len(calls) // 12] * 12
+    for share in shares:
+        assert len({(tuple(c["params"]), c["layout"][2], FORMS_BY_NAME[c["form"]].layer,
+                     FORMS_BY_NAME[c["form"]].initial) for c in share}) == 1
+
+
+def test_default_workers_one_per_core_up_to_the_cap(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _warmup_workers.default_workers(cuda, 816) == _warmup_workers.DEFAULT_MAX_WORKERS
+    assert _warmup_workers.default_workers(cuda, 5) == 5
+    assert _warmup_workers.default_workers(cpu, 816) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert _warmup_workers.default_workers(cuda, 816) == 4
+
+
+FORMS_BY_NAME = {form.name: form for form in FORMS}
+
+
+def _call(name: str, form: str = "plain", grad: bool = False) -> dict:
+    """A stand-in for a worker call (``_warmup_workers.call_of``): the fields ``split``
+    reads, and a name."""
+    return {"name": name, "form": form, "grad": grad}
+
+
+def _names(shares) -> list[list[str]]:
+    return sorted(sorted(c["name"] for c in share) for share in shares)
 
 
 def test_a_failed_worker_warns_and_this_process_runs_every_call(recorder):

@@ -23,7 +23,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-DEFAULT_MAX_WORKERS = 8
+DEFAULT_MAX_WORKERS = 12
+"""A Triton warm-up of one half-dtype configuration has 8 call groups, 4 of them twice the
+calls of the others: split by initial states (:func:`split`), those make 12 parts of about
+equal compiling that share few kernels. Splitting these further, their halves would share
+most of their kernels."""
 
 
 def default_workers(device: torch.device, calls: int) -> int:
@@ -61,16 +65,38 @@ def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
     """The calls of ``groups`` in ``workers`` shares: each group whole in one share (the
     share with the fewest calls so far, largest group first), so that calls that may need
     the same kernels compile them in one process. While there are fewer groups than
-    workers, the largest is split in two (its calls taken in turn)."""
+    workers, the largest is split in two (:func:`split`)."""
     groups = sorted((list(g) for g in groups if g), key=len, reverse=True)
     while 0 < len(groups) < workers and len(groups[0]) > 1:
-        largest = groups.pop(0)
-        groups += [largest[0::2], largest[1::2]]
+        groups += split(groups.pop(0))
         groups.sort(key=len, reverse=True)
     shares: list[list[dict]] = [[] for _ in range(workers)]
     for group in groups:
         min(shares, key=len).extend(group)
     return shares
+
+
+def split(calls: list[dict]) -> list[list[dict]]:
+    """A group's calls (``call_of``) in two halves that need few kernels in common: by
+    whether they pass initial states, else by whether they return final states, else by
+    whether they take gradients, else taken in turn. Initial and final states are part of
+    the specialisation of most kernels a call launches (forward and backward), so either
+    half compiles little of the other's; split by gradients, the half with them would hold
+    most of the compiling (the backward's kernels), and calls that differ only in their
+    layout need mostly the same kernels."""
+    forms = _forms()
+    for differs in (lambda c: forms[c["form"]].initial, lambda c: forms[c["form"]].final,
+                    lambda c: c["grad"]):
+        first = [c for c in calls if differs(c)]
+        if 0 < len(first) < len(calls):
+            return [first, [c for c in calls if not differs(c)]]
+    return [calls[0::2], calls[1::2]]
+
+
+def _forms() -> dict:
+    from .warmup import FORMS  # here: ttt.warmup imports this module
+
+    return {form.name: form for form in FORMS}
 
 
 def _start(calls: list[dict], device: torch.device, done: queue.Queue):
@@ -115,13 +141,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _main() -> int:
     from .backend import WarmupShape
-    from .warmup import FORMS, Config, _call
+    from .warmup import Config, _call
 
     job = json.load(sys.stdin)
     device = torch.device(job["device"])
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    forms = {form.name: form for form in FORMS}
+    forms = _forms()
     for call in job["calls"]:
         dtype, head_dim, chunk_size, heads = call["config"]
         config = Config(getattr(torch, dtype), head_dim, chunk_size, heads)

@@ -335,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--workers", type=_positive_int, default=None,
                       help="processes compiling in parallel before this one loads their "
-                           "kernels (default: one per CPU core, at most 8, on a GPU; 1 on "
+                           "kernels (default: one per CPU core, at most 12, on a GPU; 1 on "
                            "the CPU)")
     warm.add_argument("--quiet", action="store_true", help="no progress bar")
     warm.set_defaults(func=cmd_warmup)

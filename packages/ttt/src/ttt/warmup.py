@@ -121,7 +121,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     default cuda when present, else cpu. ``shapes``: the batch layouts to run instead of the
     backend's :meth:`~ttt.Backend.warmup_shapes`. ``workers``: child processes that run the
     calls first, compiling in parallel, before this process runs them and loads what they
-    compiled from the disk caches (None: one per CPU core, at most 8, on a GPU; 1 on the
+    compiled from the disk caches (None: one per CPU core, at most 12, on a GPU; 1 on the
     CPU; 1: no child processes). Raises ``BackendNotSupportedError`` when the backend
     cannot take a configuration asked for explicitly."""
     device = _device(device)
