@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import LOWERED, new_process
+from device_stand_ins import LOWERED, new_process
 
 from ttt_cupy import compile as cc
 from ttt_cupy import diskcache

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import RecordingDevice
+from device_stand_ins import RecordingDevice
 
 import ttt
 from ttt_cupy import compile as cc

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import EmulatedDevice
+from device_stand_ins import EmulatedDevice
 
 from ttt import Problem, registry
 from ttt.testing import test_against_oracle as oracle_suite
