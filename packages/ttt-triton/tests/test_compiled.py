@@ -120,3 +120,63 @@ def test_equal_launch_keys_mean_equal_triton_specialisations(log):
                 kernel, (1,), (b,), {}):
             assert (native_specialize_impl(CUDABackend, a, False, True, True)
                     == native_specialize_impl(CUDABackend, b, False, True, True)), (a, b)
+
+
+class _Loaded(_Compiled):
+    """A loaded ``CompiledKernel``'s stand-in: its launcher, function handle and packed
+    metadata too."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def run(self, *args):
+        self.log.append(("launcher", args))
+
+
+class _LoadedKernel(_Kernel):
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("run", grid, args, kwargs))
+            return _Loaded(self.log)
+        return run
+
+
+@pytest.fixture
+def direct(log, monkeypatch):
+    monkeypatch.setattr(compiled, "stream_query", lambda: lambda device: 1000 + device)
+    return log
+
+
+def test_without_hooks_a_seen_key_calls_the_launcher_itself(direct):
+    """On the current stream, with no launch metadata and no hooks, then every parameter in
+    order (a tensor as its address)."""
+    kernel, x = _LoadedKernel(direct), torch.randn(8)
+    kwargs = dict(H=4, num_warps=4)
+    compiled.launch(kernel, (6, 2), _args(x), kwargs)
+    compiled.launch(kernel, (6, 2), _args(x, s=0.25), kwargs)
+    assert direct[1:] == [("launcher", (6, 2, 1, 1000, "function", "metadata", None, None,
+                                        None, x.data_ptr(), None, 16, 0.25, 4, 64, "raw"))]
+
+
+def test_with_a_launch_hook_every_launch_goes_through_tritons_runner(direct):
+    from triton import knobs
+
+    kernel, x = _LoadedKernel(direct), torch.randn(8)
+    compiled.launch(kernel, (6,), _args(x), {"H": 4})
+    seen = []
+    for chain in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(knobs.runtime, chain)
+        hook.add(seen.append)
+        try:
+            compiled.launch(kernel, (6,), _args(x), {"H": 4})
+        finally:
+            hook.remove(seen.append)
+    compiled.launch(kernel, (6,), _args(x), {"H": 4})
+    assert [event[0] for event in direct] == ["run", "runner", "runner", "launcher"]
+
+
+def test_a_triton_without_knobs_launches_through_the_runner(direct, monkeypatch):
+    monkeypatch.setattr(compiled, "launch_hooks", lambda: None)
+    kernel, x = _LoadedKernel(direct), torch.randn(8)
+    for _ in range(2):
+        compiled.launch(kernel, (6,), _args(x), {"H": 4})
+    assert [event[0] for event in direct] == ["run", "runner"]
