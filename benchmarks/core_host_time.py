@@ -10,7 +10,7 @@ views of tensors allocated once (``saved`` empty), its backward views of gradien
 allocated once, so what is timed is the core alone: validation, the backend's choice,
 autocast, the custom op's dispatch and autograd, up to the backend's ``forward`` /
 ``backward`` and back. Per shape, dense and packed (``cu_seqlens``: the B sequences of
-length T in one row; a single sequence is cut in two), three timings, in microseconds per
+length T in one row; a single sequence is cut in two), six timings, in microseconds per
 call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_counter_ns``):
 
 - ``fwd``: one forward, inputs without ``requires_grad``;
@@ -19,7 +19,9 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd auto``: ``fwd`` with no backend named (no ``set_backend``; with ``TTT_BACKEND``
   unset, the automatic choice, where the null backend comes after the GPU backends and
   before ``reference``);
-- ``fwd eta float``: ``fwd`` with a float ``eta``.
+- ``fwd eta float``: ``fwd`` with a float ``eta``;
+- ``fwd step``: ``fwd`` as a generation step makes it: initial states given,
+  ``output_final_state=True``, a tensor ``eta_key``, ``output="query_residual"``.
 
 And the automatic choice alone: ``registry.select_backend`` over the backends installed
 here and the null backend, for the first shape.
@@ -64,9 +66,9 @@ from ttt import registry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import own_time_table  # noqa: E402
 
-SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64))
-"""A tiny call and the decode call (one token for each of four sequences)."""
-MODES = ("fwd", "fwd grad", "fwd+bwd", "fwd auto", "fwd eta float")
+SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64), (64, 1, 16, 64))
+"""A tiny call and two decode calls (one token for each of four, of 64 sequences)."""
+MODES = ("fwd", "fwd grad", "fwd+bwd", "fwd auto", "fwd eta float", "fwd step")
 NULL = "null"
 NULL_PRIORITY = {"cpu": 999, "cuda": -1}
 """The null backend's place in the automatic choice (lower first): on CPU inputs after the GPU
@@ -136,26 +138,37 @@ def register_null_backend() -> None:
         NULL_PRIORITY[DEVICE.type])
 
 
-def make_case(shape, packed: bool, requires_grad: bool, seed: int = 0):
-    """(args, kwargs) of one call: fresh random float32 inputs (k L2-normalised)."""
+def make_case(shape, packed: bool, requires_grad: bool, step: bool = False, seed: int = 0):
+    """(args, kwargs) of one call: fresh random float32 inputs (k L2-normalised); with
+    ``step``, those of a generation step too (initial states, final states, ``eta_key``,
+    ``output="query_residual"``)."""
     B, T, H, D = shape
     gen = torch.Generator().manual_seed(seed)
     cu_seqlens = None
+    N = B
     if packed:
         lengths = [T] * B if B > 1 else [T - T // 2, T // 2]
-        B, T = 1, B * T
+        B, T, N = 1, B * T, len(lengths)
         cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     q, k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(3))
     k = torch.nn.functional.normalize(k, dim=-1)
     w, b = 1 + 0.1 * torch.randn(H, D, generator=gen), 0.1 * torch.randn(H, D, generator=gen)
     eta = 0.1 * torch.rand(B, T, H, 1, generator=gen)
     xs = [x.to(DEVICE).requires_grad_(requires_grad) for x in (q, k, v, w, b, eta)]
-    return xs, dict(cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(DEVICE))
+    kwargs = dict(cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(DEVICE))
+    if step:
+        kwargs.update(
+            initial_state=0.1 * torch.randn(N, H, D, D, generator=gen).to(DEVICE),
+            initial_state_bias=0.1 * torch.randn(N, H, 1, D, generator=gen).to(DEVICE),
+            output_final_state=True, eta_key=torch.rand(B, T, H, 1, generator=gen).to(DEVICE),
+            output="query_residual")
+    return xs, kwargs
 
 
 def one_call(mode: str, shape, packed: bool):
     """A zero-argument function making one call of ``mode``."""
-    xs, kwargs = make_case(shape, packed, requires_grad=mode in ("fwd grad", "fwd+bwd"))
+    xs, kwargs = make_case(shape, packed, requires_grad=mode in ("fwd grad", "fwd+bwd"),
+                           step=mode == "fwd step")
     op = ttt.chunk_ttt_linear
     if mode == "fwd eta float":
         xs[5] = 0.1
