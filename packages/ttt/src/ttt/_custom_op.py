@@ -29,12 +29,12 @@ def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, c
     wrapper made from it, so unchecked: see ``Problem._of_fields``)."""
     B, T = q.shape[0], q.shape[1]
     lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
-    return Problem._of_fields(
-        q=q, k=k, v=v, w=w, b=b, eta=eta, scale=scale, eps=eps, chunk_size=chunk_size,
-        initial_state=initial_state, initial_state_bias=initial_state_bias,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=lens,
-        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
-        output=output)
+    return Problem._of_fields({
+        "q": q, "k": k, "v": v, "w": w, "b": b, "eta": eta, "scale": scale, "eps": eps,
+        "chunk_size": chunk_size, "initial_state": initial_state,
+        "initial_state_bias": initial_state_bias, "output_final_state": output_final_state,
+        "cu_seqlens": cu_seqlens, "seq_lens": lens, "eta_is_tensor": eta_is_tensor,
+        "requires_grad": requires_grad, "eta_key": eta_key, "output": output})
 
 
 def arguments(problem: Problem, backend: str) -> tuple:

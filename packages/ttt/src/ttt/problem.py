@@ -75,14 +75,16 @@ class Problem:
     output: str = "norm_residual"
 
     @classmethod
-    def _of_fields(cls, **fields) -> Problem:
-        """``Problem(**fields)`` given every field, already checked (by ``make_problem``,
-        whose result it builds, or by the wrapper whose Problem the custom op re-creates
-        from its arguments): the same object, built without the frozen dataclass's
-        ``object.__setattr__`` per field, as the core builds a few per call (validation,
-        the op's forward and its backward). Under ``torch.compile`` the plain constructor:
-        dynamo (torch 2.11) cannot trace ``__dict__.update``. The core's only constructor
-        besides ``make_problem``; nothing outside the core should call it."""
+    def _of_fields(cls, fields: dict) -> Problem:
+        """The Problem of ``fields`` (a new dict holding every field by name, already
+        checked: by ``make_problem``, whose result it builds, or by the wrapper whose
+        Problem the custom op re-creates from its arguments), which becomes its
+        ``__dict__``: the same object as ``Problem(**fields)``, built without the frozen
+        dataclass's ``object.__setattr__`` per field or a call's keyword arguments, as the
+        core builds a few per call (validation, the op's forward and its backward). Under
+        ``torch.compile`` the plain constructor: dynamo (torch 2.11) cannot trace
+        ``__dict__.update``. The core's only constructor besides ``make_problem``; nothing
+        outside the core should call it."""
         if torch.compiler.is_compiling():
             return cls(**fields)
         problem = object.__new__(cls)

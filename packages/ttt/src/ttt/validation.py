@@ -261,11 +261,11 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                       "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
     requires_grad = torch.is_grad_enabled() and _any_requires_grad(
         (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
-    return Problem._of_fields(
-        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), w=w.contiguous(),
-        b=b.contiguous(), eta=eta.contiguous(), scale=scale, eps=eps, chunk_size=int(chunk_size),
-        initial_state=_contiguous(initial_state),
-        initial_state_bias=_contiguous(initial_state_bias),
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
-        eta_is_tensor=eta_is_tensor, requires_grad=requires_grad, eta_key=eta_key,
-        output=output)
+    return Problem._of_fields({
+        "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "w": w.contiguous(),
+        "b": b.contiguous(), "eta": eta.contiguous(), "scale": scale, "eps": eps,
+        "chunk_size": int(chunk_size), "initial_state": _contiguous(initial_state),
+        "initial_state_bias": _contiguous(initial_state_bias),
+        "output_final_state": output_final_state, "cu_seqlens": cu_seqlens,
+        "seq_lens": seq_lens, "eta_is_tensor": eta_is_tensor, "requires_grad": requires_grad,
+        "eta_key": eta_key, "output": output})
