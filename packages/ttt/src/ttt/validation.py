@@ -124,16 +124,14 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
 
 
 def _check_eta_key(eta_key, shape: tuple[int, ...], device: torch.device):
-    if eta_key is None:
-        return None
-    if not _is_tensor_of(eta_key, shape, _FLOAT_DTYPE_SET, device):
-        if not isinstance(eta_key, torch.Tensor):
-            raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
-                            f"got {type(eta_key).__name__}")
-        _require_tensor("eta_key", eta_key, 4)
-        _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
-        _require_device("eta_key", eta_key, device)
-    return eta_key.contiguous()
+    if eta_key is None or _is_tensor_of(eta_key, shape, _FLOAT_DTYPE_SET, device):
+        return
+    if not isinstance(eta_key, torch.Tensor):
+        raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
+                        f"got {type(eta_key).__name__}")
+    _require_tensor("eta_key", eta_key, 4)
+    _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
+    _require_device("eta_key", eta_key, device)
 
 
 def _check_output(output) -> str:
@@ -189,23 +187,32 @@ def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
     return kept
 
 
-def _any_requires_grad(tensors) -> bool:
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
-    return False
+def _usual_tensors(k, v, w, b, eta, eta_key, shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device) -> bool:
+    """Whether q (``shape``, ``dtype``, ``device``) has a floating dtype, heads and a head
+    dim, and k, v, w, b, eta and eta_key are tensors that pass every check of
+    :func:`_check_tensors` (eta a tensor, eta_key one or None): the common case, checked in
+    one expression; the checks that name what differs run only where it fails."""
+    B, T, H, D = shape
+    HD, eta_shape = (H, D), (B, T, H, 1)
+    tensor, floating = torch.Tensor, _FLOAT_DTYPE_SET
+    return (dtype in floating and H >= 1 and D >= 1
+            and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(w, tensor)
+            and isinstance(b, tensor) and isinstance(eta, tensor)
+            and k.shape == shape and v.shape == shape and k.dtype == dtype
+            and v.dtype == dtype and w.shape == HD and b.shape == HD
+            and w.dtype in floating and b.dtype in floating
+            and eta.shape == eta_shape and eta.dtype in floating
+            and k.device == device and v.device == device and w.device == device
+            and b.device == device and eta.device == device
+            and (eta_key is None or (isinstance(eta_key, tensor) and eta_key.shape == eta_shape
+                                     and eta_key.dtype in floating
+                                     and eta_key.device == device)))
 
 
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
-
-
-def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
-                 initial_state=None, initial_state_bias=None, output_final_state=False,
-                 cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
-    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults) and
-    return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
-    the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
+def _check_tensors(q, k, v, w, b, eta, eta_key) -> torch.Tensor:
+    """Raise the first error of the checks of q, k, v, w, b, eta and eta_key, in this
+    order; else ``eta`` as a tensor (a float's constant tensor)."""
     q = _require_tensor("q", q, 4)
     shape, dtype, device = q.shape, q.dtype, q.device
     B, T, H, D = shape
@@ -219,8 +226,7 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
             and _is_tensor_of(b, (H, D), _FLOAT_DTYPE_SET, device)):
         _check_norm_parameters(w, b, (H, D), device)
 
-    eta_is_tensor = isinstance(eta, torch.Tensor)
-    if eta_is_tensor:
+    if isinstance(eta, torch.Tensor):
         if not _is_tensor_of(eta, (B, T, H, 1), _FLOAT_DTYPE_SET, device):
             _require_tensor("eta", eta, 4)
             _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
@@ -234,10 +240,26 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
+    _check_eta_key(eta_key, (B, T, H, 1), device)
+    return eta
 
-    eta_key = _check_eta_key(eta_key, (B, T, H, 1), device)
-    output = _check_output(output)
 
+def _usual_options(scale, eps, chunk_size, output_final_state, output) -> bool:
+    """Whether the options pass every check of :func:`_check_options` as they are (a float
+    ``scale`` or None, a float ``eps``, an int ``chunk_size``, a bool, an output form): the
+    common case, in one expression."""
+    return ((scale is None or (type(scale) is float and 0 < scale < math.inf))
+            and type(eps) is float and 0 < eps < math.inf
+            and type(chunk_size) is int and chunk_size >= 1
+            and type(output_final_state) is bool and type(output) is str and output in OUTPUTS)
+
+
+def _check_options(scale, eps, chunk_size, output_final_state, output, D: int
+                   ) -> tuple[float, float, int]:
+    """Raise the first error of the checks of ``output``, ``scale``, ``eps``, ``chunk_size``
+    and ``output_final_state``, in this order; else ``(scale, eps, chunk_size)`` as a float
+    (``D ** -0.5`` for None), a float and an int."""
+    _check_output(output)
     scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
     eps = _positive_float("eps", eps)
     if type(chunk_size) is not int and (isinstance(chunk_size, bool)
@@ -248,24 +270,79 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: expected a bool, "
                         f"got {type(output_final_state).__name__}")
+    return scale, eps, int(chunk_size)
+
+
+def _usual_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
+                  device: torch.device) -> bool:
+    """Whether each initial state is None or a float32 tensor of its shape on ``device``
+    (which :func:`_check_states` passes): the common case, in one expression."""
+    N, H, D = NHD
+    tensor, float32 = torch.Tensor, torch.float32
+    return ((initial_state is None
+             or (isinstance(initial_state, tensor) and initial_state.shape == (N, H, D, D)
+                 and initial_state.dtype == float32 and initial_state.device == device))
+            and (initial_state_bias is None
+                 or (isinstance(initial_state_bias, tensor)
+                     and initial_state_bias.shape == (N, H, 1, D)
+                     and initial_state_bias.dtype == float32
+                     and initial_state_bias.device == device)))
+
+
+def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias
+                       ) -> bool:
+    """Whether any of the inputs (the last three may be None) requires grad."""
+    return (q.requires_grad or k.requires_grad or v.requires_grad or w.requires_grad
+            or b.requires_grad or eta.requires_grad
+            or (eta_key is not None and eta_key.requires_grad)
+            or (initial_state is not None and initial_state.requires_grad)
+            or (initial_state_bias is not None and initial_state_bias.requires_grad))
+
+
+def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
+                 initial_state=None, initial_state_bias=None, output_final_state=False,
+                 cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
+    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults) and
+    return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
+    the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``.
+
+    Each group of arguments is first checked in one expression for the common case (see
+    :func:`_usual_tensors`); where that fails, the checks that raise the first error, in
+    the order of the arguments, run (and pass what the common case leaves out, such as a
+    float ``eta``)."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4):
+        _require_tensor("q", q, 4)
+    shape, dtype, device = q.shape, q.dtype, q.device
+    B, T, H, D = shape
+    eta_is_tensor = isinstance(eta, torch.Tensor)
+    if not _usual_tensors(k, v, w, b, eta, eta_key, shape, dtype, device):
+        eta = _check_tensors(q, k, v, w, b, eta, eta_key)
+    if _usual_options(scale, eps, chunk_size, output_final_state, output):
+        scale = D ** -0.5 if scale is None else scale
+    else:
+        scale, eps, chunk_size = _check_options(scale, eps, chunk_size, output_final_state,
+                                                output, D)
 
     if cu_seqlens is not None:
         seq_lens = _check_cu_seqlens(cu_seqlens, B, T, device)
         cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
     else:
         seq_lens = (T,) * B
-    N = len(seq_lens)
 
     if initial_state is not None or initial_state_bias is not None:
-        _check_states(initial_state, initial_state_bias, (N, H, D), q.dtype, device,
-                      "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
+        NHD = (len(seq_lens), H, D)
+        if not _usual_states(initial_state, initial_state_bias, NHD, device):
+            _check_states(initial_state, initial_state_bias, NHD, dtype, device,
+                          "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
     requires_grad = torch.is_grad_enabled() and _any_requires_grad(
-        (q, k, v, w, b, eta, initial_state, initial_state_bias, eta_key))
+        q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
     return Problem._of_fields({
         "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "w": w.contiguous(),
         "b": b.contiguous(), "eta": eta.contiguous(), "scale": scale, "eps": eps,
-        "chunk_size": int(chunk_size), "initial_state": _contiguous(initial_state),
-        "initial_state_bias": _contiguous(initial_state_bias),
+        "chunk_size": chunk_size,
+        "initial_state": None if initial_state is None else initial_state.contiguous(),
+        "initial_state_bias": (None if initial_state_bias is None
+                               else initial_state_bias.contiguous()),
         "output_final_state": output_final_state, "cu_seqlens": cu_seqlens,
         "seq_lens": seq_lens, "eta_is_tensor": eta_is_tensor, "requires_grad": requires_grad,
-        "eta_key": eta_key, "output": output})
+        "eta_key": None if eta_key is None else eta_key.contiguous(), "output": output})
