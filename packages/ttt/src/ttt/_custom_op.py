@@ -46,11 +46,23 @@ def arguments(problem: Problem, backend: str) -> tuple:
             p.requires_grad)
 
 
-def _no_autocast(device: torch.device):
-    """Autocast off for ``device``'s type inside the ops (nothing to switch where it is
-    off already: the common case, without the cost of entering an autocast region)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
+def device_type(t: torch.Tensor) -> str:
+    """``t.device.type``: for CPU and CUDA tensors from their flags, which cost a fraction
+    of a device object's ``type``."""
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+
+
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether an autocast region is on for ``t``'s device type."""
+    return torch.is_autocast_enabled(device_type(t))
+
+
+def _no_autocast(t: torch.Tensor, autocast: bool):
+    """Autocast off for ``t``'s device type inside the ops, where ``autocast`` (a region is
+    on for it); nothing to switch where it is off already: the common case, without the
+    cost of entering an autocast region."""
+    if autocast:
+        return torch.autocast(device_type(t), enabled=False)
     return _NOTHING_TO_SWITCH
 
 
@@ -84,14 +96,15 @@ def _forward_impl(
     problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
                          cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
                          eta_is_tensor, output, needs_backward)
-    return _run_forward(problem, backend)
+    return _run_forward(problem, backend, _autocast_on(q))
 
 
-def _run_forward(problem: Problem, backend: str):
-    """The forward op's work on its arguments' Problem."""
+def _run_forward(problem: Problem, backend: str, autocast: bool):
+    """The forward op's work on its arguments' Problem; ``autocast``: whether an autocast
+    region is on for the problem's device type (switched off around the backend)."""
     chosen = load_backend(backend)
     needs_backward = problem.requires_grad
-    with _no_autocast(problem.q.device):
+    with _no_autocast(problem.q, autocast):
         o, ht, hbt, saved = chosen.forward(problem, needs_backward=needs_backward)
     saved = list(saved) if needs_backward else []
     finals = [ht.contiguous(), hbt.contiguous()] if problem.output_final_state else []
@@ -154,7 +167,7 @@ def _backward_impl(
     problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
                          cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
                          eta_is_tensor, output, True)
-    with _no_autocast(q.device), _with_autograd():
+    with _no_autocast(q, _autocast_on(q)), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
                                                dhbt, _grad_needs(tuple(needs)))
     inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
@@ -238,7 +251,8 @@ chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 # function or dispatch mode (fake tensors, opcheck, FlopCounterMode, functionalization), a
 # functorch transform, the profiler, a tensor subclass, the meta device.
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_ABSENT = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+"""The types of the op's tensor arguments that a call may take the shortcut with."""
 
 SHORTCUT_AVAILABLE = (hasattr(torch._library.utils, "_c_check_aliasing_constraint")
                       and hasattr(torch._C, "_AutoDispatchBelowAutograd"))
@@ -246,9 +260,11 @@ SHORTCUT_AVAILABLE = (hasattr(torch._library.utils, "_c_check_aliasing_constrain
 ``_c_check_aliasing_constraint``); without them every call takes the op."""
 
 
-def _eager_and_plain(tensors) -> bool:
+def _eager_and_plain(tensors, first: torch.Tensor) -> bool:
     """Whether the dispatcher would take an op on ``tensors`` straight to its autograd
-    formula and implementation, nothing watching or transforming it."""
+    formula and implementation, nothing watching or transforming it. ``tensors`` (None
+    where absent) are on the device of ``first``, one of them: the validated inputs, their
+    cotangents and what the backend saved; so ``first`` alone says whether it is meta."""
     if not SHORTCUT_AVAILABLE:
         return False
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
@@ -257,65 +273,66 @@ def _eager_and_plain(tensors) -> bool:
             or torch._C._get_tracing_state() is not None
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
-            return False
-    return True
+    return _PLAIN_OR_ABSENT.issuperset(map(type, tensors)) and not first.is_meta
 
 
-def _checked(name: str, args: tuple, run):
-    """``run()``, the op ``name``'s work on ``args``, below the autograd keys; its outputs
-    checked as the op's are (against the tensors among ``args``: the rest cannot alias)."""
+def _checked(name: str, args: tuple, run, *run_args):
+    """``run(*run_args)``, the op ``name``'s work on ``args``, below the autograd keys; its
+    outputs checked as the op's are (against the tensors among ``args``: the rest cannot
+    alias)."""
     with torch._C._AutoDispatchBelowAutograd():
-        result = run()
+        result = run(*run_args)
     torch._library.utils._c_check_aliasing_constraint(name, args, {}, result)
     return result
 
 
-def _checked_forward(args: tuple, problem: Problem):
-    """The forward op's implementation on ``args``, given their Problem (the wrapper's)."""
-    return _checked("chunk_ttt_linear_fwd", args[:_TENSOR_ARGS],
-                    lambda: _run_forward(problem, args[-2]))
+def _checked_forward(tensors: tuple, problem: Problem, backend: str, autocast: bool):
+    """The forward op's implementation, given its tensor arguments ``tensors`` and their
+    Problem (the wrapper's)."""
+    return _checked("chunk_ttt_linear_fwd", tensors, _run_forward, problem, backend,
+                    autocast)
 
 
 class _EagerForward(torch.autograd.Function):
     """The forward op's autograd node for an eager call that needs a backward: its
     implementation, ``_setup_context`` and ``_backward``; the op's tensor arguments, then
-    its options in one tuple; the outputs flat (``o, *finals, *saved``)."""
+    its options in one tuple, the Problem and the autocast flag; the outputs flat
+    (``o, *finals, *saved``)."""
 
     @staticmethod
-    def forward(ctx, *tensors_options_problem):
-        *tensors, options, problem = tensors_options_problem
-        args = (*tensors, *options)
-        o, finals, saved = _checked_forward(args, problem)
-        _setup_context(ctx, args, (o, finals, saved))
+    def forward(ctx, *arguments):
+        *tensors, options, problem, autocast = arguments
+        o, finals, saved = _checked_forward(tuple(tensors), problem, options[-2], autocast)
+        _setup_context(ctx, (*tensors, *options), (o, finals, saved))
         ctx.final_count = len(finals)
         return (o, *finals, *saved)
 
     @staticmethod
     def backward(ctx, do, *d_rest):
         grads = _backward(ctx, do, list(d_rest[:ctx.final_count]), None)
-        return (*grads[:_TENSOR_ARGS], None, None)     # (options, problem)
+        return (*grads[:_TENSOR_ARGS], None, None, None)     # (options, problem, autocast)
 
 
-def forward(problem: Problem, backend: str
+def forward(problem: Problem, backend: str, autocast: bool
             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The forward op for a validated ``problem`` on backend ``backend``:
-    ``(o, finals, saved)``."""
+    ``(o, finals, saved)``; ``autocast``: whether an autocast region is on for the
+    problem's device type (the wrapper read it)."""
     args = arguments(problem, backend)
-    if not _eager_and_plain(args[:_TENSOR_ARGS]):
+    tensors = args[:_TENSOR_ARGS]
+    if not _eager_and_plain(tensors, problem.q):
         return chunk_ttt_linear_fwd(*args)
     if not (torch.is_grad_enabled() and problem.requires_grad):
-        return _checked_forward(args, problem)
-    o, *rest = _EagerForward.apply(*args[:_TENSOR_ARGS], args[_TENSOR_ARGS:], problem)
-    final_count = 2 if args[_TENSOR_ARGS + 4] else 0        # (output_final_state)
+        return _checked_forward(tensors, problem, backend, autocast)
+    o, *rest = _EagerForward.apply(*tensors, args[_TENSOR_ARGS:], problem, autocast)
+    final_count = 2 if problem.output_final_state else 0
     return o, rest[:final_count], rest[final_count:]
 
 
 def backward(args: tuple) -> list[torch.Tensor]:
     """The backward op on ``args``; the op itself where a graph of it is to be recorded
     (a double backward, which it refuses)."""
-    if torch.is_grad_enabled() or not _eager_and_plain((*args[:3 + _TENSOR_ARGS],
-                                                         *args[3 + _TENSOR_ARGS])):
+    if torch.is_grad_enabled() or not _eager_and_plain(
+            (*args[:3 + _TENSOR_ARGS], *args[3 + _TENSOR_ARGS]), args[3]):
         return chunk_ttt_linear_bwd(*args)
-    return _checked("chunk_ttt_linear_bwd", args, lambda: _backward_impl(*args))
+    return _checked("chunk_ttt_linear_bwd", args, _backward_impl, *args)

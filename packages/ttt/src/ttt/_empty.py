@@ -19,7 +19,9 @@ from .problem import Problem
 
 
 def has_no_tokens(problem: Problem) -> bool:
-    return problem.T == 0 or problem.B == 0
+    """Whether ``T == 0`` or ``B == 0``: whether q is empty (a Problem has heads and a head
+    dim)."""
+    return problem.q.numel() == 0
 
 
 def has_empty_sequences(problem: Problem) -> bool:

@@ -23,16 +23,18 @@ def _autocast_enabled(device_type: str) -> bool:
         return False
 
 
+def _in_autocast_region(q) -> bool:
+    """Whether ``q`` is a tensor and an autocast region is on for its device type."""
+    return isinstance(q, torch.Tensor) and _autocast_enabled(_custom_op.device_type(q))
+
+
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Inside an autocast region, q, k, v in its dtype for their device type, as a matmul
-    takes them (float64 is left alone); nothing else is cast."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor)):
+    """Inside an autocast region for q's device type, q, k, v in its dtype, as a matmul
+    takes them (float64 is left alone); nothing else is cast (nothing where k or v is no
+    tensor: ``make_problem`` says what is wrong)."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return q, k, v
-    device_type = q.device.type
-    if not _autocast_enabled(device_type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = torch.get_autocast_dtype(_custom_op.device_type(q))
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         eligible = t.is_floating_point() and t.dtype != torch.float64
@@ -111,7 +113,9 @@ def chunk_ttt_linear(
     ``cu_seqlens`` is read on the host, where dynamo breaks the graph. Under torch.compile
     the backend is chosen when the call is traced and kept by the compiled graph.
     """
-    q, k, v = _autocast(q, k, v)
+    autocast = _in_autocast_region(q)
+    if autocast:
+        q, k, v = _autocast(q, k, v)
     problem = make_problem(q, k, v, w, b, eta, scale=scale, eps=eps, chunk_size=chunk_size,
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -123,7 +127,7 @@ def chunk_ttt_linear(
     full = index = None
     if _empty.has_empty_sequences(problem):           # the backend gets the others only
         full, (problem, index) = problem, _empty.without_empty_sequences(problem)
-    o, finals, _ = _custom_op.forward(problem, _backend_name(problem, backend))
+    o, finals, _ = _custom_op.forward(problem, _backend_name(problem, backend), autocast)
     if not problem.output_final_state:
         return o, None, None
     if full is not None:
