@@ -190,24 +190,36 @@ def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
 def _usual_tensors(k, v, w, b, eta, eta_key, shape: torch.Size, dtype: torch.dtype,
                    device: torch.device) -> bool:
     """Whether q (``shape``, ``dtype``, ``device``) has a floating dtype, heads and a head
-    dim, and k, v, w, b, eta and eta_key are tensors that pass every check of
-    :func:`_check_tensors` (eta a tensor, eta_key one or None): the common case, checked in
-    one expression; the checks that name what differs run only where it fails."""
+    dim, and k, v, w, b, eta (a tensor or a float) and eta_key (a tensor or None) pass
+    every check of :func:`_check_tensors`: the common case, checked in one expression; the
+    checks that name what differs run only where it fails."""
     B, T, H, D = shape
     HD, eta_shape = (H, D), (B, T, H, 1)
     tensor, floating = torch.Tensor, _FLOAT_DTYPE_SET
     return (dtype in floating and H >= 1 and D >= 1
             and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(w, tensor)
-            and isinstance(b, tensor) and isinstance(eta, tensor)
+            and isinstance(b, tensor)
             and k.shape == shape and v.shape == shape and k.dtype == dtype
             and v.dtype == dtype and w.shape == HD and b.shape == HD
             and w.dtype in floating and b.dtype in floating
-            and eta.shape == eta_shape and eta.dtype in floating
             and k.device == device and v.device == device and w.device == device
-            and b.device == device and eta.device == device
+            and b.device == device
+            and ((isinstance(eta, tensor) and eta.shape == eta_shape
+                  and eta.dtype in floating and eta.device == device)
+                 or (type(eta) is float and math.isfinite(eta)))
             and (eta_key is None or (isinstance(eta_key, tensor) and eta_key.shape == eta_shape
                                      and eta_key.dtype in floating
                                      and eta_key.device == device)))
+
+
+def _eta_constant(value, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The constant eta tensor of a (finite) float ``value``, for q of ``shape``, ``dtype``
+    and ``device``: float32 (float64 for float64 inputs) keeps the constant exact to float32
+    precision."""
+    B, T, H, _ = shape
+    eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return _constant_eta(float(value), (B, T, H, 1), eta_dtype, device)
 
 
 def _check_tensors(q, k, v, w, b, eta, eta_key) -> torch.Tensor:
@@ -234,9 +246,7 @@ def _check_tensors(q, k, v, w, b, eta, eta_key) -> torch.Tensor:
     elif type(eta) is float or (isinstance(eta, numbers.Real) and not isinstance(eta, bool)):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
-        # float32 (float64 for float64 inputs) keeps the constant exact to float32 precision
-        eta_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        eta = _constant_eta(float(eta), (B, T, H, 1), eta_dtype, device)
+        eta = _eta_constant(eta, shape, dtype, device)
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
@@ -308,8 +318,8 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
 
     Each group of arguments is first checked in one expression for the common case (see
     :func:`_usual_tensors`); where that fails, the checks that raise the first error, in
-    the order of the arguments, run (and pass what the common case leaves out, such as a
-    float ``eta``)."""
+    the order of the arguments, run (and pass what the common case leaves out, such as
+    numpy numbers)."""
     if not (isinstance(q, torch.Tensor) and q.dim() == 4):
         _require_tensor("q", q, 4)
     shape, dtype, device = q.shape, q.dtype, q.device
@@ -317,6 +327,8 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     eta_is_tensor = isinstance(eta, torch.Tensor)
     if not _usual_tensors(k, v, w, b, eta, eta_key, shape, dtype, device):
         eta = _check_tensors(q, k, v, w, b, eta, eta_key)
+    elif not eta_is_tensor:
+        eta = _eta_constant(eta, shape, dtype, device)
     if _usual_options(scale, eps, chunk_size, output_final_state, output):
         scale = D ** -0.5 if scale is None else scale
     else:
