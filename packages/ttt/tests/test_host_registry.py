@@ -1,9 +1,12 @@
 """The automatic choice does not import a backend that is not installed on every call, and
 keeps its choice per problem signature, until its caches are dropped: by ``set_backend``, a
-change of the backends known or loaded, or ``registry.clear_cache()``; never by time."""
+change of the backends known or loaded, or ``registry.clear_cache()``; never by time. A
+backend asked for by name is kept so where it takes the problem; one that refuses it is
+asked again, and raises, every time."""
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 
 import pytest
@@ -188,3 +191,84 @@ def test_a_backend_registered_or_loaded_later_is_chosen_at_once(counting, monkey
     monkeypatch.delitem(registry.KNOWN_BACKENDS, "earlier")
     monkeypatch.setitem(registry._LOADED, "counting", replacement)
     assert registry.select_backend(problem) is replacement
+
+
+class _Refusing(_Counting):
+    """Refuses every problem; counts the times it is asked."""
+
+    def not_supported_reasons(self, problem):
+        self.asked += 1
+        return ["refuses everything"]
+
+
+@pytest.mark.parametrize("how", ["argument", "set_backend", "environment"])
+def test_a_named_backend_that_takes_the_problem_is_kept_per_signature(counting, monkeypatch,
+                                                                      how):
+    backend = counting
+    requested = "counting" if how == "argument" else None
+    if how == "environment":
+        monkeypatch.setenv("TTT_BACKEND", "counting")
+    with ttt.set_backend("counting") if how == "set_backend" else contextlib.nullcontext():
+        for _ in range(3):
+            assert registry.select_backend(_problem(), requested) is backend
+        assert backend.asked == 1
+        assert registry.select_backend(_problem(T=5), requested) is backend    # asked again
+        assert backend.asked == 2
+
+
+def test_a_named_backend_that_refuses_the_problem_raises_every_time(counting, monkeypatch):
+    refusing = _Refusing("refusing")
+    monkeypatch.setitem(registry._LOADED, "refusing", refusing)
+    problem = _problem()
+    errors = []
+    for _ in range(3):
+        with pytest.raises(registry.BackendNotSupportedError) as info:
+            registry.select_backend(problem, "refusing")
+        errors.append(str(info.value))
+    assert refusing.asked == 3
+    assert errors == [f"backend 'refusing' cannot take these inputs ({problem.describe()}): "
+                      f"refuses everything"] * 3
+    with ttt.set_backend("refusing"):
+        for _ in range(2):
+            with pytest.raises(registry.BackendNotSupportedError, match="refuses everything"):
+                registry.select_backend(problem)
+    assert refusing.asked == 5
+
+
+def test_a_named_backend_is_kept_apart_from_the_automatic_choice(counting):
+    backend = counting
+    problem = _problem()
+    assert registry.select_backend(problem, "reference").name == "reference"
+    assert registry.select_backend(problem) is backend
+    assert registry.select_backend(problem, "reference").name == "reference"
+    assert registry.select_backend(problem, "counting") is backend
+    assert backend.asked == 2                  # once automatic, once by name
+
+
+@pytest.mark.parametrize("drop", ["clear_cache", "set_backend", "register", "load"])
+def test_kept_named_choices_are_dropped_with_the_automatic_ones(counting, monkeypatch, drop):
+    backend = counting
+    problem = _problem()
+    registry.select_backend(problem, "counting")
+    assert backend.asked == 1
+    if drop == "clear_cache":
+        registry.clear_cache()
+    elif drop == "set_backend":
+        with ttt.set_backend("reference"):
+            pass
+    elif drop == "register":
+        monkeypatch.setitem(registry.KNOWN_BACKENDS, "other", registry.KnownBackend(
+            "x:y", "pip install other", 2000))
+    else:
+        monkeypatch.setitem(registry._LOADED, "other", _Counting("other"))
+    registry.select_backend(problem, "counting")
+    assert backend.asked == 2
+
+
+def test_a_named_backend_replaced_is_used_at_once(counting, monkeypatch):
+    problem = _problem()
+    assert registry.select_backend(problem, "counting") is counting
+    refusing = _Refusing("counting")
+    monkeypatch.setitem(registry._LOADED, "counting", refusing)
+    with pytest.raises(registry.BackendNotSupportedError, match="refuses everything"):
+        registry.select_backend(problem, "counting")

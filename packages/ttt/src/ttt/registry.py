@@ -9,11 +9,13 @@ is not in the table, or when all backends are listed, never at ``import ttt``.
 The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
 ``backend=`` argument > ``set_backend`` in the current context > ``TTT_BACKEND`` > automatic.
 
-Two caches serve the automatic choice: the backend chosen per problem signature, and which
-backends failed to import (the choice passes over them without importing them again). Both
-are dropped by :func:`set_backend`, by any change of ``KNOWN_BACKENDS`` or of the loaded
-backends (registration), when the entry points are read again, and by :func:`clear_cache`,
-which also reads the entry points again: after installing a backend package in a running
+Two caches serve the choice: the backend chosen per name asked for (or the automatic
+choice) and problem signature, a named backend only where it takes the problem (one that
+refuses it is asked again, and raises, every time); and which backends failed to import
+(the automatic choice passes over them without importing them again). Both are dropped
+by :func:`set_backend`, by any change of ``KNOWN_BACKENDS`` or of the loaded backends
+(registration), when the entry points are read again, and by :func:`clear_cache`, which
+also reads the entry points again: after installing a backend package in a running
 process, call ``ttt.registry.clear_cache()``. Nothing expires by time.
 """
 
@@ -343,25 +345,27 @@ without importing them again (a failed import costs tens of microseconds, on eve
 until the caches are dropped (see the module's doc)."""
 
 _KEPT: dict[tuple, Backend] = {}
-"""The automatic choice per problem (``_choice_key``), until the caches are dropped."""
+"""The backend chosen per name asked for (``AUTO`` for the automatic choice) and problem
+(``_choice_key``), until the caches are dropped: a named backend kept where it takes the
+problem only."""
 
 MAX_KEPT_CHOICES = 1024
-"""The automatic choices kept at most (packed batches of new lengths are new signatures)."""
+"""The choices kept at most (packed batches of new lengths are new signatures)."""
 
 
 def _forget_choices() -> None:
-    """Drops the automatic choices kept and the memo of backends not installed."""
+    """Drops the choices kept and the memo of backends not installed."""
     _KEPT.clear()
     _NOT_INSTALLED.clear()
 
 
 def clear_cache() -> None:
-    """Forgets what the automatic choice keeps (its choice per problem signature, the
-    backends it found not installed) and the entry points read: the next call imports and
-    asks the backends again. Call it after installing (or removing) a backend package in a
-    running process; ``set_backend`` and changes of the registered or loaded backends drop
-    the choices too. Thread-safe as the choice is: a call running meanwhile may keep its
-    choice once more."""
+    """Forgets what the choice keeps (the backend per name and problem signature, the
+    backends the automatic choice found not installed) and the entry points read: the next
+    call imports and asks the backends again. Call it after installing (or removing) a
+    backend package in a running process; ``set_backend`` and changes of the registered or
+    loaded backends drop the choices too. Thread-safe as the choice is: a call running
+    meanwhile may keep its choice once more."""
     global _ENTRY_POINTS
     _ENTRY_POINTS = None
     importlib.invalidate_caches()
@@ -383,44 +387,49 @@ def _load_for_automatic_choice(name: str) -> Backend:
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     """The backend for one call: the requested or active one, else the best that fits
-    (the automatic choice, kept per problem signature until the caches are dropped: see
-    the module's doc)."""
+    (the automatic choice); kept per name and problem signature until the caches are
+    dropped (see the module's doc), a named backend where it takes the problem only."""
     name = requested if requested is not None else get_backend()
-    if name != AUTO:
-        try:
-            backend = load_backend(name)
-        except UnknownBackendError as exc:
-            if requested is None and _CURRENT.get() is None:   # the name came from the env
-                raise UnknownBackendError(
-                    f"TTT_BACKEND: {str(exc).removeprefix('backend: ')}") from None
-            raise
-        reasons = backend.not_supported_reasons(problem)
-        if reasons:
-            error = (BackendUnavailableError if backend.unavailable_reason() is not None
-                     else BackendNotSupportedError)
-            raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
-                        f"{'; '.join(reasons)}")
-        return backend
-    signature = _choice_key(problem)
-    backend = _KEPT.get(signature)
+    key = (name, _choice_key(problem))
+    backend = _KEPT.get(key)
     if backend is None:
-        backend = _automatic_choice(problem)
-        _keep_choice(signature, backend)
+        backend = (_automatic_choice(problem) if name == AUTO
+                   else _named_choice(name, problem, requested))
+        _keep_choice(key, backend)
+    return backend
+
+
+def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:
+    """Backend ``name`` (``requested``, else the active choice) where it takes ``problem``;
+    else the error that says why."""
+    try:
+        backend = load_backend(name)
+    except UnknownBackendError as exc:
+        if requested is None and _CURRENT.get() is None:       # the name came from the env
+            raise UnknownBackendError(
+                f"TTT_BACKEND: {str(exc).removeprefix('backend: ')}") from None
+        raise
+    reasons = backend.not_supported_reasons(problem)
+    if reasons:
+        error = (BackendUnavailableError if backend.unavailable_reason() is not None
+                 else BackendNotSupportedError)
+        raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
+                    f"{'; '.join(reasons)}")
     return backend
 
 
 def _choice_key(problem: Problem) -> tuple:
     """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
-    batch size, length, scale and eps): the automatic choice is kept by it."""
+    batch size, length, scale and eps): the choices are kept by it."""
     return (problem.q.shape, problem.scale, problem.eps, problem.signature())
 
 
-def _keep_choice(signature: tuple, backend: Backend) -> None:
-    """Keeps ``backend`` as the automatic choice for ``signature`` (all forgotten once
-    MAX_KEPT_CHOICES are kept)."""
+def _keep_choice(key: tuple, backend: Backend) -> None:
+    """Keeps ``backend`` as the choice for ``key`` (a name and a problem's ``_choice_key``;
+    all forgotten once MAX_KEPT_CHOICES are kept)."""
     if len(_KEPT) >= MAX_KEPT_CHOICES:
         _KEPT.clear()
-    _KEPT[signature] = backend
+    _KEPT[key] = backend
 
 
 def _automatic_choice(problem: Problem) -> Backend:
