@@ -77,3 +77,23 @@ def test_backend_module_needs_no_triton_and_launcher_no_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_kernels_keep_the_mode_of_the_switch_when_first_asked(monkeypatch):
+    """triton.jit reads TRITON_INTERPRET when it makes a kernel: the launcher's per-call
+    paths ask ``kernels_interpreted``, fixed at its first answer, not the environment."""
+    from ttt_triton import _env
+
+    before = _env.kernels_interpreted()
+    try:
+        for first in ("1", "0"):
+            _env.kernels_interpreted.cache_clear()
+            monkeypatch.setenv("TRITON_INTERPRET", first)
+            assert _env.kernels_interpreted() is (first == "1")
+            monkeypatch.setenv("TRITON_INTERPRET", "0" if first == "1" else "1")
+            assert _env.kernels_interpreted() is (first == "1")
+            assert _env.interpreting() is (first != "1")
+    finally:
+        _env.kernels_interpreted.cache_clear()
+        monkeypatch.setenv("TRITON_INTERPRET", "1" if before else "0")
+        assert _env.kernels_interpreted() is before

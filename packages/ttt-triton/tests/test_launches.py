@@ -68,7 +68,7 @@ def on_gpu(monkeypatch):
     """As on a GPU: not interpreting; torch.cuda.device a no-op; no key seen or compiled
     ahead yet; each launch ``kernel[grid](*args, **kwargs)`` (the route through compiled
     kernels is test_compiled.py's)."""
-    monkeypatch.setattr(launches, "interpreting", lambda: False)
+    monkeypatch.setattr(launches, "kernels_interpreted", lambda: False)
     monkeypatch.setattr(launches.compiled, "launch",
                         lambda kernel, grid, args, kwargs: kernel[grid](*args, **kwargs))
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Nothing())
@@ -122,7 +122,7 @@ def test_a_seen_key_launches_directly(on_gpu):
 def test_one_launch_and_the_interpreter_compile_nothing_ahead(on_gpu, monkeypatch):
     log = []
     launches.run(_pass(log)[:1], CPU, "one", PROBLEM)
-    monkeypatch.setattr(launches, "interpreting", lambda: True)
+    monkeypatch.setattr(launches, "kernels_interpreted", lambda: True)
     launches.run(_pass(log), CPU, "interpreted", PROBLEM)
     assert [event for event, *_ in log] == ["launch"] * 4
 
@@ -170,7 +170,7 @@ def test_a_prefetch_runs_once_per_key_not_for_a_seen_key_nor_in_the_interpreter(
     launches.prefetch(_pass(log), CPU, "bwd", PROBLEM, 2)              # once per key
     launches._wait_for_prefetches("bwd")
     assert sorted(name for event, name, *_ in log if event == "compile") == ["a", "b", "c"]
-    monkeypatch.setattr(launches, "interpreting", lambda: True)
+    monkeypatch.setattr(launches, "kernels_interpreted", lambda: True)
     assert not launches.wants_prefetch("bwd", PROBLEM, 3)
 
 
@@ -197,7 +197,7 @@ def launcher_on_gpu(on_gpu, monkeypatch):
     same); returns the log."""
     from ttt_triton.ops.ttt_linear import launcher
 
-    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(launcher, "kernels_interpreted", lambda: False)
     monkeypatch.setattr(launcher, "_FORWARD_SETUPS", {})
     log = []
     for name in ("ttt_linear_fwd_chain_kernel", "ttt_linear_fwd_out_kernel",

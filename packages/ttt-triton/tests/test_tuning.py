@@ -52,9 +52,9 @@ def test_fused_backward_chain_stages():
 
 
 def test_interpreter_takes_no_compiler_options(monkeypatch):
-    monkeypatch.setattr(launcher, "interpreting", lambda: True)
+    monkeypatch.setattr(launcher, "kernels_interpreted", lambda: True)
     assert launcher._launch("group", 64, torch.bfloat16, Tuning(group_warps=8)) == {}
-    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(launcher, "kernels_interpreted", lambda: False)
     assert launcher._launch("group", 64, torch.bfloat16, Tuning(group_warps=8))["num_warps"] == 8
 
 

@@ -16,7 +16,7 @@ from triton.runtime.errors import OutOfResources
 from ttt import GradNeeds, Problem
 from ttt.chunking import ChunkGroups, group_count
 
-from ..._env import interpreting
+from ..._env import kernels_interpreted
 from .bwd_chain import ttt_linear_bwd_chain_kernel
 from .bwd_grads import ttt_linear_bwd_grads_kernel
 from .bwd_local import ttt_linear_bwd_local_kernel
@@ -76,7 +76,7 @@ def _refusing_unfit_tunings(launcher):
 
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: Tuning,
             fused_bwd: bool = False) -> dict:
-    if interpreting():
+    if kernels_interpreted():
         return {}
     return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd)
 
@@ -164,7 +164,7 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
     key = None if p.is_varlen else (
         p.q.shape, p.q.dtype, p.chunk_size, p.output_final_state, p.output,
         p.eta_key is not None, p.initial_state is not None,
-        p.initial_state_bias is not None, save_for_backward, tune, interpreting())
+        p.initial_state_bias is not None, save_for_backward, tune)
     setup = _FORWARD_SETUPS.get(key)
     if setup is not None:
         return setup
@@ -212,7 +212,7 @@ def _row_step_setup(p: Problem, BD: int) -> _ForwardSetup:
         H=p.H, D=p.D, BD=BD, USE_INITIAL=p.initial_state is not None,
         USE_INITIAL_BIAS=p.initial_state_bias is not None, STORE_FINAL=p.output_final_state,
         IS_VARLEN=p.cu_seqlens is not None, HAS_ETA_KEY=p.eta_key is not None,
-        OUTPUT=p.output, **({} if interpreting() else decode_options(BD)))
+        OUTPUT=p.output, **({} if kernels_interpreted() else decode_options(BD)))
     return _ForwardSetup(None, True, False, decode, None, row_step=True)
 
 

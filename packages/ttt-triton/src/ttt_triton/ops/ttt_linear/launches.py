@@ -30,7 +30,7 @@ import torch
 
 from ttt import Problem
 
-from ..._env import interpreting
+from ..._env import kernels_interpreted
 from . import compiled
 
 MAX_KEYS = 4096
@@ -65,7 +65,7 @@ class Launch:
     kwargs: dict
 
     def __call__(self) -> None:
-        if interpreting():
+        if kernels_interpreted():
             self.kernel[self.grid](*self.args, **self.kwargs)
         else:
             compiled.launch(self.kernel, self.grid, self.args, self.kwargs)
@@ -99,7 +99,7 @@ def wants_prefetch(kind: str, p: Problem, *flags) -> bool:
 
 
 def _new_ahead(key: tuple) -> bool:
-    return not interpreting() and key not in _SEEN and key not in _AHEAD_KEYS
+    return not kernels_interpreted() and key not in _SEEN and key not in _AHEAD_KEYS
 
 
 def prefetch(launches: list[Launch], device: torch.device, kind: str, p: Problem,
@@ -138,7 +138,7 @@ def run(launches: list[Launch], device: torch.device, kind: str, p: Problem, *fl
     if kind in _AHEAD:
         _wait_for_prefetches(kind)
     key = None if len(launches) < 2 else pass_key(kind, p, *flags)
-    if key is None or key in _SEEN or interpreting():
+    if key is None or key in _SEEN or kernels_interpreted():
         for launch in launches:
             launch()
         return
