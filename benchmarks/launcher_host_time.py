@@ -35,7 +35,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,8 +76,14 @@ class NoLaunchDevice:
 
     def __init__(self):
         from ttt_cupy import compile as cc
+        from ttt_cupy.device import CudaDevice
 
         self._cc = cc
+        # the device's own launch arguments of tensors (``pointers``: one call for many,
+        # where the revision has it)
+        self.pointer = CudaDevice.pointer
+        if hasattr(CudaDevice, "pointers"):
+            self.pointers = CudaDevice.pointers
         self.chain_stream = _Stream()
         self.group_streams = tuple(_Stream() for _ in range(8))
 
@@ -96,9 +101,6 @@ class NoLaunchDevice:
     def active(self):
         return contextlib.nullcontext()
 
-    @staticmethod
-    def pointer(t):
-        return np.uint64(0 if t is None else t.data_ptr())
 
     def current_stream(self):
         return _Stream()

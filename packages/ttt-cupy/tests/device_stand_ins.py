@@ -75,6 +75,9 @@ class RecordingDevice:
             self.tensors.append(t)
         return np.uint64(0 if t is None else t.data_ptr())
 
+    def pointers(self, *tensors):
+        return tuple(self.pointer(t) for t in tensors)
+
     def current_stream(self):
         return StandInStream()
 

@@ -176,3 +176,15 @@ def test_decode_launch_arguments_match_kernel_signature(recording, dtype, D, len
         if params[i] is np.uint64 and int(arg) != 0:
             assert _inside(int(arg), recording.tensors), f"argument {i} points nowhere known"
     assert int(args[-1]) == smem and grid == len(lens) * 2 and block % 32 == 0
+
+
+def test_the_devices_pointers_are_its_pointer_of_each_tensor():
+    """``CudaDevice.pointers`` (one array of addresses for a launch's tensors) gives what
+    ``pointer`` gives for each, numpy uint64 scalars, null for None, in order."""
+    from ttt_cupy.device import CudaDevice
+
+    tensors = (torch.empty(3), None, torch.empty(2, 5)[1], torch.empty(0), None)
+    got = CudaDevice.pointers(*tensors)
+    want = tuple(CudaDevice.pointer(t) for t in tensors)
+    assert got == want and [type(a) for a in got] == [np.uint64] * len(tensors)
+    assert got[2] == tensors[2].data_ptr() and got[1] == 0

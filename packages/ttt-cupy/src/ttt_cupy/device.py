@@ -120,6 +120,13 @@ class CudaDevice:
     def pointer(t: torch.Tensor | None) -> np.uint64:
         return NULL if t is None else np.uint64(t.data_ptr())
 
+    @staticmethod
+    def pointers(*tensors: torch.Tensor | None) -> tuple[np.uint64, ...]:
+        """:meth:`pointer` of each of ``tensors``, in order: the numpy scalars of one array
+        of their addresses, which costs less than making a scalar of each."""
+        return tuple(np.array([0 if t is None else t.data_ptr() for t in tensors],
+                              dtype=np.uint64))
+
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.index)
 

@@ -205,12 +205,12 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
     h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
     o = torch.empty_like(p.q)
-    ptr = device.pointer
+    ptrs = device.pointers
     chain = Kernel(*setup.chain, layout.fwd_chain_args(
-        ptr, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
+        ptrs, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
         setup.scalars))
     out = None if plan.fuse else Kernel(     # (fused: the chain writes o; no fwd_out)
-        *setup.out, layout.fwd_out_args(ptr, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o,
+        *setup.out, layout.fwd_out_args(ptrs, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o,
                                         setup.scalars))
     here = device.current_stream()
     tickets = N * H * grp.groups_max               # (overlapped: an fwd_out block each)
@@ -250,7 +250,7 @@ def _decode_step(p: Problem, setup: _DecodeSetup, device):
     if not setup.native:
         params = tuple(map(f32, params))
     args = layout.fwd_decode_args(
-        device.pointer, p, *params, f32(p.initial_state), f32(p.initial_state_bias), ht, hbt,
+        device.pointers, p, *params, f32(p.initial_state), f32(p.initial_state_bias), ht, hbt,
         o, setup.scalars)
     here = device.current_stream()
     with device.active():
@@ -326,11 +326,11 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     plan, split = setup.plan, setup.split
     do, dht, dhbt = do.contiguous(), f32(dht), f32(dhbt)
     g = BackwardBuffers.of(p, saved, want_dh0, run_grads, want["dkey"])
-    ptr = device.pointer
-    local = Kernel(*setup.local, layout.bwd_local_args(ptr, p, saved, g, do, setup.scalars))
-    chain = Kernel(*setup.chain, layout.bwd_chain_args(ptr, p, saved, g, dht, dhbt, plan.fuse,
+    ptrs = device.pointers
+    local = Kernel(*setup.local, layout.bwd_local_args(ptrs, p, saved, g, do, setup.scalars))
+    chain = Kernel(*setup.chain, layout.bwd_chain_args(ptrs, p, saved, g, dht, dhbt, plan.fuse,
                                                        setup.scalars_no_eps))
-    grads = Kernel(*setup.grads, layout.bwd_grads_args(ptr, p, saved, g, setup.scalars_no_eps))
+    grads = Kernel(*setup.grads, layout.bwd_grads_args(ptrs, p, saved, g, setup.scalars_no_eps))
     chain_tail = () if plan.fuse else (NO_SYNC,)
 
     def local_blocks(seg):

@@ -119,19 +119,18 @@ def shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
             + (np.int64(T), np.int32(H), np.int32(D), np.int32(grp.G)))
 
 
-def fwd_chain_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
+def fwd_chain_args(ptrs, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
                    xbuf, rbuf, o, ekey, rlbuf, scalars: tuple) -> tuple:
-    """``scalars``: :func:`shape_args` of ``p`` and ``grp`` (as every builder below)."""
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(h0), ptr(hb0), ptr(ht),
-            ptr(hbt), ptr(ck), ptr(ckb), ptr(xbuf), ptr(rbuf), ptr(o), ptr(ekey), ptr(rlbuf),
-            ptr(p.cu_seqlens), ptr(grp.offsets), *scalars)
+    """``ptrs``: the device's :meth:`~ttt_cupy.device.CudaDevice.pointers` (as every builder
+    below takes it); ``scalars``: :func:`shape_args` of ``p`` and ``grp``."""
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey,
+                  rlbuf, p.cu_seqlens, grp.offsets), *scalars)
 
 
-def fwd_out_args(ptr, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
+def fwd_out_args(ptrs, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
                  o, scalars: tuple) -> tuple:
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ck), ptr(ckb),
-            ptr(xbuf), ptr(rbuf), ptr(o), ptr(p.cu_seqlens), ptr(grp.offsets), ptr(grp.seq),
-            *scalars)
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, ck, ckb, xbuf, rbuf, o, p.cu_seqlens, grp.offsets,
+                  grp.seq), *scalars)
 
 
 def decode_scalars(p: Problem, rows: int, smem: int) -> tuple:
@@ -142,12 +141,12 @@ def decode_scalars(p: Problem, rows: int, smem: int) -> tuple:
             np.int32(rows), np.uint64(smem))
 
 
-def fwd_decode_args(ptr, p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o,
+def fwd_decode_args(ptrs, p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o,
                     scalars: tuple) -> tuple:
     """``scalars``: :func:`decode_scalars`; eta, w, b, ekey in fp32 or all in the input
     dtype (the kernel's ``P``)."""
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(ekey), ptr(h0),
-            ptr(hb0), ptr(ht), ptr(hbt), ptr(o), ptr(p.cu_seqlens), *scalars)
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, ekey, h0, hb0, ht, hbt, o, p.cu_seqlens),
+            *scalars)
 
 
 @dataclass
@@ -188,32 +187,29 @@ class BackwardBuffers:
         return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb, dkey)
 
 
-def bwd_local_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, do, scalars: tuple) -> tuple:
+def bwd_local_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, do, scalars: tuple
+                   ) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(do), ptr(s.ck),
-            ptr(s.ckb), ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dq),
-            ptr(g.deta), ptr(dwp[0]), ptr(dbp[0]), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *scalars)
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, do, s.ck, s.ckb, s.xbuf, s.rbuf, g.dopbuf,
+                  g.dgbuf, g.dq, g.deta, dwp[0], dbp[0], p.cu_seqlens, s.groups.offsets,
+                  s.groups.seq), *scalars)
 
 
-def bwd_chain_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
+def bwd_chain_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
                    fused: bool, scalars: tuple) -> tuple:
     """The fused chain's also take the slots, dk, dv and the per-group dw, db partials."""
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
-    fused_args = (ptr(s.ck), ptr(g.dk), ptr(g.dv), ptr(dwp[1]), ptr(dbp[1])) if fused else ()
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.xbuf), ptr(s.rbuf),
-            ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.deta), ptr(dht), ptr(dhbt), ptr(g.dck),
-            ptr(g.dckb), ptr(g.dh0), ptr(g.dhb0), ptr(s.rlbuf), ptr(g.dkey), *fused_args,
-            ptr(p.cu_seqlens),
-            ptr(s.groups.offsets), *scalars)
+    fused_tensors = (s.ck, g.dk, g.dv, dwp[1], dbp[1]) if fused else ()
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, s.xbuf, s.rbuf, g.dopbuf, g.dgbuf, g.deta, dht,
+                  dhbt, g.dck, g.dckb, g.dh0, g.dhb0, s.rlbuf, g.dkey, *fused_tensors,
+                  p.cu_seqlens, s.groups.offsets), *scalars)
 
 
-def bwd_grads_args(ptr, p: Problem, s: Saved, g: BackwardBuffers, scalars: tuple) -> tuple:
+def bwd_grads_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, scalars: tuple) -> tuple:
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
-    return (ptr(p.q), ptr(p.k), ptr(p.v), ptr(eta), ptr(w), ptr(b), ptr(s.ck), ptr(g.dck),
-            ptr(s.xbuf), ptr(s.rbuf), ptr(g.dopbuf), ptr(g.dgbuf), ptr(g.dk), ptr(g.dv),
-            ptr(dwp[1]), ptr(dbp[1]), ptr(s.rlbuf), ptr(p.cu_seqlens), ptr(s.groups.offsets),
-            ptr(s.groups.seq), *scalars)
+    return (*ptrs(p.q, p.k, p.v, eta, w, b, s.ck, g.dck, s.xbuf, s.rbuf, g.dopbuf, g.dgbuf,
+                  g.dk, g.dv, dwp[1], dbp[1], s.rlbuf, p.cu_seqlens, s.groups.offsets,
+                  s.groups.seq), *scalars)
