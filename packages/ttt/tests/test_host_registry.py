@@ -57,12 +57,12 @@ def test_a_missing_backend_is_imported_once_until_the_cache_is_cleared(ghost):
     assert imports == [GHOST, GHOST]
 
 
-@pytest.mark.parametrize("drop", ["set_backend", "register", "load"])
-def test_set_backend_and_registration_drop_the_memo(ghost, monkeypatch, drop):
-    imports = ghost
-    registry.select_backend(_problem())
-    assert imports == [GHOST]
-    if drop == "set_backend":
+def _drop_kept_choices(drop: str, monkeypatch) -> None:
+    """What drops the kept choices: ``clear_cache``, ``set_backend``, registering a backend
+    or loading one."""
+    if drop == "clear_cache":
+        registry.clear_cache()
+    elif drop == "set_backend":
         with ttt.set_backend(None):
             pass
     elif drop == "register":
@@ -70,6 +70,14 @@ def test_set_backend_and_registration_drop_the_memo(ghost, monkeypatch, drop):
             "x:y", "pip install other", 2000))
     else:
         monkeypatch.setitem(registry._LOADED, "other", _Counting("other"))
+
+
+@pytest.mark.parametrize("drop", ["set_backend", "register", "load"])
+def test_set_backend_and_registration_drop_the_memo(ghost, monkeypatch, drop):
+    imports = ghost
+    registry.select_backend(_problem())
+    assert imports == [GHOST]
+    _drop_kept_choices(drop, monkeypatch)
     registry.select_backend(_problem())
     assert imports == [GHOST, GHOST]
 
@@ -251,16 +259,7 @@ def test_kept_named_choices_are_dropped_with_the_automatic_ones(counting, monkey
     problem = _problem()
     registry.select_backend(problem, "counting")
     assert backend.asked == 1
-    if drop == "clear_cache":
-        registry.clear_cache()
-    elif drop == "set_backend":
-        with ttt.set_backend("reference"):
-            pass
-    elif drop == "register":
-        monkeypatch.setitem(registry.KNOWN_BACKENDS, "other", registry.KnownBackend(
-            "x:y", "pip install other", 2000))
-    else:
-        monkeypatch.setitem(registry._LOADED, "other", _Counting("other"))
+    _drop_kept_choices(drop, monkeypatch)
     registry.select_backend(problem, "counting")
     assert backend.asked == 2
 
