@@ -212,7 +212,7 @@ def _usual_tensors(k, v, w, b, eta, eta_key, shape: torch.Size, dtype: torch.dty
                                      and eta_key.device == device)))
 
 
-def _eta_constant(value, shape: torch.Size, dtype: torch.dtype,
+def _eta_of_float(value, shape: torch.Size, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """The constant eta tensor of a (finite) float ``value``, for q of ``shape``, ``dtype``
     and ``device``: float32 (float64 for float64 inputs) keeps the constant exact to float32
@@ -246,7 +246,7 @@ def _check_tensors(q, k, v, w, b, eta, eta_key) -> torch.Tensor:
     elif type(eta) is float or (isinstance(eta, numbers.Real) and not isinstance(eta, bool)):
         if not math.isfinite(float(eta)):
             raise ValueError(f"eta: expected a finite float, got {eta}")
-        eta = _eta_constant(eta, shape, dtype, device)
+        eta = _eta_of_float(eta, shape, dtype, device)
     else:
         raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
                         f"got {type(eta).__name__}")
@@ -328,7 +328,7 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     if not _usual_tensors(k, v, w, b, eta, eta_key, shape, dtype, device):
         eta = _check_tensors(q, k, v, w, b, eta, eta_key)
     elif not eta_is_tensor:
-        eta = _eta_constant(eta, shape, dtype, device)
+        eta = _eta_of_float(eta, shape, dtype, device)
     if _usual_options(scale, eps, chunk_size, output_final_state, output):
         scale = D ** -0.5 if scale is None else scale
     else:

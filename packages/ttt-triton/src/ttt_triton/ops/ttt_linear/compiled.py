@@ -71,11 +71,14 @@ def launch_key(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
     return _key_and_values(kernel, grid, args, kwargs)[0]
 
 
-def _key_and_values(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple[tuple, list]:
-    """The :func:`launch_key` and the runtime arguments as the compiled kernel's launcher
-    takes them: each tensor as its address (an int, which the launcher passes on as it is;
-    a tensor it would ask the driver about), the rest as they are."""
-    key = [kernel, grid, current_device(), *kwargs.items()]
+def _key_and_values(kernel, grid: tuple, args: tuple, kwargs: dict
+                    ) -> tuple[tuple, list, int]:
+    """The :func:`launch_key`, the runtime arguments as the compiled kernel's launcher
+    takes them (each tensor as its address: an int, which the launcher passes on as it is;
+    a tensor it would ask the driver about; the rest as they are) and the current device,
+    which the key holds."""
+    device = current_device()
+    key = [kernel, grid, device, *kwargs.items()]
     values = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -87,20 +90,20 @@ def _key_and_values(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple[tup
             key.append(type(a))
             key.append(None if type(a) is float else a)
             values.append(a)
-    return tuple(key), values
+    return tuple(key), values, device
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``kernel[grid](*args, **kwargs)`` on the current CUDA stream, through the compiled
     kernel's launcher where this launch key was seen."""
-    key, values = _key_and_values(kernel, grid, args, kwargs)
+    key, values, device = _key_and_values(kernel, grid, args, kwargs)
     found = _RUNNERS.get(key)
     if found is not None:
         runner, direct, constants = found
         if direct is None or direct.hooked():
             runner(*values, *constants)       # (on Triton's current stream, as run's)
         else:
-            direct(key[2], values, constants)
+            direct(device, values, constants)
         return
     compiled = kernel[grid](*args, **kwargs)
     if len(_RUNNERS) >= MAX_KEYS:
