@@ -105,52 +105,23 @@ class LaunchSpy:
     ``(kernel, grid)`` in ``log``, when given), then launches, or with ``run=False`` does not.
     Compiling ahead (``warmup``, which a pass's first call on a GPU does for its kernels but
     the first, :mod:`~ttt_triton.ops.ttt_linear.launches`) is no launch: it goes to the
-    kernel, unrecorded (with ``run=False``, it compiles nothing). On a GPU a launch key's
-    later launches call the compiled kernel that its first returned
-    (:mod:`~ttt_triton.ops.ttt_linear.compiled`): the spy hands back a :class:`_SpiedCompiled`
-    whose launches it records too."""
+    kernel, unrecorded (with ``run=False``, it compiles nothing)."""
 
     def __init__(self, kernel, log: list | None = None, run: bool = True):
         self.kernel, self.log, self.run, self.grids = kernel, log, run, []
 
     @property
-    def fn(self):
-        """The kernel's Python function (whose parameters ``compiled`` reads)."""
-        return self.kernel.fn
-
-    @property
     def launches(self) -> int:
         return len(self.grids)
 
-    def record(self, grid) -> None:
+    def __getitem__(self, grid):
         self.grids.append(grid)
         if self.log is not None:
             self.log.append((self.kernel, grid))
-
-    def __getitem__(self, grid):
-        self.record(grid)
-        launch = self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
-        return lambda *args, **kwargs: _SpiedCompiled(self, grid, launch(*args, **kwargs))
+        return self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
 
     def warmup(self, *args, **kwargs):
         return self.kernel.warmup(*args, **kwargs) if self.run else None
-
-
-class _SpiedCompiled:
-    """A spied launch's compiled kernel (None: not run): its launcher records a launch of
-    ``grid`` with its spy, then runs the compiled kernel's, if any."""
-
-    def __init__(self, spy: LaunchSpy, grid, compiled):
-        self.spy, self.grid, self.compiled = spy, grid, compiled
-
-    def __getitem__(self, grid3):
-        runner = None if self.compiled is None else self.compiled[grid3]
-
-        def launch(*args, stream=None):
-            self.spy.record(self.grid)
-            if runner is not None:
-                runner(*args, stream=stream)
-        return launch
 
 
 def relative_errors(got, want):

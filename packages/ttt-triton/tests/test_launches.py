@@ -1,6 +1,7 @@
-"""A pass's launches: the first time its key comes, every kernel but the first compiles and
-loads in a thread of its own (``JITFunction.warmup``, then indexing the compiled kernel with
-its grid) while the first launches; then all launch, in order. A later pass compiled ahead
+"""A pass's launches: the first time its key comes, every kernel but the first compiles in a
+thread of its own (``JITFunction.warmup``) while the first launches; then all launch, in
+order, in the calling thread, which alone loads compiled kernels (Triton's driver set up
+there before any thread starts). A later pass compiled ahead
 (``prefetch``: the backward's, from a training forward) compiles in the background and
 the first run of its kind waits for it; the launcher builds those launches as the backward
 then launches them. Stand-in kernels record what happens where; the real kernels' results
@@ -49,8 +50,8 @@ class _Kernel:
 
 
 class _Compiled:
-    """What ``warmup`` returns: indexing it with a grid loads it (recorded), launching
-    nothing unless the runner it returns is called."""
+    """What ``warmup`` returns: indexing it with a grid would load it (recorded; the
+    launches never do it), launching nothing."""
 
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
@@ -63,15 +64,18 @@ class _Compiled:
         return launch
 
 
+PREPARED: list[int] = []
+
+
 @pytest.fixture
 def on_gpu(monkeypatch):
-    """As on a GPU: not interpreting; torch.cuda.device a no-op; no key seen or compiled
-    ahead yet; each launch ``kernel[grid](*args, **kwargs)`` (the route through compiled
-    kernels is test_compiled.py's)."""
+    """As on a GPU: not interpreting; torch.cuda.device a no-op; Triton's driver setup
+    recorded in ``PREPARED`` (the thread of each call); no key seen or compiled ahead yet."""
     monkeypatch.setattr(launches, "kernels_interpreted", lambda: False)
-    monkeypatch.setattr(launches.compiled, "launch",
-                        lambda kernel, grid, args, kwargs: kernel[grid](*args, **kwargs))
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Nothing())
+    PREPARED.clear()
+    monkeypatch.setattr(launches, "prepare_triton",
+                        lambda: PREPARED.append(threading.get_ident()))
     monkeypatch.setattr(launches, "_SEEN", set())
     monkeypatch.setattr(launches, "_AHEAD", {})
     monkeypatch.setattr(launches, "_AHEAD_KEYS", set())
@@ -99,9 +103,8 @@ def test_a_new_key_compiles_the_others_in_threads_then_launches_in_order(on_gpu)
                 if event == "compile" and thread != me]
     assert sorted(compiled) == [("b", (2, 3), (3,), dict(Y=True)),
                                 ("c", (1, 1, 2), (), dict(Z="raw"))]
-    loaded = [(name, grid) for event, name, grid, args, kwargs, thread in log
-              if event == "load" and thread != me]
-    assert sorted(loaded) == [("b", (2, 3)), ("c", (1, 1, 2))]
+    assert not [event for event, *_ in log if event == "load"]   # threads never load
+    assert PREPARED == [me]                                      # the driver, set up here
     launched = [(name, grid, args, kwargs, thread) for event, name, grid, args, kwargs, thread
                 in log if event == "launch"]
     assert launched == [("a", (4,), (1, 2.0), dict(X=1), me), ("b", (2, 3), (3,), dict(Y=True), me),
@@ -149,6 +152,7 @@ def test_a_prefetch_compiles_in_the_background_and_the_next_run_of_its_kind_wait
     log = []
     ahead_pass = [Launch(_Kernel(f"ahead {n}", log, 0.05), (1,), (), {}) for n in "abc"]
     launches.prefetch(ahead_pass, CPU, "bwd", PROBLEM, "flags")
+    assert PREPARED == [threading.get_ident()]       # before its threads, in the caller
     launches.run(_pass(log)[:1], CPU, "fwd", PROBLEM)       # another kind: does not wait
     assert "bwd" in launches._AHEAD
     launches.run(_pass(log), CPU, "bwd", PROBLEM, "other flags")
@@ -158,6 +162,7 @@ def test_a_prefetch_compiles_in_the_background_and_the_next_run_of_its_kind_wait
     ahead = sorted(name for event, name, *_, thread in log[:bwd_launch]
                    if event == "compile" and thread != me and name.startswith("ahead"))
     assert ahead == ["ahead a", "ahead b", "ahead c"]   # all compiled before the backward ran
+    assert not [event for event, *_ in log if event == "load"]
 
 
 def test_a_prefetch_runs_once_per_key_not_for_a_seen_key_nor_in_the_interpreter(on_gpu,

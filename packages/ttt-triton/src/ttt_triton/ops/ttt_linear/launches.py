@@ -1,14 +1,21 @@
 """A pass's kernel launches, compiled side by side the first time.
 
-Triton compiles a kernel specialisation on its first launch, so a pass of two or three
-kernels (forward: the chain and the output kernel; backward: the local, chain and
-gradient kernels) compiles them one after another. Its compiler does that work outside the
-GIL (the MLIR and LLVM passes, ptxas, the C compiler building its launcher stub), so here a
-pass whose key has not been seen in this process compiles its kernels at the same time:
-every kernel but the first through ``JITFunction.warmup`` (which compiles what launching
-would, with the same arguments) and loads it, in a thread each, while the first launches
-and compiles in the calling thread; then the rest launch, finding theirs compiled and
-loaded. Later passes with the same key launch directly.
+Every launch is ``kernel[grid](*args, **kwargs)``. Triton compiles a kernel specialisation
+on its first launch, so a pass of two or three kernels (forward: the chain and the output
+kernel; backward: the local, chain and gradient kernels) would compile them one after
+another. Its compiler does most of that work outside the GIL (the MLIR and LLVM passes,
+ptxas), so here a pass whose key has not been seen in this process compiles its kernels at
+the same time: every kernel but the first through ``JITFunction.warmup`` (which compiles
+what launching would, with the same arguments, and keeps it in Triton's caches) in a thread
+each, while the first launches and compiles in the calling thread; then the rest launch,
+finding theirs compiled. Later passes with the same key launch directly.
+
+The threads only compile. Loading a compiled kernel (building and importing Triton's
+launcher module for its signature, loading the binary onto the device) happens at its first
+launch, in the calling thread: Triton's loading is not safe to run in several threads at
+once (a kernel was once handed the launcher of another kernel's signature, failing with
+"function takes exactly 53 arguments (49 given)"). Triton's driver is set up in the calling
+thread before any thread starts, for the same reason.
 
 The key names what picks the kernels' specialisations but the batch shape (so that a new
 shape does not pay for threads); a pass whose kernels the key does not tell apart compiles
@@ -31,7 +38,6 @@ import torch
 from ttt import Problem
 
 from ..._env import kernels_interpreted
-from . import compiled
 
 MAX_KEYS = 4096
 """Pass keys remembered; past this many the memory starts over (a pass then compiles in
@@ -65,21 +71,21 @@ class Launch:
     kwargs: dict
 
     def __call__(self) -> None:
-        if kernels_interpreted():
-            self.kernel[self.grid](*self.args, **self.kwargs)
-        else:
-            compiled.launch(self.kernel, self.grid, self.args, self.kwargs)
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
     def compile(self, device: torch.device) -> None:
-        """Compile (and keep, in Triton's caches) what launching would, and load it, without
-        launching; in any thread (the device is this thread's current one only inside).
-        Loading builds Triton's launcher stub for the kernel's signature (a C compile, the
-        first time) and loads the binary onto the device: indexing the compiled kernel
-        with a grid does both, launching nothing."""
+        """Compile (and keep, in Triton's caches) what launching would, without loading or
+        launching it; in any thread (the device is this thread's current one only inside)."""
         with torch.cuda.device(device):
-            compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
-            if compiled is not None:
-                compiled[self.grid]
+            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
+
+
+def prepare_triton() -> None:
+    """Set up Triton's driver in the calling thread (once per process; later calls cost a
+    lookup), before threads that compile use it."""
+    from triton.runtime import driver
+
+    driver.active.get_current_device()
 
 
 def pass_key(kind: str, p: Problem, *flags) -> tuple:
@@ -114,6 +120,7 @@ def prefetch(launches: list[Launch], device: torch.device, kind: str, p: Problem
     if len(_AHEAD_KEYS) >= MAX_KEYS:
         _AHEAD_KEYS.clear()
     _AHEAD_KEYS.add(key)
+    prepare_triton()
     pool = _ahead_pool()
     _AHEAD.setdefault(kind, []).extend(pool.submit(_compile_quietly, launch, device)
                                        for launch in launches)
@@ -142,6 +149,7 @@ def run(launches: list[Launch], device: torch.device, kind: str, p: Problem, *fl
         for launch in launches:
             launch()
         return
+    prepare_triton()
     with ThreadPoolExecutor(len(launches) - 1, thread_name_prefix="ttt-triton-compile") as pool:
         compiling = [pool.submit(launch.compile, device) for launch in launches[1:]]
         launches[0]()
