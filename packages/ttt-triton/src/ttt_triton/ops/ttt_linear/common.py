@@ -37,35 +37,54 @@ import triton.language as tl
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
     has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see
-    ``tuning.dot_precision``): IEEE fp32 where products with K > KB = 16 run as one
-    batched dot over K blocks, summed. Triton lowers an IEEE dot to FMA loops that hold each
-    thread's whole K slices of both operands; at K = 128 that puts the kernels into local
-    memory. The products stay exact fp32, only the summation order changes."""
-    K: tl.constexpr = a.shape[1]
-    KB: tl.constexpr = 16
-    if PREC == "ieee_kblocks" and K > KB:
+    ``tuning.dot_precision``): IEEE fp32, accumulated over K blocks of 16 one after another
+    (:func:`_kblocks_acc`). Triton lowers an IEEE dot to FMA loops that hold each thread's
+    whole K slices of both operands; at K = 128 that puts the kernels into local memory.
+    The products stay exact fp32, only the summation order changes."""
+    if PREC == "ieee_kblocks":
         M: tl.constexpr = a.shape[0]
         N: tl.constexpr = b.shape[1]
-        NB: tl.constexpr = K // KB
-        a3 = tl.permute(tl.reshape(a, (M, NB, KB)), (1, 0, 2))             # [NB, M, KB]
-        b3 = tl.reshape(b, (NB, KB, N))                                     # [NB, KB, N]
-        return tl.sum(tl.dot(a3, b3, input_precision="ieee"), 0)            # [M, N]
-    elif PREC == "ieee_kblocks":
-        return tl.dot(a, b, input_precision="ieee")
+        return _kblocks_acc(a, b, tl.zeros((M, N), dtype=tl.float32))
     else:
         return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def mm_acc(a, b, acc, PREC: tl.constexpr):
-    """``acc + a @ b`` (:func:`mm`); unblocked dots accumulate in place."""
-    K: tl.constexpr = a.shape[1]
-    if PREC == "ieee_kblocks" and K > 16:                  # (mm's K block)
-        return acc + mm(a, b, PREC)
-    elif PREC == "ieee_kblocks":
-        return tl.dot(a, b, acc, input_precision="ieee")
+    """``acc + a @ b`` (:func:`mm`), accumulated in place."""
+    if PREC == "ieee_kblocks":
+        return _kblocks_acc(a, b, acc)
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _kblocks_acc(a, b, acc):
+    """``acc + a @ b`` in IEEE fp32 dots of K <= 16: for K > 16, the first halves of K
+    (columns of ``a``, rows of ``b``), then the second halves, each the same way. Only one
+    block's operands and the accumulator are live at a time (a batched dot over all the K
+    blocks, summed after, held an [K / 16, M, N] product: local memory at M 64, N 128)."""
+    K: tl.constexpr = a.shape[1]
+    if K > 16:
+        a_lo, a_hi = _halves(a, 1)                  # [M, K / 2] each
+        b_lo, b_hi = _halves(b, 0)                  # [K / 2, N] each
+        acc = _kblocks_acc(a_lo, b_lo, acc)
+        acc = _kblocks_acc(a_hi, b_hi, acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _halves(x, AXIS: tl.constexpr):
+    """The first and second halves of ``x`` [R, C] along ``AXIS`` (0: rows, 1: columns),
+    exactly: a reshape and a split, no product."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    if AXIS == 0:
+        return tl.split(tl.permute(tl.reshape(x, (2, R // 2, C)), (1, 2, 0)))
+    else:
+        return tl.split(tl.permute(tl.reshape(x, (R, 2, C // 2)), (0, 2, 1)))
 
 
 @triton.jit
