@@ -1,6 +1,6 @@
 """How long one call keeps the host busy, next to the GPU time of the same calls.
 
-    python benchmarks/host_time.py [--backends cupy triton] [--shapes 8,2048,12,64 ...]
+    python -m tools.host_time [--backends cupy triton] [--shapes 8,2048,12,64 ...]
 
 Per backend (default: every installed GPU backend) and anchor shape: the Python side of one
 forward and of one backward (the time until the call returns, without synchronising), and
@@ -20,56 +20,15 @@ import argparse
 import datetime as dt
 import platform
 import re
-import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import engine_versions  # noqa: E402
-from _timing import own_time_table  # noqa: E402
-from decode import gpu_backends  # noqa: E402
-from run import SHAPES, make_inputs, parse_shape  # noqa: E402
-
-import ttt  # noqa: E402
-
-
-def host_times(backend: str, shape, iters: int, warmup: int, dtype=torch.bfloat16,
-               chunk_size: int = 16, device=None) -> tuple[float, float, float]:
-    """(host ms per forward, host ms per backward, wall ms per fwd+bwd), on CUDA unless
-    ``device`` says otherwise (on a CPU the wall time is a plain clock's)."""
-    device = torch.device("cuda") if device is None else torch.device(device)
-    xs = [x.detach().requires_grad_() for x in make_inputs(shape, dtype, device, 0)]
-    do = torch.randn_like(xs[0])
-    fwd = bwd = 0.0
-    on_cuda = device.type == "cuda"
-    with ttt.set_backend(backend):
-        for _ in range(warmup):
-            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
-            torch.autograd.grad(o, xs, do)
-        if on_cuda:
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-        wall = time.perf_counter()
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
-            t1 = time.perf_counter()
-            torch.autograd.grad(o, xs, do)
-            fwd += t1 - t0
-            bwd += time.perf_counter() - t1
-        if on_cuda:
-            end.record()
-            torch.cuda.synchronize()
-            wall_ms = start.elapsed_time(end) / iters
-        else:
-            wall_ms = 1e3 * (time.perf_counter() - wall) / iters
-    return 1e3 * fwd / iters, 1e3 * bwd / iters, wall_ms
-
+import ttt
+from benchmarks._report import engine_versions
+from benchmarks._timing import own_time_table
+from benchmarks.decode import gpu_backends
+from benchmarks.run import SHAPES, host_times, make_inputs, parse_shape
 
 API_CALL = re.compile(r"(cuda|cu)[A-Z]\w*$")
 """Names of CUDA runtime (cudaLaunchKernel, cudaEventRecord, ...) and driver (cuLaunchKernel,
@@ -123,7 +82,7 @@ def forward_cprofile(backend: str, shape, iters: int, top: int) -> str:
 
 
 def header(backends: list[str]) -> str:
-    from run import _driver_version, _git_commit
+    from benchmarks.run import _driver_version, _git_commit
 
     driver = _driver_version()
     statuses = ttt.available_backends()

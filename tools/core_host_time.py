@@ -1,9 +1,9 @@
 """The core's own host time per call of ``ttt.chunk_ttt_linear``, on the CPU.
 
-    python benchmarks/core_host_time.py                       # this checkout's ttt
-    python benchmarks/core_host_time.py --compare-with main   # and another revision's
-    python benchmarks/core_host_time.py --cprofile 15         # where the time goes
-    python benchmarks/core_host_time.py --device cuda         # with CUDA tensors (GPU)
+    python -m tools.core_host_time                       # this checkout's ttt
+    python -m tools.core_host_time --compare-with main   # and another revision's
+    python -m tools.core_host_time --cprofile 15         # where the time goes
+    python -m tools.core_host_time --device cuda         # with CUDA tensors (GPU)
 
 The calls run on a null backend, registered in this process only: its forward returns
 views of tensors allocated once (``saved`` empty), its backward views of gradients
@@ -61,11 +61,11 @@ from pathlib import Path
 import torch
 
 import ttt
+from benchmarks._timing import own_time_table
 from ttt import registry
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import own_time_table  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
+MODULE = "tools.core_host_time"
 SHAPES = ((1, 16, 2, 16), (4, 1, 16, 64), (64, 1, 16, 64))
 """A tiny call and two decode calls (one token for each of four, of 64 sequences)."""
 MODES = ("fwd", "fwd grad", "fwd+bwd", "fwd auto", "fwd eta float", "fwd step")
@@ -134,7 +134,7 @@ def register_null_backend() -> None:
     the automatic choice take it (see NULL_PRIORITY)."""
     registry._LOADED[NULL] = NullBackend()
     registry.KNOWN_BACKENDS[NULL] = registry.KnownBackend(
-        f"{__name__}:NullBackend", "registered by benchmarks/core_host_time.py",
+        f"{__name__}:NullBackend", "registered by tools/core_host_time.py",
         NULL_PRIORITY[DEVICE.type])
 
 
@@ -270,8 +270,7 @@ def profile(top: int, iters: int) -> str:
 def extract_sources(rev: str, into: str, sources) -> list[str]:
     """The source folders ``sources`` (e.g. ``packages/ttt/src``) of git revision ``rev``,
     extracted under ``into``; their paths there."""
-    root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "-C", str(root), "archive", rev, *sources], check=True,
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, *sources], check=True,
                              capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
@@ -285,17 +284,17 @@ mapped and unmapped (page faults) on every call depends on what the process free
 two sides running the same launcher code measured up to 1.4x apart."""
 
 
-def child_process(script: str, paths: list[str], iters: int, repeats: int,
+def child_process(module: str, paths: list[str], iters: int, repeats: int,
                   extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``script --serve`` (and the options ``extra``): a measuring child process, with the
-    source folders ``paths`` first on its path (none: what is installed), and glibc's malloc
-    thresholds fixed (:data:`FIXED_MALLOC`)."""
+    """``python -m module --serve`` (and the options ``extra``) in the repository root: a
+    measuring child process, with the source folders ``paths`` first on its path (none:
+    what is installed), and glibc's malloc thresholds fixed (:data:`FIXED_MALLOC`)."""
     env = {**os.environ, **FIXED_MALLOC}
     if paths:
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, script, "--serve", "--iters", str(iters),
+    return subprocess.Popen([sys.executable, "-m", module, "--serve", "--iters", str(iters),
                              "--repeats", str(repeats), *extra], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
 
 
 def ask(child: subprocess.Popen, case: int) -> list[float]:
@@ -314,9 +313,9 @@ def compare(rev: str, iters: int, repeats: int, rounds: int) -> list[tuple[list[
     both sides); per cell the median of all runs of a side."""
     with tempfile.TemporaryDirectory() as tmp:
         extra = ("--device", str(DEVICE))
-        children = [child_process(__file__, extract_sources(rev, tmp, ["packages/ttt/src"]),
+        children = [child_process(MODULE, extract_sources(rev, tmp, ["packages/ttt/src"]),
                                   iters, repeats, extra),
-                    child_process(__file__, [], iters, repeats, extra)]
+                    child_process(MODULE, [], iters, repeats, extra)]
         samples = [[[] for _ in range(CHOICE + 1)] for _ in children]
         try:
             for r in range(rounds):

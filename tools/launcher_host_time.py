@@ -1,7 +1,7 @@
 """The host time of each GPU backend's launcher, on the CPU, with nothing launched.
 
-    python benchmarks/launcher_host_time.py                       # this checkout's
-    python benchmarks/launcher_host_time.py --compare-with main   # and another revision's
+    python -m tools.launcher_host_time                       # this checkout's
+    python -m tools.launcher_host_time --compare-with main   # and another revision's
 
 What a launcher does on the host between the core's call and its kernels: the schedule,
 the buffers, the casts and each launch's arguments. Here the launches do nothing: the cupy
@@ -17,7 +17,7 @@ as ``benchmarks/decode.py`` passes them). Per backend and shape, microseconds pe
 - ``bwd``: the backward of that forward, every gradient.
 
 On a GPU the same code also pays for CUDA allocations, casts and launches (see
-``benchmarks/host_time.py``); this measures the part a change to a launcher's Python moves,
+``tools/host_time.py``); this measures the part a change to a launcher's Python moves,
 on any machine. ``--compare-with REV`` runs the same cases with the three packages of git
 revision ``REV`` in one child process and this checkout's in another, taking turns case by
 case for ``--rounds`` rounds; it prints per cell both medians and their ratio. The
@@ -33,13 +33,13 @@ import json
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ab_child import PACKAGES  # noqa: E402
-from core_host_time import (  # noqa: E402
+import ttt
+from benchmarks._ab_child import PACKAGES
+from tools.core_host_time import (
+    REPO,
     add_measure_arguments,
     ask,
     child_process,
@@ -47,8 +47,6 @@ from core_host_time import (  # noqa: E402
     timed_runs,
     us_cell,
 )
-
-import ttt  # noqa: E402
 
 SHAPES = ((4, 1, 16, 64), (2, 1024, 8, 64))
 CALLS = ("decode", "fwd", "bwd")
@@ -173,7 +171,8 @@ def measure(sides: list[list[str]], iters: int, repeats: int, rounds: int
             ) -> list[list[float]]:
     """Per side (its source paths), the median us of every case: one child process a side,
     taking turns case by case, ``rounds`` times."""
-    children = [child_process(__file__, paths, iters, repeats) for paths in sides]
+    children = [child_process("tools.launcher_host_time", paths, iters, repeats)
+                for paths in sides]
     samples = [[[] for _ in CASES] for _ in children]
     try:
         for r in range(rounds):
@@ -216,7 +215,7 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, one CPU thread, "
           f"launches stubbed out")
-    here = [str(Path(__file__).resolve().parent.parent / src) for src in SOURCES]
+    here = [str(REPO / src) for src in SOURCES]
     if not args.compare_with:
         (after,) = measure([here], args.iters, args.repeats, args.rounds)
         print(table(after))
