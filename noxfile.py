@@ -142,13 +142,13 @@ def demo(session: nox.Session) -> None:
 
 GENERATION_BENCHMARKS = {
     "decode.md": ["-m", "benchmarks.decode"],
-    "host_time.md": ["-m", "tools.host_time", "--shapes", "4,1,16,64", "2,1024,8,64",
+    "host_time.md": ["-m", "tools.host_time", "gpu", "--shapes", "4,1,16,64", "2,1024,8,64",
                      "--iters", "300"],
     "cold_start.md": ["-m", "benchmarks.cold_start", "--dtype", "bf16", "--head-dim", "64",
                       "--heads", "4", "--shape", "2,256", "--timeout", "200"],
 }
 """The bench session's tables besides run.py's (each module's markdown, in the same folder):
-a decode step, the host time of short calls (a maintainers' tool, ``tools/host_time.py``,
+a decode step, the host time of short calls (a maintainers' tool, ``tools/host_time.py gpu``,
 whose table docs/benchmarks.md quotes), and a new process's first call (empty caches, a
 second process, after ``python -m ttt warmup``) at the bf16 head-dim-64 configuration."""
 
