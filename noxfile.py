@@ -141,25 +141,26 @@ def demo(session: nox.Session) -> None:
 
 
 GENERATION_BENCHMARKS = {
-    "decode.md": ["benchmarks/decode.py"],
-    "host_time.md": ["benchmarks/host_time.py", "--shapes", "4,1,16,64", "2,1024,8,64",
+    "decode.md": ["-m", "benchmarks.decode"],
+    "host_time.md": ["-m", "tools.host_time", "gpu", "--shapes", "4,1,16,64", "2,1024,8,64",
                      "--iters", "300"],
-    "cold_start.md": ["benchmarks/cold_start.py", "--dtype", "bf16", "--head-dim", "64",
+    "cold_start.md": ["-m", "benchmarks.cold_start", "--dtype", "bf16", "--head-dim", "64",
                       "--heads", "4", "--shape", "2,256", "--timeout", "200"],
 }
-"""The bench session's tables besides run.py's (each script's markdown, in the same folder):
-a decode step, the host time of short calls, and a new process's first call (empty caches,
-a second process, after ``python -m ttt warmup``) at the bf16 head-dim-64 configuration."""
+"""The bench session's tables besides run.py's (each module's markdown, in the same folder):
+a decode step, the host time of short calls (a maintainers' tool, ``tools/host_time.py gpu``,
+whose table docs/benchmarks.md quotes), and a new process's first call (empty caches, a
+second process, after ``python -m ttt warmup``) at the bf16 head-dim-64 configuration."""
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks on a GPU (every installed backend, and FLA when fla-core is installed):
-    ``benchmarks/run.py`` with the arguments after ``--``, then, unless ``--quick``, the
-    ``GENERATION_BENCHMARKS`` into the same ``--out`` folder."""
+    ``python -m benchmarks.run`` with the arguments after ``--``, then, unless ``--quick``,
+    the ``GENERATION_BENCHMARKS`` into the same ``--out`` folder."""
     _install(session, ["packages/ttt-triton"], ["triton", "einops"])
     python = _python(session)
-    session.run(python, "benchmarks/run.py", *session.posargs)
+    session.run(python, "-m", "benchmarks.run", *session.posargs)
     if "--quick" in session.posargs:
         return
     out = Path("benchmarks/results")

@@ -9,7 +9,7 @@
 # (one process holding up to about 60 GiB of device memory: docs/testing.md).
 #   bash .ci/gpu.sh [stages...]     stages: info demo ref triton cupy cupy_simt bench compare
 #                                   (default: info ref triton cupy bench)
-# Stage compare (benchmarks/compare.py): an A/B of a base revision's packages, carried in
+# Stage compare (python -m benchmarks.compare): an A/B of a base revision's packages, carried in
 # .ab/base, against this tree's, in the same run on this GPU. The runner's copy has no .git,
 # so prepare the base on your machine, from the repository root:
 #   mkdir -p .ab/base && git archive REV packages | tar -x -C .ab/base
@@ -68,7 +68,7 @@ for stage in $stages; do
       # this tree's packages for the parent too, installed (stage info) or not
       src=$PWD/packages/ttt/src:$PWD/packages/ttt-triton/src:$PWD/packages/ttt-cupy/src
       PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH} \
-        timeout ${COMPARE_TIMEOUT:-540} python3 benchmarks/compare.py --base-tree .ab/base \
+        timeout ${COMPARE_TIMEOUT:-540} python3 -m benchmarks.compare --base-tree .ab/base \
         --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tee "$OUT/compare.log" | tail -60 ;;
     *)
       echo "unknown stage: $stage" >&2

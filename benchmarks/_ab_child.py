@@ -1,9 +1,9 @@
 """The measuring side of ``compare.py``: one child process per tree, one JSON line per request.
 
-``compare.py --serve SIDE --tree DIR ...`` runs :func:`serve` with the tree's packages first
-on ``PYTHONPATH``: it checks where ``ttt``, ``ttt_triton`` and ``ttt_cupy`` come from, says
-hello (versions, device, backends), then answers each request of stdin (``{"op": NAME,
-...}``: a method of :class:`Child`) with one line of JSON on stdout.
+``python -m benchmarks.compare --serve SIDE --tree DIR ...`` runs :func:`serve` with the
+tree's packages first on ``PYTHONPATH``: it checks where ``ttt``, ``ttt_triton`` and
+``ttt_cupy`` come from, says hello (versions, device, backends), then answers each request of
+stdin (``{"op": NAME, ...}``: a method of :class:`Child`) with one line of JSON on stdout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-import run
+from benchmarks import run
 
 PACKAGES = {"ttt": "packages/ttt/src", "ttt_triton": "packages/ttt-triton/src",
             "ttt_cupy": "packages/ttt-cupy/src"}
@@ -77,9 +77,8 @@ class Child:
         self.providers: dict[str, object] = {}
 
     def hello(self) -> dict:
-        from _providers import discover
-
         import ttt
+        from benchmarks._providers import discover
 
         torch = self.torch
         versions = {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -152,16 +151,14 @@ class Child:
         return {"errors": errors, "bounds": bounds, "failed": failed}
 
     def host(self, backend: str, shape: list[int]) -> dict:
-        """``host_time.host_times``: host ms per forward and backward, wall ms per both."""
-        import host_time
-
+        """``run.host_times``: host ms per forward and backward, wall ms per both."""
         provider = self.providers[backend]
         xs = run.make_inputs(tuple(shape), self.dtype, self.device, self.args.seed)
         reason = provider.support(*xs, chunk_size=self.args.chunk_size)
         del xs
         if reason:
             return {"status": f"unsupported: {reason}"}
-        fwd, bwd, wall = host_time.host_times(
+        fwd, bwd, wall = run.host_times(
             backend, tuple(shape), self.args.iters, self.args.host_warmup, self.dtype,
             self.args.chunk_size, self.device)
         return {"host_fwd_ms": fwd, "host_bwd_ms": bwd, "wall_ms": wall, "status": "ok"}

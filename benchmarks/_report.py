@@ -142,7 +142,7 @@ def environment_text(meta: dict) -> str:
         f"providers: {engines}",
         f"commit: {meta['commit']}{dirty}",
         f"date: {meta['date']}",
-        "command: python benchmarks/run.py " + " ".join(meta.get("argv", [])),
+        "command: python -m benchmarks.run " + " ".join(meta.get("argv", [])),
     ]) + "\n"
 
 

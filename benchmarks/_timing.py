@@ -5,16 +5,12 @@ Times are in milliseconds as ``(p20, p50, p80)``; the p50 (median) is the headli
 
 from __future__ import annotations
 
-import cProfile
 import gc
-import io
 import math
-import pstats
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -141,17 +137,3 @@ def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | No
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     return (peak - before) / 2**20
-
-
-def own_time_table(prof: cProfile.Profile, iters: int, top: int, scale: float,
-                   unit: str) -> str:
-    """The ``top`` functions of most own time in ``prof`` (``iters`` calls profiled), one line
-    each, per call, in seconds times ``scale`` (1e6: ``unit`` "us", 1e3: "ms")."""
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (own time)
-    out = io.StringIO()
-    for (path, line, name), (_, calls, own, cum, _) in rows:
-        where = f"{Path(path).name}:{line}" if line else path
-        out.write(f"  {scale * own / iters:7.4g} {unit} own, {scale * cum / iters:7.4g} "
-                  f"cumulative, {calls / iters:5.1f} calls  {name} ({where})\n")
-    return out.getvalue()

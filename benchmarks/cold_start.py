@@ -2,9 +2,9 @@
 configuration, with empty compile caches, with the caches a first process left, and after
 ``python -m ttt warmup``.
 
-    python benchmarks/cold_start.py                          # GPU: every kernel backend
-    python benchmarks/cold_start.py --backends triton --dtype bf16 --head-dim 64
-    python benchmarks/cold_start.py --quick --device cpu     # no GPU: the reference backend
+    python -m benchmarks.cold_start                          # GPU: every kernel backend
+    python -m benchmarks.cold_start --backends triton --dtype bf16 --head-dim 64
+    python -m benchmarks.cold_start --quick --device cpu     # no GPU: the reference backend
 
 For each backend and configuration (dtype, head dim, chunk size, heads) it makes a new
 cache directory (``TRITON_CACHE_DIR``, ``TTT_CUPY_CACHE_DIR`` and CuPy's own
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CACHE_VARIABLES = {"TRITON_CACHE_DIR": "triton", "TTT_CUPY_CACHE_DIR": "ttt-cupy",
                    "CUPY_CACHE_DIR": "cupy"}
@@ -68,9 +68,7 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     import ttt
-
-    sys.path.insert(0, str(HERE))
-    from run import make_inputs
+    from benchmarks.run import make_inputs
 
     device = torch.device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -111,11 +109,11 @@ def _environment(cache: Path) -> dict[str, str]:
 
 
 def _child_first_call(args, backend: str, config: dict, cache: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--backend", backend,
+    cmd = [sys.executable, "-m", "benchmarks.cold_start", "--child", "--backend", backend,
            "--device", args.device, "--shape", f"{args.shape[0]},{args.shape[1]}",
            *[f"--{k.replace('_', '-')}={v}" for k, v in config.items()]]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_environment(cache),
-                         timeout=args.timeout)
+                         timeout=args.timeout, cwd=REPO)
     if out.returncode != 0:
         raise RuntimeError(_last_line(out.stderr))
     return json.loads(out.stdout.splitlines()[-1])
@@ -177,10 +175,8 @@ def header(device: str, backends: dict) -> str:
     import torch
 
     import ttt
-
-    sys.path.insert(0, str(HERE))
-    from _report import engine_versions
-    from run import _driver_version, _git_commit
+    from benchmarks._report import engine_versions
+    from benchmarks.run import _driver_version, _git_commit
 
     if device.startswith("cuda"):
         gpu = torch.cuda.get_device_name(torch.device(device))

@@ -1,9 +1,9 @@
 """Same-run A/B of two revisions of the ttt packages on one GPU: base against head.
 
-    python benchmarks/compare.py --base main                       # main -> this checkout
-    python benchmarks/compare.py --base-tree .ab/base --backends cupy --shapes 8,2048,12,64
-    python benchmarks/compare.py --base main --head my-branch --rounds 5 --out /tmp/ab
-    python benchmarks/compare.py --base main --device cpu --quick  # no GPU: checks the path
+    python -m benchmarks.compare --base main                       # main -> this checkout
+    python -m benchmarks.compare --base-tree .ab/base --backends cupy --shapes 8,2048,12,64
+    python -m benchmarks.compare --base main --head my-branch --rounds 5 --out /tmp/ab
+    python -m benchmarks.compare --base main --device cpu --quick  # no GPU: checks the path
 
 Each side is a ``packages/`` tree: ``--base REV`` / ``--head REV`` extract git revision
 ``REV``'s (``git archive REV packages``) into a temporary folder, ``--base-tree DIR`` /
@@ -22,7 +22,7 @@ rounds, head first in odd ones), so that a drift of the clocks or of the machine
 both sides. Per backend, shape and pass (fwd, fwd+bwd) the table shows each side's median
 over the rounds of ``run.measure``'s median, its spread (min-max over the rounds), the ratio
 head/base and whether the two spreads overlap (then the ratio is within the noise).
-``--host`` times ``host_time.host_times`` instead: the host ms of one forward and of one
+``--host`` times ``run.host_times`` instead: the host ms of one forward and of one
 backward (until the call returns) and the wall ms of both.
 
 Correctness, before any timing: each side runs ``run.correctness`` (``o`` and the six
@@ -54,18 +54,14 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _ab_child  # noqa: E402
-import _ab_report  # noqa: E402
-import run  # noqa: E402
-from _ab_report import SIDES  # noqa: E402
+from benchmarks import _ab_child, _ab_report, run
+from benchmarks._ab_report import SIDES
 
 REPO = Path(__file__).resolve().parents[1]
 PASSES = (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms"))
 HOST_PASSES = (("host fwd", "host_fwd_ms"), ("host bwd", "host_bwd_ms"),
                ("wall fwd+bwd", "wall_ms"))
-"""--host: host_time.host_times' three figures."""
+"""--host: run.host_times' three figures."""
 DEFAULT_BACKENDS = {"cuda": ["triton", "cupy"], "cpu": ["reference"]}
 DEFAULT_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
 
@@ -157,7 +153,7 @@ class SideProcess:
         env["PYTHONPATH"] = os.pathsep.join(srcs + [p for p in [env.get("PYTHONPATH")] if p])
         if args.device == "cpu" and "triton" in backends:
             env["TRITON_INTERPRET"] = "1"     # the only way triton runs without a GPU
-        argv = [sys.executable, str(Path(__file__).resolve()), "--serve", side.name,
+        argv = [sys.executable, "-m", "benchmarks.compare", "--serve", side.name,
                 "--tree", str(side.tree), "--device", args.device, "--dtype", args.dtype,
                 "--chunk-size", str(args.chunk_size), "--seed", str(args.seed),
                 "--warmup", str(args.warmup), "--rep", str(args.rep),
@@ -167,7 +163,7 @@ class SideProcess:
         if args.fwd_only:
             argv.append("--fwd-only")
         self.proc = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, cwd=REPO)
         self.hello = self._read()
 
     def _read(self) -> dict:
@@ -313,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep", type=float, help="ms per measurement (run.py's default)")
     p.add_argument("--min-iters", type=int, help="fewest timed calls (run.py's default)")
     p.add_argument("--host", action="store_true",
-                   help="time host_time.py's figures instead: host ms of one forward and "
+                   help="time run.host_times instead: host ms of one forward and "
                         "of one backward (until the call returns), wall ms of both")
     p.add_argument("--iters", type=int,
                    help="with --host: calls per measurement (default 20; 3 with --quick)")
@@ -417,7 +413,7 @@ def _measure_and_report(args, children: list[SideProcess], scratch: Path) -> int
 
 def _timing_text(args: argparse.Namespace) -> str:
     if args.host:
-        return (f"host_time.host_times: {args.iters} calls after {args.host_warmup} untimed; "
+        return (f"run.host_times: {args.iters} calls after {args.host_warmup} untimed; "
                 f"host ms until each call returns, wall ms of fwd+bwd")
     if args.device == "cpu":
         return "wall clock on CPU: a check of the path, not a benchmark"

@@ -1,8 +1,8 @@
 """Per-call time of one generation (decode) step: T = 1 per sequence with carried state.
 
-    python benchmarks/decode.py                         # B 4 and 64, H 16, D 64, bf16 and fp32
-    python benchmarks/decode.py --backends triton --batches 4 --dtypes bf16
-    python benchmarks/decode.py --device cpu --quick    # no GPU: the reference backend, tiny
+    python -m benchmarks.decode                     # B 4 and 64, H 16, D 64, bf16 and fp32
+    python -m benchmarks.decode --backends triton --batches 4 --dtypes bf16
+    python -m benchmarks.decode --device cpu --quick    # no GPU: the reference backend, tiny
 
 Per installed ttt GPU backend, batch size and dtype: one ``ttt.chunk_ttt_linear`` call on
 ``[B, 1, H, D]`` inputs with ``initial_state``/``initial_state_bias`` (float32, as a
@@ -33,16 +33,13 @@ import importlib
 import platform
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _timing  # noqa: E402
-from _providers import FLA_INSTALL_HINT, FLA_VARIANTS, SLOW_BACKENDS, fla_version  # noqa: E402
-from _report import engine_versions  # noqa: E402
-
-import ttt  # noqa: E402
+import ttt
+from benchmarks import _timing
+from benchmarks._providers import FLA_INSTALL_HINT, FLA_VARIANTS, SLOW_BACKENDS, fla_version
+from benchmarks._report import engine_versions
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMS = {
@@ -184,7 +181,7 @@ def gpu_backends(requested: list[str] | None, device: torch.device) -> tuple[lis
 
 
 def header(device: torch.device, backends: list[str], fla_absent: str | None) -> str:
-    from run import _driver_version, _git_commit
+    from benchmarks.run import _driver_version, _git_commit
 
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)

@@ -1,9 +1,9 @@
 """Benchmark ``ttt.chunk_ttt_linear`` backends against FLA's TTT-linear kernels on one GPU.
 
-    python benchmarks/run.py                       # the five anchor shapes, every provider
-    python benchmarks/run.py --shapes 4,4096,16,64 --backends triton fla.chunk
-    python benchmarks/run.py --quick               # tiny shapes: a smoke test on a GPU
-    python benchmarks/run.py --quick --device cpu  # no GPU: exercises the reporting only
+    python -m benchmarks.run                       # the five anchor shapes, every provider
+    python -m benchmarks.run --shapes 4,4096,16,64 --backends triton fla.chunk
+    python -m benchmarks.run --quick               # tiny shapes: a smoke test on a GPU
+    python -m benchmarks.run --quick --device cpu  # no GPU: exercises the reporting only
 
 Writes results.json, results.csv, results.md, results.png and environment.txt into --out,
 then prints the markdown table. See benchmarks/README.md for what each column means.
@@ -19,17 +19,14 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _report  # noqa: E402
-import _timing  # noqa: E402
-from _providers import Provider, discover, fla_version  # noqa: E402
-
-import ttt  # noqa: E402
+import ttt
+from benchmarks import _report, _timing
+from benchmarks._providers import Provider, discover, fla_version
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results"
@@ -191,6 +188,44 @@ def correctness(provider: Provider, shape: Shape, args: argparse.Namespace,
         result["status"] = "; ".join(notes)[:200]
     _free(device)
     return result
+
+
+def host_times(backend: str, shape: Shape, iters: int, warmup: int,
+               dtype: torch.dtype = torch.bfloat16, chunk_size: int = 16,
+               device: torch.device | str | None = None) -> tuple[float, float, float]:
+    """(host ms per forward, host ms per backward, wall ms per fwd+bwd) of ``backend`` over
+    ``iters`` calls after ``warmup`` untimed ones: the host's time until each call returns
+    (no synchronisation), the wall time between CUDA events, on CUDA unless ``device`` says
+    otherwise (on a CPU the wall time is a plain clock's)."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    xs = [x.detach().requires_grad_() for x in make_inputs(shape, dtype, device, 0)]
+    do = torch.randn_like(xs[0])
+    fwd = bwd = 0.0
+    on_cuda = device.type == "cuda"
+    with ttt.set_backend(backend):
+        for _ in range(warmup):
+            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
+            torch.autograd.grad(o, xs, do)
+        if on_cuda:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+        wall = time.perf_counter()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            o, _, _ = ttt.chunk_ttt_linear(*xs, chunk_size=chunk_size)
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, xs, do)
+            fwd += t1 - t0
+            bwd += time.perf_counter() - t1
+        if on_cuda:
+            end.record()
+            torch.cuda.synchronize()
+            wall_ms = start.elapsed_time(end) / iters
+        else:
+            wall_ms = 1e3 * (time.perf_counter() - wall) / iters
+    return 1e3 * fwd / iters, 1e3 * bwd / iters, wall_ms
 
 
 # ----------------------------------------------------------------------------- metadata

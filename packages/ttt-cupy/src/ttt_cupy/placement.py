@@ -96,7 +96,7 @@ ROW_STEP_ROWS = {"half": 16, "float32": 16, "float32_wide": 16}
 """The most rows of a sequence with which a generation step (no backward, every sequence
 within one chunk: :func:`single_chunk`) runs fwd_decode alone (:func:`row_step`) instead of
 fwd_chain's fused instance; every step at chunk 16, and in a chunk of 32 or 64 those of up
-to 16 rows. From an H100 A/B of the two kernels (``benchmarks/row_step.py --backends cupy``:
+to 16 rows. From an H100 A/B of the two kernels (``tools/row_step.py --backends cupy``:
 the layer's form, H 16, chunk 16, B 4 and 64, D 64 and 128, CUDA-graph replay), fwd_decode's
 time over the fused chain's at 1, 2, 4 and 16 rows:
 

@@ -47,14 +47,14 @@ prefetch the next chunk by hand, and of the group-parallel ones; the ``*_fp32`` 
 float32 inputs, the others for half inputs. For half inputs ``group_stages`` 2 is 0-10%
 faster fwd+bwd than 1 on the five anchor shapes on the H200 (docs/benchmarks.md). Float32
 keeps 1: with 2, ptxas compiles fwd_out at head dim 64 and bwd_local at chunk 64 into 32
-registers and 5-8 KB of stack (``benchmarks/resources.py``). ``fused_bwd_stages`` replaces
+registers and 5-8 KB of stack (``tools/resources.py``). ``fused_bwd_stages`` replaces
 ``chain_stages`` for the fused backward chain (see :data:`FUSED`; half inputs, chunk 16,
 head dims <= 64): with 2, 32,2048,16,64 fwd+bwd takes 4.24 ms on the H200 against 4.48 with 1,
 while the unfused chains spill with 2 at chunk 32 (bf16 D 64 bwd_chain: 488 B)."""
 
 WIDE_BACKWARD = {"grads_split": 2, "stages": 1}
 """The backward at chunk 64 and a padded head dim of 128 with half inputs, where Triton's
-tf32 dots stage fp32 operands in shared memory (``benchmarks/resources.py``, sm_90, triton
+tf32 dots stage fp32 operands in shared memory (``tools/resources.py``, sm_90, triton
 3.6 as on the GPU runner; an H200 block has 227 KB): bwd_grads runs ``grads_split``
 programs per (group, head), each with a share of the columns of k (the rows of the state and
 of its cotangent), and bwd_local and bwd_grads run ``stages`` stages. bwd_local needs 230
@@ -176,7 +176,7 @@ def launch_options(kind: str, BD: int, ieee: bool, tune: Tuning,
                    fused_bwd: bool = False) -> dict:
     """num_warps and num_stages of a ``kind`` ("chain" or "group") kernel, ``fused_bwd`` for
     the backward chain that does bwd_grads' work: what the launcher passes on a GPU and
-    ``benchmarks/resources.py`` compiles with."""
+    ``tools/resources.py`` compiles with."""
     stages = getattr(tune, f"{kind}_stages")
     if stages is None:
         if ieee:
@@ -217,7 +217,7 @@ writes the state once, but its per-row work grows with the rows, while the chain
 cost one padded chunk whatever the rows. On an H100 (B 64, H 16, layer form, CUDA graph
 replay, us per call, fwd_decode / fused chain): bf16 D 64 15.1 / 24.4 at 1 row, 33.4 / 25.1
 at 4; fp32 D 64 14.3 / 64.4 at 1 row, 37.8 / 66.5 at 4, 132 / 70 at 16; fp32 D 128 549 /
-1969 at 16 rows (``benchmarks/row_step.py`` measures it)."""
+1969 at 16 rows (``tools/row_step.py`` measures it)."""
 
 
 def row_step(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
@@ -252,7 +252,7 @@ def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
 def fused_backward(p: Problem, tune: Tuning) -> bool:
     """Whether the backward chain computes dk, dv and the last-row deta (see :data:`FUSED`).
     Only chosen for chunk 16 and head dims <= 64, where it was measured: larger tiles
-    spill more (``benchmarks/resources.py``)."""
+    spill more (``tools/resources.py``)."""
     if tune.fuse_backward is not None:
         return tune.fuse_backward
     return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]

@@ -2,9 +2,9 @@
 
     ncu --clock-control none --profile-from-start off --set full --import-source no \\
         -k regex:bwd_grads -o report \\
-        python benchmarks/profile_kernels.py --backend cupy --shapes 32,2048,16,64 --ncu
+        python -m tools.profile_kernels --backend cupy --shapes 32,2048,16,64 --ncu
     ncu -i report.ncu-rep -k regex:bwd_grads --page source --csv --print-source sass > sass.csv
-    python benchmarks/ncu_regions.py sass.csv --steps 65536
+    python -m tools.ncu_regions sass.csv --steps 65536
 
 Cuts the kernel's SASS at its block barriers (``BAR.SYNC`` / ``BAR.RED``) and prints, per
 region that holds at least 1% of the warp stall samples or of the shared-memory wavefronts:

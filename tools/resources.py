@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the Triton kernels for sm_90, without a GPU.
 
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [--arch 90]
+    TRITON_DEFAULT_FP_FUSION=1 python -m tools.resources [--arch 90]
 
 Compiles each kernel configuration the launcher would pick (chunk 16/32/64, padded head
 dim 16..128, bf16 and fp32) ahead of time with Triton's bundled ptxas and prints

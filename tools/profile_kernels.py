@@ -1,31 +1,27 @@
 """Where one forward+backward spends its GPU time, kernel by kernel (torch.profiler).
 
-    python benchmarks/profile_kernels.py [--backend triton] [--shapes 8,2048,12,64 ...]
+    python -m tools.profile_kernels [--backend triton] [--shapes 8,2048,12,64 ...]
 
 Prints, per anchor shape, the mean device time of each kernel per fwd+bwd call, and the
-sum. Complements run.py (end-to-end medians) when deciding what to optimise next.
+sum. Complements ``benchmarks/run.py`` (end-to-end medians) when deciding what to optimise next.
 
 With ``--ncu`` it runs one warmed-up fwd+bwd per shape between cudaProfilerStart and Stop
 instead, for Nsight Compute's hardware counters:
 
     ncu --clock-control none --profile-from-start off --set full -o report \
-        python benchmarks/profile_kernels.py --backend cupy --shapes 1,32768,16,64 --ncu
+        python -m tools.profile_kernels --backend cupy --shapes 1,32768,16,64 --ncu
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import SHAPES, make_inputs  # noqa: E402
-
-import ttt  # noqa: E402
+import ttt
+from benchmarks.run import SHAPES, make_inputs
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 the fused forward chain (a padded chunk of tile products), the data behind ``ROW_STEP_ROWS``
 (triton's ``tuning.py``, cupy's ``placement.py``).
 
-    python benchmarks/row_step.py                              # both backends, the grid below
-    python benchmarks/row_step.py --backends cupy --rows 1 2 4 --dtypes bf16
+    python -m tools.row_step                              # both backends, the grid below
+    python -m tools.row_step --backends cupy --rows 1 2 4 --dtypes bf16
 
 For each backend, dtype, head dim, batch size and rows per sequence (a dense ``[B, rows, H,
 D]`` step in the layer's form: ``eta_key``, ``query_residual``, carried float32 states,
@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _timing  # noqa: E402
-from decode import DTYPES, gpu_backends, graph_replay, header, make_step  # noqa: E402
-
-import ttt  # noqa: E402
+import ttt
+from benchmarks import _timing
+from benchmarks.decode import DTYPES, gpu_backends, graph_replay, header, make_step
 
 CHUNK = 16
 

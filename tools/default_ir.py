@@ -1,15 +1,15 @@
 """The compiled code of every kernel in its default form (no eta_key, ``norm_residual``, every
 gradient), for sm_90 without a GPU: dump it, or compare two dumps.
 
-    python benchmarks/default_ir.py dump DIR
-    python benchmarks/default_ir.py compare DIR_A DIR_B
+    python -m tools.default_ir dump DIR
+    python -m tools.default_ir compare DIR_A DIR_B
 
 ``dump`` writes TTIR, TTGIR, LLVM IR and PTX of each configuration of ``resources.py``'s
 kernel table (dense and packed, bf16 and fp32, head dim 64 at chunk 16 and 128 at chunk 64);
 ``compare`` tells which differ once source locations, SSA value names and debug sections are
 left out. To compare with another revision's kernels, dump with its sources first on the
 path: ``git archive REV packages/ttt-triton/src | tar -x -C /tmp/rev`` then
-``PYTHONPATH=/tmp/rev/packages/ttt-triton/src python benchmarks/default_ir.py dump A``.
+``PYTHONPATH=/tmp/rev/packages/ttt-triton/src python -m tools.default_ir dump A``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ SHAPES = ((64, 16), (128, 64))          # (padded head dim, chunk)
 
 def dump(out: str) -> None:
     import triton
-    from resources import KERNELS, compile_inputs
     from triton.backends.compiler import GPUTarget
+
+    from tools.resources import KERNELS, compile_inputs
 
     os.makedirs(out, exist_ok=True)
     target = GPUTarget("cuda", 90, 32)
