@@ -12,14 +12,10 @@ finding theirs compiled. Later passes with the same key launch directly.
 
 The threads only compile. Loading a compiled kernel (building and importing Triton's
 launcher module for its signature, loading the binary onto the device) happens at its first
-launch, in the calling thread: Triton's loading is not safe to run in several threads at
-once (a kernel was once handed the launcher of another kernel's signature, failing with
-"function takes exactly 53 arguments (49 given)"). Triton's driver is set up in the calling
-thread before any thread starts, for the same reason.
-
-The key names what picks the kernels' specialisations but the batch shape (so that a new
-shape does not pay for threads); a pass whose kernels the key does not tell apart compiles
-what it lacks on launch, one after another, as Triton alone would.
+launch, in the calling thread: Triton does not promise that loading is safe in several
+threads at once, and a launch that gets a launcher built for another kernel's signature
+fails with "function takes exactly N arguments (M given)". Triton's driver is set up in the
+calling thread before any thread starts, for the same reason.
 
 A pass can also be compiled ahead (:func:`prefetch`): the launcher builds a later pass's
 launches (the backward's, on a forward's first call) from placeholder tensors and their
