@@ -4,7 +4,12 @@
 
 Compiles each kernel configuration the launcher would pick (chunk 16/32/64, padded head
 dim 16..128, bf16 and fp32) ahead of time with Triton's bundled ptxas and prints
-``cuobjdump -res-usage``, without a GPU. Pointers carry the 16-byte
+``cuobjdump -res-usage``, without a GPU: registers, stack (local memory) bytes per thread,
+shared memory, and ``reserve``, the device memory CUDA keeps for that stack in a process
+that launched the kernel (stack x 2048 resident threads x 132 SMs of an H100; kept for the
+process's life, so it adds up over the processes sharing a GPU). ``(not picked)`` marks a
+configuration the launcher's rules never choose (a fused chain where they split it), which
+only a forced ``Tuning`` compiles. Pointers carry the 16-byte
 alignment hint that a launch with torch tensors gets (``--unaligned`` drops it). The numbers
 come from the Triton installed here, which may differ from the GPU runner's.
 """
@@ -74,15 +79,15 @@ def compile_inputs(name: str, fn, kind: str, rows: str | None, extra: dict, dtyp
     if "HALF" in fn.arg_names:
         consts["HALF"] = dtype != "fp32"
     if rows is not None:
-        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune)
+        consts["BS"] = tuning.rows_per_block(rows, BT, G, tune, BD=BD, ieee=dtype == "fp32")
     if "SPLIT" in fn.arg_names:
         consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
     sig = _signature(fn, dtype, consts)
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=_aligned(fn, sig) if aligned else None)
-    options = tuning.launch_options(kind, BD, dtype == "fp32", tune,
-                                    fused_bwd=name == "bwd_fused")
+    options = tuning.launch_options("local" if name == "bwd_local" else kind, BD,
+                                    dtype == "fp32", tune, fused_bwd=name == "bwd_fused", BT=BT)
     if name in ("bwd_local", "bwd_grads") and tuning.wide_backward(torch_dtype, BD, BT):
         options["num_stages"] = tuning.WIDE_BACKWARD["stages"]
     return src, options, consts
@@ -118,8 +123,26 @@ def _usage(kernel) -> str:
         out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
                              text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    return (f"regs {m.group(1):>3} stack {m.group(2):>4} local {m.group(4):>4} "
-            f"smem {kernel.metadata.shared:>6}") if m else out.strip()[:200]
+    if not m:
+        return out.strip()[:200]
+    reserve = int(m.group(2)) * RESIDENT_THREADS / 2**30
+    return (f"regs {m.group(1):>3} stack {m.group(2):>5} local {m.group(4):>4} "
+            f"smem {kernel.metadata.shared:>6} reserve {reserve:4.1f} GiB")
+
+
+RESIDENT_THREADS = 2048 * 132
+"""Threads an H100 SXM holds at once (2048 per SM, 132 SMs): CUDA sizes a process's local
+memory for a kernel's stack per thread times this."""
+
+
+def picked(name: str, dtype: str, BD: int, BT: int) -> bool:
+    """Whether the launcher's rules can choose this row of :data:`KERNELS` (a fused chain
+    only where :func:`tuning.fused_forward` / :func:`tuning.fused_backward` may fuse)."""
+    if name == "fwd_fused":
+        return not tuning.ieee_wide(dtype == "fp32", BD, BT)
+    if name == "bwd_fused":
+        return BT == 16 and BD <= 64
+    return True
 
 
 def main() -> None:
@@ -155,7 +178,8 @@ def main() -> None:
                     try:
                         kernel = triton.compile(
                             src, target=GPUTarget("cuda", args.arch, 32), options=options)
-                        print(f"{label}: {_usage(kernel)}", flush=True)
+                        note = "" if picked(name, dtype, BD, BT) else " (not picked)"
+                        print(f"{label}: {_usage(kernel)}{note}", flush=True)
                     except Exception as exc:  # noqa: BLE001 - a report line
                         print(f"{label}: FAILED {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120]}", flush=True)

@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import ttt  # noqa: E402
 from ttt import Problem  # noqa: E402
 from ttt_triton.ops.ttt_linear import launcher, tuning  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import DEFAULT_TUNING, Tuning  # noqa: E402
@@ -58,13 +59,17 @@ def test_interpreter_takes_no_compiler_options(monkeypatch):
     assert launcher._launch("group", 64, torch.bfloat16, Tuning(group_warps=8))["num_warps"] == 8
 
 
+HALF_64 = dict(BD=64, ieee=False)
+
+
 def test_rows_per_block_default_forced_and_clamped():
-    assert tuning.rows_per_block("S_out", 16, 16, DEFAULT_TUNING) == tuning.BLOCK_ROWS["S_out"]
+    assert (tuning.rows_per_block("S_out", 16, 16, DEFAULT_TUNING, **HALF_64)
+            == tuning.BLOCK_ROWS["S_out"])
     forced = Tuning(rows_out=32)
-    assert tuning.rows_per_block("S_out", 16, 16, forced) == 32
-    assert tuning.rows_per_block("S_out", 64, 16, forced) == 64     # at least a chunk
-    assert tuning.rows_per_block("S_out", 16, 1, forced) == 16      # at most a group
-    assert tuning.rows_per_block("S_grads", 16, 16, Tuning(rows_grads=128)) == 128
+    assert tuning.rows_per_block("S_out", 16, 16, forced, **HALF_64) == 32
+    assert tuning.rows_per_block("S_out", 64, 16, forced, **HALF_64) == 64     # at least a chunk
+    assert tuning.rows_per_block("S_out", 16, 1, forced, **HALF_64) == 16      # at most a group
+    assert tuning.rows_per_block("S_grads", 16, 16, Tuning(rows_grads=128), **HALF_64) == 128
 
 
 @pytest.mark.parametrize("shape, G", [
@@ -154,3 +159,34 @@ def test_launcher_refuses_what_is_not_a_tuning():
     p = _problem(1, 16, 1, 16, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"tuning: expected .*Tuning, got dict"):
         launcher.ttt_linear_fwd(p, False, tuning={"fuse_forward": True})
+
+
+def test_float32_at_head_dim_128_or_chunk_64_takes_the_ieee_wide_rules():
+    """Where float32's IEEE products spill (tuning.IEEE_WIDE): blocks of at most 32 rows at
+    head dim 128, bwd_local with 16 warps at chunk 64, and no fused forward chain, not even
+    for a generation step or many chains; forcing still wins. Elsewhere, the usual rules."""
+    rows = tuning.IEEE_WIDE["rows"]
+    assert tuning.rows_per_block("S_out", 16, 16, DEFAULT_TUNING, BD=128, ieee=True) == rows
+    assert tuning.rows_per_block("S_out", 64, 16, DEFAULT_TUNING, BD=128, ieee=True) == 64
+    assert tuning.rows_per_block("S_out", 16, 16, DEFAULT_TUNING, BD=128, ieee=False) == 64
+    assert tuning.rows_per_block("S_out", 16, 16, Tuning(rows_out=64), BD=128, ieee=True) == 64
+    local = tuning.IEEE_WIDE["local_warps"]
+    assert tuning.num_warps("local", 64, True, DEFAULT_TUNING, BT=64) == local
+    assert tuning.num_warps("local", 128, True, DEFAULT_TUNING, BT=64) == local
+    assert tuning.num_warps("local", 128, True, DEFAULT_TUNING, BT=32) == 8
+    assert tuning.num_warps("local", 64, False, DEFAULT_TUNING, BT=64) == 4
+    assert tuning.num_warps("group", 64, True, DEFAULT_TUNING, BT=64) == 8
+    assert tuning.num_warps("local", 64, True, Tuning(group_warps=2), BT=64) == 2
+    for shape, chunk, fused in (((1, 48, 4, 128), 64, False), ((1, 16, 4, 128), 16, False),
+                                ((1, 48, 4, 64), 64, False), ((1, 16, 4, 64), 16, True),
+                                ((1, 30, 4, 64), 32, True)):
+        q = torch.randn(shape)
+        p = ttt.make_problem(q, q, q, torch.ones(4, shape[3]), torch.zeros(4, shape[3]), 0.1,
+                             chunk_size=chunk)
+        assert tuning.decode_step(p, False)
+        assert tuning.fused_forward(p, False, DEFAULT_TUNING) is fused, (shape, chunk)
+        assert tuning.fused_forward(p, False, Tuning(fuse_forward=True))
+        half = ttt.make_problem(q.bfloat16(), q.bfloat16(), q.bfloat16(),
+                                torch.ones(4, shape[3]), torch.zeros(4, shape[3]), 0.1,
+                                chunk_size=chunk)
+        assert tuning.fused_forward(half, False, DEFAULT_TUNING)

@@ -31,6 +31,7 @@ from .tuning import (
     DEFAULT_TUNING,
     WIDE_BACKWARD,
     Tuning,
+    block_sizes,
     checkpoint_interval,
     decode_options,
     dot_precision,
@@ -43,11 +44,6 @@ from .tuning import (
     unfit_tuning_error,
     wide_backward,
 )
-
-
-def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
-    """(BT, BD): the chunk, and the head dim padded to a power of two, at least 16."""
-    return chunk_size, max(16, 1 << (D - 1).bit_length())
 
 
 def _checked(tuning: Tuning) -> Tuning:
@@ -75,10 +71,14 @@ def _refusing_unfit_tunings(launcher):
 
 
 def _launch(kind: str, BD: int, dtype: torch.dtype, tune: Tuning,
-            fused_bwd: bool = False) -> dict:
+            fused_bwd: bool = False, BT: int = 16) -> dict:
     if kernels_interpreted():
         return {}
-    return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd)
+    return launch_options(kind, BD, dtype == torch.float32, tune, fused_bwd, BT)
+
+
+def _rows(kind: str, BT: int, BD: int, G: int, dtype: torch.dtype, tune: Tuning) -> int:
+    return rows_per_block(kind, BT, G, tune, BD=BD, ieee=dtype == torch.float32)
 
 
 @dataclass
@@ -192,7 +192,7 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
         IS_VARLEN=varlen, FUSE_OUT=fuse, SAVE=save, HALF=half, PREC=prec, **forms,
         **_launch("chain", BD, p.q.dtype, tune))
     out = None if fuse else dict(
-        H=H, D=D, BT=BT, BS=rows_per_block("S_out", BT, G, tune), BD=BD, G=G,
+        H=H, D=D, BT=BT, BS=_rows("S_out", BT, BD, G, p.q.dtype, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=half, PREC=prec, **forms, **_launch("group", BD, p.q.dtype, tune))
     return _kept(key, _ForwardSetup(grp, fuse, save, chain, out))
 
@@ -315,17 +315,18 @@ def _backward_pass(p: Problem, saved: Saved, do, dht, dhbt, tune: Tuning, needs:
     dwp0 = None if dwp is None else dwp[0]
     dbp0 = None if dbp is None else dbp[0]
     group_launch = _launch("group", BD, q.dtype, tune)
+    local_launch = _launch("local", BD, q.dtype, tune, BT=BT)
     if group_launch and wide_backward(q.dtype, BD, BT):
-        group_launch["num_stages"] = WIDE_BACKWARD["stages"]
+        group_launch["num_stages"] = local_launch["num_stages"] = WIDE_BACKWARD["stages"]
     forms = dict(HAS_ETA_KEY=eta_key is not None)
     launches = [Launch(ttt_linear_bwd_local_kernel, (grp.count, H), (
         q, k, v, eta, w, b, do, eta_key, saved.ck, saved.ckb, xbuf, rbuf, dopbuf, dgbuf,
         dq, deta, dwp0, dbp0, cu_seqlens, grp.offsets, grp.seq,
         float(p.scale), float(p.eps), T), dict(
-        H=H, D=D, BT=BT, BS=rows_per_block("S_local", BT, G, tune), BD=BD, G=G,
+        H=H, D=D, BT=BT, BS=_rows("S_local", BT, BD, G, q.dtype, tune), BD=BD, G=G,
         IS_VARLEN=varlen, HALF=q.dtype != torch.float32, PREC=prec, **forms,
         OUTPUT=p.output, NEED_DQ=n_dq, NEED_DETA=n_deta, NEED_DW=n_dw, NEED_DB=n_db,
-        STORE_BUFS=n_chain, **group_launch))]
+        STORE_BUFS=n_chain, **local_launch))]
     use_dht = n_chain and (dht is not None or dhbt is not None)
     fuse = n_chain and fuse
     dk = dv = dh0 = dhb0 = deta_key = dwc = dbc = None
@@ -363,7 +364,7 @@ def _backward_pass(p: Problem, saved: Saved, do, dht, dhbt, tune: Tuning, needs:
                 dk, dv, deta, None if dwp is None else dwp[1],
                 None if dbp is None else dbp[1], cu_seqlens, grp.offsets, grp.seq,
                 float(p.scale), T), dict(
-                H=H, D=D, BT=BT, BS=rows_per_block("S_grads", BT, G, tune), BD=BD, G=G,
+                H=H, D=D, BT=BT, BS=_rows("S_grads", BT, BD, G, q.dtype, tune), BD=BD, G=G,
                 IS_VARLEN=varlen, PREC=prec, SPLIT=split if n_dk else 1, **forms,
                 **needs_flags, **group_launch)))
 

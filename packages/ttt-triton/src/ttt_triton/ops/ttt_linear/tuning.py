@@ -38,7 +38,24 @@ group)."""
 NUM_WARPS = {"chain": 4, "group": 4}
 """num_warps of the sequential kernels (fwd_chain, bwd_chain) and of the group-parallel
 ones (fwd_out, bwd_local, bwd_grads), for padded head dims <= 64 with half inputs;
-doubled for BD >= 128 or IEEE (float32) dots at BD >= 64."""
+doubled for BD >= 128 or IEEE (float32) dots at BD >= 64 (and see :data:`IEEE_WIDE`)."""
+
+IEEE_WIDE = {"rows": 32, "local_warps": 16}
+"""Float32 inputs at a padded head dim of 128 or chunk 64, where the IEEE products (FMA
+loops, :func:`dot_precision`) hold more operands than the registers: ptxas then keeps the
+rest in local memory, KBs of stack per thread, and CUDA reserves that stack for every
+thread the GPU can hold (stack x 2048 x SMs: 3 GB per process at 11 KB on an H100, kept
+while the process lives; several processes sharing a GPU ran out of memory). So there:
+
+- the group kernels take blocks of at most ``rows`` rows at head dim 128 (fwd_out at chunk
+  16: 9.0 KB of stack with 64 rows, 0.4 KB with 32);
+- bwd_local runs ``local_warps`` warps at chunk 64 (10.9 KB with 8 at head dim 128, 3.6 KB
+  with 16; 9.6 / 3.2 KB at head dim 64);
+- the forward chain is not fused (fused: 4.3-11.3 KB at head dim 128, 8.6 KB at chunk 64,
+  head dim 64); a generation step longer than fwd_decode's rows runs fwd_chain and fwd_out.
+
+Every kernel the rules pick then has at most 4.1 KB of stack (``python -m tools.resources``,
+sm_90, triton 3.6)."""
 
 NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
               "group_stages": 2, "group_stages_fp32": 1}
@@ -161,29 +178,45 @@ def unfit_tuning_error(tune: Tuning, resource: str, required: int, limit: int) -
                       f"smaller grads_split")
 
 
-def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING) -> int:
-    """num_warps of a ``kind`` ("chain" or "group") kernel (:data:`NUM_WARPS`)."""
-    forced = getattr(tune, f"{kind}_warps")
+def block_sizes(D: int, chunk_size: int) -> tuple[int, int]:
+    """(BT, BD): the chunk, and the head dim padded to a power of two, at least 16."""
+    return chunk_size, max(16, 1 << (D - 1).bit_length())
+
+
+def ieee_wide(ieee: bool, BD: int, BT: int) -> bool:
+    """Whether float32 (IEEE) products at ``BD``, ``BT`` take :data:`IEEE_WIDE`'s rules."""
+    return ieee and (BD >= 128 or BT >= 64)
+
+
+def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING,
+              BT: int = 16) -> int:
+    """num_warps of a ``kind`` kernel: "chain", "group", or "local" (bwd_local: a group
+    kernel, :data:`IEEE_WIDE` aside); :data:`NUM_WARPS`."""
+    group = "group" if kind == "local" else kind
+    forced = getattr(tune, f"{group}_warps")
     if forced is not None:
         return forced
-    warps = NUM_WARPS[kind]
+    if kind == "local" and ieee and BT >= 64:
+        return IEEE_WIDE["local_warps"]
+    warps = NUM_WARPS[group]
     if BD >= 128 or (ieee and BD >= 64):
         warps = min(2 * warps, 8)
     return warps
 
 
 def launch_options(kind: str, BD: int, ieee: bool, tune: Tuning,
-                   fused_bwd: bool = False) -> dict:
-    """num_warps and num_stages of a ``kind`` ("chain" or "group") kernel, ``fused_bwd`` for
-    the backward chain that does bwd_grads' work: what the launcher passes on a GPU and
-    ``tools/resources.py`` compiles with."""
-    stages = getattr(tune, f"{kind}_stages")
+                   fused_bwd: bool = False, BT: int = 16) -> dict:
+    """num_warps and num_stages of a ``kind`` ("chain", "group" or "local") kernel,
+    ``fused_bwd`` for the backward chain that does bwd_grads' work: what the launcher passes
+    on a GPU and ``tools/resources.py`` compiles with."""
+    group = "group" if kind == "local" else kind
+    stages = getattr(tune, f"{group}_stages")
     if stages is None:
         if ieee:
-            stages = NUM_STAGES[f"{kind}_stages_fp32"]
+            stages = NUM_STAGES[f"{group}_stages_fp32"]
         else:
-            stages = NUM_STAGES["fused_bwd_stages" if fused_bwd else f"{kind}_stages"]
-    return dict(num_warps=num_warps(kind, BD, ieee, tune), num_stages=stages)
+            stages = NUM_STAGES["fused_bwd_stages" if fused_bwd else f"{group}_stages"]
+    return dict(num_warps=num_warps(kind, BD, ieee, tune, BT), num_stages=stages)
 
 
 def checkpoint_interval(p: Problem, BD: int, tune: Tuning) -> int:
@@ -240,10 +273,14 @@ def decode_options(BD: int) -> dict:
 
 
 def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
-    """Whether the forward chain writes the outputs (see :data:`FUSED`): forced, a
-    generation step (:func:`decode_step`), or enough chains."""
+    """Whether the forward chain writes the outputs (see :data:`FUSED`): forced, else never
+    under :data:`IEEE_WIDE`, else for a generation step (:func:`decode_step`) or enough
+    chains."""
     if tune.fuse_forward is not None:
         return tune.fuse_forward
+    BT, BD = block_sizes(p.D, p.chunk_size)
+    if ieee_wide(p.q.dtype == torch.float32, BD, BT):
+        return False                                      # (IEEE_WIDE)
     if decode_step(p, save_for_backward):
         return True
     return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
@@ -275,11 +312,16 @@ def grads_split(dtype: torch.dtype, BD: int, BT: int, tune: Tuning) -> int:
     return split
 
 
-def rows_per_block(kind: str, BT: int, G: int, tune: Tuning) -> int:
+def rows_per_block(kind: str, BT: int, G: int, tune: Tuning, *, BD: int, ieee: bool) -> int:
     """Rows per block of fwd_out (``kind="S_out"``), bwd_local (``"S_local"``) or bwd_grads
-    (``"S_grads"``), clamped to [BT, G * BT]."""
-    forced = getattr(tune, _ROWS_FIELD[kind])
-    return max(BT, min(BLOCK_ROWS[kind] if forced is None else forced, G * BT))
+    (``"S_grads"``): forced, else :data:`BLOCK_ROWS` (at most :data:`IEEE_WIDE`'s rows for
+    float32 at head dim 128); clamped to [BT, G * BT]."""
+    rows = getattr(tune, _ROWS_FIELD[kind])
+    if rows is None:
+        rows = BLOCK_ROWS[kind]
+        if ieee and BD >= 128:
+            rows = min(rows, IEEE_WIDE["rows"])
+    return max(BT, min(rows, G * BT))
 
 
 def dot_precision(dtype: torch.dtype, BD: int) -> str:
