@@ -23,7 +23,7 @@ call (the median over ``--repeats`` runs of ``--iters`` calls, ``time.perf_count
 - ``fwd step``: ``fwd`` as a generation step makes it: initial states given,
   ``output_final_state=True``, a tensor ``eta_key``, ``output="query_residual"``.
 
-And the automatic choice alone: ``registry.select_backend`` over the backends installed
+And the automatic choice alone: ``ttt.choice.select_backend`` over the backends installed
 here and the null backend, for the first shape.
 
 ``--device cuda`` makes the inputs CUDA tensors (the null backend still launches nothing): the
@@ -131,11 +131,25 @@ def use_device(device: torch.device) -> None:
 
 def register_null_backend() -> None:
     """Makes ``backend="null"`` / ``ttt.set_backend("null")`` resolve to a NullBackend, and
-    the automatic choice take it (see NULL_PRIORITY)."""
+    the automatic choice take it (see NULL_PRIORITY): with ``ttt.register_backend``, or
+    for a revision without it (``--compare-with``), in its registry's tables."""
+    if hasattr(ttt, "register_backend"):
+        ttt.register_backend(NULL, NullBackend(), priority=NULL_PRIORITY[DEVICE.type])
+        return
     registry._LOADED[NULL] = NullBackend()
     registry.KNOWN_BACKENDS[NULL] = registry.KnownBackend(
         f"{__name__}:NullBackend", "registered by benchmarks/core_host_time.py",
         NULL_PRIORITY[DEVICE.type])
+
+
+def _select_backend():
+    """The automatic choice's function: ``ttt.choice.select_backend``, or for a revision
+    without that module, ``ttt.registry``'s."""
+    try:
+        from ttt.choice import select_backend
+    except ImportError:
+        return registry.select_backend
+    return select_backend
 
 
 def make_case(shape, packed: bool, requires_grad: bool, step: bool = False, seed: int = 0):
@@ -193,7 +207,8 @@ def _call(case: int):
     if case == CHOICE:
         xs, kwargs = make_case(SHAPES[0], packed=False, requires_grad=False)
         problem = ttt.make_problem(*xs, **kwargs)
-        return lambda: registry.select_backend(problem, "auto")
+        select_backend = _select_backend()
+        return lambda: select_backend(problem, "auto")
     shape, packed, mode = CASES[case]
     return one_call(mode, shape, packed)
 
