@@ -39,7 +39,7 @@ two), six timings:
 - ``fwd step``: ``fwd`` as a generation step makes it: initial states given,
   ``output_final_state=True``, a tensor ``eta_key``, ``output="query_residual"``.
 
-And the automatic choice alone: ``registry.select_backend`` over the backends installed
+And the automatic choice alone: ``ttt.choice.select_backend`` over the backends installed
 here and the null backend, for the first shape. ``--device cuda`` makes the inputs CUDA
 tensors (the null backend still launches nothing): the core's host time as a GPU call pays
 it, where reading tensors' devices, the autocast state and the aliasing check may cost more
@@ -297,7 +297,14 @@ def use_device(device: torch.device) -> None:
 @contextlib.contextmanager
 def null_backend():
     """Within: ``backend="null"`` / ``ttt.set_backend("null")`` resolve to a NullBackend, the
-    automatic choice takes it (see NULL_PRIORITY), and it is the backend set."""
+    automatic choice takes it (see NULL_PRIORITY), and it is the backend set: with
+    ``ttt.register_backend``, or for a revision without it (``--compare-with``), in its
+    registry's tables."""
+    if hasattr(ttt, "register_backend"):
+        with ttt.register_backend(NULL, NullBackend(), priority=NULL_PRIORITY[DEVICE.type]):
+            with ttt.set_backend(NULL):
+                yield
+        return
     registry._LOADED[NULL] = NullBackend()
     registry.KNOWN_BACKENDS[NULL] = registry.KnownBackend(
         f"{__name__}:NullBackend", "registered by tools/host_time.py core",
@@ -356,12 +363,23 @@ CHOICE = len(CORE_CASES)
 """The index of one more case: the automatic choice alone (``select_backend``)."""
 
 
+def _select_backend():
+    """The automatic choice's function: ``ttt.choice.select_backend``, or for a revision
+    without that module, ``ttt.registry``'s."""
+    try:
+        from ttt.choice import select_backend
+    except ImportError:
+        return registry.select_backend
+    return select_backend
+
+
 def core_call(case: int):
     """A zero-argument function making one call of core case ``case``."""
     if case == CHOICE:
         xs, kwargs = make_case(CORE_SHAPES[0], packed=False, requires_grad=False)
         problem = ttt.make_problem(*xs, **kwargs)
-        return lambda: registry.select_backend(problem, "auto")
+        select_backend = _select_backend()
+        return lambda: select_backend(problem, "auto")
     shape, packed, mode = CORE_CASES[case]
     return one_call(mode, shape, packed)
 

@@ -30,11 +30,11 @@ class _Narrow(ReferenceBackend):
 
 
 @pytest.fixture
-def extra_backends(monkeypatch):
-    monkeypatch.setitem(registry._LOADED, "offline", _Unavailable())
-    monkeypatch.setitem(registry._LOADED, "narrow", _Narrow())
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
-        "ttt_ghost_backend_not_installed.backend:Backend", "pip install ghost", 5))
+def extra_backends(register):
+    register("offline", _Unavailable())
+    register("narrow", _Narrow())
+    register("ghost", "ttt_ghost_backend_not_installed.backend:Backend",
+             install_hint="pip install ghost", priority=5)
 
 
 def test_the_family_is_exported_at_top_level():
@@ -85,7 +85,7 @@ def test_layer_on_a_kernel_backend_raises_a_backend_error(name):
         layer(torch.randn(1, 5, 16))
 
 
-def test_the_automatic_choice_with_nothing_fitting_is_a_backend_error(monkeypatch):
-    monkeypatch.setitem(registry._LOADED, "reference", _Narrow())
+def test_the_automatic_choice_with_nothing_fitting_is_a_backend_error(register):
+    register("reference", _Narrow(), priority=1000, replace=True)
     with pytest.raises(ttt.BackendNotSupportedError, match="no ttt backend"):
         ttt.chunk_ttt_linear(**_inputs())

@@ -53,18 +53,6 @@ class _Fake(ttt.Backend):
 
 
 @pytest.fixture
-def register(monkeypatch):
-    """register(backend) makes a fake backend known and loaded for one test."""
-
-    def add(backend):
-        monkeypatch.setitem(registry.KNOWN_BACKENDS, backend.name, registry.KnownBackend(
-            f"ttt_fake_{backend.name}:Backend", f"pip install ./packages/ttt-{backend.name}", 1))
-        monkeypatch.setitem(registry._LOADED, backend.name, backend)
-
-    return add
-
-
-@pytest.fixture
 def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
@@ -77,7 +65,7 @@ def test_info_lists_backends():
 
 
 def test_info_says_a_gpu_only_backend_needs_a_gpu(capsys, register, no_gpu):
-    register(_Fake("gpuonly", devices=("cuda",)))
+    register("gpuonly", _Fake("gpuonly", devices=("cuda",)), priority=1)
     assert cli.main(["info"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "gpuonly" in x)
     assert line.split() == ["gpuonly", "installed,", "needs", "a", "CUDA", "GPU"]
@@ -85,16 +73,16 @@ def test_info_says_a_gpu_only_backend_needs_a_gpu(capsys, register, no_gpu):
     assert not status.available and status.installed
 
 
-def test_info_names_the_module_that_failed_to_import(capsys, monkeypatch, tmp_path):
+def test_info_names_the_module_that_failed_to_import(capsys, monkeypatch, tmp_path, register):
     """A backend package that imports but lacks a dependency: the dependency is named with
     its own install hint, not the backend's; a backend package that is missing: the
     backend's hint."""
     (tmp_path / "ttt_fake_needs_dep.py").write_text("import ttt_missing_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "needsdep", registry.KnownBackend(
-        "ttt_fake_needs_dep:Backend", "pip install ./packages/ttt-needsdep", 5))
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "absent", registry.KnownBackend(
-        "ttt_fake_absent_package:Backend", "pip install ./packages/ttt-absent", 6))
+    register("needsdep", "ttt_fake_needs_dep:Backend",
+             install_hint="pip install ./packages/ttt-needsdep", priority=5)
+    register("absent", "ttt_fake_absent_package:Backend",
+             install_hint="pip install ./packages/ttt-absent", priority=6)
     assert cli.main(["info"]) == 0
     lines = {x.split()[0]: x for x in capsys.readouterr().out.splitlines() if x.startswith("  ")}
     assert "not installed: module 'ttt_missing_dependency_xyz'" in lines["needsdep"]
@@ -105,7 +93,8 @@ def test_info_names_the_module_that_failed_to_import(capsys, monkeypatch, tmp_pa
 
 
 def test_info_gives_an_unavailable_backends_reason(capsys, register):
-    register(_Fake("noengine", unavailable="engine cannot be imported; pip install engine"))
+    register("noengine", _Fake("noengine",
+                               unavailable="engine cannot be imported; pip install engine"))
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "noengine   unavailable: engine cannot be imported; pip install engine" in out
@@ -116,22 +105,22 @@ def test_unknown_backend_is_one_line(capsys):
     assert "unknown backend 'nope'" in err and "reference" in err
 
 
-def test_backend_not_installed_is_one_line(capsys, monkeypatch):
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
-        "ttt_ghost_backend_not_installed:Backend", "pip install ./packages/ttt-ghost", 5))
+def test_backend_not_installed_is_one_line(capsys, register):
+    register("ghost", "ttt_ghost_backend_not_installed:Backend",
+             install_hint="pip install ./packages/ttt-ghost", priority=5)
     err = _one_line_error(capsys, ["demo", "--backend", "ghost"])
     assert "backend 'ghost' cannot run here: not installed" in err
     assert "pip install ./packages/ttt-ghost" in err
 
 
 def test_unavailable_backend_is_one_line(capsys, register):
-    register(_Fake("noengine", unavailable="engine cannot be imported"))
+    register("noengine", _Fake("noengine", unavailable="engine cannot be imported"))
     err = _one_line_error(capsys, ["demo", "--backend", "noengine"])
     assert "backend 'noengine' cannot run here: unavailable: engine cannot be imported" in err
 
 
 def test_unsupported_inputs_are_one_line(capsys, register):
-    register(_Fake("picky", dtypes=(torch.float16,)))
+    register("picky", _Fake("picky", dtypes=(torch.float16,)))
     err = _one_line_error(capsys, ["demo", "--backend", "picky", "--device", "cpu",
                                    "--dtype", "fp32", "--seq-len", "8", "--head-dim", "8"])
     assert "backend 'picky' cannot take these inputs" in err and "dtype float32" in err
@@ -148,7 +137,7 @@ def test_unknown_device_is_one_line(capsys):
 
 
 def test_gpu_backend_without_a_gpu_is_one_line(capsys, register, no_gpu):
-    register(_Fake("gpuonly", devices=("cuda",)))
+    register("gpuonly", _Fake("gpuonly", devices=("cuda",)), priority=1)
     err = _one_line_error(capsys, ["demo", "--backend", "gpuonly"])
     assert "backend 'gpuonly' cannot run here: installed, needs a CUDA GPU" in err
 
@@ -247,7 +236,7 @@ def test_warmup_lists_default_dtypes_the_backend_cannot_take(capsys, register):
         capabilities = replace(ReferenceBackend.capabilities,
                                dtypes=frozenset({torch.float32}))
 
-    register(_Fp32Reference())
+    register("fp32only", _Fp32Reference())
     assert cli.main(["warmup", "--backend", "fp32only", "--device", "cpu", "--head-dim",
                      "16", "--heads", "1"]) == 0
     out = capsys.readouterr().out
@@ -269,7 +258,7 @@ def test_warmup_errors_are_one_line(capsys, argv, words):
 
 
 def test_warmup_unsupported_dtype_is_one_line(capsys, register):
-    register(_Fake("fp32fake"))
+    register("fp32fake", _Fake("fp32fake"))
     line = _one_line_error(capsys, ["warmup", "--backend", "fp32fake", "--device", "cpu",
                                     "--dtype", "bf16", "--head-dim", "16"])
     assert "dtype bfloat16 not supported" in line

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import ttt
-from ttt import registry
 from ttt.nn import TTTLinear
 from ttt.reference import ReferenceBackend
 
@@ -29,9 +28,9 @@ class _Recording(ReferenceBackend):
 
 
 @pytest.fixture
-def recording(monkeypatch):
+def recording(register):
     backend = _Recording()
-    monkeypatch.setitem(registry._LOADED, "recording", backend)
+    register("recording", backend)
     return backend
 
 

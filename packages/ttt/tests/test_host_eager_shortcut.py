@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ttt
-from ttt import _custom_op, registry
+from ttt import _custom_op
 
 H, D, CHUNK = 2, 8, 16
 
@@ -131,8 +131,8 @@ class _AliasingBackend(ttt.Backend):
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("through_op", [False, True])
 def test_an_output_aliasing_an_input_is_refused_on_both_paths(requires_grad, through_op,
-                                                              monkeypatch):
-    monkeypatch.setitem(registry._LOADED, "aliasing", _AliasingBackend())
+                                                              register):
+    register("aliasing", _AliasingBackend())
     x = _inputs(False, True, False)
     args = [x[n].detach().requires_grad_(requires_grad) for n in ("q", "k", "v", "w", "b", "eta")]
     mode = _PassThrough() if through_op else torch.autograd.graph.saved_tensors_hooks(

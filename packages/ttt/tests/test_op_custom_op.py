@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ttt
-from ttt import reference, registry
+from ttt import reference
 from ttt.oracle import oracle_chunk_ttt_linear
 from ttt.problem import GRAD_INPUTS
 from ttt.tolerances import TOLERANCES
@@ -229,7 +229,7 @@ def test_autocast_under_compile_equals_eager():
         _assert_near(a, b, TOLERANCES[torch.bfloat16][0])
 
 
-def test_compile_reports_an_unfit_backend(monkeypatch):
+def test_compile_reports_an_unfit_backend(register):
     """A backend that cannot take the call is refused while tracing, with its reasons."""
     torch._dynamo.reset()
 
@@ -243,7 +243,7 @@ def test_compile_reports_an_unfit_backend(monkeypatch):
     def fn(x):
         return _call(x, backend="no_eta_key")[0]
 
-    monkeypatch.setitem(registry._LOADED, "no_eta_key", NoEtaKey())
+    register("no_eta_key", NoEtaKey())
     with pytest.raises(Exception, match="eta_key") as err:     # (dynamo wraps the error)
         torch.compile(fn, fullgraph=True)(x)
     assert "torch.compile traced the call" in str(err.value)

@@ -127,10 +127,10 @@ def test_capabilities_refuse_undeclared_features():
 
 
 
-def test_automatic_choice_passes_over_a_backend_without_the_features(monkeypatch):
+def test_automatic_choice_passes_over_a_backend_without_the_features(monkeypatch, register):
     """A backend first in line that does not declare eta_key / the output form is skipped
     by the automatic choice (the reference backend takes the call) and refuses by name."""
-    from ttt import registry
+    from ttt.choice import select_backend
 
     class Plain(ttt.Backend):
         name = "plain"
@@ -140,13 +140,11 @@ def test_automatic_choice_passes_over_a_backend_without_the_features(monkeypatch
         def forward(self, problem, needs_backward):
             raise AssertionError("the plain backend was chosen")
 
-    monkeypatch.setitem(registry._LOADED, "plain", Plain())
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "plain",
-                        registry.KnownBackend("x:y", "pip install plain", 0))
+    register("plain", Plain(), priority=0)
     monkeypatch.delenv("TTT_BACKEND", raising=False)
     q, k, v, w, b, eta = _small()
     problem = ttt.make_problem(q, k, v, w, b, eta, output="raw")
-    assert registry.select_backend(problem).name == "reference"
+    assert select_backend(problem).name == "reference"
     o, _, _ = ttt.chunk_ttt_linear(q, k, v, w, b, eta, eta_key=torch.rand(1, 20, H, 1))
     assert o.shape == q.shape
     with pytest.raises(ttt.BackendNotSupportedError, match="eta_key"):

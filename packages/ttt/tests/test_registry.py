@@ -6,13 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from importlib import metadata
 
 import pytest
 import torch
 
 import ttt
-from ttt import registry
+from ttt import choice, registry, status
+from ttt.reference import ReferenceBackend
 
 
 class _FakeMetadata:
@@ -28,6 +30,20 @@ class _FakeMetadata:
         return [ep for ep in self._eps if group in (None, ep.group)]
 
 
+@pytest.fixture
+def entry_points(monkeypatch):
+    """``entry_points(*eps)``: the group's entry points are these alone, read again; after
+    the test, the real ones are read again."""
+
+    def use(*eps):
+        monkeypatch.setattr(registry, "metadata", _FakeMetadata(list(eps)))
+        registry.clear_cache()
+
+    yield use
+    monkeypatch.undo()
+    registry.clear_cache()
+
+
 def _inputs(dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 20, 2, 16, generator=g).to(device, dtype) for _ in range(3))
@@ -39,7 +55,7 @@ def test_default_choice_is_auto_and_cpu_goes_to_reference(monkeypatch):
     monkeypatch.delenv("TTT_BACKEND", raising=False)
     assert ttt.get_backend() == "auto"
     problem = ttt.make_problem(**_inputs())
-    assert registry.select_backend(problem).name == "reference"
+    assert choice.select_backend(problem).name == "reference"
 
 
 def test_set_backend_as_call_and_as_with_block(monkeypatch):
@@ -92,10 +108,9 @@ def test_unknown_backend_is_a_value_error_listing_known_ones():
         ttt.chunk_ttt_linear(**_inputs(), backend="nope")
 
 
-def test_missing_backend_raises_import_error_with_pip_command(monkeypatch):
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
-        "ttt_ghost_backend_not_installed:Backend", "pip install ./packages/ttt-ghost", 5))
-    registry._LOADED.pop("ghost", None)
+def test_missing_backend_raises_import_error_with_pip_command(register):
+    register("ghost", "ttt_ghost_backend_not_installed:Backend",
+             install_hint="pip install ./packages/ttt-ghost", priority=5)
     with pytest.raises(ImportError, match=r"pip install \./packages/ttt-ghost"):
         ttt.set_backend("ghost")
     status = ttt.available_backends()["ghost"]
@@ -105,16 +120,14 @@ def test_missing_backend_raises_import_error_with_pip_command(monkeypatch):
     assert o.shape == (1, 20, 2, 16)
 
 
-def test_unsupported_inputs_name_every_reason(monkeypatch):
+def test_unsupported_inputs_name_every_reason(register):
     class Picky(ttt.Backend):
         name = "picky"
         capabilities = ttt.Capabilities(devices=frozenset({"cuda"}),
                                         dtypes=frozenset({torch.float16}),
                                         chunk_sizes=frozenset({64}))
 
-    monkeypatch.setitem(registry._LOADED, "picky", Picky())
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "picky",
-                        registry.KnownBackend("x:y", "pip install picky", 1))
+    register("picky", Picky(), priority=1)
     with pytest.raises(ttt.BackendNotSupportedError) as info:
         ttt.chunk_ttt_linear(**_inputs(), backend="picky")
     message = str(info.value)
@@ -123,7 +136,7 @@ def test_unsupported_inputs_name_every_reason(monkeypatch):
     assert isinstance(info.value, ValueError)
 
 
-def test_entry_point_backends_are_discovered(monkeypatch, tmp_path):
+def test_entry_point_backends_are_discovered(monkeypatch, tmp_path, entry_points):
     module = tmp_path / "ttt_fake_plugin.py"
     module.write_text(textwrap.dedent("""
         import ttt
@@ -133,25 +146,23 @@ def test_entry_point_backends_are_discovered(monkeypatch, tmp_path):
             name = "fake"
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    ep = metadata.EntryPoint("fake", "ttt_fake_plugin:FakeBackend", registry.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
-    monkeypatch.setattr(registry, "metadata", _FakeMetadata([ep]))
+    entry_points(metadata.EntryPoint("fake", "ttt_fake_plugin:FakeBackend",
+                                     registry.ENTRY_POINT_GROUP))
     assert "fake" in ttt.available_backends()
     o, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="fake")
     ref, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="reference")
     assert torch.equal(o, ref)
-    registry._LOADED.pop("fake", None)
-    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
+    entry_points()                  # the package removed: its backend goes with the cache
+    with pytest.raises(ttt.UnknownBackendError):
+        ttt.load_backend("fake")
 
 
-def test_entry_point_may_not_shadow_a_builtin(monkeypatch):
-    ep = metadata.EntryPoint("reference", "somewhere_else:Backend", registry.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
-    monkeypatch.setattr(registry, "metadata", _FakeMetadata([ep]))
+def test_entry_point_may_not_shadow_a_builtin(entry_points):
+    entry_points(metadata.EntryPoint("reference", "somewhere_else:Backend",
+                                     registry.ENTRY_POINT_GROUP))
     with pytest.warns(UserWarning, match="built-in backend name"):
         names = registry.known_names()
     assert names.count("reference") == 1
-    monkeypatch.setattr(registry, "_ENTRY_POINTS", None)
 
 
 def test_import_does_no_gpu_work_and_loads_no_backend():
@@ -162,12 +173,12 @@ def test_import_does_no_gpu_work_and_loads_no_backend():
     assert out.stdout.strip() == "[]"
 
 
-def test_registry_errors_are_their_own_classes(monkeypatch):
+def test_registry_errors_are_their_own_classes(register):
     with pytest.raises(registry.UnknownBackendError) as unknown:
         ttt.load_backend("nope")
     assert isinstance(unknown.value, ValueError)
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "ghost", registry.KnownBackend(
-        "ttt_ghost_backend_not_installed.backend:Backend", "pip install ./packages/ttt-ghost", 5))
+    register("ghost", "ttt_ghost_backend_not_installed.backend:Backend",
+             install_hint="pip install ./packages/ttt-ghost", priority=5)
     with pytest.raises(registry.BackendNotInstalledError) as missing:
         ttt.load_backend("ghost")
     assert isinstance(missing.value, ImportError)
@@ -194,18 +205,16 @@ def test_import_failure_reason_names_the_module_and_its_hint(err, hints, reason)
 def test_missing_device_reason(monkeypatch):
     gpu_only = ttt.Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float32}))
     backend = type("GpuOnly", (ttt.Backend,), {"capabilities": gpu_only})()
-    monkeypatch.setattr(registry, "present_device_types", lambda: frozenset({"cpu", "meta"}))
-    assert registry.missing_device_reason(backend) == "installed, needs a CUDA GPU"
-    assert registry.missing_device_reason(ttt.load_backend("reference")) is None
-    monkeypatch.setattr(registry, "present_device_types", lambda: frozenset({"cpu", "cuda"}))
-    assert registry.missing_device_reason(backend) is None
+    monkeypatch.setattr(status, "present_device_types", lambda: frozenset({"cpu", "meta"}))
+    assert status.missing_device_reason(backend) == "installed, needs a CUDA GPU"
+    assert status.missing_device_reason(ttt.load_backend("reference")) is None
+    monkeypatch.setattr(status, "present_device_types", lambda: frozenset({"cpu", "cuda"}))
+    assert status.missing_device_reason(backend) is None
 
 
-def test_declared_capabilities_are_the_classes(monkeypatch, tmp_path):
+def test_declared_capabilities_are_the_classes(monkeypatch, tmp_path, register):
     """The class's declaration, without making an instance; a backend whose class declares
     none (a property) is loaded and asked."""
-    from ttt.reference import ReferenceBackend
-
     assert registry.declared_capabilities("reference") is ReferenceBackend.capabilities
     (tmp_path / "ttt_fake_property_backend.py").write_text(textwrap.dedent("""
         import torch
@@ -220,11 +229,8 @@ def test_declared_capabilities_are_the_classes(monkeypatch, tmp_path):
                                         dtypes=frozenset({torch.float16}))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, "prop", registry.KnownBackend(
-        "ttt_fake_property_backend:Backend", "pip install prop", 5))
-    monkeypatch.delitem(registry._LOADED, "prop", raising=False)
+    register("prop", "ttt_fake_property_backend:Backend")
     assert registry.declared_capabilities("prop").dtypes == frozenset({torch.float16})
-    registry._LOADED.pop("prop", None)
 
 
 def test_backend_modules_import_without_their_engines():
@@ -239,3 +245,142 @@ def test_backend_modules_import_without_their_engines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "reference" in out.stdout
+
+
+class _Renamed(ttt.Backend):
+    """The reference backend's capabilities under another name; never asked to compute."""
+
+    capabilities = ReferenceBackend.capabilities
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def test_a_registered_backend_runs_by_name_until_its_registration_ends():
+    backend = ReferenceBackend()
+    with ttt.register_backend("mine", backend) as registration:
+        assert registration.name == "mine"
+        assert ttt.load_backend("mine") is backend
+        assert "mine" in ttt.available_backends() and "mine" in registry.known_names()
+        o, _, _ = ttt.chunk_ttt_linear(**_inputs(), backend="mine")
+        with ttt.set_backend("mine"):
+            assert choice.select_backend(ttt.make_problem(**_inputs())) is backend
+    with pytest.raises(ttt.UnknownBackendError, match="unknown backend 'mine'"):
+        ttt.load_backend("mine")
+    handle = ttt.register_backend("mine", ReferenceBackend)      # a factory, made on first use
+    assert isinstance(ttt.load_backend("mine"), ReferenceBackend)
+    ttt.unregister_backend("mine")
+    assert "mine" not in ttt.available_backends()
+    handle.__exit__(None, None, None)                               # (nothing left to undo)
+
+
+def test_a_registered_backend_takes_its_place_in_the_automatic_choice(register):
+    problem = ttt.make_problem(**_inputs())
+    register("late", _Renamed("late"), priority=2000)
+    assert choice.select_backend(problem).name == "reference"
+    register("early", _Renamed("early"), priority=5)
+    assert choice.select_backend(problem).name == "early"         # the kept choice dropped
+
+
+def test_a_builtin_name_is_replaced_only_when_asked_and_comes_back():
+    reference = ttt.load_backend("reference")
+    with pytest.raises(ValueError, match=r"'reference' exists already.*replace=True"):
+        ttt.register_backend("reference", _Renamed("reference"))
+    with ttt.register_backend("reference", _Renamed("reference"), priority=1000, replace=True):
+        assert isinstance(ttt.load_backend("reference"), _Renamed)
+        with pytest.raises(ValueError, match="exists already"):
+            ttt.register_backend("reference", _Renamed("reference"))
+    assert type(ttt.load_backend("reference")) is type(reference)
+
+
+def test_a_replaced_registration_comes_back_when_its_replacement_ends(register):
+    first, second = _Renamed("mine"), _Renamed("mine")
+    register("mine", first)
+    register("mine", first)                   # the same registration again: no conflict
+    with pytest.raises(ValueError, match="'mine' exists already"):
+        ttt.register_backend("mine", second)
+    with ttt.register_backend("mine", second, replace=True):
+        assert ttt.load_backend("mine") is second
+    assert ttt.load_backend("mine") is first
+
+
+def test_an_entry_point_name_is_replaced_only_when_asked(entry_points, register):
+    entry_points(metadata.EntryPoint("plugged", "ttt_plugged_nowhere:Backend",
+                                     registry.ENTRY_POINT_GROUP))
+    with pytest.raises(ValueError, match="'plugged' exists already"):
+        ttt.register_backend("plugged", _Renamed("plugged"))
+    register("plugged", _Renamed("plugged"), replace=True)
+    assert ttt.load_backend("plugged").name == "plugged"
+
+
+@pytest.mark.parametrize("args, options, error, words", [
+    ((None, _Renamed("x")), {}, ValueError, "name must be a non-empty str"),
+    (("", _Renamed("x")), {}, ValueError, "name must be a non-empty str"),
+    (("auto", _Renamed("x")), {}, ValueError, "name must be a non-empty str other than 'auto'"),
+    (("x", 3), {}, TypeError, "backend must be a ttt.Backend"),
+    (("x", "no_colon"), {}, ValueError, "backend must name 'module:attribute'"),
+    (("x", _Renamed("x")), {"priority": "1"}, TypeError, "priority must be an int"),
+    (("x", _Renamed("x")), {"priority": True}, TypeError, "priority must be an int"),
+    (("x", _Renamed("x")), {"install_hint": 1}, TypeError, "install_hint must be a str"),
+])
+def test_bad_registrations_name_the_argument(args, options, error, words):
+    with pytest.raises(error, match=f"^register_backend: {words}"):
+        ttt.register_backend(*args, **options)
+    assert "x" not in registry.known_names()
+
+
+def test_unregistering_a_name_not_registered_is_a_value_error():
+    for name in ("reference", "never_registered"):
+        with pytest.raises(ValueError, match=f"unregister_backend: {name!r} was not registered"):
+            ttt.unregister_backend(name)
+
+
+def test_the_builtin_table_is_read_only():
+    with pytest.raises(TypeError):
+        ttt.KNOWN_BACKENDS["mine"] = registry.KnownBackend("x:y", "pip install mine", 1)
+
+
+class _OnGpu:
+    """A problem as a GPU's tensors would make it (only its device differs)."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, problem):
+        self._problem = problem
+
+    def __getattr__(self, name):
+        return getattr(self._problem, name)
+
+
+class _RefusesItsLength(_Renamed):
+    def not_supported_reasons(self, problem):
+        return [f"refuses length {problem.T}"]
+
+
+class _TakesAll(_Renamed):
+    def not_supported_reasons(self, problem):
+        return []
+
+
+def test_each_new_reason_for_passing_a_backend_over_warns_once(register):
+    """Passed over for lengths 12 and 21 (the same characters, two reasons): each warns,
+    once, until the choices are dropped."""
+    register("picky", _RefusesItsLength("picky"), priority=-3)
+    register("takes_all", _TakesAll("takes_all"), priority=-2)
+
+    def choose(T):
+        q = torch.randn(1, T, 2, 16)
+        inputs = {**_inputs(), "q": q, "k": q, "v": q}
+        return choice.select_backend(_OnGpu(ttt.make_problem(**inputs)))
+
+    for T in (12, 21):
+        with pytest.warns(UserWarning, match=f"using backend 'takes_all'; skipped picky: "
+                                             f"refuses length {T}$"):
+            choose(T)
+    registry.clear_cache()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        choose(12)
+        choose(5)                   # another signature, another reason: one more warning
+        choose(5 + 0)
+    assert [str(w.message).rpartition(" ")[2] for w in seen] == ["12", "5"]

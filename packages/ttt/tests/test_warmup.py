@@ -48,11 +48,9 @@ class _Recorder(ReferenceBackend):
 
 
 @pytest.fixture
-def recorder(monkeypatch):
+def recorder(register):
     backend = _Recorder()
-    monkeypatch.setitem(registry.KNOWN_BACKENDS, backend.name, registry.KnownBackend(
-        "ttt_fake_recorder:Backend", "pip install ./packages/ttt-recorder", 1))
-    monkeypatch.setitem(registry._LOADED, backend.name, backend)
+    register(backend.name, backend, priority=1)
     return backend
 
 

@@ -1,25 +1,24 @@
 """ttt: chunked TTT-linear for PyTorch, with pluggable backends.
 
 ``ttt.chunk_ttt_linear(q, k, v, w, b, eta, ...)`` runs on the active backend
-(``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the inputs).
+(``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the inputs);
+``ttt.register_backend`` adds a backend in this process.
 Importing ttt touches no GPU and compiles nothing.
 """
 
 from .backend import Backend, Capabilities, GradNeeds, WarmupShape
-from .ops import chunk_ttt_linear
-from .problem import Gradients, Problem
-from .registry import (
-    KNOWN_BACKENDS,
+from .choice import get_backend, set_backend
+from .errors import (
     BackendError,
     BackendNotInstalledError,
     BackendNotSupportedError,
     BackendUnavailableError,
     UnknownBackendError,
-    available_backends,
-    get_backend,
-    load_backend,
-    set_backend,
 )
+from .ops import chunk_ttt_linear
+from .problem import Gradients, Problem
+from .registry import KNOWN_BACKENDS, load_backend, register_backend, unregister_backend
+from .status import available_backends
 from .validation import make_problem
 from .warmup import warmup
 
@@ -43,7 +42,9 @@ __all__ = [
     "get_backend",
     "load_backend",
     "make_problem",
+    "register_backend",
     "set_backend",
+    "unregister_backend",
     "warmup",
     "__version__",
 ]

@@ -1,6 +1,6 @@
 """The backend's choice while torch.compile traces a call of ``chunk_ttt_linear``.
 
-Dynamo does not trace the registry (its choice lives in a ContextVar) nor backend code: the
+Dynamo does not trace the choice (it lives in a ContextVar) nor backend code: the
 choice runs once per trace as a constant of the graph (``assume_constant_result``), from a
 signature of plain values. Imported only while compiling (the decorator imports dynamo).
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from ._custom_op import problem_of
+from .choice import select_backend
+from .errors import BackendNotSupportedError
 from .problem import GRAD_INPUTS
-from .registry import BackendNotSupportedError, select_backend
 
 
 def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

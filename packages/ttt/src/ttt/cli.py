@@ -19,14 +19,9 @@ import torch
 
 from . import __version__
 from .backend import Capabilities
-from .registry import (
-    KNOWN_BACKENDS,
-    BackendError,
-    BackendNotInstalledError,
-    available_backends,
-    backend_status,
-    declared_capabilities,
-)
+from .errors import BackendError, BackendNotInstalledError
+from .registry import KNOWN_BACKENDS, declared_capabilities
+from .status import available_backends, backend_status
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -142,9 +137,9 @@ def _require_runnable(name: str) -> None:
 
 
 def cmd_demo(args) -> int:
+    from .choice import select_backend
     from .ops import chunk_ttt_linear
     from .oracle import oracle_chunk_ttt_linear
-    from .registry import select_backend
     from .tolerances import TOLERANCES
     from .validation import make_problem
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from . import _custom_op, _empty
+from .choice import select_backend
 from .problem import Problem
-from .registry import select_backend
 from .validation import make_problem
 
 
@@ -45,7 +45,7 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _backend_name(problem: Problem, requested: str | None) -> str:
     """The chosen backend's name; eager: from the problem, while compiling: once per trace
-    (dynamo does not trace the registry, whose choice lives in a ContextVar)."""
+    (dynamo does not trace the choice, which lives in a ContextVar)."""
     if not torch.compiler.is_compiling():
         return select_backend(problem, requested).name
     from ._compiled_choice import compiled_backend_name  # (imports torch._dynamo)

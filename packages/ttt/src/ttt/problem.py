@@ -132,8 +132,8 @@ class Problem:
         """What the backend's choice reads of this problem, as plain values, but its batch
         size and length, scale and eps: head count and dim, the dtypes of
         :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
-        sequences' lengths (None for a dense batch). The registry keeps its automatic
-        choices by it and the rest (``ttt.registry._choice_key``); under torch.compile the
+        sequences' lengths (None for a dense batch). The backend choice is kept
+        by it and the rest (``ttt.choice._choice_key``); under torch.compile the
         choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
         and dim through ``operator.index``: there they specialize, a guard each."""
         shape = self.q.shape

@@ -1,95 +1,51 @@
-"""Backend registry: a table of known backends, lazily read entry points, a ContextVar.
+"""Backend registry: the backends ttt knows of, and how each is loaded.
 
-Two layers, as in fsspec: ``KNOWN_BACKENDS`` names each backend we ship with the object to
-load and the exact pip command that installs it; loaded backends are cached in ``_LOADED``.
-Third parties register with an entry point in the group ``ttt.backends`` whose value loads
-a zero-argument factory (a Backend subclass works); entry points are read only when a name
-is not in the table, or when all backends are listed, never at ``import ttt``.
-
-The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
-``backend=`` argument > ``set_backend`` in the current context > ``TTT_BACKEND`` > automatic.
-
-Two caches serve the choice: the backend chosen per name asked for (or the automatic
-choice) and problem signature, a named backend only where it takes the problem (one that
-refuses it is asked again, and raises, every time); and which backends failed to import
-(the automatic choice passes over them without importing them again). Both are dropped
-by :func:`set_backend`, by any change of ``KNOWN_BACKENDS`` or of the loaded backends
-(registration), when the entry points are read again, and by :func:`clear_cache`, which
-also reads the entry points again: after installing a backend package in a running
-process, call ``ttt.registry.clear_cache()``. Nothing expires by time.
+A name is looked up among the backends registered in this process (:func:`register_backend`),
+then the built-in ``KNOWN_BACKENDS`` (each with its pip command), then the entry points of
+the group ``ttt.backends`` (read on first need, never at ``import ttt``); a backend is loaded
+(imported and made) once, on first use. What the choice (:mod:`ttt.choice`) keeps lives here
+and is dropped in one place, :func:`_forget_choices`: by ``set_backend``, by registering or
+unregistering a backend, when the entry points are read again, and by :func:`clear_cache`
+(call it after installing a backend package in a running process). Nothing expires by time.
 """
 
 from __future__ import annotations
 
-import contextvars
 import importlib
-import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
-
-import torch
+from types import MappingProxyType
 
 from .backend import Backend, Capabilities
-from .problem import Problem
+from .errors import (  # noqa: F401 - also ttt.registry's names, as the backends import them
+    BackendError,
+    BackendNotInstalledError,
+    BackendNotSupportedError,
+    BackendUnavailableError,
+    UnknownBackendError,
+    import_failure_reason,
+)
 
 ENTRY_POINT_GROUP = "ttt.backends"
 AUTO = "auto"
+"""The name of the automatic choice (no backend may take it)."""
+PLUGIN_PRIORITY = 500
+"""The automatic choice's place (lower first) of an entry point, and of a registered backend
+by default: after the built-in GPU backends, before ``reference``."""
 
 
 @dataclass(frozen=True)
 class KnownBackend:
-    target: str          # "module:attribute", a zero-argument factory returning a Backend
+    """How to load one backend, and where the automatic choice tries it."""
+
+    target: object       # "module:attribute" naming a factory, or the factory or Backend itself
     install_hint: str    # the exact command that installs it
     priority: int        # automatic choice: lower first
 
 
-class _Table(dict):
-    """A dict whose every change drops the automatic choice's caches (see
-    :func:`_forget_choices`): the backends known (``KNOWN_BACKENDS``) and loaded, which a
-    caller may change in place (``monkeypatch.setitem``, a test's own backend)."""
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        _forget_choices()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        _forget_choices()
-
-    def pop(self, *args):
-        try:
-            return super().pop(*args)
-        finally:
-            _forget_choices()
-
-    def popitem(self):
-        try:
-            return super().popitem()
-        finally:
-            _forget_choices()
-
-    def setdefault(self, key, default=None):
-        try:
-            return super().setdefault(key, default)
-        finally:
-            _forget_choices()
-
-    def update(self, *args, **kwargs):
-        super().update(*args, **kwargs)
-        _forget_choices()
-
-    def clear(self):
-        super().clear()
-        _forget_choices()
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-
-KNOWN_BACKENDS: dict[str, KnownBackend] = _Table({
+KNOWN_BACKENDS: Mapping[str, KnownBackend] = MappingProxyType({
     "triton": KnownBackend("ttt_triton.backend:TritonBackend",
                            "pip install ./packages/ttt-triton  (from a ttt checkout)", 10),
     "cupy": KnownBackend("ttt_cupy.backend:CupyBackend",
@@ -98,125 +54,207 @@ KNOWN_BACKENDS: dict[str, KnownBackend] = _Table({
     "reference": KnownBackend("ttt.reference:ReferenceBackend",
                               "pip install ./packages/ttt  (it ships with ttt)", 1000),
 })
-_ENTRY_POINT_PRIORITY = 500
-
-_LOADED: dict[str, Backend] = _Table()
-"""The backends loaded, by name (``load_backend`` adds to it without dropping the caches:
-a backend it loads is the one the automatic choice would load)."""
-_ENTRY_POINTS: dict[str, metadata.EntryPoint] | None = None
-_CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
+"""The built-in backends, read-only (others: :func:`register_backend`, entry points)."""
 
 
-class BackendError(Exception):
-    """No backend here for this call: the base of every backend error, so one
-    ``except ttt.BackendError`` catches an unknown name, a backend that is not installed,
-    one that cannot run on this machine and one that cannot take the inputs."""
+@dataclass
+class _State:
+    """Everything the registry holds besides the built-in table."""
+
+    registered: dict[str, KnownBackend] = field(default_factory=dict)
+    entry_points: dict[str, KnownBackend] | None = None     # None: not read yet
+    loaded: dict[str, Backend] = field(default_factory=dict)
+    kept: dict[tuple, Backend] = field(default_factory=dict)   # the choices (ttt.choice)
+    not_installed: dict[str, str] = field(default_factory=dict)   # name -> reason
+    warned: set[tuple[str, str]] = field(default_factory=set)     # (chosen, passed over)
 
 
-class UnknownBackendError(BackendError, ValueError):
-    """A backend name that is neither built in nor registered by an entry point."""
+_state = _State()
 
 
-class BackendNotInstalledError(BackendError, ImportError):
-    """A known backend whose module cannot be imported; ``reason`` names the missing module
-    and how to install it."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"ttt backend {name!r} is not installed: {reason}")
-        self.backend = name
-        self.reason = reason
+def _forget_choices() -> None:
+    """The one place that drops what the choice keeps: the choices, the backends found not
+    installed, the warnings given."""
+    _state.kept.clear()
+    _state.not_installed.clear()
+    _state.warned.clear()
 
 
-class BackendNotSupportedError(BackendError, ValueError):
-    """The chosen backend (or every backend) cannot take these inputs; says why."""
+def clear_cache() -> None:
+    """Forgets what the choice keeps (see the module's doc), the entry points read and the
+    backends loaded from them: the next call imports and asks the backends again. Call it
+    after installing (or removing) a backend package in a running process. Thread-safe as
+    the choice is: a call running meanwhile may keep its choice once more."""
+    for name in set(_state.entry_points or ()) - set(_state.registered):
+        _state.loaded.pop(name, None)
+    _state.entry_points = None
+    importlib.invalidate_caches()
+    _forget_choices()
 
 
-class BackendUnavailableError(BackendNotSupportedError):
-    """A backend asked for by name is installed but cannot run on this machine (its engine
-    or a device it needs is missing); says why. A :class:`BackendNotSupportedError`, as
-    such a call raised before this class existed."""
+def _read_entry_points() -> dict[str, KnownBackend]:
+    """The group's entry points by name; one that takes a built-in name is passed over (with
+    a warning unless it names the built-in's own target)."""
+    found: dict[str, KnownBackend] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in KNOWN_BACKENDS:
+            known = KNOWN_BACKENDS[ep.name].target
+            if ep.value.replace(" ", "") != known:
+                warnings.warn(f"ttt: entry point {ep.name!r} -> {ep.value!r} ignored: "
+                              f"{ep.name!r} is a built-in backend name ({known})",
+                              stacklevel=4)
+            continue
+        target = f"{ep.module}:{ep.attr or ''}"
+        if ep.name in found and found[ep.name].target != target:
+            raise RuntimeError(f"ttt: two entry points claim backend {ep.name!r}: "
+                               f"{found[ep.name].target!r} and {ep.value!r}")
+        found[ep.name] = KnownBackend(
+            target, f"reinstall the package that provides {ep.name!r}", PLUGIN_PRIORITY)
+    return found
 
 
-def import_failure_reason(err: ImportError, hints: Mapping[str, str]) -> str:
-    """Why an import failed: the module that could not be imported (``err.name``: the
-    package asked for, or one of its dependencies) and how to install it,
-    ``hints[its top-level name]`` or else ``pip install <top-level name>``."""
-    if not err.name:
-        return f"an import failed ({err})"
-    top = err.name.partition(".")[0]
-    hint = hints.get(top) or f"pip install {top}"
-    return f"module {err.name!r} cannot be imported ({err}); install with: {hint}"
-
-
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    global _ENTRY_POINTS
-    if _ENTRY_POINTS is None:
-        found: dict[str, metadata.EntryPoint] = {}
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in KNOWN_BACKENDS:
-                known = KNOWN_BACKENDS[ep.name].target
-                if ep.value.replace(" ", "") != known:
-                    warnings.warn(f"ttt: entry point {ep.name!r} -> {ep.value!r} ignored: "
-                                  f"{ep.name!r} is a built-in backend name ({known})",
-                                  stacklevel=3)
-                continue
-            if ep.name in found and found[ep.name].value != ep.value:
-                raise RuntimeError(f"ttt: two entry points claim backend {ep.name!r}: "
-                                   f"{found[ep.name].value!r} and {ep.value!r}")
-            found[ep.name] = ep
-        _ENTRY_POINTS = found
+def _entry_points() -> dict[str, KnownBackend]:
+    """The entry points' backends, read on first need."""
+    if _state.entry_points is None:
+        _state.entry_points = _read_entry_points()
         _forget_choices()                   # (entry points read again: maybe others)
-    return _ENTRY_POINTS
+    return _state.entry_points
 
 
 def known_names() -> list[str]:
-    """Every backend name ttt knows of: the built-in table, then entry points."""
-    return list(KNOWN_BACKENDS) + [n for n in _entry_points() if n not in KNOWN_BACKENDS]
+    """Every backend name ttt knows of: built in, registered, then entry points."""
+    return list(dict.fromkeys([*KNOWN_BACKENDS, *_state.registered, *_entry_points()]))
+
+
+def _known(name: str) -> KnownBackend:
+    """How to load backend ``name``: its registration, else its built-in entry, else its
+    entry point; :class:`UnknownBackendError` if none."""
+    known = (_state.registered.get(name) or KNOWN_BACKENDS.get(name)
+             or _entry_points().get(name))
+    if known is None:
+        raise UnknownBackendError(
+            f"backend: unknown backend {name!r}; known: {known_names()} (others register "
+            f"with ttt.register_backend or in the entry-point group {ENTRY_POINT_GROUP!r})")
+    return known
 
 
 def _priority(name: str) -> int:
-    known = KNOWN_BACKENDS.get(name)
-    return known.priority if known else _ENTRY_POINT_PRIORITY
-
-
-def _install_hint(name: str) -> str:
-    known = KNOWN_BACKENDS.get(name)
-    return known.install_hint if known else f"reinstall the package that provides {name!r}"
+    return _known(name).priority
 
 
 def _factory(name: str):
     """What backend ``name``'s target names (a Backend subclass, a zero-argument factory or
     an instance), imported; the errors of :func:`load_backend`."""
-    if name not in KNOWN_BACKENDS and name not in _entry_points():
-        raise UnknownBackendError(
-            f"backend: unknown backend {name!r}; known: {known_names()} (third-party "
-            f"backends register in the entry-point group {ENTRY_POINT_GROUP!r})")
-    target = (KNOWN_BACKENDS[name].target if name in KNOWN_BACKENDS
-              else _entry_points()[name].value)
-    module_name, _, attribute = target.replace(" ", "").partition(":")
+    known = _known(name)
+    if not isinstance(known.target, str):
+        return known.target
+    module_name, _, attribute = known.target.replace(" ", "").partition(":")
     try:
-        if name in KNOWN_BACKENDS:
-            return getattr(importlib.import_module(module_name), attribute)
-        return _entry_points()[name].load()
+        found = importlib.import_module(module_name)
     except ImportError as exc:
         own_package = module_name.partition(".")[0]
-        reason = import_failure_reason(exc, {own_package: _install_hint(name)})
+        reason = import_failure_reason(exc, {own_package: known.install_hint})
         raise BackendNotInstalledError(name, reason) from exc
+    for part in filter(None, attribute.split(".")):
+        found = getattr(found, part)
+    return found
 
 
 def load_backend(name: str) -> Backend:
     """The backend object for ``name``. Raises :class:`UnknownBackendError` (a ValueError)
     for a name ttt does not know and :class:`BackendNotInstalledError` (an ImportError,
     naming the missing module and the pip command) for one that is not installed."""
-    if name in _LOADED:
-        return _LOADED[name]
-    factory = _factory(name)
-    backend = factory() if callable(factory) and not isinstance(factory, Backend) else factory
-    if not isinstance(backend, Backend):
-        raise TypeError(f"backend {name!r}: its factory returned {type(backend).__name__}, "
-                        f"expected a ttt.Backend")
-    dict.__setitem__(_LOADED, name, backend)
+    backend = _state.loaded.get(name)
+    if backend is None:
+        factory = _factory(name)
+        backend = factory if isinstance(factory, Backend) or not callable(factory) else factory()
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend {name!r}: its factory returned "
+                            f"{type(backend).__name__}, expected a ttt.Backend")
+        _state.loaded[name] = backend
     return backend
+
+
+class _Registration:
+    """Returned by :func:`register_backend`; as a context manager, undoes the registration
+    on exit (the registration it replaced, if any, comes back)."""
+
+    def __init__(self, name: str, known: KnownBackend, previous: KnownBackend | None):
+        self.name = name
+        self._known = known
+        self._previous = previous
+
+    def __enter__(self) -> _Registration:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if _state.registered.get(self.name) is self._known:
+            _set_registration(self.name, self._previous)
+
+    def __repr__(self) -> str:
+        return f"<ttt backend registration {self.name!r}>"
+
+
+def _set_registration(name: str, known: KnownBackend | None) -> None:
+    """Registers ``known`` as backend ``name`` (None: removes its registration); the
+    backend loaded under that name and the choices kept are dropped."""
+    if known is None:
+        _state.registered.pop(name, None)
+    else:
+        _state.registered[name] = known
+    _state.loaded.pop(name, None)
+    _forget_choices()
+
+
+def _check_registration(name, backend, priority, install_hint) -> None:
+    """The errors of :func:`register_backend`'s arguments, each naming its argument."""
+    if not isinstance(name, str) or name in ("", AUTO):
+        raise ValueError(f"register_backend: name must be a non-empty str other than "
+                         f"{AUTO!r}, got {name!r}")
+    if not (isinstance(backend, (Backend, str)) or callable(backend)):
+        raise TypeError(f"register_backend: backend must be a ttt.Backend, a zero-argument "
+                        f"factory or a 'module:attribute' str, got {type(backend).__name__}")
+    if isinstance(backend, str) and ":" not in backend:
+        raise ValueError(f"register_backend: backend must name 'module:attribute', got "
+                         f"{backend!r}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"register_backend: priority must be an int, got {priority!r}")
+    if not isinstance(install_hint, (str, type(None))):
+        raise TypeError(f"register_backend: install_hint must be a str or None, got "
+                        f"{install_hint!r}")
+
+
+def register_backend(name: str, backend, *, priority: int = PLUGIN_PRIORITY,
+                     install_hint: str | None = None, replace: bool = False) -> _Registration:
+    """Registers ``backend`` under ``name`` in this process (every thread): a
+    :class:`~ttt.Backend` instance, a zero-argument factory (a Backend subclass works) or a
+    ``"module:attribute"`` str naming one, imported on first use (``install_hint``: the
+    command that installs it, shown when that import fails). ``priority`` places it in the
+    automatic choice (lower first: triton 10, cupy 20, ``reference`` 1000).
+
+    A name ttt knows already (built in, registered, or an entry point) raises ValueError
+    unless ``replace=True``, or unless it is the same registration again. Returns a
+    context manager that undoes the registration on exit (``with ttt.register_backend(...):``);
+    :func:`unregister_backend` removes one. The choices kept are dropped."""
+    _check_registration(name, backend, priority, install_hint)
+    hint = install_hint or f"reinstall the package that provides {name!r}"
+    known = KnownBackend(backend, hint, priority)
+    previous = _state.registered.get(name)
+    taken = previous or KNOWN_BACKENDS.get(name) or _entry_points().get(name)
+    if taken is not None and taken != known and not replace:
+        raise ValueError(f"register_backend: backend {name!r} exists already ({taken.target!r});"
+                         f" pass replace=True to replace it")
+    _set_registration(name, known)
+    return _Registration(name, known, previous)
+
+
+def unregister_backend(name: str) -> None:
+    """Removes the registration of ``name`` made by :func:`register_backend` (a built-in or
+    entry-point backend it replaced comes back); ValueError for a name not registered so."""
+    if name not in _state.registered:
+        raise ValueError(f"unregister_backend: {name!r} was not registered with "
+                         f"register_backend (registered: {sorted(_state.registered)})")
+    _set_registration(name, None)
 
 
 def declared_capabilities(name: str) -> Capabilities:
@@ -228,230 +266,3 @@ def declared_capabilities(name: str) -> Capabilities:
     if isinstance(capabilities, Capabilities):
         return capabilities
     return load_backend(name).capabilities
-
-
-@dataclass(frozen=True)
-class BackendStatus:
-    """Whether a backend runs here. ``available``: it loads, its engine imports and a device
-    it declares is present. ``reason`` (None when available) says why not, starting with
-    "not installed", "unavailable" or "installed, needs"."""
-
-    name: str
-    available: bool
-    reason: str | None
-    versions: dict[str, str]
-    installed: bool = True
-
-
-DEVICE_WORDS = {"cuda": "a CUDA GPU", "mps": "an Apple GPU (mps)", "xpu": "an Intel GPU (xpu)"}
-
-
-def present_device_types() -> frozenset[str]:
-    """The device types this machine can run tensors on (no CUDA context is created)."""
-    present = {"cpu", "meta"}
-    if torch.cuda.is_available():
-        present.add("cuda")
-    if torch.backends.mps.is_available():
-        present.add("mps")
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        present.add("xpu")
-    return frozenset(present)
-
-
-def missing_device_reason(backend: Backend) -> str | None:
-    """Why ``backend`` cannot run on this machine's devices (e.g. "installed, needs a CUDA
-    GPU"), or None when a device type it declares is present."""
-    devices = backend.capabilities.devices
-    if devices & present_device_types():
-        return None
-    wanted = " or ".join(DEVICE_WORDS.get(d, f"a {d} device") for d in sorted(devices))
-    return f"installed, needs {wanted}"
-
-
-def backend_status(name: str) -> BackendStatus:
-    """Whether backend ``name`` runs here, and if not, why (see :class:`BackendStatus`);
-    :class:`UnknownBackendError` for a name ttt does not know."""
-    try:
-        backend = load_backend(name)
-    except UnknownBackendError:
-        raise
-    except BackendNotInstalledError as exc:
-        return BackendStatus(name, False, f"not installed: {exc.reason}", {}, installed=False)
-    except Exception as exc:  # noqa: BLE001 - a report, not a dispatch
-        return BackendStatus(name, False, f"unavailable: failed to load ({exc})", {})
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        return BackendStatus(name, False, f"unavailable: {reason}", backend.versions())
-    reason = missing_device_reason(backend)
-    return BackendStatus(name, reason is None, reason, backend.versions())
-
-
-def available_backends() -> dict[str, BackendStatus]:
-    """For each known and discovered backend: does it run here, and if not, why."""
-    return {name: backend_status(name) for name in known_names()}
-
-
-class _BackendChoice:
-    """Returned by :func:`set_backend`; a context manager restoring the previous choice."""
-
-    def __init__(self, token: contextvars.Token, name: str):
-        self._token = token
-        self.name = name
-
-    def __enter__(self) -> _BackendChoice:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _CURRENT.reset(self._token)
-
-    def __repr__(self) -> str:
-        return f"<ttt backend choice {self.name!r}>"
-
-
-def set_backend(name: str | None) -> _BackendChoice:
-    """Choose the backend for the current context (``None`` or ``"auto"``: automatic).
-
-    Works as a plain call and as ``with ttt.set_backend("triton"): ...``, which restores
-    the previous choice on exit. Raises ImportError with the pip command if not installed.
-    """
-    if name is None:
-        name = AUTO
-    if not isinstance(name, str):
-        raise TypeError(f"set_backend: expected a backend name (str) or None, "
-                        f"got {type(name).__name__}")
-    if name != AUTO:
-        load_backend(name)
-    _forget_choices()
-    return _BackendChoice(_CURRENT.set(name), name)
-
-
-def get_backend() -> str:
-    """The active choice: a backend name, or ``"auto"`` (best backend for the inputs)."""
-    name = _CURRENT.get()
-    if name is None:
-        name = os.environ.get("TTT_BACKEND") or AUTO
-    return name
-
-
-def _reasons_text(reasons: dict[str, list[str]]) -> str:
-    return "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
-
-
-_WARNED: set[tuple[str, ...]] = set()
-
-_NOT_INSTALLED: dict[str, str] = {}
-"""Backends the automatic choice found not installed, with the reason: it passes over them
-without importing them again (a failed import costs tens of microseconds, on every call)
-until the caches are dropped (see the module's doc)."""
-
-_KEPT: dict[tuple, Backend] = {}
-"""The backend chosen per name asked for (``AUTO`` for the automatic choice) and problem
-(``_choice_key``), until the caches are dropped: a named backend kept where it takes the
-problem only."""
-
-MAX_KEPT_CHOICES = 1024
-"""The choices kept at most (packed batches of new lengths are new signatures)."""
-
-
-def _forget_choices() -> None:
-    """Drops the choices kept and the memo of backends not installed."""
-    _KEPT.clear()
-    _NOT_INSTALLED.clear()
-
-
-def clear_cache() -> None:
-    """Forgets what the choice keeps (the backend per name and problem signature, the
-    backends the automatic choice found not installed) and the entry points read: the next
-    call imports and asks the backends again. Call it after installing (or removing) a
-    backend package in a running process; ``set_backend`` and changes of the registered or
-    loaded backends drop the choices too. Thread-safe as the choice is: a call running
-    meanwhile may keep its choice once more."""
-    global _ENTRY_POINTS
-    _ENTRY_POINTS = None
-    importlib.invalidate_caches()
-    _forget_choices()
-
-
-def _load_for_automatic_choice(name: str) -> Backend:
-    """:func:`load_backend`, where a backend found not installed since the caches were last
-    dropped raises its BackendNotInstalledError again at once."""
-    reason = _NOT_INSTALLED.get(name)
-    if reason is not None:
-        raise BackendNotInstalledError(name, reason)
-    try:
-        return load_backend(name)
-    except BackendNotInstalledError as exc:
-        _NOT_INSTALLED[name] = exc.reason
-        raise
-
-
-def select_backend(problem: Problem, requested: str | None = None) -> Backend:
-    """The backend for one call: the requested or active one, else the best that fits
-    (the automatic choice); kept per name and problem signature until the caches are
-    dropped (see the module's doc), a named backend where it takes the problem only."""
-    name = requested if requested is not None else get_backend()
-    key = (name, _choice_key(problem))
-    backend = _KEPT.get(key)
-    if backend is None:
-        backend = (_automatic_choice(problem) if name == AUTO
-                   else _named_choice(name, problem, requested))
-        _keep_choice(key, backend)
-    return backend
-
-
-def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:
-    """Backend ``name`` (``requested``, else the active choice) where it takes ``problem``;
-    else the error that says why."""
-    try:
-        backend = load_backend(name)
-    except UnknownBackendError as exc:
-        if requested is None and _CURRENT.get() is None:       # the name came from the env
-            raise UnknownBackendError(
-                f"TTT_BACKEND: {str(exc).removeprefix('backend: ')}") from None
-        raise
-    reasons = backend.not_supported_reasons(problem)
-    if reasons:
-        error = (BackendUnavailableError if backend.unavailable_reason() is not None
-                 else BackendNotSupportedError)
-        raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
-                    f"{'; '.join(reasons)}")
-    return backend
-
-
-def _choice_key(problem: Problem) -> tuple:
-    """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
-    batch size, length, scale and eps): the choices are kept by it."""
-    return (problem.q.shape, problem.scale, problem.eps, problem.signature())
-
-
-def _keep_choice(key: tuple, backend: Backend) -> None:
-    """Keeps ``backend`` as the choice for ``key`` (a name and a problem's ``_choice_key``;
-    all forgotten once MAX_KEPT_CHOICES are kept)."""
-    if len(_KEPT) >= MAX_KEPT_CHOICES:
-        _KEPT.clear()
-    _KEPT[key] = backend
-
-
-def _automatic_choice(problem: Problem) -> Backend:
-    """The first backend by priority that takes ``problem``; warns once where installed
-    backends were passed over on a device other than the CPU (or meta: nothing runs)."""
-    skipped: dict[str, list[str]] = {}
-    for candidate in sorted(known_names(), key=_priority):
-        try:
-            backend = _load_for_automatic_choice(candidate)
-        except ImportError as exc:
-            skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
-            continue
-        reasons = backend.not_supported_reasons(problem)
-        if not reasons:
-            installed_but_unfit = {n: r for n, r in skipped.items() if n in _LOADED}
-            if installed_but_unfit and problem.device.type not in ("cpu", "meta"):
-                key = tuple(sorted(_reasons_text(installed_but_unfit)))
-                if key not in _WARNED:
-                    _WARNED.add(key)
-                    warnings.warn(f"ttt: using backend {candidate!r}; skipped "
-                                  f"{_reasons_text(installed_but_unfit)}", stacklevel=5)
-            return backend
-        skipped[candidate] = reasons
-    raise BackendNotSupportedError(
-        f"no ttt backend can take these inputs ({problem.describe()}): {_reasons_text(skipped)}")

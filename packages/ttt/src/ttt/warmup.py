@@ -34,8 +34,10 @@ import torch
 
 from . import _warmup_workers as _workers
 from .backend import Backend, WarmupShape
+from .choice import select_backend
+from .errors import BackendNotSupportedError
 from .ops import chunk_ttt_linear
-from .registry import BackendNotSupportedError, load_backend, select_backend
+from .registry import load_backend
 from .validation import make_problem
 
 DEFAULT_DTYPES = (torch.bfloat16, torch.float32)

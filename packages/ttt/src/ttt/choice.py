@@ -1,0 +1,175 @@
+"""Which backend a call runs on: the choice of the current context, and the automatic choice.
+
+The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
+``backend=`` argument > :func:`set_backend` in the current context > ``TTT_BACKEND`` >
+automatic: the first backend by priority (:mod:`ttt.registry`) that takes the inputs.
+
+The backend chosen is kept per name asked for (or the automatic choice) and problem
+signature, a named backend only where it takes the problem (one that refuses it is asked
+again, and raises, every time); the automatic choice also keeps the backends it found not
+installed (passed over without importing them again) and the warnings it gave. They are
+kept in the registry's state, which drops them whenever what is registered or loaded changes
+and on ``ttt.registry.clear_cache()``; :func:`set_backend` drops them too.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import warnings
+
+import torch
+
+from .backend import Backend
+from .errors import (
+    BackendNotInstalledError,
+    BackendNotSupportedError,
+    BackendUnavailableError,
+    UnknownBackendError,
+)
+from .problem import Problem
+from .registry import AUTO, _forget_choices, _priority, _state, known_names, load_backend
+
+MAX_KEPT_CHOICES = 1024
+"""The choices kept at most (packed batches of new lengths are new signatures)."""
+
+_CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
+
+
+class _BackendChoice:
+    """Returned by :func:`set_backend`; a context manager restoring the previous choice."""
+
+    def __init__(self, token: contextvars.Token, name: str):
+        self._token = token
+        self.name = name
+
+    def __enter__(self) -> _BackendChoice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT.reset(self._token)
+
+    def __repr__(self) -> str:
+        return f"<ttt backend choice {self.name!r}>"
+
+
+def set_backend(name: str | None) -> _BackendChoice:
+    """Choose the backend for the current context (``None`` or ``"auto"``: automatic).
+
+    Works as a plain call and as ``with ttt.set_backend("triton"): ...``, which restores
+    the previous choice on exit. Raises ImportError with the pip command if not installed.
+    """
+    if name is None:
+        name = AUTO
+    if not isinstance(name, str):
+        raise TypeError(f"set_backend: expected a backend name (str) or None, "
+                        f"got {type(name).__name__}")
+    if name != AUTO:
+        load_backend(name)
+    _forget_choices()
+    return _BackendChoice(_CURRENT.set(name), name)
+
+
+def get_backend() -> str:
+    """The active choice: a backend name, or ``"auto"`` (best backend for the inputs)."""
+    name = _CURRENT.get()
+    if name is None:
+        name = os.environ.get("TTT_BACKEND") or AUTO
+    return name
+
+
+def select_backend(problem: Problem, requested: str | None = None) -> Backend:
+    """The backend for one call: the requested or active one, else the best that fits
+    (the automatic choice); kept per name and problem signature until the choices are
+    dropped (see the module's doc), a named backend where it takes the problem only."""
+    name = requested if requested is not None else get_backend()
+    key = (name, _choice_key(problem))
+    backend = _state.kept.get(key)
+    if backend is None:
+        backend = (_automatic_choice(problem) if name == AUTO
+                   else _named_choice(name, problem, requested))
+        _keep_choice(key, backend)
+    return backend
+
+
+def _choice_key(problem: Problem) -> tuple:
+    """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
+    batch size, length, scale and eps): the choices are kept by it."""
+    return (problem.q.shape, problem.scale, problem.eps, problem.signature())
+
+
+def _keep_choice(key: tuple, backend: Backend) -> None:
+    """Keeps ``backend`` as the choice for ``key`` (all forgotten once MAX_KEPT_CHOICES are
+    kept)."""
+    if len(_state.kept) >= MAX_KEPT_CHOICES:
+        _state.kept.clear()
+    _state.kept[key] = backend
+
+
+def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:
+    """Backend ``name`` (``requested``, else the active choice) where it takes ``problem``;
+    else the error that says why."""
+    try:
+        backend = load_backend(name)
+    except UnknownBackendError as exc:
+        if requested is None and _CURRENT.get() is None:       # the name came from the env
+            raise UnknownBackendError(
+                f"TTT_BACKEND: {str(exc).removeprefix('backend: ')}") from None
+        raise
+    reasons = backend.not_supported_reasons(problem)
+    if reasons:
+        error = (BackendUnavailableError if backend.unavailable_reason() is not None
+                 else BackendNotSupportedError)
+        raise error(f"backend {name!r} cannot take these inputs ({problem.describe()}): "
+                    f"{'; '.join(reasons)}")
+    return backend
+
+
+def _load_for_automatic_choice(name: str) -> Backend:
+    """:func:`~ttt.registry.load_backend`, where a backend found not installed since the
+    choices were last dropped raises its BackendNotInstalledError again at once."""
+    reason = _state.not_installed.get(name)
+    if reason is not None:
+        raise BackendNotInstalledError(name, reason)
+    try:
+        return load_backend(name)
+    except BackendNotInstalledError as exc:
+        _state.not_installed[name] = exc.reason
+        raise
+
+
+def _reasons_text(reasons: dict[str, list[str]]) -> str:
+    return "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
+
+
+def _automatic_choice(problem: Problem) -> Backend:
+    """The first backend by priority that takes ``problem``; else the error with every
+    backend's reasons."""
+    skipped: dict[str, list[str]] = {}
+    for candidate in sorted(known_names(), key=_priority):
+        try:
+            backend = _load_for_automatic_choice(candidate)
+        except ImportError as exc:
+            skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
+            continue
+        reasons = backend.not_supported_reasons(problem)
+        if not reasons:
+            _warn_once_of_passed_over(candidate, skipped, problem.device)
+            return backend
+        skipped[candidate] = reasons
+    raise BackendNotSupportedError(
+        f"no ttt backend can take these inputs ({problem.describe()}): {_reasons_text(skipped)}")
+
+
+def _warn_once_of_passed_over(chosen: str, skipped: dict[str, list[str]],
+                              device: torch.device) -> None:
+    """Warns where installed backends were passed over for ``chosen`` on a device other
+    than the CPU (or meta: nothing runs); once per backend chosen and reasons, until the
+    choices are dropped."""
+    passed_over = {n: r for n, r in skipped.items() if n in _state.loaded}
+    if not passed_over or device.type in ("cpu", "meta"):
+        return
+    key = (chosen, _reasons_text(passed_over))
+    if key not in _state.warned:
+        _state.warned.add(key)
+        warnings.warn(f"ttt: using backend {chosen!r}; skipped {key[1]}", stacklevel=6)
