@@ -42,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # same with initial and final states, the backward getting the final states' cotangents),
 # "infer" (forward without backward, with states); generation steps are "infer" with T within
 # one chunk. H sets the chain
-# count, and with it the fused chains (tuning.FUSED: >= 96 for inference, 256 for training).
+# count, and with it the fused chains (tuning.FUSED).
 CASES = (
     ("train", "bf16", 2, 40, 2, 64, 16, None, False, "train"),
     ("train layer", "bf16", 2, 40, 2, 64, 16, None, True, "train"),

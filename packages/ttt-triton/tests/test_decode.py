@@ -1,8 +1,8 @@
 """Generation steps (every sequence within one chunk, no gradient): one kernel launch,
 whatever the chain count, and no other device work in the launcher: fwd_decode when every
 sequence is short enough (``tuning.row_step``), else the fused forward chain
-(``tuning.decode_step``). Results against the float64 oracle. Runs on CUDA when there is a GPU,
-else in the Triton interpreter (float32)."""
+(``ttt.schedule.generation_step``). Results against the float64 oracle. Runs on CUDA when
+there is a GPU, else in the Triton interpreter (float32)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from launcher_cases import LaunchSpy  # noqa: E402
 
 import ttt  # noqa: E402
+from ttt.schedule import generation_step  # noqa: E402
 from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.testing.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
@@ -24,7 +25,6 @@ from ttt_triton.ops.ttt_linear.tuning import (  # noqa: E402
     DEFAULT_TUNING,
     ROW_STEP_ROWS,
     Tuning,
-    decode_step,
     fused_forward,
     row_step,
 )
@@ -204,7 +204,7 @@ def test_launcher_does_no_other_device_work(monkeypatch):
         x.pop("output")
         with torch.no_grad():
             problem = ttt.make_problem(**_on_device(x), output="query_residual")
-        assert decode_step(problem, False) and fused_forward(problem, False, DEFAULT_TUNING)
+        assert generation_step(problem, False) and fused_forward(problem, False, DEFAULT_TUNING)
         launches.clear()
         with Ops() as ops:
             launcher.ttt_linear_fwd(problem, save_for_backward=False)
@@ -220,10 +220,10 @@ def test_training_and_long_calls_keep_their_rule():
                     states=False, final=False, output="norm_residual")
         return ttt.make_problem(**_on_device(x))
 
-    assert decode_step(problem((1, 16)), False)
-    assert not decode_step(problem((1, 16)), True)
-    assert not decode_step(problem((1, 17)), False)
-    assert decode_step(problem((1, 17), chunk=32), False)
+    assert generation_step(problem((1, 16)), False)
+    assert not generation_step(problem((1, 16)), True)
+    assert not generation_step(problem((1, 17)), False)
+    assert generation_step(problem((1, 17), chunk=32), False)
     assert not fused_forward(problem((1, 17)), False, DEFAULT_TUNING)   # 4 chains < 96
 
 

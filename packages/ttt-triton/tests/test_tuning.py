@@ -183,7 +183,7 @@ def test_float32_at_head_dim_128_or_chunk_64_takes_the_ieee_wide_rules():
         q = torch.randn(shape)
         p = ttt.make_problem(q, q, q, torch.ones(4, shape[3]), torch.zeros(4, shape[3]), 0.1,
                              chunk_size=chunk)
-        assert tuning.decode_step(p, False)
+        assert ttt.schedule.generation_step(p, False)
         assert tuning.fused_forward(p, False, DEFAULT_TUNING) is fused, (shape, chunk)
         assert tuning.fused_forward(p, False, Tuning(fuse_forward=True))
         half = ttt.make_problem(q.bfloat16(), q.bfloat16(), q.bfloat16(),

@@ -29,7 +29,7 @@ chunk (``q`` pre-scaled, ``e`` the per-row eta):
 This costs chain latency but saves ``fwd_out``'s second pass over the inputs and, for a
 forward without backward (``SAVE`` off), the ``xhat``/``r``/slot stores: the launcher
 picks it when there are enough chains to hide the latency (``tuning.FUSED``), and for a
-generation step (no backward, every sequence within one chunk: ``tuning.decode_step``),
+generation step (no backward, every sequence within one chunk: ``ttt.schedule.generation_step``),
 where the call is then this one launch.
 """
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ttt import Problem
+from ttt import Problem, schedule
 from ttt.chunking import group_count
+from ttt.schedule import FuseThresholds
 
 CKPT_INTERVAL = {"narrow": 16, "wide": 32, "wide_min_warps": 2048}
 """G: chunks per group. The forward chain stores the fp32 state every G chunks (slots);
@@ -78,18 +79,14 @@ of its cotangent), and bwd_local and bwd_grads run ``stages`` stages. bwd_local 
 KB with 2 stages, 197 KB with 1; bwd_grads 246 KB unsplit with 1 stage, 295 KB split with
 2, 180 KB split with 1. Elsewhere bwd_grads runs one program per (group, head)."""
 
-FUSED = {"forward_inference": 96, "forward_training": 256, "backward": 256}
-"""Fused chains: with at least this many (sequence, head) chains, the forward chain writes
-the outputs itself (no ``fwd_out``; for a forward without backward also no ``xhat``/``r``/
-slot stores), and the backward chain computes ``dk``, ``dv`` and the last-row ``deta``
-itself (no ``bwd_grads``). Fusing puts the parallel kernels' work on the chains' critical
-path, which only pays when enough chains run at once to hide it (docs/benchmarks.md).
-
-A forward without backward in which every sequence fits in one chunk (a generation step:
-dense ``T <= chunk_size``, or a packed batch whose every sequence is that short) is fused
-whatever the chain count (:func:`decode_step`): with one chunk per chain there is no chain
-latency to hide, and the call is one launch (``fwd_chain``) instead of two. The shortest
-such steps run ``fwd_decode`` instead (:data:`ROW_STEP_ROWS`)."""
+FUSED = FuseThresholds(forward_inference=96, forward_training=256, backward=256)
+"""Fused chains (``ttt.schedule``): with at least this many (sequence, head) chains, the
+forward chain writes the outputs itself (no ``fwd_out``; for a forward without backward
+also no ``xhat``/``r``/slot stores), and the backward chain computes ``dk``, ``dv`` and the
+last-row ``deta`` itself (no ``bwd_grads``); measured in docs/benchmarks.md. A generation
+step (``ttt.schedule.generation_step``) is fused whatever the chain count: one launch
+(``fwd_chain``) instead of two; the shortest run ``fwd_decode`` instead
+(:data:`ROW_STEP_ROWS`)."""
 
 _ROWS_FIELD = {"S_out": "rows_out", "S_local": "rows_local", "S_grads": "rows_grads"}
 
@@ -230,12 +227,6 @@ def checkpoint_interval(p: Problem, BD: int, tune: Tuning) -> int:
     return CKPT_INTERVAL["narrow"]
 
 
-def decode_step(p: Problem, save_for_backward: bool) -> bool:
-    """Whether ``p`` is a generation step: a forward without backward in which every
-    sequence fits in one chunk (dense ``T <= chunk_size``; packed, every length)."""
-    return not save_for_backward and max(p.seq_lens) <= p.chunk_size
-
-
 DECODE_WARPS = {"max_state_per_thread": 32}
 """num_warps of fwd_decode: enough threads that each holds at most this many fp32 entries of
 each [BD, BD] tile it keeps in registers (the state and the update so far), up to 8 warps: 4
@@ -243,7 +234,8 @@ at BD 64, 8 at BD 128."""
 
 
 ROW_STEP_ROWS = {"half": 1, "fp32": 4, "fp32_wide": 16}
-"""The most rows of one sequence that a generation step (:func:`decode_step`) runs through
+"""The most rows of one sequence that a generation step (``ttt.schedule.generation_step``)
+runs through
 fwd_decode, one row at a time, instead of the fused chain's chunk products: for half inputs,
 and float32 ones at padded head dims <= 64 and at 128 (``fp32_wide``). fwd_decode reads and
 writes the state once, but its per-row work grows with the rows, while the chain's products
@@ -254,16 +246,14 @@ at 4; fp32 D 64 14.3 / 64.4 at 1 row, 37.8 / 66.5 at 4, 132 / 70 at 16; fp32 D 1
 
 
 def row_step(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
-    """Whether ``p``'s forward runs fwd_decode alone: a generation step (:func:`decode_step`)
-    of at most :data:`ROW_STEP_ROWS` rows per sequence, the chained kernels not forced
-    (``tune.fuse_forward``)."""
-    if tune.fuse_forward is not None or not decode_step(p, save_for_backward):
-        return False
+    """Whether ``p``'s forward runs fwd_decode alone (``ttt.schedule.row_step``): a
+    generation step of at most :data:`ROW_STEP_ROWS` rows per sequence, the chained kernels
+    not forced (``tune.fuse_forward``)."""
     if p.q.dtype != torch.float32:
         rows = ROW_STEP_ROWS["half"]
     else:
         rows = ROW_STEP_ROWS["fp32_wide" if p.D > 64 else "fp32"]
-    return max(p.seq_lens, default=0) <= rows
+    return schedule.row_step(p, save_for_backward, rows, tune.fuse_forward)
 
 
 def decode_options(BD: int) -> dict:
@@ -273,26 +263,22 @@ def decode_options(BD: int) -> dict:
 
 
 def fused_forward(p: Problem, save_for_backward: bool, tune: Tuning) -> bool:
-    """Whether the forward chain writes the outputs (see :data:`FUSED`): forced, else never
-    under :data:`IEEE_WIDE`, else for a generation step (:func:`decode_step`) or enough
-    chains."""
-    if tune.fuse_forward is not None:
-        return tune.fuse_forward
+    """Whether the forward chain writes the outputs (``ttt.schedule.fuse_forward`` with
+    :data:`FUSED`): forced, else never under :data:`IEEE_WIDE`, else for a generation step
+    or enough chains."""
     BT, BD = block_sizes(p.D, p.chunk_size)
-    if ieee_wide(p.q.dtype == torch.float32, BD, BT):
-        return False                                      # (IEEE_WIDE)
-    if decode_step(p, save_for_backward):
-        return True
-    return p.N * p.H >= FUSED["forward_training" if save_for_backward else "forward_inference"]
+    if tune.fuse_forward is None and ieee_wide(p.q.dtype == torch.float32, BD, BT):
+        return False
+    return schedule.fuse_forward(p, save_for_backward, FUSED, tune.fuse_forward)
 
 
 def fused_backward(p: Problem, tune: Tuning) -> bool:
     """Whether the backward chain computes dk, dv and the last-row deta (see :data:`FUSED`).
     Only chosen for chunk 16 and head dims <= 64, where it was measured: larger tiles
     spill more (``tools/resources.py``)."""
-    if tune.fuse_backward is not None:
-        return tune.fuse_backward
-    return p.chunk_size == 16 and p.D <= 64 and p.N * p.H >= FUSED["backward"]
+    if tune.fuse_backward is None and not (p.chunk_size == 16 and p.D <= 64):
+        return False
+    return schedule.fuse_backward(p, FUSED, tune.fuse_backward)
 
 
 def wide_backward(dtype: torch.dtype, BD: int, BT: int) -> bool:
