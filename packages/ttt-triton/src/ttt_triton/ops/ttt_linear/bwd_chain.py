@@ -49,9 +49,11 @@ import triton
 import triton.language as tl
 
 from .common import (
+    dim_offsets,
     inner_grad_bwd,
     inner_grad_from_xhat,
     last_row_eta,
+    load_norm_params,
     mm,
     mm_acc,
     row_offsets,
@@ -116,13 +118,9 @@ def ttt_linear_bwd_chain_kernel(
     bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
                                              IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_dd = m_d[:, None] & m_d[None, :]
-    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
 
-    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     if USE_DHT:
         b_dW = tl.load(dht + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
         b_dhb = tl.load(dhbt + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)

@@ -36,9 +36,13 @@ import triton.language as tl
 
 from .common import (
     block_g,
+    block_masks,
     block_rows,
+    dim_offsets,
     group_coords,
     key_scaled,
+    load_norm_params,
+    load_slot,
     mm,
     mm_acc,
     post_norm,
@@ -81,19 +85,11 @@ def ttt_linear_bwd_local_kernel(
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
     o_s = tl.arange(0, BS)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_dd = m_d[:, None] & m_d[None, :]
-    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
-    o_c = o_s // BT                                                        # [BS] chunk in block
-    m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] >= o_s[None, :])  # [BS, BS]
-    m_prev = o_c[:, None] > o_c[None, :]                                   # [BS, BS]
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    m_same, m_prev = block_masks(o_s, BT)
 
-    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    i_ck = slot * H + i_h
-    b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)           # [BD, BD]
-    b_hb = tl.load(ckb + i_ck * D + o_d, mask=m_d, other=0.)               # [BD]
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
 

@@ -34,6 +34,45 @@ import triton.language as tl
 
 
 @triton.jit
+def dim_offsets(D: tl.constexpr, BD: tl.constexpr):
+    """The head dim's offsets ``o_d`` and mask ``m_d`` ([BD]), and the state's ``o_dd``
+    (row-major ``D x D``) and mask ``m_dd`` ([BD, BD])."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_dd = m_d[:, None] & m_d[None, :]
+    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    return o_d, m_d, o_dd, m_dd
+
+
+@triton.jit
+def load_norm_params(w, b, i_h, D: tl.constexpr, o_d, m_d):
+    """The inner LayerNorm's weight and bias of head ``i_h``, fp32 ([BD] each)."""
+    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    return b_w, b_b
+
+
+@triton.jit
+def load_slot(ck, ckb, slot, i_h, H: tl.constexpr, D: tl.constexpr, o_d, m_d, o_dd, m_dd):
+    """The state ``W`` [BD, BD] and bias ``hb`` [BD] of checkpoint slot ``slot``, head
+    ``i_h``."""
+    i_ck = slot * H + i_h
+    b_W = tl.load(ck + i_ck * D * D + o_dd, mask=m_dd, other=0.)           # [BD, BD]
+    b_hb = tl.load(ckb + i_ck * D + o_d, mask=m_d, other=0.)               # [BD]
+    return b_W, b_hb
+
+
+@triton.jit
+def block_masks(o_s, BT: tl.constexpr):
+    """For a block of rows ``o_s`` [BS] (``BS / BT`` chunks): ``m_same`` [BS, BS], row j in
+    row i's chunk and ``j <= i``; ``m_prev`` [BS, BS], row j in an earlier chunk."""
+    o_c = o_s // BT                                                        # [BS] chunk in block
+    m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] >= o_s[None, :])  # [BS, BS]
+    m_prev = o_c[:, None] > o_c[None, :]                                   # [BS, BS]
+    return m_same, m_prev
+
+
+@triton.jit
 def mm(a, b, PREC: tl.constexpr):
     """``a @ b`` ([M, K] x [K, N], fp32 accumulation) at ``PREC``: "tf32" or "ieee" as Triton
     has them, or "ieee_kblocks" (float32 inputs at padded head dim 128, see

@@ -37,8 +37,10 @@ import triton
 import triton.language as tl
 
 from .common import (
+    dim_offsets,
     inner_grad,
     last_row_eta,
+    load_norm_params,
     mm,
     output_form,
     qk_plus_one,
@@ -82,14 +84,10 @@ def ttt_linear_fwd_chain_kernel(
                                              IS_VARLEN)
 
     o_t = tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_dd = m_d[:, None] & m_d[None, :]
-    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
     m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
 
-    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     # (an initial state not given starts from zeros here, not from a zero-filled buffer)
     if USE_INITIAL:
         b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)

@@ -24,7 +24,7 @@ passes its state through.
 import triton
 import triton.language as tl
 
-from .common import inner_grad, output_form, seq_coords
+from .common import dim_offsets, inner_grad, load_norm_params, output_form, seq_coords
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -54,10 +54,7 @@ def ttt_linear_fwd_decode_kernel(
     # be a loop-carried variable, whose type must not change)
     bos, seq_len, _nc, _slot = seq_coords(i_n, cu_seqlens, cu_seqlens, T, 1, 1, IS_VARLEN)
 
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_dd = m_d[:, None] & m_d[None, :]
-    o_dd = o_d[:, None] * D + o_d[None, :]                                 # [BD, BD]
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
     m_row = m_d[None, :]                                                   # [1, BD]
 
     if USE_INITIAL:
@@ -68,8 +65,7 @@ def ttt_linear_fwd_decode_kernel(
         b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.)
     else:
         b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
-    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_A = tl.zeros([BD, BD], dtype=tl.float32)                             # [BD, BD] sum k^T g
     b_a = tl.zeros([1, BD], dtype=tl.float32)                              # [1, BD] sum g
     for i_t in range(0, seq_len):
