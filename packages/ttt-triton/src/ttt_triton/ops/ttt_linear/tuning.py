@@ -55,8 +55,9 @@ while the process lives; several processes sharing a GPU ran out of memory). So 
 - the forward chain is not fused (fused: 4.3-11.3 KB at head dim 128, 8.6 KB at chunk 64,
   head dim 64); a generation step longer than fwd_decode's rows runs fwd_chain and fwd_out.
 
-Every kernel the rules pick then has at most 4.1 KB of stack (``python -m tools.resources``,
-sm_90, triton 3.6)."""
+Every kernel configuration the rules pick then has at most 4.8 KB of stack, 1.2 GiB reserved
+per process (bwd_chain at chunk 64, head dim 64; ``python -m tools.resources``, sm_90,
+triton 3.6)."""
 
 NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
               "group_stages": 2, "group_stages_fp32": 1}
