@@ -7,7 +7,8 @@ limits through ptxas). Here the launcher runs on CPU tensors with its launch ste
 by a recorder (nothing runs), then each distinct launch is compiled as Triton would compile
 it on a GPU: the argument types of the recorded tensors and scalars, ``None`` and the
 constexprs as constants, the 16-byte alignment of the pointers, the launch's compiler
-options. Prints one line per compiled launch; exits 1 naming each launch that fails.
+options. Each must compile within :data:`STACK_LIMIT` bytes of stack per thread. Prints one
+line per compiled launch; exits 1 naming each launch that fails.
 
     python packages/ttt-triton/tests/sm90_compile.py               # every case below
     python packages/ttt-triton/tests/sm90_compile.py --case step   # one (repeatable)
@@ -17,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -63,6 +67,13 @@ CASES = (
     ("step packed", "fp32", 1, 3, 2, 128, 16, (1, 0, 2), True, "infer"),
     ("step chain", "bf16", 4, 16, 2, 64, 16, None, True, "infer"),
 )
+
+SLOW_CASES = (
+    ("train fp32 d128 c64", "fp32", 1, 130, 2, 128, 64, None, True, "train"),
+    ("train fp32 d64 c64", "fp32", 1, 130, 2, 64, 64, None, False, "train"),
+)
+"""Float32 at chunk 64 (tuning.IEEE_WIDE), whose kernels take minutes to compile on a CPU:
+test_sm90_compile.py marks them ``big``."""
 
 
 def problem(dtype, B, T, H, D, chunk, packed, layer, states):
@@ -149,14 +160,33 @@ def launch_key(launch, inputs: tuple) -> tuple:
             tuple(sorted(attrs)), tuple(sorted(options.items())))
 
 
+STACK_LIMIT = 5 * 1024
+"""The most stack (local memory) per thread a launch may compile to: CUDA reserves it for
+every thread the GPU can hold, in every process that launched the kernel (5 KB: 1.3 GiB
+on an H100), so spilling kernels exhaust a GPU that several processes share."""
+
+
+def stack_bytes(kernel) -> int:
+    """The stack frame per thread of a compiled kernel (``cuobjdump -res-usage``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--case", action="append", choices=[case[0] for case in CASES],
+    parser.add_argument("--case", action="append",
+                        choices=[case[0] for case in CASES + SLOW_CASES],
                         help="only this case (default: every case)")
     args = parser.parse_args()
     seen, failed = set(), []
-    for case in CASES:
-        if args.case and case[0] not in args.case:
+    for case in CASES + SLOW_CASES:
+        if (args.case and case[0] not in args.case) or (not args.case and case in SLOW_CASES):
             continue
         for launch in recorded_launches(case):
             inputs = compile_inputs(launch)
@@ -170,12 +200,19 @@ def main() -> int:
                 signature, constexprs, attrs, options = inputs
                 src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs,
                                 attrs=attrs)
-                triton.compile(src, target=TARGET, options=options)
+                kernel = triton.compile(src, target=TARGET, options=options)
             except Exception:  # noqa: BLE001 - every failing launch is named, then exit 1
                 failed.append(name)
                 print(f"FAILED {name}\n{traceback.format_exc()}", flush=True)
                 continue
-            print(f"ok {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+            stack = stack_bytes(kernel)
+            if stack > STACK_LIMIT:
+                failed.append(name)
+                print(f"FAILED {name}: {stack} bytes of stack per thread, more than "
+                      f"{STACK_LIMIT} (tuning.IEEE_WIDE)", flush=True)
+                continue
+            print(f"ok {name} ({time.perf_counter() - start:.1f} s, stack {stack} B)",
+                  flush=True)
     print(f"{len(seen)} launches compiled for sm_90, {len(failed)} failed")
     for name in failed:
         print(f"FAILED {name}")

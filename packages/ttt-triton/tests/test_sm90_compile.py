@@ -1,7 +1,9 @@
-"""No GPU needed: every kernel launch of the launcher's main paths compiles for sm_90
-(sm90_compile.py, one child process per case without ``TRITON_INTERPRET``, sharing one
-Triton cache). The interpreter the CPU suite runs does not check what the compiler does:
-a loop-carried variable that changes type, for one, compiles nowhere but runs there."""
+"""No GPU needed: every kernel launch of the launcher's main paths compiles for sm_90, each
+within sm90_compile.STACK_LIMIT bytes of stack per thread (sm90_compile.py, one child
+process per case without ``TRITON_INTERPRET``, sharing one Triton cache; the float32 chunk-64
+cases, minutes each on a CPU, are marked ``big``). The interpreter the CPU suite runs does
+not check what the compiler does: a loop-carried variable that changes type, for one,
+compiles nowhere but runs there."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sm90_compile import CASES  # noqa: E402
+from sm90_compile import CASES, SLOW_CASES  # noqa: E402
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU the suite compiles every kernel for the GPU it runs on",
@@ -29,7 +31,8 @@ def triton_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp().parent / "sm90-triton-cache"
 
 
-@pytest.mark.parametrize("case", [case[0] for case in CASES])
+@pytest.mark.parametrize("case", [case[0] for case in CASES] + [
+    pytest.param(case[0], marks=pytest.mark.big) for case in SLOW_CASES])
 def test_launches_compile_for_sm90(case, triton_cache):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(triton_cache), TRITON_DEFAULT_FP_FUSION="1")
