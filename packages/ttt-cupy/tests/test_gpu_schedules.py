@@ -16,7 +16,7 @@ import torch
 
 import ttt
 from ttt import make_problem
-from ttt.testing.tolerances import TOLERANCES
+from ttt.tolerances import TOLERANCES
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
