@@ -94,13 +94,10 @@ def _did(case):
     return f"{'dense' if dense else 'packed'}-N{len(lens)}-T{max(lens)}-H{H}-c{chunk}"
 
 
-def _decode_kernel(lens, D, dtype=torch.float32) -> bool:
-    """Whether a generation step of sequences of ``lens`` (within one chunk) runs fwd_decode
-    (the rule's table as this test reads it: ROW_STEP_ROWS by input dtype and padded head
-    dim)."""
-    if dtype != torch.float32:
-        return max(lens) <= ROW_STEP_ROWS["half"]
-    return max(lens) <= ROW_STEP_ROWS["float32_wide" if cc.d_pad(D) > 64 else "float32"]
+def _decode_kernel(lens) -> bool:
+    """Whether a generation step of sequences of ``lens`` (within one chunk) runs fwd_decode:
+    at most ROW_STEP_ROWS rows in each, whatever the dtype and head dim."""
+    return max(lens) <= ROW_STEP_ROWS
 
 
 def _decode_name(lens, D, dtype=torch.float32, mma=True, chunk=BT, **variant) -> str:
@@ -108,20 +105,18 @@ def _decode_name(lens, D, dtype=torch.float32, mma=True, chunk=BT, **variant) ->
     launches: fwd_decode, or the fused forward chain (its tensor-core instance for half
     inputs)."""
     ctype = cc.CTYPES[str(dtype).removeprefix("torch.")]
-    if _decode_kernel(lens, D, dtype):
+    if _decode_kernel(lens):
         return cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), chunk, **variant)
     return cc.kernel_name("fwd_chain", ctype, cc.d_pad(D), chunk, mma and ctype != "float",
                           fused=True, **variant)
 
 
 def test_cases_take_both_kernels():
-    """The cases keep both kernels tested: fwd_decode at chunk 16 (and up to the table's rows
-    at chunk 32), the fused chain at chunk 32 past them; the emulated ones both too."""
-    for dtype in (torch.float32, torch.bfloat16):
-        for D in (32, 64, 128):
-            taken = {(chunk, _decode_kernel(lens, D, dtype)) for lens, _, _, chunk in DECODE}
-            assert taken == {(BT, True), (BT_LONG, True), (BT_LONG, False)}
-    assert {_decode_kernel(case[0], case[7]) for case in EMULATED} == {True, False}
+    """The cases keep both kernels tested: fwd_decode at chunk 16 (and up to ROW_STEP_ROWS
+    rows at chunk 32), the fused chain at chunk 32 past them; the emulated ones both too."""
+    taken = {(chunk, _decode_kernel(lens)) for lens, _, _, chunk in DECODE}
+    assert taken == {(BT, True), (BT_LONG, True), (BT_LONG, False)}
+    assert {_decode_kernel(case[0]) for case in EMULATED} == {True, False}
 
 
 FORMS = [  # initial states, final states, eta_key, output form
@@ -148,7 +143,7 @@ def test_decode_is_one_launch(recording, case, form):
     name, grid, block, smem, _ = recording.launches[0]
     assert name == _decode_name(lens, 32, chunk=chunk, key=key, out=output)
     assert grid == len(lens) * H
-    if _decode_kernel(lens, 32):   # the block and its rows' shared memory
+    if _decode_kernel(lens):   # the block and its rows' shared memory
         assert (block, smem) == (decode_threads(32), decode_smem_bytes(32, decode_rows(
             max(lens))))
     assert not recording.waits
@@ -177,7 +172,7 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
     rows in a chunk of 32), with that call's scalars and that call's output address (what
     the launcher keeps per configuration never leaks into another)."""
     H = 8
-    kernel = cc.DECODE_KERNEL if _decode_kernel(lens, 32) else "fwd_chain"
+    kernel = cc.DECODE_KERNEL if _decode_kernel(lens) else "fwd_chain"
     i_o, i_ht, i_scale, i_eps = ARG_INDEX[kernel]
     for step in range(2):
         for init, final, key, output in FORMS_IN_TURN:
@@ -201,7 +196,7 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
 @pytest.mark.parametrize("T,chunk", [(1, BT), (2, BT), (BT, BT), (BT, BT_LONG), (17, BT_LONG),
                                      (BT_LONG, BT_LONG)])
 def test_decode_half_is_one_launch(recording, dtype, T, chunk):
-    """Half inputs: fwd_decode up to 16 rows (ROW_STEP_ROWS["half"]), the tensor-core fused
+    """Half inputs: fwd_decode up to 16 rows (ROW_STEP_ROWS), the tensor-core fused
     chain for more (in a chunk of 32); one launch either way."""
     p, _, _ = _problem((T,) * 2, 4, 64, dtype=dtype, chunk=chunk)
     launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
@@ -265,17 +260,17 @@ def _rule_problem(dtype, D, lens, chunk=BT):
 H200_SMEM = 227 * 1024
 
 
-@pytest.mark.parametrize("dtype,D,rows", [
-    (torch.bfloat16, 64, 16), (torch.float16, 128, 16), (torch.bfloat16, 24, 16),
-    (torch.float32, 16, 16), (torch.float32, 24, 16), (torch.float32, 64, 16),
-    (torch.float32, 65, 16), (torch.float32, 128, 16)])
-def test_row_step_rule(dtype, D, rows):
+@pytest.mark.parametrize("dtype,D", [
+    (torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 24), (torch.float32, 16),
+    (torch.float32, 24), (torch.float32, 64), (torch.float32, 65), (torch.float32, 128)])
+def test_row_step_rule(dtype, D):
     """placement.row_step: a generation step runs fwd_decode when its longest sequence has at
     most 16 rows, for every input dtype and D_PAD (an empty sequence beside them counts
     nothing), at chunk 16 (every step) and in chunks of 32 and 64 (the steps of more rows
     run the fused chain); never with a backward, with a forced Schedule.fuse_forward (either
     way), past one chunk, or where its shared memory does not fit the device."""
-    assert ROW_STEP_ROWS == {"half": 16, "float32": 16, "float32_wide": 16}
+    rows = ROW_STEP_ROWS
+    assert rows == 16
     for chunk in (BT, 32, 64):
         for lens in ((rows,), (1, rows, 0), (rows,) * 3):
             p = _rule_problem(dtype, D, lens, chunk)
@@ -347,7 +342,7 @@ def test_decode_float32_only_allocates(recording, form, lens, dense, chunk):
         launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     assert set(ops.ops) <= ALLOCATIONS, ops.ops
     (name, *_), = recording.launches
-    assert (cc.DECODE_KERNEL in name) == _decode_kernel(lens, 32)
+    assert (cc.DECODE_KERNEL in name) == _decode_kernel(lens)
 
 
 PARAM_ARGS = slice(3, 7)
@@ -442,7 +437,7 @@ def test_decode_end_to_end_matches_reference(emulated, case):
                         param_dtype=param_dtype, seed=3, eta_float=eta_float, chunk=chunk)
     emulated.inputs = [t for t in (*x.values(), cu, p.eta) if isinstance(t, torch.Tensor)]
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, save_for_backward=False, device=emulated)
-    want = "emu_fwd_decode" if _decode_kernel(lens, D) else "emu_fwd_chain_fused"
+    want = "emu_fwd_decode" if _decode_kernel(lens) else "emu_fwd_chain_fused"
     assert emulated.ran == [want] and saved is None
     ref_in = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in x.items()}
     ro, rht, rhbt = ttt.chunk_ttt_linear(**ref_in, scale=D ** -0.5, eps=1e-6, chunk_size=chunk,

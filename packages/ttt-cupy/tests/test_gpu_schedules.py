@@ -16,7 +16,7 @@ import torch
 
 import ttt
 from ttt import make_problem
-from ttt.testing.tolerances import TOLERANCES
+from ttt.tolerances import TOLERANCES
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
@@ -201,17 +201,14 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[
     f"{str(c[0]).removeprefix('torch.')}-D{c[1]}-{'+'.join(map(str, c[2]))}-"
     f"{'key-' if c[3] else ''}{c[4]}" for c in DECODE_CASES])
-def test_decode_kernel_matches_reference(case, monkeypatch):
-    """fwd_decode (placement.row_step, ROW_STEP_ROWS held at 16 rows for every class so that
-    each case runs it whatever the table) against the float64 reference and against the
-    fused chain (Schedule.fuse_forward=True), outputs and final states, dense and packed (an
-    empty sequence passes its states through)."""
+def test_decode_kernel_matches_reference(case):
+    """fwd_decode (placement.row_step: every case within ROW_STEP_ROWS rows) against the
+    float64 reference and against the fused chain (Schedule.fuse_forward=True), outputs and
+    final states, dense and packed (an empty sequence passes its states through)."""
     from ttt_cupy import launcher, placement
     from ttt_cupy.config import AUTO, Schedule
 
     dtype, D, lens, key, output = case
-    monkeypatch.setattr(placement, "ROW_STEP_ROWS", dict.fromkeys(placement.ROW_STEP_ROWS, 16))
-    monkeypatch.setattr(launcher, "_FORWARD_SETUPS", {})   # (none kept under the real table)
     gen = torch.Generator(device="cuda").manual_seed(0)
     dense = len(set(lens)) == 1
     B, T, N, H = (len(lens), lens[0], len(lens), 2) if dense else (1, sum(lens), len(lens), 2)

@@ -57,21 +57,29 @@ def _instances(pass_: str, dtype: str) -> int:
     return (per_shape * len(D_PADS) + fused_bwd) * len(BLOCK_TS)
 
 
+def _names(pass_: str, dtype: str) -> list[str]:
+    """The name expressions of every instance of one pass and dtype, as the backend builds
+    them (nvrtc_check.programs, the default variant)."""
+    from ttt_cupy import nvrtc_check
+
+    only = dict(passes=[pass_], dtypes=[dtype])
+    return [name for _, names in nvrtc_check.programs(only) for name in names]
+
+
 def test_every_instance_is_in_a_part():
     """No NVRTC needed: the parts of test_every_instance_compiles cover every (arch, pass,
-    dtype) and add up to every instance: the five kernels and the fused forward chain per
-    dtype, the SIMT instances of all of them for the two half types, the fused backward chain
-    for the two half types at D_PAD <= 64, at every (D_PAD, BT); fwd_decode per dtype and
-    D_PAD, and its native_params instances for the two half types."""
-    from ttt_cupy.compile import BLOCK_TS, CTYPES, D_PADS, KERNELS, MMA_KERNELS, PASSES
+    dtype); each part's instances as the backend names them are distinct and as many as
+    _instances counts, and together they are every instance of the default variant."""
+    from ttt_cupy import nvrtc_check
+    from ttt_cupy.compile import CTYPES, PASSES
 
     assert sorted(EVERY_INSTANCE) == sorted((arch, pass_, dtype) for arch in ("80", "90")
                                             for pass_ in PASSES for dtype in CTYPES)
-    assert MMA_KERNELS == KERNELS
-    expected = ((len(KERNELS) + 1) * len(CTYPES) + (len(MMA_KERNELS) + 1) * 2) * len(D_PADS) \
-        * len(BLOCK_TS) + 2 * 3 * len(BLOCK_TS) + (len(CTYPES) + 2) * len(D_PADS)
-    assert sum(_instances(pass_, dtype) for pass_ in PASSES for dtype in CTYPES) == expected
-    assert expected == 398
+    parts = {(pass_, dtype): _names(pass_, dtype) for pass_ in PASSES for dtype in CTYPES}
+    for (pass_, dtype), names in parts.items():
+        assert len(set(names)) == len(names) == _instances(pass_, dtype), (pass_, dtype)
+    every = [name for _, names in nvrtc_check.programs() for name in names]
+    assert sorted(every) == sorted(name for names in parts.values() for name in names)
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))

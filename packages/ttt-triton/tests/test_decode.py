@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 from launcher_cases import LaunchSpy  # noqa: E402
 
 import ttt  # noqa: E402
+from ttt.oracle import oracle_chunk_ttt_linear  # noqa: E402
 from ttt.schedule import generation_step  # noqa: E402
-from ttt.testing.oracle import oracle_chunk_ttt_linear  # noqa: E402
-from ttt.testing.tolerances import TOLERANCES  # noqa: E402
+from ttt.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import (  # noqa: E402
     DEFAULT_TUNING,

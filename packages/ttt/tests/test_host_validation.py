@@ -1,7 +1,7 @@
-"""``make_problem`` checks the common case of each group of arguments in one expression and
-runs the detailed checks only where it fails: both ways give the same Problem, and an
-argument outside the common case that is valid (a float ``eta``, numpy numbers, float64
-states) passes; where several arguments are bad, the first one's error is raised."""
+"""``make_problem`` checks each argument against its rules in turn: valid arguments of other
+types than the usual ones (numpy numbers, a float ``eta``, float64 states, half ``w`` and
+``b``) pass and give the Problem the usual ones give; where several arguments are bad, the
+first one's error is raised."""
 
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ def _same(a: ttt.Problem, b: ttt.Problem) -> None:
             assert type(x) is type(y) and x == y, f.name
 
 
-def test_the_detailed_checks_give_the_common_cases_problem():
+def test_numpy_numbers_give_the_problem_of_python_numbers():
     usual = ttt.make_problem(*_inputs(), **_step_options())
     numpy_numbers = {**_step_options(), "scale": np.float64(0.5), "eps": np.float32(1e-5),
                      "chunk_size": np.int64(4)}
-    detailed = ttt.make_problem(*_inputs(), **numpy_numbers)
-    _same(usual, dataclasses.replace(detailed, eps=usual.eps))
-    assert type(detailed.eps) is float and detailed.eps == float(np.float32(1e-5))
-    assert type(detailed.chunk_size) is int and type(detailed.scale) is float
+    converted = ttt.make_problem(*_inputs(), **numpy_numbers)
+    _same(usual, dataclasses.replace(converted, eps=usual.eps))
+    assert type(converted.eps) is float and converted.eps == float(np.float32(1e-5))
+    assert type(converted.chunk_size) is int and type(converted.scale) is float
 
 
 @pytest.mark.parametrize("scale", [None, 2, 0.25])
@@ -80,7 +80,11 @@ def test_requires_grad_is_read_from_every_input():
 
 
 @pytest.mark.parametrize("bad, error, words", [
+    (dict(q=torch.zeros(2, 3, 0, 8)), ValueError, r"q: expected \[B, T, H, D\] with H >= 1"),
+    (dict(k=torch.zeros(2, 3, 2, 8).half(), v=None), TypeError, "k: expected dtype float32"),
     (dict(k=torch.zeros(2, 3, 2, 4), scale=-1.0), ValueError, "k, v"),
+    (dict(v=torch.zeros(2, 3, 2, 16)), ValueError, "k, v"),
+    (dict(w=torch.zeros(3, 8), b=torch.zeros(2, 8, dtype=torch.int32)), ValueError, "w:"),
     (dict(w=torch.zeros(3, 8), eta="x"), ValueError, "w:"),
     (dict(eta="x", output="nope"), TypeError, "eta:"),
     (dict(eta_key=1.0, scale=0.0), TypeError, "eta_key:"),

@@ -138,6 +138,16 @@ def _grads_of(outputs, probe, tensors):
     return torch.autograd.grad((outputs * probe).sum(), tensors)
 
 
+def _assert_matches_the_loop(got, expected, probe, x, layer, params):
+    """The layer's output ``got`` and its gradients (of x and every parameter, along
+    ``probe``) match the official loop's (``expected``, of the copies ``params``)."""
+    assert _rel(got, expected) < FP64_RTOL
+    have = _grads_of(got, probe, [x, *layer.parameters()])
+    want = _grads_of(expected, probe, [x, *params.values()])
+    for name, g_have, g_want in zip(["x", *params], have, want):
+        assert _rel(g_have, g_want) < FP64_RTOL, name
+
+
 @pytest.mark.parametrize("T", [12, 11, 3])
 @pytest.mark.parametrize("use_gate", [False, True])
 def test_layer_matches_official_loop_fp64(T, use_gate):
@@ -146,16 +156,9 @@ def test_layer_matches_official_loop_fp64(T, use_gate):
     x = torch.randn(2, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(2, T, 16, generator=gen, dtype=torch.float64)
 
-    names = [n for n, _ in layer.named_parameters()]
     params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
     expected = official_loop(params, x, 4, 500.0, 0.7, use_gate)
-    got = layer(x)
-    assert _rel(got, expected) < FP64_RTOL
-
-    want = _grads_of(expected, probe, [x, *params.values()])
-    have = _grads_of(got, probe, [x, *layer.parameters()])
-    for name, g_have, g_want in zip(["x", *names], have, want):
-        assert _rel(g_have, g_want) < FP64_RTOL, name
+    _assert_matches_the_loop(layer(x), expected, probe, x, layer, params)
 
 
 def test_gradients_reach_every_parameter():
@@ -178,12 +181,7 @@ def test_packed_sequences_restart_positions_and_state():
     params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
     pieces = [official_loop(params, x[:, a:b], 4, 10000.0, 1.0, False)
               for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    expected = torch.cat(pieces, dim=1)
-    assert _rel(packed, expected) < FP64_RTOL
-    have = _grads_of(packed, probe, [x, *layer.parameters()])
-    want = _grads_of(expected, probe, [x, *params.values()])
-    for name, g_have, g_want in zip(["x", *params], have, want):
-        assert _rel(g_have, g_want) < FP64_RTOL, name
+    _assert_matches_the_loop(packed, torch.cat(pieces, dim=1), probe, x, layer, params)
 
 
 def test_state_dict_has_the_official_names_and_shapes():

@@ -136,17 +136,6 @@ def test_oracle_gradients_match_finite_differences(layout):
                                     rtol=1e-5)
 
 
-def test_the_suite_modules_re_export_the_oracle_and_the_tolerances():
-    import ttt.oracle
-    import ttt.testing.oracle
-    import ttt.testing.tolerances
-    import ttt.tolerances
-
-    assert ttt.testing.oracle.oracle_chunk_ttt_linear is ttt.oracle.oracle_chunk_ttt_linear
-    assert ttt.testing.tolerances.TOLERANCES is ttt.tolerances.TOLERANCES
-    assert ttt.testing.tolerances.SEGMENT_FACTOR == ttt.tolerances.SEGMENT_FACTOR
-
-
 def test_the_cli_imports_nothing_of_the_test_package():
     import ast
 

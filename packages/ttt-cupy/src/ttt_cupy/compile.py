@@ -51,12 +51,9 @@ reads eta, w, b and eta_key in: float, or T (``native_params``: a generation ste
 parameters are all in the input type runs without casting them first) (:func:`decode_name`)."""
 
 KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
-"""The chunked passes' kernels (templates on T, D_PAD, BT, MMA, ...)."""
-
-MMA_KERNELS = KERNELS
-"""Every kernel of the chunked passes has a template parameter ``bool MMA``: its tile products
-on tensor cores (tf32 mma.sync, fp32 accumulation); only the half types have MMA instances
-(fwd_decode has none)."""
+"""The chunked passes' kernels, templates on T, D_PAD, BT, MMA, ...: ``bool MMA`` puts the
+tile products on tensor cores (tf32 mma.sync, fp32 accumulation); only the half types have
+MMA instances (fwd_decode has no such parameter)."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """Their MMA instances keep the state in registers (one warp per 16 state columns)."""

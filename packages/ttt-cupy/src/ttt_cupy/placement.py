@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ttt import Problem
 
 from .compile import FUSED_BWD_MAX_D_PAD, d_pad
@@ -92,21 +90,22 @@ def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO
     return chains(p) >= FUSED["forward_training" if save_for_backward else "forward_inference"]
 
 
-ROW_STEP_ROWS = {"half": 16, "float32": 16, "float32_wide": 16}
+ROW_STEP_ROWS = 16
 """The most rows of a sequence with which a generation step (no backward, every sequence
 within one chunk: :func:`single_chunk`) runs fwd_decode alone (:func:`row_step`) instead of
-fwd_chain's fused instance; every step at chunk 16, and in a chunk of 32 or 64 those of up
-to 16 rows. From an H100 A/B of the two kernels (``tools/row_step.py --backends cupy``:
-the layer's form, H 16, chunk 16, B 4 and 64, D 64 and 128, CUDA-graph replay), fwd_decode's
-time over the fused chain's at 1, 2, 4 and 16 rows:
+fwd_chain's fused instance, for every input dtype and padded head dim: every step at chunk
+16, and in a chunk of 32 or 64 those of up to 16 rows. From an H100 A/B of the two kernels
+(``tools/row_step.py --backends cupy``: the layer's form, H 16, chunk 16, B 4 and 64, D 64
+and 128, CUDA-graph replay), fwd_decode's time over the fused chain's at 1, 2, 4 and 16
+rows:
 
-======================  ============  ====  ==========================================
-inputs (q, k, v)        D_PAD         rows  fwd_decode / fused chain (1 .. 16 rows)
-======================  ============  ====  ==========================================
-bfloat16, float16       any           16    0.33 .. 0.98 (``"half"``, bf16 measured)
-float32                 16 .. 64      16    0.24 .. 0.89 (``"float32"``)
-float32                 128           16    0.22 .. 0.46 (``"float32_wide"``)
-======================  ============  ====  ==========================================
+======================  ============  ==========================================
+inputs (q, k, v)        D_PAD         fwd_decode / fused chain (1 .. 16 rows)
+======================  ============  ==========================================
+bfloat16, float16       any           0.33 .. 0.98 (bf16 measured)
+float32                 16 .. 64      0.24 .. 0.89
+float32                 128           0.22 .. 0.46
+======================  ============  ==========================================
 
 fwd_decode reads and writes the state once and computes only the step's rows (each row a
 row times the state, its work growing with the rows), where the fused chain runs a whole
@@ -117,24 +116,17 @@ against 55), and the two kernels' results differed by at most 8.2e-4 (bf16) and 
 so the fused chain keeps them (``Schedule(fuse_forward=True)`` forces it at any rows)."""
 
 
-def row_step_rows(p: Problem) -> int:
-    """:data:`ROW_STEP_ROWS` for ``p``'s input dtype and padded head dim."""
-    if p.q.dtype != torch.float32:
-        return ROW_STEP_ROWS["half"]
-    return ROW_STEP_ROWS["float32_wide" if d_pad(p.D) > 64 else "float32"]
-
-
 def row_step(p: Problem, save_for_backward: bool, smem_limit: int,
              schedule: Schedule = AUTO) -> bool:
     """Whether ``p``'s forward runs fwd_decode alone (one launch): a generation step (no
-    backward, :func:`single_chunk`) whose every sequence has at most :func:`row_step_rows`
+    backward, :func:`single_chunk`) whose every sequence has at most :data:`ROW_STEP_ROWS`
     rows, fwd_decode's block within ``smem_limit`` bytes of shared memory, and the fused
     chain not forced either way (``schedule.fuse_forward`` None: a forced Schedule runs the
     chained kernels, for tests and A/B timing)."""
     if schedule.fuse_forward is not None or save_for_backward or not single_chunk(p):
         return False
     longest = max(p.seq_lens, default=0)
-    return (longest <= row_step_rows(p)
+    return (longest <= ROW_STEP_ROWS
             and decode_smem_bytes(d_pad(p.D), decode_rows(longest)) <= smem_limit)
 
 

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._warmup_calls import FORMS_BY_NAME, Config, run_call
+from .backend import WarmupShape
+
 DEFAULT_MAX_WORKERS = 12
 """A Triton warm-up of one half-dtype configuration has 8 call groups, 4 of them twice the
 calls of the others: split by initial states (:func:`split`), those make 12 parts of about
@@ -84,19 +87,12 @@ def split(calls: list[dict]) -> list[list[dict]]:
     half compiles little of the other's; split by gradients, the half with them would hold
     most of the compiling (the backward's kernels), and calls that differ only in their
     layout need mostly the same kernels."""
-    forms = _forms()
-    for differs in (lambda c: forms[c["form"]].initial, lambda c: forms[c["form"]].final,
-                    lambda c: c["grad"]):
+    for differs in (lambda c: FORMS_BY_NAME[c["form"]].initial,
+                    lambda c: FORMS_BY_NAME[c["form"]].final, lambda c: c["grad"]):
         first = [c for c in calls if differs(c)]
         if 0 < len(first) < len(calls):
             return [first, [c for c in calls if not differs(c)]]
     return [calls[0::2], calls[1::2]]
-
-
-def _forms() -> dict:
-    from .warmup import FORMS  # here: ttt.warmup imports this module
-
-    return {form.name: form for form in FORMS}
 
 
 def _start(calls: list[dict], device: torch.device, done: queue.Queue):
@@ -127,7 +123,7 @@ def _start(calls: list[dict], device: torch.device, done: queue.Queue):
 
 
 def call_of(backend: str, config, layout, form, params, grad: bool) -> dict:
-    """One warm-up call (``ttt.warmup._call``'s arguments) as JSON-able values."""
+    """One warm-up call (``ttt._warmup_calls.run_call``'s arguments) as JSON-able values."""
     return {"backend": backend,
             "config": [_dtype_name(config.dtype), config.head_dim, config.chunk_size,
                        config.heads],
@@ -140,21 +136,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _main() -> int:
-    from .backend import WarmupShape
-    from .warmup import Config, _call
-
     job = json.load(sys.stdin)
     device = torch.device(job["device"])
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    forms = _forms()
     for call in job["calls"]:
         dtype, head_dim, chunk_size, heads = call["config"]
         config = Config(getattr(torch, dtype), head_dim, chunk_size, heads)
         layout = WarmupShape(*call["layout"])
         params = tuple(getattr(torch, name) for name in call["params"])
-        _call(call["backend"], config, layout, forms[call["form"]], params, call["grad"],
-              device)
+        run_call(call["backend"], config, layout, FORMS_BY_NAME[call["form"]], params,
+                 call["grad"], device)
         print("done", flush=True)
     return 0
 

@@ -2,6 +2,11 @@
 
 Every failure raises ``TypeError`` (wrong kind of object, wrong dtype) or ``ValueError``
 (wrong shape, value or device), naming the argument, what was expected and what came.
+The arguments are checked one after the other: q, k, v, w, b, eta, eta_key, then output,
+scale, eps, chunk_size, output_final_state, cu_seqlens and the initial states, each against
+its rules in turn, so that the error raised is the first broken rule of the first bad
+argument. A valid call runs the same checks, each of them passing; an error message is
+made only where a rule breaks.
 """
 
 from __future__ import annotations
@@ -10,89 +15,230 @@ import math
 import numbers
 
 import torch
+from torch import Tensor
 
 from .problem import OUTPUTS, Problem
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
+_STATE_DTYPES = (torch.float32,)
+_STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)
+"""The initial states' dtypes: float32, or with float64 inputs float32 or float64."""
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _require_tensor(name: str, value, rank: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != rank:
-        raise ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(value.shape)}")
-    if value.dtype not in _FLOAT_DTYPE_SET:
-        raise TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
-                        f"got {_name(value.dtype)}")
-    return value
+def _broken_rule(t, dtypes, shape: tuple[int, ...], device: torch.device) -> str | None:
+    """The first rule of a tensor argument that ``t`` breaks, or None, in this order:
+    ``"type"`` (a torch.Tensor), ``"floating"`` (a floating dtype) and ``"dtype"`` (one of
+    ``dtypes``, floating dtypes), ``"rank"`` (as many dims as ``shape``) and ``"shape"``
+    (``shape``), ``"device"`` (``device``: q's)."""
+    if not isinstance(t, Tensor):
+        return "type"
+    t_dtype = t.dtype
+    if t_dtype not in dtypes:
+        return "floating" if t_dtype not in _FLOAT_DTYPE_SET else "dtype"
+    t_shape = t.shape
+    if t_shape != shape:                        # (torch.Size is a tuple)
+        return "rank" if len(t_shape) != len(shape) else "shape"
+    if t.device != device:
+        return "device"
+    return None
 
 
-def _require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...], meaning: str):
-    if value.shape != shape:                    # (torch.Size is a tuple)
-        raise ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
-                         f"got {tuple(value.shape)}")
+def _type_error(name: str, value) -> TypeError:
+    return TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
-def _require_device(name: str, value: torch.Tensor, device: torch.device):
-    if value.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), "
-                         f"got one on {value.device}")
+def _floating_error(name: str, t: Tensor) -> TypeError:
+    return TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
+                     f"got {_name(t.dtype)}")
 
 
-def _is_tensor_of(t, shape: tuple[int, ...], dtypes, device: torch.device) -> bool:
-    """Whether ``t`` is a tensor of exactly ``shape``, a dtype in ``dtypes`` and on ``device``:
-    the common case, checked in one expression; the detailed checks run only when it fails,
-    to name what differs."""
-    return (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes
-            and t.device == device)
+def _rank_error(name: str, t: Tensor, rank: int) -> ValueError:
+    return ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(t.shape)}")
 
 
-def _check_keys_values(k, v, shape: torch.Size, dtype: torch.dtype, device: torch.device):
-    """Raise the error that says how ``k`` or ``v`` differs from q (``shape``, ``dtype``,
-    ``device``)."""
+def _device_error(name: str, t: Tensor, device: torch.device) -> ValueError:
+    return ValueError(f"{name}: expected a tensor on {device} (the device of q), "
+                      f"got one on {t.device}")
+
+
+def _tensor_error(name: str, t, rule: str, shape: tuple[int, ...], meaning: str,
+                  device: torch.device, expected_dtype: str = "") -> Exception:
+    """The error of argument ``name`` (``t``) that breaks ``rule`` (:func:`_broken_rule`,
+    given ``shape``, ``device`` and the dtypes ``expected_dtype`` names): ``meaning`` says
+    what ``shape`` is."""
+    if rule == "type":
+        return _type_error(name, t)
+    if rule == "floating":
+        return _floating_error(name, t)
+    if rule == "rank":
+        return _rank_error(name, t, len(shape))
+    if rule == "shape":
+        return ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
+                          f"got {tuple(t.shape)}")
+    if rule == "dtype":
+        return TypeError(f"{name}: expected dtype {expected_dtype}, got {_name(t.dtype)}")
+    return _device_error(name, t, device)
+
+
+def _key_value_error(name: str, t, rule: str, other, shape: torch.Size, dtype: torch.dtype,
+                     device: torch.device) -> Exception:
+    """The error of k or v (``name``, ``t``; ``other`` the other one) that breaks ``rule``:
+    a wrong shape whose last dim differs from the other's (a 4-d tensor's) is a key dim
+    other than the value dim."""
+    if (rule == "shape" and isinstance(other, Tensor) and other.dim() == 4
+            and other.shape[-1] != t.shape[-1]):
+        K, V = (t, other) if name == "k" else (other, t)
+        return ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
+                          f"K = {K.shape[-1]} and V = {V.shape[-1]}")
+    return _tensor_error(name, t, rule, shape, "[B, T, H, D] like q", device,
+                         f"{_name(dtype)} (the dtype of q)")
+
+
+def _checked_tensors(q, k, v, w, b, eta, eta_key
+                     ) -> tuple[torch.Size, torch.dtype, torch.device, Tensor]:
+    """q's shape, dtype and device and eta as a tensor, once the tensor arguments pass their
+    checks, in this order: q a tensor of a floating dtype, 4-d ``[B, T, H, D]`` with H >= 1
+    heads and a head dim D >= 1 (B and T may be 0); k and v of q's dtype and shape, on q's
+    device; w and b ``[H, D]``, of any floating dtype, on q's device; eta a ``[B, T, H, 1]``
+    floating tensor on q's device, or a finite float (any real number but a bool: its
+    constant tensor, :func:`_eta_of_float`); eta_key None or a tensor as eta's. The rules of
+    each tensor but q, in their order: :func:`_broken_rule`. (One function, not one per
+    argument: a call costs about as much as a tensor's checks.)"""
+    if not isinstance(q, Tensor):
+        raise _type_error("q", q)
+    dtype = q.dtype
+    if dtype not in _FLOAT_DTYPE_SET:
+        raise _floating_error("q", q)
+    shape = q.shape
+    if len(shape) != 4:
+        raise _rank_error("q", q, 4)
     B, T, H, D = shape
-    k = _require_tensor("k", k, 4)
-    v = _require_tensor("v", v, 4)
-    if k.shape[-1] != v.shape[-1]:
-        raise ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
-                         f"K = {k.shape[-1]} and V = {v.shape[-1]}")
-    _require_shape("k", k, (B, T, H, D), "[B, T, H, D] like q")
-    _require_shape("v", v, (B, T, H, D), "[B, T, H, D] like q")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {_name(dtype)} (the dtype of q), "
-                            f"got {_name(t.dtype)}")
-        _require_device(name, t, device)
+    if H < 1 or D < 1:
+        raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
+                         f"(B and T may be 0), got shape {tuple(shape)}")
+    device = q.device
+    q_dtype = (dtype,)
+    rule = _broken_rule(k, q_dtype, shape, device)
+    if rule is not None:
+        raise _key_value_error("k", k, rule, v, shape, dtype, device)
+    rule = _broken_rule(v, q_dtype, shape, device)
+    if rule is not None:
+        raise _key_value_error("v", v, rule, k, shape, dtype, device)
+    HD = (H, D)
+    rule = _broken_rule(w, _FLOAT_DTYPE_SET, HD, device)
+    if rule is not None:
+        raise _tensor_error("w", w, rule, HD, "[H, D]", device)
+    rule = _broken_rule(b, _FLOAT_DTYPE_SET, HD, device)
+    if rule is not None:
+        raise _tensor_error("b", b, rule, HD, "[H, D]", device)
+    eta_shape = (B, T, H, 1)
+    if isinstance(eta, Tensor):
+        rule = _broken_rule(eta, _FLOAT_DTYPE_SET, eta_shape, device)
+        if rule is not None:
+            raise _tensor_error("eta", eta, rule, eta_shape, "[B, T, H, 1]", device)
+    else:
+        eta = _eta_of_float(_finite_float_eta(eta), shape, dtype, device)
+    if eta_key is not None:
+        rule = _broken_rule(eta_key, _FLOAT_DTYPE_SET, eta_shape, device)
+        if rule is not None:
+            raise _eta_key_error(eta_key, rule, eta_shape, device)
+    return shape, dtype, device, eta
 
 
-def _check_norm_parameters(w, b, HD: tuple[int, int], device: torch.device):
-    """Raise the error that says what is wrong with ``w`` or ``b`` (``[H, D]``, floating,
-    on q's device)."""
-    _require_tensor("w", w, 2)
-    _require_tensor("b", b, 2)
-    _require_shape("w", w, HD, "[H, D]")
-    _require_shape("b", b, HD, "[H, D]")
-    _require_device("w", w, device)
-    _require_device("b", b, device)
+def _finite_float_eta(eta) -> float:
+    """A float eta as given: a finite real number, not a bool."""
+    if type(eta) is not float and (isinstance(eta, bool) or not isinstance(eta, numbers.Real)):
+        raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
+                        f"got {type(eta).__name__}")
+    if not math.isfinite(eta):
+        raise ValueError(f"eta: expected a finite float, got {eta}")
+    return eta
+
+
+def _eta_key_error(eta_key, rule: str, eta_shape: tuple[int, ...],
+                   device: torch.device) -> Exception:
+    """eta_key's error that breaks ``rule``: eta's, but for its type (a tensor or None)."""
+    if rule == "type":
+        return TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
+                         f"got {type(eta_key).__name__}")
+    return _tensor_error("eta_key", eta_key, rule, eta_shape, "[B, T, H, 1] like eta", device)
+
+
+def _eta_of_float(value, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device) -> Tensor:
+    """The constant eta tensor of a (finite) float ``value``, for q of ``shape``, ``dtype``
+    and ``device``: float32 (float64 for float64 inputs) keeps the constant exact to float32
+    precision."""
+    B, T, H, _ = shape
+    eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return _constant_eta(float(value), (B, T, H, 1), eta_dtype, device)
+
+
+MAX_CONSTANT_ETAS = 4
+"""The constant ``eta`` tensors kept at most (CPU only, see :func:`_constant_eta`)."""
+_CONSTANT_ETAS: dict[tuple, Tensor] = {}
+
+
+def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> Tensor:
+    """``torch.full(shape, value)``: on the CPU one tensor per value, shape and dtype, kept
+    while nothing wrote to it (its version counter stays 0), not made again per call; made
+    outside inference mode (an inference tensor has no version counter, and autograd cannot
+    save one). On other devices a new tensor each call: one kept there would be read by
+    kernels of other streams and CUDA graphs, unordered with the kernel that filled it;
+    under torch.compile too (the graph makes its own)."""
+    if device.type != "cpu" or value == 0 or torch.compiler.is_compiling():   # (0.0, -0.0)
+        return torch.full(shape, value, dtype=dtype, device=device)
+    key = (value, shape, dtype)
+    kept = _CONSTANT_ETAS.get(key)
+    if kept is None or kept._version != 0:
+        if len(_CONSTANT_ETAS) >= MAX_CONSTANT_ETAS:
+            _CONSTANT_ETAS.clear()
+        with torch.inference_mode(False):
+            kept = torch.full(shape, value, dtype=dtype, device=device)
+        _CONSTANT_ETAS[key] = kept
+    return kept
 
 
 def _positive_float(name: str, value) -> float:
-    if type(value) is not float and (isinstance(value, bool)
-                                     or not isinstance(value, numbers.Real)):
-        raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
-    value = float(value)
+    """``value`` as a float: a positive finite real number (not a bool)."""
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
+        value = float(value)
     if not 0 < value < math.inf:                # (NaN fails both; dynamo traces it)
         raise ValueError(f"{name}: expected a positive finite float, got {value}")
     return value
 
 
+def _checked_options(scale, eps, chunk_size, output_final_state, output, D: int
+                     ) -> tuple[float, float, int]:
+    """``(scale, eps, chunk_size)`` as a float (``D ** -0.5`` for None), a float and an int,
+    once ``output``, ``scale``, ``eps``, ``chunk_size`` and ``output_final_state`` pass
+    their checks, in this order."""
+    if not isinstance(output, str) or output not in OUTPUTS:
+        raise ValueError(f"output: expected one of {list(OUTPUTS)}, got {output!r}")
+    scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
+    eps = _positive_float("eps", eps)
+    if type(chunk_size) is not int:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+            raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+        chunk_size = int(chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state: expected a bool, "
+                        f"got {type(output_final_state).__name__}")
+    return scale, eps, chunk_size
+
+
 def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple[int, ...]:
-    if not isinstance(cu_seqlens, torch.Tensor):
+    if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, "
                         f"got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -100,7 +246,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
-    _require_device("cu_seqlens", cu_seqlens, device)
+    if cu_seqlens.device != device:
+        raise _device_error("cu_seqlens", cu_seqlens, device)
     if cu_seqlens.is_meta:
         raise ValueError("cu_seqlens: expected a tensor with values (the offsets are read on "
                          "the host), got a meta tensor; pass the inputs and cu_seqlens on a "
@@ -123,180 +270,33 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     return lengths
 
 
-def _check_eta_key(eta_key, shape: tuple[int, ...], device: torch.device):
-    if eta_key is None or _is_tensor_of(eta_key, shape, _FLOAT_DTYPE_SET, device):
-        return
-    if not isinstance(eta_key, torch.Tensor):
-        raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
-                        f"got {type(eta_key).__name__}")
-    _require_tensor("eta_key", eta_key, 4)
-    _require_shape("eta_key", eta_key, shape, "[B, T, H, 1] like eta")
-    _require_device("eta_key", eta_key, device)
-
-
-def _check_output(output) -> str:
-    if not isinstance(output, str) or output not in OUTPUTS:
-        raise ValueError(f"output: expected one of {list(OUTPUTS)}, got {output!r}")
-    return output
+def _state_error(name: str, state, rule: str, dtypes: tuple, shape: tuple[int, ...],
+                 meaning: str, device: torch.device, what_n: str) -> Exception:
+    """An initial state's error that breaks ``rule``: ``meaning`` says what ``shape`` is,
+    ``what_n`` what its N (``shape[0]``) counts."""
+    return _tensor_error(name, state, rule, shape, f"{meaning}, N = {shape[0]} {what_n}",
+                         device, str([_name(d) for d in dtypes]))
 
 
 def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
-                  dtype: torch.dtype, device: torch.device, what_n: str):
+                  dtype: torch.dtype, device: torch.device, what_n: str) -> None:
     """The initial states given (either may be None): float32 (or float64 with float64
-    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N sequences (``what_n``)."""
+    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N sequences (``what_n``), on q's
+    device."""
     N, H, D = NHD
-    state_dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
-    for name, state, shape, meaning in (
-            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
-            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        if state is None or _is_tensor_of(state, shape, state_dtypes, device):
-            continue
-        _require_tensor(name, state, 4)
-        if tuple(state.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape} ({meaning}, N = {N} {what_n}),"
-                             f" got {tuple(state.shape)}")
-        if state.dtype not in state_dtypes:
-            raise TypeError(f"{name}: expected dtype {[_name(d) for d in state_dtypes]}, "
-                            f"got {_name(state.dtype)}")
-        _require_device(name, state, device)
-
-
-MAX_CONSTANT_ETAS = 4
-"""The constant ``eta`` tensors kept at most (CPU only, see :func:`_constant_eta`)."""
-_CONSTANT_ETAS: dict[tuple, torch.Tensor] = {}
-
-
-def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """``torch.full(shape, value)``: on the CPU one tensor per value, shape and dtype, kept
-    while nothing wrote to it (its version counter stays 0), not made again per call; made
-    outside inference mode (an inference tensor has no version counter, and autograd cannot
-    save one). On other devices a new tensor each call: one kept there would be read by
-    kernels of other streams and CUDA graphs, unordered with the kernel that filled it;
-    under torch.compile too (the graph makes its own)."""
-    if device.type != "cpu" or value == 0 or torch.compiler.is_compiling():   # (0.0, -0.0)
-        return torch.full(shape, value, dtype=dtype, device=device)
-    key = (value, shape, dtype)
-    kept = _CONSTANT_ETAS.get(key)
-    if kept is None or kept._version != 0:
-        if len(_CONSTANT_ETAS) >= MAX_CONSTANT_ETAS:
-            _CONSTANT_ETAS.clear()
-        with torch.inference_mode(False):
-            kept = torch.full(shape, value, dtype=dtype, device=device)
-        _CONSTANT_ETAS[key] = kept
-    return kept
-
-
-def _usual_tensors(k, v, w, b, eta, eta_key, shape: torch.Size, dtype: torch.dtype,
-                   device: torch.device) -> bool:
-    """Whether q (``shape``, ``dtype``, ``device``) has a floating dtype, heads and a head
-    dim, and k, v, w, b, eta (a tensor or a float) and eta_key (a tensor or None) pass
-    every check of :func:`_check_tensors`: the common case, checked in one expression; the
-    checks that name what differs run only where it fails."""
-    B, T, H, D = shape
-    HD, eta_shape = (H, D), (B, T, H, 1)
-    tensor, floating = torch.Tensor, _FLOAT_DTYPE_SET
-    return (dtype in floating and H >= 1 and D >= 1
-            and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(w, tensor)
-            and isinstance(b, tensor)
-            and k.shape == shape and v.shape == shape and k.dtype == dtype
-            and v.dtype == dtype and w.shape == HD and b.shape == HD
-            and w.dtype in floating and b.dtype in floating
-            and k.device == device and v.device == device and w.device == device
-            and b.device == device
-            and ((isinstance(eta, tensor) and eta.shape == eta_shape
-                  and eta.dtype in floating and eta.device == device)
-                 or (type(eta) is float and math.isfinite(eta)))
-            and (eta_key is None or (isinstance(eta_key, tensor) and eta_key.shape == eta_shape
-                                     and eta_key.dtype in floating
-                                     and eta_key.device == device)))
-
-
-def _eta_of_float(value, shape: torch.Size, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """The constant eta tensor of a (finite) float ``value``, for q of ``shape``, ``dtype``
-    and ``device``: float32 (float64 for float64 inputs) keeps the constant exact to float32
-    precision."""
-    B, T, H, _ = shape
-    eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return _constant_eta(float(value), (B, T, H, 1), eta_dtype, device)
-
-
-def _check_tensors(q, k, v, w, b, eta, eta_key) -> torch.Tensor:
-    """Raise the first error of the checks of q, k, v, w, b, eta and eta_key, in this
-    order; else ``eta`` as a tensor (a float's constant tensor)."""
-    q = _require_tensor("q", q, 4)
-    shape, dtype, device = q.shape, q.dtype, q.device
-    B, T, H, D = shape
-    if not (_is_tensor_of(k, shape, (dtype,), device)
-            and _is_tensor_of(v, shape, (dtype,), device)):
-        _check_keys_values(k, v, shape, dtype, device)
-    if H < 1 or D < 1:
-        raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
-                         f"(B and T may be 0), got shape {tuple(q.shape)}")
-    if not (_is_tensor_of(w, (H, D), _FLOAT_DTYPE_SET, device)
-            and _is_tensor_of(b, (H, D), _FLOAT_DTYPE_SET, device)):
-        _check_norm_parameters(w, b, (H, D), device)
-
-    if isinstance(eta, torch.Tensor):
-        if not _is_tensor_of(eta, (B, T, H, 1), _FLOAT_DTYPE_SET, device):
-            _require_tensor("eta", eta, 4)
-            _require_shape("eta", eta, (B, T, H, 1), "[B, T, H, 1]")
-            _require_device("eta", eta, device)
-    elif type(eta) is float or (isinstance(eta, numbers.Real) and not isinstance(eta, bool)):
-        if not math.isfinite(float(eta)):
-            raise ValueError(f"eta: expected a finite float, got {eta}")
-        eta = _eta_of_float(eta, shape, dtype, device)
-    else:
-        raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
-                        f"got {type(eta).__name__}")
-    _check_eta_key(eta_key, (B, T, H, 1), device)
-    return eta
-
-
-def _usual_options(scale, eps, chunk_size, output_final_state, output) -> bool:
-    """Whether the options pass every check of :func:`_check_options` as they are (a float
-    ``scale`` or None, a float ``eps``, an int ``chunk_size``, a bool, an output form): the
-    common case, in one expression."""
-    return ((scale is None or (type(scale) is float and 0 < scale < math.inf))
-            and type(eps) is float and 0 < eps < math.inf
-            and type(chunk_size) is int and chunk_size >= 1
-            and type(output_final_state) is bool and type(output) is str and output in OUTPUTS)
-
-
-def _check_options(scale, eps, chunk_size, output_final_state, output, D: int
-                   ) -> tuple[float, float, int]:
-    """Raise the first error of the checks of ``output``, ``scale``, ``eps``, ``chunk_size``
-    and ``output_final_state``, in this order; else ``(scale, eps, chunk_size)`` as a float
-    (``D ** -0.5`` for None), a float and an int."""
-    _check_output(output)
-    scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
-    eps = _positive_float("eps", eps)
-    if type(chunk_size) is not int and (isinstance(chunk_size, bool)
-                                        or not isinstance(chunk_size, numbers.Integral)):
-        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state: expected a bool, "
-                        f"got {type(output_final_state).__name__}")
-    return scale, eps, int(chunk_size)
-
-
-def _usual_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
-                  device: torch.device) -> bool:
-    """Whether each initial state is None or a float32 tensor of its shape on ``device``
-    (which :func:`_check_states` passes): the common case, in one expression."""
-    N, H, D = NHD
-    tensor, float32 = torch.Tensor, torch.float32
-    return ((initial_state is None
-             or (isinstance(initial_state, tensor) and initial_state.shape == (N, H, D, D)
-                 and initial_state.dtype == float32 and initial_state.device == device))
-            and (initial_state_bias is None
-                 or (isinstance(initial_state_bias, tensor)
-                     and initial_state_bias.shape == (N, H, 1, D)
-                     and initial_state_bias.dtype == float32
-                     and initial_state_bias.device == device)))
+    dtypes = _STATE_DTYPES_OF_FLOAT64 if dtype == torch.float64 else _STATE_DTYPES
+    if initial_state is not None:
+        shape = (N, H, D, D)
+        rule = _broken_rule(initial_state, dtypes, shape, device)
+        if rule is not None:
+            raise _state_error("initial_state", initial_state, rule, dtypes, shape,
+                               "[N, H, D, D]", device, what_n)
+    if initial_state_bias is not None:
+        shape = (N, H, 1, D)
+        rule = _broken_rule(initial_state_bias, dtypes, shape, device)
+        if rule is not None:
+            raise _state_error("initial_state_bias", initial_state_bias, rule, dtypes, shape,
+                               "[N, H, 1, D]", device, what_n)
 
 
 def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias
@@ -312,40 +312,23 @@ def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                  initial_state=None, initial_state_bias=None, output_final_state=False,
                  cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
-    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults) and
-    return the contiguous :class:`Problem` backends receive. Public: a backend's tests (or
-    the conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``.
-
-    Each group of arguments is first checked in one expression for the common case (see
-    :func:`_usual_tensors`); where that fails, the checks that raise the first error, in
-    the order of the arguments, run (and pass what the common case leaves out, such as
-    numpy numbers)."""
-    if not (isinstance(q, torch.Tensor) and q.dim() == 4):
-        _require_tensor("q", q, 4)
-    shape, dtype, device = q.shape, q.dtype, q.device
+    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults; in
+    the order the module docstring gives, the first broken rule raising) and return the
+    contiguous :class:`Problem` backends receive. Public: a backend's tests (or the
+    conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
+    eta_is_tensor = isinstance(eta, Tensor)
+    shape, dtype, device, eta = _checked_tensors(q, k, v, w, b, eta, eta_key)
     B, T, H, D = shape
-    eta_is_tensor = isinstance(eta, torch.Tensor)
-    if not _usual_tensors(k, v, w, b, eta, eta_key, shape, dtype, device):
-        eta = _check_tensors(q, k, v, w, b, eta, eta_key)
-    elif not eta_is_tensor:
-        eta = _eta_of_float(eta, shape, dtype, device)
-    if _usual_options(scale, eps, chunk_size, output_final_state, output):
-        scale = D ** -0.5 if scale is None else scale
-    else:
-        scale, eps, chunk_size = _check_options(scale, eps, chunk_size, output_final_state,
-                                                output, D)
-
+    scale, eps, chunk_size = _checked_options(scale, eps, chunk_size, output_final_state,
+                                              output, D)
     if cu_seqlens is not None:
         seq_lens = _check_cu_seqlens(cu_seqlens, B, T, device)
         cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
     else:
         seq_lens = (T,) * B
-
     if initial_state is not None or initial_state_bias is not None:
-        NHD = (len(seq_lens), H, D)
-        if not _usual_states(initial_state, initial_state_bias, NHD, device):
-            _check_states(initial_state, initial_state_bias, NHD, dtype, device,
-                          "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
+        _check_states(initial_state, initial_state_bias, (len(seq_lens), H, D), dtype, device,
+                      "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
     requires_grad = torch.is_grad_enabled() and _any_requires_grad(
         q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
     return Problem._of_fields({

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _warmup_workers as _workers
+from ._warmup_calls import FORMS, CallForm, Config, call_inputs, run_call
 from .backend import Backend, WarmupShape
 from .choice import select_backend
 from .errors import BackendNotSupportedError
-from .ops import chunk_ttt_linear
 from .registry import load_backend
 from .validation import make_problem
 
@@ -47,37 +47,6 @@ DEFAULT_CHUNK_SIZES = (16,)
 DEFAULT_HEADS = (32,)
 """Heads of the official TTT-Linear 1B configuration (32 heads of dim 64). Triton
 specialises its kernels on the number of heads: warm up with the heads of your model."""
-
-
-@dataclass(frozen=True)
-class CallForm:
-    """How one warm-up call passes the optional arguments (see the module docstring):
-    ``initial`` states, ``final`` states out, the ``layer``'s eta_key and output form."""
-
-    name: str
-    initial: bool
-    final: bool
-    layer: bool = False
-
-
-FORMS = (CallForm("plain", False, False), CallForm("initial", True, False),
-         CallForm("final", False, True), CallForm("states", True, True),
-         CallForm("layer", True, False, layer=True),
-         CallForm("layer_cache", True, True, layer=True))
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration a warm-up compiles for."""
-
-    dtype: torch.dtype
-    head_dim: int
-    chunk_size: int
-    heads: int
-
-    def describe(self) -> str:
-        return (f"{str(self.dtype).replace('torch.', '')} D={self.head_dim} "
-                f"chunk={self.chunk_size} H={self.heads}")
 
 
 @dataclass(frozen=True)
@@ -162,7 +131,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         for layout, form, params, grad in plan.calls:
             if progress is not None:
                 progress(done, total, f"{plan.backend} {plan.config.describe()}")
-            _call(plan.backend, plan.config, layout, form, params, grad, device)
+            run_call(plan.backend, plan.config, layout, form, params, grad, device)
             done += 1
         entries.append(WarmupEntry(plan.config, plan.backend, len(plan.calls),
                                    time.perf_counter() - plan_start))
@@ -281,62 +250,12 @@ def _takes_layer_form(backend: Backend) -> bool:
 
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
-    inputs = _inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
-                     (config.dtype, config.dtype), device, grad=True)
+    inputs = call_inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
+                         (config.dtype, config.dtype), device, grad=True)
     problem = make_problem(**inputs, chunk_size=config.chunk_size)
     if name is not None:
         load_backend(name)
     return select_backend(problem, name)
-
-
-def _inputs(config: Config, layout: WarmupShape, form: CallForm,
-            params: tuple[torch.dtype, torch.dtype], device: torch.device, grad: bool) -> dict:
-    """Random inputs of one call, ``params`` the dtypes of (``w``, ``b``) and of (``eta``,
-    ``eta_key``) (values matter little; they stay finite)."""
-    N, T, H, D = layout.sequences, layout.seq_len, config.heads, config.head_dim
-    B, L = (1, N * T) if layout.packed else (N, T)
-    gen = torch.Generator(device).manual_seed(0)
-    dt, (affine, rates) = config.dtype, params
-    state_dt = torch.float64 if dt == torch.float64 else torch.float32
-
-    def rand(*shape, dtype=dt):
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
-
-    k = rand(B, L, H, D)
-    inputs = dict(q=rand(B, L, H, D), k=k / k.norm(dim=-1, keepdim=True), v=rand(B, L, H, D),
-                  w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
-                  eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
-                                        dtype=rates))
-    if form.initial:
-        inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
-                      initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
-    if form.layer:
-        inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
-                                             dtype=rates)
-    if grad:
-        for t in inputs.values():
-            t.requires_grad_(True)
-    if layout.packed:
-        inputs["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=device, dtype=torch.int64)
-    return inputs
-
-
-def _call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
-          params: tuple[torch.dtype, torch.dtype], grad: bool, device: torch.device) -> None:
-    """One call: forward without gradients, or forward and backward."""
-    inputs = _inputs(config, layout, form, params, device, grad)
-    kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.final,
-                  backend=backend)
-    if form.layer:
-        kwargs.update(scale=1.0, output="query_residual")
-    with torch.set_grad_enabled(grad):
-        outputs = [t for t in chunk_ttt_linear(**inputs, **kwargs) if t is not None]
-        if grad:
-            leaves = [t for t in inputs.values() if t.requires_grad]
-            cotangents = [torch.randn_like(t) for t in outputs]
-            torch.autograd.grad(outputs, leaves, cotangents)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class ProgressBar:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..tolerances import TOLERANCES
 from .calls import run_op, skip_unless_supported
 from .cases import BF16, F16, F32, OUTPUT_FORMS, Case, make_inputs
 from .compare import Judge
 from .expected import OUTPUT_NAMES, oracle_forward
 from .test_against_oracle import check_forward_against_oracle
-from .tolerances import TOLERANCES
 
 LAYER_FORM = dict(eta_key=True, output="query_residual")
 """The form ``ttt.nn.TTTLinear`` calls the op in."""
