@@ -58,13 +58,14 @@ def every_row_count(launcher, rules):
     """Within: the backend's rule sends every generation step of up to a chunk of rows to
     fwd_decode (``rules.ROW_STEP_ROWS`` raised to the chunk, the launcher's kept forward
     setups forgotten on the way in and out)."""
-    saved = dict(rules.ROW_STEP_ROWS)
-    rules.ROW_STEP_ROWS.update(dict.fromkeys(saved, CHUNK))
+    saved = rules.ROW_STEP_ROWS
+    raised = dict.fromkeys(saved, CHUNK) if isinstance(saved, dict) else CHUNK
+    rules.ROW_STEP_ROWS = raised
     launcher._FORWARD_SETUPS.clear()
     try:
         yield
     finally:
-        rules.ROW_STEP_ROWS.update(saved)
+        rules.ROW_STEP_ROWS = saved
         launcher._FORWARD_SETUPS.clear()
 
 

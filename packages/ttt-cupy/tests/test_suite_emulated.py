@@ -112,8 +112,7 @@ def test_every_suite_test_runs_here():
 def _step_kernel(rows: int, D: int) -> str:
     """The emulated entry point of a float32 generation step of at most ``rows`` rows per
     sequence: fwd_decode up to placement.ROW_STEP_ROWS, the fused chain past them."""
-    most = placement.ROW_STEP_ROWS["float32_wide" if d_pad(D) > 64 else "float32"]
-    return "emu_fwd_decode" if rows <= most else "emu_fwd_chain_fused"
+    return "emu_fwd_decode" if rows <= placement.ROW_STEP_ROWS else "emu_fwd_chain_fused"
 
 
 DECODE_PAST_ROWS = [  # generation steps of 17 to 32 rows in a chunk of 32: the fused chain
