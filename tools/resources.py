@@ -86,7 +86,7 @@ def compile_inputs(name: str, fn, kind: str, rows: str | None, extra: dict, dtyp
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=_aligned(fn, sig) if aligned else None)
-    options = tuning.launch_options("local" if name == "bwd_local" else kind, BD,
+    options = tuning.launch_options("local" if name in ("fwd_out", "bwd_local") else kind, BD,
                                     dtype == "fp32", tune, fused_bwd=name == "bwd_fused", BT=BT)
     if name in ("bwd_local", "bwd_grads") and tuning.wide_backward(torch_dtype, BD, BT):
         options["num_stages"] = tuning.WIDE_BACKWARD["stages"]

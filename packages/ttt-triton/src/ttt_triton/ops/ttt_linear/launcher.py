@@ -193,7 +193,8 @@ def _forward_setup(p: Problem, save_for_backward: bool, tune: Tuning) -> _Forwar
         **_launch("chain", BD, p.q.dtype, tune))
     out = None if fuse else dict(
         H=H, D=D, BT=BT, BS=_rows("S_out", BT, BD, G, p.q.dtype, tune), BD=BD, G=G,
-        IS_VARLEN=varlen, HALF=half, PREC=prec, **forms, **_launch("group", BD, p.q.dtype, tune))
+        IS_VARLEN=varlen, HALF=half, PREC=prec, **forms,
+        **_launch("local", BD, p.q.dtype, tune, BT=BT))
     return _kept(key, _ForwardSetup(grp, fuse, save, chain, out))
 
 

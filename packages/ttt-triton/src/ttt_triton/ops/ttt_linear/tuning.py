@@ -50,14 +50,16 @@ while the process lives; several processes sharing a GPU ran out of memory). So 
 
 - the group kernels take blocks of at most ``rows`` rows at head dim 128 (fwd_out at chunk
   16: 9.0 KB of stack with 64 rows, 0.4 KB with 32);
-- bwd_local runs ``local_warps`` warps at chunk 64 (10.9 KB with 8 at head dim 128, 3.6 KB
-  with 16; 9.6 / 3.2 KB at head dim 64);
+- fwd_out and bwd_local (the ``"local"`` kind of :func:`num_warps`) run ``local_warps``
+  warps at chunk 64 (bwd_local at head dim 128: 10.9 KB with 8, 3.6 KB with 16; fwd_out at
+  head dim 128 without eta_key: 8.9 KB with 8, 1.7 KB with 16);
 - the forward chain is not fused (fused: 4.3-11.3 KB at head dim 128, 8.6 KB at chunk 64,
   head dim 64); a generation step longer than fwd_decode's rows runs fwd_chain and fwd_out.
 
-Every kernel configuration the rules pick then has at most 4.8 KB of stack, 1.2 GiB reserved
-per process (bwd_chain at chunk 64, head dim 64; ``python -m tools.resources``, sm_90,
-triton 3.6)."""
+The largest stack the rules then pick is 6.0 KB, 1.5 GiB reserved per process (bwd_local
+at chunk 64, head dim 64, without eta_key; ``python -m tools.resources``, sm_90, triton 3.6;
+ptxas's spilling moves with small changes of a kernel, so the sm_90 compile test bounds it:
+``tests/sm90_compile.py``'s ``STACK_LIMIT``)."""
 
 NUM_STAGES = {"chain_stages": 1, "chain_stages_fp32": 1, "fused_bwd_stages": 2,
               "group_stages": 2, "group_stages_fp32": 1}
@@ -188,8 +190,8 @@ def ieee_wide(ieee: bool, BD: int, BT: int) -> bool:
 
 def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING,
               BT: int = 16) -> int:
-    """num_warps of a ``kind`` kernel: "chain", "group", or "local" (bwd_local: a group
-    kernel, :data:`IEEE_WIDE` aside); :data:`NUM_WARPS`."""
+    """num_warps of a ``kind`` kernel: "chain", "group", or "local" (fwd_out, bwd_local: group
+    kernels but for :data:`IEEE_WIDE`); :data:`NUM_WARPS`."""
     group = "group" if kind == "local" else kind
     forced = getattr(tune, f"{group}_warps")
     if forced is not None:
