@@ -38,8 +38,10 @@ CAPABILITIES = Capabilities(
         "and the stored LayerNorm xhat, r (kept for the backward)",
         "with many (sequence, head) chains the chain kernels also write the outputs "
         "and dk, dv (tuning.FUSED)",
-        "a generation step (no backward, every sequence within one chunk) is one "
-        "launch: the forward chain writing the outputs (tuning.decode_step)",
+        "a generation step (no backward, every sequence within one chunk: "
+        "ttt.schedule.generation_step) is one launch, fwd_decode or the forward chain "
+        "writing the outputs; two (fwd_chain, fwd_out) for float32 at head dim 128 or "
+        "chunk 64 past fwd_decode's rows (tuning.IEEE_WIDE)",
         f"head dims 1..{MAX_HEAD_DIM} (tiles padded to a power of two >= 16); "
         "D = 256 does not fit the state in one program's registers",
         "eta_key and the output forms are compile-time switches of the same kernels: "
