@@ -52,7 +52,7 @@ most own time per call of the ``fwd+bwd`` case on the first shape (in this proce
 schedule, the buffers, the casts and each launch's arguments), on the CPU, with nothing
 launched: the cupy launcher runs through its device seam with a stand-in whose kernels are
 their names and whose ``launch`` returns at once (no cupy needed), the Triton launcher with
-its launch step (``launches.run``) replaced by a no-op. CPU tensors, bfloat16 inputs (q, k,
+its launch step (``launches.run``) and compiling ahead replaced by no-ops. CPU tensors, bfloat16 inputs (q, k,
 v, w, b, eta, as ``benchmarks/decode.py`` passes them). Per backend and shape:
 
 - ``decode``: a forward without backward, with initial and final states (a generation step
@@ -506,6 +506,7 @@ def _launchers(backend: str):
     from ttt_triton.ops.ttt_linear import launcher
 
     launcher.launches_run = lambda *args, **kwargs: None
+    launcher.launches_prefetch = lambda *args, **kwargs: None   # (compiles, once per key)
     return (lambda p, save: launcher.ttt_linear_fwd(p, save),
             lambda p, saved, do: launcher.ttt_linear_bwd(p, saved, do, None, None))
 
