@@ -618,50 +618,24 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           bool KEY = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,     // [B, T, H] fp32
-                     const float* __restrict__ lnw,     // [H, D] fp32
-                     const float* __restrict__ lnb,     // [H, D] fp32
-                     const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
-                     const float* __restrict__ rbuf,    // [B, T, H] fp32 r
-                     const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-                     float* __restrict__ dgbuf,         // dg_loc in, the full dg out
-                     float* __restrict__ deta,          // [B, T, H]: += the last-row terms
-                     const float* __restrict__ dht,     // [N, H, D, D] or null
-                     const float* __restrict__ dhbt,    // [N, H, D] or null
-                     float* __restrict__ dck,           // [slots, H, D, D] slot cotangents
-                     float* __restrict__ dckb,          // [slots, H, D] (of hb)
-                     float* __restrict__ dh0,           // [N, H, D, D] or null
-                     float* __restrict__ dhb0,          // [N, H, D] or null (with dh0)
-                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
-                     float* __restrict__ dkey,          // [B, T, H] fp32 deta_key (KEY) or null
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,  // [3 + ..] int32 or null: the overlapped backward
-                     unsigned long long smem_bytes) {
+ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if constexpr (MMA) {
-        if (smem_bytes < Tr::kBwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
-            G < 1)
-            __trap();
-        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf,
-                                                    dopbuf, dgbuf, deta, dht, dhbt, dck, dckb,
-                                                    dh0, dhb0, rlbuf, dkey, cu_seqlens,
-                                                    grp_offsets, scale, T_len, H, D, G, g_lo,
-                                                    g_hi, nullptr, nullptr, nullptr, nullptr,
-                                                    nullptr, sync);
-    } else {
-        if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
-                                               T_len, H, D, G, g_lo, g_hi, sync);
-    }
+    if (p.smem_bytes < (MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes) ||
+        blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) || p.D > D_PAD || p.G < 1)
+        __trap();
+    if constexpr (MMA)
+        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, nullptr, nullptr,
+            nullptr, nullptr, nullptr, p.sync);
+    else
+        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
 }
 
 // The fused backward chain (launcher: many chains at D_PAD <= 64, half inputs): the MMA
@@ -679,34 +653,17 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // (Traits::kBwdChainFusedTcBytes).
 template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
-ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
-                           const T* __restrict__ v, const float* __restrict__ eta,
-                           const float* __restrict__ lnw, const float* __restrict__ lnb,
-                           const float* __restrict__ xbuf, const float* __restrict__ rbuf,
-                           const float* __restrict__ dopbuf, float* __restrict__ dgbuf,
-                           float* __restrict__ deta, const float* __restrict__ dht,
-                           const float* __restrict__ dhbt, float* __restrict__ dck,
-                           float* __restrict__ dckb, float* __restrict__ dh0,
-                           float* __restrict__ dhb0,
-                           const float* __restrict__ rlbuf,   // [B, T, H] LayerNorm r (KEY)
-                           float* __restrict__ dkey,          // [B, T, H] deta_key (KEY)
-                           const float* __restrict__ ck,      // [slots, H, D, D] state slots
-                           T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-                           float* __restrict__ dwp,           // [groups, H, D] dw partials
-                           float* __restrict__ dbp,           // [groups, H, D] db partials
-                           const long long* __restrict__ cu_seqlens,
-                           const long long* __restrict__ grp_offsets, float scale,
-                           long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-                           unsigned long long smem_bytes) {
+ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {
     static_assert(MMA && ttt::is_half_type<T>::value, "only the tensor-core instance fuses");
     static_assert(D_PAD <= 64, "D_PAD 128 would hold two [D_PAD, D_PAD] tiles per block");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
-        G < 1)
+    if (p.smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads ||
+        p.D > D_PAD || p.G < 1)
         __trap();
-    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
-                                               T_len, H, D, G, g_lo, g_hi, ck, dk, dv, dwp, dbp);
+    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(
+        smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+        p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+        p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.ck, p.dk, p.dv, p.dwp,
+        p.dbp);
 }

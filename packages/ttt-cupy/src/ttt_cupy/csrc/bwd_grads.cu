@@ -44,36 +44,34 @@
 // product is SIMT fp32.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          bool KEY = false>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
-                                  ttt::Traits<D_PAD, BT>::kGradsBlocks)
-ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,     // [B, T, H] fp32
-                     const float* __restrict__ lnw,     // [H, D] fp32
-                     const float* __restrict__ lnb,     // [H, D] fp32
-                     const float* __restrict__ ck,      // [slots, H, D, D] state slots
-                     // written by bwd_chain, running beside this kernel when overlapped: not
-                     // __restrict__, so that they are not read through the read-only path
-                     const float* dck,                  // [slots, H, D, D] slot cotangents
-                     const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
-                     const float* __restrict__ rbuf,    // [B, T, H] fp32 r
-                     const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-                     const float* dgbuf,                // [B, T, H, D] fp32 full dg
-                     T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-                     float* __restrict__ dwp,           // [groups, H, D] partials of dw
-                     float* __restrict__ dbp,           // [groups, H, D] partials of db
-                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                     float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,           // null (kPlain) or the overlapped backward's buffer
-                     int mode,            // overlap::kPlain / kOverlap / kCleanup
-                     long long n_chains,  // N H (kOverlap, kCleanup)
-                     int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
-                     unsigned long long smem_bytes) {
+template <typename T, int D_PAD, int BT, bool MMA, bool KEY>
+__device__ __forceinline__ void bwd_grads_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,     // [B, T, H] fp32
+    const float* __restrict__ lnw,     // [H, D] fp32
+    const float* __restrict__ lnb,     // [H, D] fp32
+    const float* __restrict__ ck,      // [slots, H, D, D] state slots
+    // written by bwd_chain, running beside this kernel when overlapped: not
+    // __restrict__, so that they are not read through the read-only path
+    const float* dck,                  // [slots, H, D, D] slot cotangents
+    const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
+    const float* __restrict__ rbuf,    // [B, T, H] fp32 r
+    const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
+    const float* dgbuf,                // [B, T, H, D] fp32 full dg
+    T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
+    float* __restrict__ dwp,           // [groups, H, D] partials of dw
+    float* __restrict__ dbp,           // [groups, H, D] partials of db
+    const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
+    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+    float scale, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi,
+    int* sync,           // null (kPlain) or the overlapped backward's buffer
+    int mode,            // overlap::kPlain / kOverlap / kCleanup
+    long long n_chains,  // N H (kOverlap, kCleanup)
+    int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+    unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
@@ -324,4 +322,15 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     static_assert(NW * LD <= BT * LDH, "the partials need [NW, LD] of s_q and s_k");
     ttt::store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D,
                                             a0, d1);
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          bool KEY = false>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  ttt::Traits<D_PAD, BT>::kGradsBlocks)
+ttt_linear_bwd_grads(const ttt::BwdParams<T> p) {
+    bwd_grads_kernel<T, D_PAD, BT, MMA, KEY>(
+        p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.dck, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.dk,
+        p.dv, p.dwp, p.dbp, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.grp_seq, p.scale, p.T_len, p.H,
+        p.D, p.G, p.g_lo, p.g_hi, p.sync, p.mode, p.n_chains, p.wait_spins, p.smem_bytes);
 }

@@ -281,29 +281,28 @@ __device__ __forceinline__ void bwd_local_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          int OUT = ttt::kOutNorm>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,    // [B, T, H] fp32
-                     const float* __restrict__ lnw,    // [H, D] fp32
-                     const float* __restrict__ lnb,    // [H, D] fp32
-                     const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
-                     const float* __restrict__ ck,     // [slots, H, D, D] state slots
-                     const float* __restrict__ ckb,    // [slots, H, D]
-                     const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
-                     const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
-                     float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
-                     float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
-                     T* __restrict__ dq,               // [B, T, H, D]
-                     float* __restrict__ deta,         // [B, T, H] fp32
-                     float* __restrict__ dwp,          // [groups, H, D] partials of dw
-                     float* __restrict__ dbp,          // [groups, H, D] partials of db
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                     float scale, float eps, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
+template <typename T, int D_PAD, int BT, bool MMA, int OUT>
+__device__ __forceinline__ void bwd_local_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,    // [B, T, H] fp32
+    const float* __restrict__ lnw,    // [H, D] fp32
+    const float* __restrict__ lnb,    // [H, D] fp32
+    const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
+    const float* __restrict__ ck,     // [slots, H, D, D] state slots
+    const float* __restrict__ ckb,    // [slots, H, D]
+    const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
+    const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
+    float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
+    float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
+    T* __restrict__ dq,               // [B, T, H, D]
+    float* __restrict__ deta,         // [B, T, H] fp32
+    float* __restrict__ dwp,          // [groups, H, D] partials of dw
+    float* __restrict__ dbp,          // [groups, H, D] partials of db
+    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+    float scale, float eps, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi, unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
@@ -420,4 +419,14 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
     ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
                                        D);
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+ttt_linear_bwd_local(const ttt::BwdParams<T> p) {
+    bwd_local_kernel<T, D_PAD, BT, MMA, OUT>(
+        p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf,
+        p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens, p.grp_offsets, p.grp_seq, p.scale,
+        p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.smem_bytes);
 }

@@ -537,50 +537,26 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
-ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; else unused)
-                     const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,   // [B, T, H] fp32
-                     const float* __restrict__ lnw,   // [H, D] fp32
-                     const float* __restrict__ lnb,   // [H, D] fp32
-                     const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
-                     const float* __restrict__ hb0,   // [N, H, D] fp32 or null
-                     float* __restrict__ ht,          // [N, H, D, D] or null
-                     float* __restrict__ hbt,         // [N, H, D] or null (with ht)
-                     float* __restrict__ ck,          // [slots, H, D, D] state slots
-                     float* __restrict__ ckb,         // [slots, H, D]
-                     float* __restrict__ xbuf,        // [B, T, H, D] fp32: xh of valid rows
-                     float* __restrict__ rbuf,        // [B, T, H] fp32: r of valid rows
-                     T* __restrict__ o,               // [B, T, H, D] (FUSE; else unused)
-                     const float* __restrict__ ekey,  // [B, T, H] fp32 eta_key (KEY) or null
-                     float* __restrict__ rlbuf,       // [B, T, H] fp32 LayerNorm r (KEY) or null
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     float scale, float eps, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,  // [3 + ..] int32 or null: the overlapped forward (ttt_common.cuh)
-                     unsigned long long smem_bytes) {
+ttt_linear_fwd_chain(const ttt::FwdParams<T> p) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     static_assert(FUSE || OUT == ttt::kOutNorm, "only the FUSE instance writes outputs");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if constexpr (MMA) {
-        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedTcBytes
-                                                   : Tr::kFwdChainTcBytes;
-        if (smem_bytes < kBytes || blockDim.x != Tr::kTcThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht,
-                                                        hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
-                                                        cu_seqlens, grp_offsets, scale, eps,
-                                                        T_len, H, D, G, g_lo, g_hi, sync);
-    } else {
-        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
-                                                   : Tr::kFwdChainBytes;
-        if (smem_bytes < kBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0,
-                                                          ht, hbt, ck, ckb, xbuf, rbuf, o, ekey,
-                                                          rlbuf, cu_seqlens, grp_offsets, scale,
-                                                          eps, T_len, H, D, G, g_lo, g_hi, sync);
-    }
+    constexpr unsigned long long kBytes =
+        MMA ? (FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes)
+            : (FUSE ? Tr::kFwdChainFusedBytes : Tr::kFwdChainBytes);
+    if (p.smem_bytes < kBytes || blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) ||
+        p.D > D_PAD || p.G < 1)
+        __trap();
+    if constexpr (MMA)
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
+            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
+            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+    else
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
+            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
+            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
 }

@@ -213,31 +213,29 @@ __device__ __forceinline__ void fwd_out_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          int OUT = ttt::kOutNorm>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
-                                  MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
-ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const float* __restrict__ eta,    // [B, T, H] fp32
-                   const float* __restrict__ lnw,    // [H, D] fp32
-                   const float* __restrict__ lnb,    // [H, D] fp32
-                   // written by fwd_chain, running beside this kernel when overlapped: not
-                   // __restrict__, so that they are not read through the read-only path
-                   const float* ck,                  // [slots, H, D, D] state slots
-                   const float* ckb,                 // [slots, H, D]
-                   const float* xbuf,                // [B, T, H, D] fp32 xh (fwd_chain)
-                   const float* rbuf,                // [B, T, H] fp32 r (fwd_chain)
-                   T* __restrict__ o,                // [B, T, H, D]
-                   const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                   const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                   const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                   float scale, float eps, long long T_len, int H, int D, int G,
-                   long long g_lo, long long g_hi,
-                   int* sync,           // null (kPlain) or the overlapped forward's buffer
-                   int mode,            // overlap::kPlain / kOverlap / kCleanup
-                   long long n_chains,  // N H (kOverlap, kCleanup)
-                   int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
-                   unsigned long long smem_bytes) {
+template <typename T, int D_PAD, int BT, bool MMA, int OUT>
+__device__ __forceinline__ void fwd_out_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,    // [B, T, H] fp32
+    const float* __restrict__ lnw,    // [H, D] fp32
+    const float* __restrict__ lnb,    // [H, D] fp32
+    // written by fwd_chain, running beside this kernel when overlapped: not
+    // __restrict__, so that they are not read through the read-only path
+    const float* ck,                  // [slots, H, D, D] state slots
+    const float* ckb,                 // [slots, H, D]
+    const float* xbuf,                // [B, T, H, D] fp32 xh (fwd_chain)
+    const float* rbuf,                // [B, T, H] fp32 r (fwd_chain)
+    T* __restrict__ o,                // [B, T, H, D]
+    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+    float scale, float eps, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi,
+    int* sync,           // null (kPlain) or the overlapped forward's buffer
+    int mode,            // overlap::kPlain / kOverlap / kCleanup
+    long long n_chains,  // N H (kOverlap, kCleanup)
+    int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+    unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
@@ -307,4 +305,15 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
         __syncthreads();
     }
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
+ttt_linear_fwd_out(const ttt::FwdParams<T> p) {
+    fwd_out_kernel<T, D_PAD, BT, MMA, OUT>(
+        p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb, p.xbuf, p.rbuf, p.o, p.cu_seqlens,
+        p.grp_offsets, p.grp_seq, p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync,
+        p.mode, p.n_chains, p.wait_spins, p.smem_bytes);
 }
