@@ -2,7 +2,7 @@
 
 CuPy's own disk cache never serves a program compiled with ``name_expressions`` (every
 program of this backend), so without this each process compiles every program again. Here a
-program is compiled with NVRTC through cuda-python (``cuda.bindings.nvrtc``, as
+program is compiled with NVRTC through cuda-python (:mod:`ttt_cupy.nvrtc`, as
 :mod:`ttt_cupy.nvrtc_check` does) to a cubin for the device's arch, with the lowered
 (mangled) names of its name expressions, and both are stored under
 :attr:`ttt_cupy.config.CupyConfig.cache_dir` (``TTT_CUPY_CACHE_DIR``, default
@@ -33,16 +33,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import nvrtc
+
 FORMAT = 1
 """The entries' format; part of the key, so that a new format never reads an old entry."""
 
 
 def nvrtc_version() -> str:
-    """cuda-python's NVRTC version, e.g. ``"13.5"`` (ImportError without cuda-python)."""
-    from .nvrtc_check import _nvrtc
-
-    _, major, minor = _nvrtc().nvrtcVersion()
-    return f"{major}.{minor}"
+    """cuda-python's NVRTC version, e.g. ``"13.5"`` (nvrtc.NvrtcError without cuda-python)."""
+    return nvrtc.version()
 
 
 def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str], arch: str,
@@ -58,14 +57,9 @@ def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str],
 def compile_cubin(code: str, names: list[str], arch: str,
                   options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
     """(cubin for sm_``arch``, {name expression: lowered name}) compiled by NVRTC through
-    cuda-python; raises (nvrtc_check.CheckError with the log) when NVRTC fails."""
-    from .nvrtc_check import _check, _out_buffer, nvrtc_program
-
-    with nvrtc_program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-        cubin = _out_buffer(size)
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", nvrtc)
-        return bytes(cubin), lowered
+    cuda-python (:func:`ttt_cupy.nvrtc.cubin`); raises nvrtc.NvrtcError with the log when
+    NVRTC fails."""
+    return nvrtc.cubin(code, names, arch, options)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
