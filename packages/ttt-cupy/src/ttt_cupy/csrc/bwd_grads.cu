@@ -44,6 +44,64 @@
 // product is SIMT fp32.
 #include "ttt_common.cuh"
 
+// bwd_grads' row pass over a chunk: g (s_g), dkh (s_dkh), dy w (b_dyw), dv, and this lane's
+// dw / db partials. Pass u gives lane group ``sub`` row warp + NW (sub + RPP u); rows >= L run
+// on zeros (every lane takes part in the row sums): r = 0 makes g, dkh and dy zero there.
+template <typename T, int D_PAD, int BT, bool MMA, bool KEY,
+          int LPR = MMA ? ttt::Traits<D_PAD, BT>::template kRowLanes<BT> : 32,
+          int PL = (D_PAD + LPR - 1) / LPR,
+          int NPASS = ttt::Traits<D_PAD, BT>::kRowsPerWarp / (32 / LPR)>
+__device__ __forceinline__ void bwd_grads_rows(
+    float (&b_dyw)[NPASS][PL], float (&b_dw)[PL], float (&b_db)[PL], float* s_g, float* s_dkh,
+    const float* s_k, const float* __restrict__ xbuf, const T* __restrict__ k,
+    const T* __restrict__ v, const float* dgbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ rlbuf, T* __restrict__ dv, const float (&b_w)[PL],
+    const float (&b_b)[PL], long long p_base, long long p_ebase, long long row0,
+    long long row_stride, int L, int H, int D, int a0, int d1) {
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr int NW = Tr::kWarps, LD = Tr::kLd, SPLIT = Tr::kGradsSplit, RPP = 32 / LPR;
+    const int warp = threadIdx.x >> 5, sub = (threadIdx.x & 31) / LPR;
+#pragma unroll
+    for (int u = 0; u < NPASS; ++u) {
+        const int i = warp + NW * (sub + RPP * u);
+        const bool ok = i < L;
+        const int n = ok ? D : 0;
+        const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
+        float b_xh[PL], b_k[PL], b_v[PL], b_g[PL], b_y[PL], b_dg[PL], b_dkh[PL], b_dy[PL];
+        const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+        ttt::load_row<D_PAD, LPR>(b_xh, xbuf + o_r, n, 1.f);
+        if constexpr (SPLIT == 1)
+            ttt::load_row<D_PAD, LPR>(b_k, s_k + i * LD, n, 1.f);
+        else  // s_k holds the block's columns only
+            ttt::load_row<D_PAD, LPR>(b_k, k + o_r, n, 1.f);
+        ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
+        ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
+        ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
+        if constexpr (KEY) {  // (g / l from the LayerNorm's r: inner_grad_bwd_row)
+            const float rl = ok ? rlbuf[p_ebase + (row0 + i) * H] : 0.f;
+            float b_gl[PL];
+            ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
+        } else {
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+        }
+        ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
+        ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            b_dyw[u][e] = b_dy[e] * b_w[e];
+            b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
+            b_db[e] += b_dyw[u][e];
+            b_dy[e] = -b_dyw[u][e];
+        }
+        if (!ok) continue;
+        if constexpr (SPLIT == 1)
+            ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
+        else
+            ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
+    }
+}
+
 template <typename T, int D_PAD, int BT, bool MMA, bool KEY>
 __device__ __forceinline__ void bwd_grads_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -186,45 +244,9 @@ __device__ __forceinline__ void bwd_grads_kernel(
         // gives lane group `sub` row warp + NW (sub + RPP u); rows >= L run on zeros (every
         // lane takes part in the row sums): r = 0 makes g, dkh and dy zero there
         float b_dyw[NPASS][PL];                                      // [passes, D] per lane
-#pragma unroll
-        for (int u = 0; u < NPASS; ++u) {
-            const int i = warp + NW * (sub + RPP * u);
-            const bool ok = i < L;
-            const int n = ok ? D : 0;
-            const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
-            float b_xh[PL], b_k[PL], b_v[PL], b_g[PL], b_y[PL], b_dg[PL], b_dkh[PL], b_dy[PL];
-            const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
-            ttt::load_row<D_PAD, LPR>(b_xh, xbuf + o_r, n, 1.f);
-            if constexpr (SPLIT == 1)
-                ttt::load_row<D_PAD, LPR>(b_k, s_k + i * LD, n, 1.f);
-            else  // s_k holds the block's columns only
-                ttt::load_row<D_PAD, LPR>(b_k, k + o_r, n, 1.f);
-            ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
-            ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
-            ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
-            if constexpr (KEY) {  // (g / l from the LayerNorm's r: inner_grad_bwd_row)
-                const float rl = ok ? rlbuf[p_ebase + (row0 + i) * H] : 0.f;
-                float b_gl[PL];
-                ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
-                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
-            } else {
-                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
-            }
-            ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
-            ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
-#pragma unroll
-            for (int e = 0; e < PL; ++e) {
-                b_dyw[u][e] = b_dy[e] * b_w[e];
-                b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
-                b_db[e] += b_dyw[u][e];
-                b_dy[e] = -b_dyw[u][e];
-            }
-            if (!ok) continue;
-            if constexpr (SPLIT == 1)
-                ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
-            else
-                ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
-        }
+        bwd_grads_rows<T, D_PAD, BT, MMA, KEY>(b_dyw, b_dw, b_db, s_g, s_dkh, s_k, xbuf, k, v,
+                                               dgbuf, rbuf, rlbuf, dv, b_w, b_b, p_base, p_ebase,
+                                               row0, row_stride, L, H, D, a0, d1);
         __syncthreads();
 
         if constexpr (MMA) {
