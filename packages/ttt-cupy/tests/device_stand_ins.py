@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-import numpy as np
 import torch
 
 from ttt_cupy import compile as cc
@@ -39,9 +38,9 @@ class StandInStream:
 class RecordingDevice:
     """The launcher's device seam (ttt_cupy.device.CudaDevice) on CPU tensors: an sm_90 with
     227 KiB of shared memory per block whose kernels are their name expressions. Records each
-    launch as (name, grid, block, smem, args), each prefetch of a program as its arguments and
-    each stream wait as (address, value), and
-    keeps every tensor whose address the launcher took (``tensors``), so that addresses stay
+    launch as (name, grid, block, smem, params: the kernel's argument struct), each prefetch of
+    a program as its arguments and each stream wait as (address, value), and keeps every
+    tensor whose address a launch's struct holds (``tensors``), so that addresses stay
     theirs."""
 
     smem_limit = 227 * 1024
@@ -70,14 +69,6 @@ class RecordingDevice:
     def active(self):
         return contextlib.nullcontext()
 
-    def pointer(self, t):
-        if t is not None:
-            self.tensors.append(t)
-        return np.uint64(0 if t is None else t.data_ptr())
-
-    def pointers(self, *tensors):
-        return tuple(self.pointer(t) for t in tensors)
-
     def current_stream(self):
         return StandInStream()
 
@@ -86,13 +77,10 @@ class RecordingDevice:
         self.waits.append((address, value))
         return False
 
-    def launch(self, kernel, grid, block, smem, args, stream) -> None:
+    def launch(self, kernel, grid, block, smem, params, stream) -> None:
         assert isinstance(stream, StandInStream)
-        self.launches.append((kernel, grid, block, smem, args))
-
-
-_C = {np.uint64: ctypes.c_void_p, np.float32: ctypes.c_float, np.int32: ctypes.c_int,
-      np.int64: ctypes.c_longlong}
+        self.tensors.extend(params.tensors)
+        self.launches.append((kernel, grid, block, smem, params))
 
 
 def _entry(name: str) -> tuple[str, int, int]:
@@ -133,8 +121,8 @@ class EmulatedDevice(RecordingDevice):
         super().__init__()
         self.emu, self.ran, self.inputs = emu, [], []
 
-    def launch(self, kernel, grid, block, smem, args, stream) -> None:
-        super().launch(kernel, grid, block, smem, args, stream)
+    def launch(self, kernel, grid, block, smem, params, stream) -> None:
+        super().launch(kernel, grid, block, smem, params, stream)
         emu = self.emu
         entry, dp, bt, variant = _entry_variant(kernel)
         emu.emu_set_variant(*variant)
@@ -143,11 +131,9 @@ class EmulatedDevice(RecordingDevice):
             storage = t.untyped_storage()
             emu.emu_add_buffer(ctypes.c_void_p(storage.data_ptr()),
                                ctypes.c_longlong(storage.nbytes()))
-        c_args = [_C[type(a)](float(a) if isinstance(a, np.floating) else int(a))
-                  for a in args[:-1]]                    # (the last: the smem size)
         try:
             rc = getattr(emu, entry)(ctypes.c_int(dp), ctypes.c_int(bt),
-                                     ctypes.c_longlong(grid), *c_args)
+                                     ctypes.c_longlong(grid), ctypes.byref(params))
         finally:
             emu.emu_set_variant(0, 0)
         assert rc == 0, f"no emulated {entry} for D_PAD {dp}, BT {bt}, variant {variant}"

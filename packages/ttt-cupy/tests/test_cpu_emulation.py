@@ -13,6 +13,7 @@ import ctypes
 import pytest
 
 from ttt_cupy.compile import d_pad
+from ttt_cupy.params import BwdParams, DecodeParams, FwdParams
 from ttt_cupy.smem import decode_rows, grads_split, traits
 
 np = pytest.importorskip("numpy")
@@ -124,9 +125,8 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
         go = np.asarray(offs, dtype=np.int64)
         gs = np.repeat(np.arange(N, dtype=np.int32), np.diff(offs)).astype(np.int32)
     h0, hb0 = (f["h0"], f["hb0"]) if init else (None, None)
-    fl, i64 = ctypes.c_float, ctypes.c_longlong
-    c = dict(H=ctypes.c_int(H), D=ctypes.c_int(D), G=ctypes.c_int(G), T=i64(T),
-             scale=fl(scale), eps=fl(EPS))
+    i64 = ctypes.c_longlong
+    shape = dict(T_len=T, scale=scale, eps=EPS, H=H, D=D, G=G, n_chains=N * H)
     ng_max = max(b - a for a, b in zip(offs[:-1], offs[1:]))
     # (g_lo, g_hi) per launch; (0, 0): one launch over every group
     segs = ([(g, min(g + seg, ng_max)) for g in range(0, ng_max, seg)] if seg > 0 and ng_max > 0
@@ -137,21 +137,24 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
 
     prefetches: dict[str, int] = {}  # prefetch hints per kernel (all checked in bounds)
     copies: dict[str, int] = {}  # cp.async copies per kernel (checked likewise)
-    passed = []  # the arrays handed to the next launch: its prefetch hints must stay inside
 
-    def _p(a):
-        if a is None:
-            return None
-        passed.append(a)
-        return a.ctypes.data_as(ctypes.c_void_p)
+    def pack(cls, **fields):
+        """The pass's struct of ``fields`` (arrays as their addresses) and its arrays: each
+        launch's prefetch hints and copies must stay inside them."""
+        arrays = [a for a in fields.values() if isinstance(a, np.ndarray)]
+        return cls(**{n: a.ctypes.data if isinstance(a, np.ndarray) else a
+                      for n, a in fields.items()}), arrays
 
-    def call(name, grid, *args, fused_instance=False):
+    def call(name, grid, packed, seg_=(0, 0), sync=None, mode=0, spins=0,
+             fused_instance=False):
+        params, arrays = packed
         entry = f"emu_{name}{'_fused' if fused_instance else ''}{'_mma' if name in mma else ''}"
         emu.emu_clear_buffers()
-        for a in passed:  # the arrays of this launch's arguments
+        for a in arrays + ([] if sync is None else [sync]):  # the arrays of this launch
             emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
-        passed.clear()
-        rc = getattr(emu, entry)(DP, BT, i64(grid), *args)
+        params = params.at(g_lo=seg_[0], g_hi=seg_[1], mode=mode, wait_spins=spins,
+                           sync=0 if sync is None else sync.ctypes.data)
+        rc = getattr(emu, entry)(DP, BT, i64(grid), ctypes.byref(params))
         assert rc == 0, f"no emulated {entry} instance for D_PAD={DP}, BT={BT}"
         strays = emu.emu_prefetch_strays()
         assert strays == 0, (f"{entry}: {strays} of {emu.emu_prefetches()} prefetch hints "
@@ -172,17 +175,16 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
     if fused and grads is None:
         ck = ckb = xbuf = rbuf = rlbuf = None
     o = _empty(B, T, H, D)
+    fwd = pack(FwdParams, q=f["q"], k=f["k"], v=f["v"], eta=f["eta"], lnw=f["w"], lnb=f["b"],
+               h0=h0, hb0=hb0, ht=ht, hbt=hbt, ck=ck, ckb=ckb, xbuf=xbuf, rbuf=rbuf, o=o,
+               ekey=key, rlbuf=rlbuf, cu_seqlens=cu_arr, grp_offsets=go, grp_seq=gs, **shape)
 
     def chain(sg, sync=None):
-        call("fwd_chain", N * H, _p(f["q"] if fused else None), _p(f["k"]), _p(f["v"]),
-             _p(f["eta"]), _p(f["w"]), _p(f["b"]), _p(h0), _p(hb0), _p(ht), _p(hbt), _p(ck),
-             _p(ckb), _p(xbuf), _p(rbuf), _p(o if fused else None), _p(key), _p(rlbuf),
-             _p(cu_arr), _p(go), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg,
-             _p(sync), fused_instance=fused)
+        call("fwd_chain", N * H, fwd, sg, sync, fused_instance=fused)
 
     def overlapped_pass(run_chain, run_group, tickets, group_name):
         """One overlapped pass on a fresh sync buffer, in the order ``overlap`` asks (above)."""
-        whole = (i64(0), i64(0))
+        whole = (0, 0)
         sync = np.zeros(3 + N * H + tickets, np.int32)
         if overlap == "chain first":
             run_chain(whole, sync)
@@ -199,19 +201,15 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
         run_group(tickets, whole, sync, mode=2)
 
     def out(grid, sg, sync=None, mode=0, spins=0):
-        call("fwd_out", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
-             _p(f["b"]), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(o), _p(cu_arr), _p(go), _p(gs),
-             c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync),
-             ctypes.c_int(mode), i64(N * H), ctypes.c_int(spins))
+        call("fwd_out", grid, fwd, sg, sync, mode, spins)
 
     if overlap is not None:
         assert not fused and seg == 0, "the overlapped forward is neither fused nor segmented"
         overlapped_pass(chain, out, N * H * ng_max, "fwd_out")
     for lo, hi in ([] if overlap is not None else segs):
-        sg = (i64(lo), i64(hi))
-        chain(sg)
+        chain((lo, hi))
         if not fused:
-            out(span(lo, hi) * H, sg)
+            out(span(lo, hi) * H, (lo, hi))
     if grads is None:
         return (o, ht, hbt), None
 
@@ -227,45 +225,31 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
     dck, dckb = _empty(slots, H, D, D), _empty(slots, H, D)
     dkey = None if key is None else _empty(B, T, H)
     split = grads_split(DP, BT)
+    bwd = pack(BwdParams, q=f["q"], k=f["k"], v=f["v"], dout=do, eta=f["eta"], lnw=f["w"],
+               lnb=f["b"], ck=ck, ckb=ckb, xbuf=xbuf, rbuf=rbuf, rlbuf=rlbuf, dopbuf=dopbuf,
+               dgbuf=dgbuf, dq=g["q"], dk=g["k"], dv=g["v"], deta=g["eta"], dwp_local=dwp[0],
+               dbp_local=dbp[0], dwp=dwp[1], dbp=dbp[1], dht=dht, dhbt=dhbt, dck=dck,
+               dckb=dckb, dh0=dh0, dhb0=dhb0, dkey=dkey, cu_seqlens=cu_arr, grp_offsets=go,
+               grp_seq=gs, **shape)
 
     def bchain(sg, sync=None):
-        call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-             _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["eta"]),
-             _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0), _p(rlbuf), _p(dkey),
-             _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync))
+        call("bwd_chain", N * H, bwd, sg, sync)
 
     def bgrads(grid, sg, sync=None, mode=0, spins=0):
-        call("bwd_grads", grid, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]), _p(f["w"]),
-             _p(f["b"]), _p(ck), _p(dck), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf), _p(g["k"]),
-             _p(g["v"]), _p(dwp[1]), _p(dbp[1]), _p(rlbuf), _p(cu_arr), _p(go), _p(gs),
-             c["scale"], c["T"], c["H"], c["D"], c["G"], *sg, _p(sync), ctypes.c_int(mode),
-             i64(N * H), ctypes.c_int(spins))
+        call("bwd_grads", grid, bwd, sg, sync, mode, spins)
 
     if overlap is not None:  # bwd_local, then bwd_chain and bwd_grads overlapped (as above)
         assert not fuse_grads
-        whole = (i64(0), i64(0))
-        call("bwd_local", count * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-             _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
-             _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
-             _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *whole)
+        call("bwd_local", count * H, bwd)
         overlapped_pass(bchain, bgrads, N * H * ng_max * split, "bwd_grads")
         segs = []
     for lo, hi in reversed(segs):
-        sg = (i64(lo), i64(hi))
-        call("bwd_local", span(lo, hi) * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-             _p(f["w"]), _p(f["b"]), _p(do), _p(ck), _p(ckb), _p(xbuf), _p(rbuf), _p(dopbuf),
-             _p(dgbuf), _p(g["q"]), _p(g["eta"]), _p(dwp[0]), _p(dbp[0]), _p(cu_arr), _p(go),
-             _p(gs), c["scale"], c["eps"], c["T"], c["H"], c["D"], c["G"], *sg)
+        call("bwd_local", span(lo, hi) * H, bwd, (lo, hi))
         if fuse_grads:  # the chain does bwd_grads' work: dk, dv, dw / db per group
-            call("bwd_chain", N * H, _p(f["q"]), _p(f["k"]), _p(f["v"]), _p(f["eta"]),
-                 _p(f["w"]), _p(f["b"]), _p(xbuf), _p(rbuf), _p(dopbuf), _p(dgbuf),
-                 _p(g["eta"]), _p(dht), _p(dhbt), _p(dck), _p(dckb), _p(dh0), _p(dhb0),
-                 _p(rlbuf), _p(dkey), _p(cu_arr), _p(go), c["scale"], c["T"], c["H"], c["D"],
-                 c["G"], *sg, None,
-                 _p(ck), _p(g["k"]), _p(g["v"]), _p(dwp[1]), _p(dbp[1]), fused_instance=True)
+            call("bwd_chain", N * H, bwd, (lo, hi), fused_instance=True)
             continue
-        bchain(sg)
-        bgrads(span(lo, hi) * H * split, sg)  # grads_split blocks per (group, head)
+        bchain((lo, hi))
+        bgrads(span(lo, hi) * H * split, (lo, hi))  # grads_split blocks per (group, head)
     # bwd_grads asks for every group's last chunk before its state loads
     assert fuse_grads or prefetches.get("bwd_grads", 0) > 0, \
         "no bwd_grads prefetch hint reached the check"
@@ -699,19 +683,17 @@ def run_decode(emu, x, seqs, cu, scale, states, final, out, rows, entry="emu_fwd
     h0 = f["h0"] if states in ("both", "state") else None
     hb0 = f["hb0"] if states in ("both", "bias") else None
     cu_arr = None if cu is None else np.asarray(cu, dtype=np.int64)
-    arrays = [f["q"], f["k"], f["v"], f["eta"], f["w"], f["b"], f.get("eta_key"), h0, hb0, ht,
-              hbt, o, cu_arr]
+    fields = dict(q=f["q"], k=f["k"], v=f["v"], eta=f["eta"], lnw=f["w"], lnb=f["b"],
+                  ekey=f.get("eta_key"), h0=h0, hb0=hb0, ht=ht, hbt=hbt, o=o, cu_seqlens=cu_arr)
     emu.emu_clear_buffers()
-    for a in arrays:
+    for a in fields.values():
         if a is not None:
             emu.emu_add_buffer(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(a.nbytes))
+    params = DecodeParams(**{n: None if a is None else a.ctypes.data for n, a in fields.items()},
+                          scale=scale, eps=EPS, T_len=T, H=H, D=D, rows=rows)
     emu.emu_set_variant(int("eta_key" in f), OUT_FORMS[out])
     try:
-        rc = getattr(emu, entry)(
-            d_pad(D), 0, ctypes.c_longlong(N * H),
-            *[None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays],
-            ctypes.c_float(scale), ctypes.c_float(EPS), ctypes.c_longlong(T), ctypes.c_int(H),
-            ctypes.c_int(D), ctypes.c_int(rows))
+        rc = getattr(emu, entry)(d_pad(D), 0, ctypes.c_longlong(N * H), ctypes.byref(params))
     finally:
         emu.emu_set_variant(0, 0)
     assert rc == 0, "no emulated fwd_decode instance"

@@ -158,12 +158,6 @@ FORMS_IN_TURN = [  # as FORMS; each differs in one from the first
     (False, False, False, "raw"),
 ]
 
-ARG_INDEX = {  # (o, ht, scale, eps) in each kernel's arguments (csrc/*.cu)
-    "fwd_chain": (14, 8, 19, 20),
-    "fwd_decode": (11, 9, 13, 14),
-}
-
-
 @pytest.mark.parametrize("lens,chunk", [((1,) * 4, BT), ((BT,) * 4, BT), ((17,) * 4, BT_LONG)],
                          ids=["fwd_decode", "fwd_decode-16-rows", "fused-chain"])
 def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
@@ -173,7 +167,6 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
     the launcher keeps per configuration never leaks into another)."""
     H = 8
     kernel = cc.DECODE_KERNEL if _decode_kernel(lens) else "fwd_chain"
-    i_o, i_ht, i_scale, i_eps = ARG_INDEX[kernel]
     for step in range(2):
         for init, final, key, output in FORMS_IN_TURN:
             for scale, eps in ((0.125, 1e-6), (0.125, 1e-3), (0.5, 1e-3)):
@@ -187,9 +180,8 @@ def test_decode_steps_of_every_form_on_one_device(recording, lens, chunk):
                 assert name == _decode_name(lens, 32, chunk=chunk, key=key, out=output)
                 assert name.startswith(f"ttt_linear_{kernel}<")
                 assert grid == len(lens) * H
-                assert args[i_o] == o.data_ptr() and args[i_ht] == (ht.data_ptr() if final
-                                                                   else 0)
-                assert (args[i_scale], args[i_eps]) == (np.float32(scale), np.float32(eps))
+                assert args.o == o.data_ptr() and args.ht == (ht.data_ptr() if final else 0)
+                assert (args.scale, args.eps) == (np.float32(scale), np.float32(eps))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -307,7 +299,7 @@ def test_decode_setup_is_kept(recording):
         o, ht, _, _ = launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
         (name, _, _, _, args), = recording.launches
         assert cc.DECODE_KERNEL in name
-        assert (args[0], args[9], args[11]) == (p.q.data_ptr(), ht.data_ptr(), o.data_ptr())
+        assert (args.q, args.ht, args.o) == (p.q.data_ptr(), ht.data_ptr(), o.data_ptr())
     kept = [setup for key, setup in launcher._FORWARD_SETUPS.items() if key[0] is recording]
     assert len(kept) == 1 and isinstance(kept[0], launcher._DecodeSetup)
 
@@ -345,9 +337,6 @@ def test_decode_float32_only_allocates(recording, form, lens, dense, chunk):
     assert (cc.DECODE_KERNEL in name) == _decode_kernel(lens)
 
 
-PARAM_ARGS = slice(3, 7)
-"""eta, w, b, eta_key in fwd_decode's arguments (csrc/fwd_decode.cu)."""
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", FORMS, ids=["-".join(map(str, f)) for f in FORMS])
@@ -365,7 +354,8 @@ def test_decode_half_native_params_only_allocates(recording, form, dtype):
     assert name == _decode_name((1,), 32, dtype, key=key, out=output, native_params=True)
     assert name.endswith(f", {cc.CTYPES[str(dtype).removeprefix('torch.')]}>")
     given = (p.eta, p.w, p.b, p.eta_key)
-    assert list(args[PARAM_ARGS]) == [0 if t is None else t.data_ptr() for t in given]
+    assert [args.eta, args.lnw, args.lnb, args.ekey] == [0 if t is None else t.data_ptr()
+                                                         for t in given]
 
 
 @pytest.mark.parametrize("key", [False, True], ids=["no-key", "key"])
@@ -384,9 +374,9 @@ def test_decode_half_mixed_params_cast(recording, key):
         assert casts == ([] if native else ["_to_copy"] * (3 if key else 2)), ops.ops
         (name, _, _, _, args), = recording.launches
         assert name == _decode_name((1,), 32, torch.bfloat16, key=key, native_params=native)
-        assert args[4] == problem.w.data_ptr()    # (float32 already: read as it is)
+        assert args.lnw == problem.w.data_ptr()    # (float32 already: read as it is)
         if not native:
-            assert args[3] != problem.eta.data_ptr()
+            assert args.eta != problem.eta.data_ptr()
 
 
 @pytest.mark.parametrize("T,chunk", [(1, BT), (17, BT_LONG)], ids=["fwd_decode", "fused-chain"])

@@ -1,6 +1,7 @@
-"""No GPU needed: the disk cache of compiled programs (ttt_cupy.diskcache): its keys, atomic
-writes (one valid entry after concurrent writers), a second process loading from disk
-without compiling, and the fallback to CuPy's own compile whenever the cache fails."""
+"""No GPU needed: the disk cache of compiled programs (ttt_cupy.diskcache), the backend's one
+compile path: its keys, atomic writes (one valid entry after concurrent writers), a second
+process loading from disk without compiling, an unwritable directory, and its failures (no
+cuda-python, NVRTC, the driver) as errors that say which."""
 
 from __future__ import annotations
 
@@ -185,9 +186,9 @@ def test_corrupt_entry_compiles_again(fake_cupy, damage):
     assert len(fake_cupy.nvrtc) == kernels + 1
 
 
-def test_unloadable_entry_falls_back_to_cupy(fake_cupy):
-    """An intact entry that the loader refuses (a driver older than the NVRTC that built
-    it): CuPy compiles, without compiling with NVRTC again, in every process."""
+def test_unloadable_entry_is_an_error(fake_cupy):
+    """An intact entry that the driver refuses (a driver older than the NVRTC that built it)
+    is an error that says so, in every process; nothing is compiled again."""
     cc.get_kernels("bwd", "float32", 32, 16, 0, False)
     meta, cubin = _entry(fake_cupy)
     data = json.loads(meta.read_text())
@@ -195,38 +196,54 @@ def test_unloadable_entry_falls_back_to_cupy(fake_cupy):
     data["sha256"] = diskcache.hashlib.sha256(b"not a cubin").hexdigest()
     meta.write_text(json.dumps(data))
     kernels = len(fake_cupy.nvrtc)
-    for process in range(2):
+    for _ in range(2):
         new_process()
-        table = cc.get_kernels("bwd", "float32", 32, 16, 0, False)
-        assert len(fake_cupy.nvrtc) == kernels and len(fake_cupy.compiles) == process + 1
-        assert table["bwd_chain"].name == cc.kernel_name("bwd_chain", "float", 32, 16, False)
+        with pytest.raises(RuntimeError, match="the CUDA driver does not load"):
+            cc.get_kernels("bwd", "float32", 32, 16, 0, False)
+        assert len(fake_cupy.nvrtc) == kernels and not fake_cupy.compiles
 
 
 def _no_cuda_python(*args):
     raise ImportError("no module named cuda.bindings")
 
 
-@pytest.mark.parametrize("failure", ["no-cuda-python", "nvrtc-fails", "unwritable",
-                                     "load-fails"])
-def test_cache_failure_falls_back_to_cupy(fake_cupy, monkeypatch, failure):
-    """Whatever fails in the disk cache, CuPy compiles the program as without it."""
+def _nvrtc_fails(*args):
+    raise diskcache.nvrtc.NvrtcError("nvrtcCompileProgram: NVRTC_ERROR_COMPILATION\nthe log")
+
+
+@pytest.mark.parametrize("failure", ["no-cuda-python", "nvrtc-fails", "load-fails"])
+def test_compile_failure_is_an_error(fake_cupy, monkeypatch, failure):
+    """NVRTC through cuda-python is the one compile path: without cuda-python, when NVRTC
+    fails or the driver refuses the cubin, a RuntimeError that says which (NVRTC's log);
+    CuPy compiles nothing."""
+    match = "NVRTC could not compile"
     if failure == "no-cuda-python":
         monkeypatch.setattr(diskcache, "nvrtc_version", _no_cuda_python)
     elif failure == "nvrtc-fails":
-        monkeypatch.setattr(diskcache, "compile_cubin", _no_cuda_python)
-    elif failure == "unwritable":
-        blocker = fake_cupy.cache_dir.parent / "blocker"
-        blocker.write_text("")
-        from ttt_cupy import config as cfg
-        monkeypatch.setattr(cfg, "config", lambda: CupyConfig(cache_dir=blocker / "sub"))
+        monkeypatch.setattr(diskcache, "compile_cubin", _nvrtc_fails)
+        match = "the log"
     else:
         def broken(path, lowered):
             raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
         monkeypatch.setattr(diskcache, "_load", broken)
+        match = "CUDA_ERROR_INVALID_IMAGE"
+    with pytest.raises(RuntimeError, match=match):
+        cc.get_kernels("fwd", "float32", 16, 32, 0, False)
+    assert not fake_cupy.compiles
+
+
+def test_unwritable_cache_loads_from_a_temporary_file(fake_cupy, monkeypatch):
+    """A cache directory that cannot be written: each program compiles with NVRTC and loads
+    from a temporary file (gone afterwards); nothing is stored, CuPy compiles nothing."""
+    blocker = fake_cupy.cache_dir.parent / "blocker"
+    blocker.write_text("")
+    from ttt_cupy import config as cfg
+    monkeypatch.setattr(cfg, "config", lambda: CupyConfig(cache_dir=blocker / "sub"))
     table = cc.get_kernels("fwd", "float32", 16, 32, 0, False)
-    assert len(fake_cupy.compiles) == 1 and not fake_cupy.loads
     names = cc.pass_names("fwd", "float", 16, 32, False)
-    assert sorted(fake_cupy.compiles[0]) == sorted(names.values())
+    assert {n for [n] in fake_cupy.nvrtc} == set(names.values()) and not fake_cupy.compiles
+    assert len(fake_cupy.loads) == len(names)
+    assert not any(os.path.exists(path) for path in fake_cupy.loads)
     assert {k: v.name for k, v in table.items()} == names
 
 

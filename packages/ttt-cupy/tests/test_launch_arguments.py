@@ -1,23 +1,23 @@
-"""No GPU needed: every launch of the cupy launcher against the signature of its kernel.
+"""No GPU needed: every launch of the cupy launcher against its kernel's argument struct.
 
-The launcher builds each kernel's arguments by hand (raw ``data_ptr()`` values and numpy
-scalars), and a kernel reads them by position: an argument too many, too few or of the wrong
-width is not an error CUDA reports, it is garbage. Here the whole forward and backward run on
-CPU tensors through the launcher's device seam (``conftest.RecordingDevice``); each launch
-is recorded and its arguments checked, one by one, against the parameters of the
-``__global__`` function in ``csrc/*.cu`` (a pointer is a 64-bit address, ``float`` a numpy
-float32, ``int`` int32, ``long long`` int64): for the fused and unfused forward and backward,
-one launch and segmented passes, dense and varlen, with and without initial states, tensor-core
-and SIMT instances. It also checks which instances each pass launches and how often, the
-shared-memory size the kernel is told (its last argument) against the launch's, a block of
-whole warps, and that every pointer is null or inside a tensor the launcher handed to the
-device.
+Each kernel takes one struct (``csrc/params.cuh``), which the launcher packs with
+:mod:`ttt_cupy.params`; a field of the wrong width or offset is not an error CUDA reports, it
+is garbage. :func:`test_struct_layouts_match_the_cuda_headers` compares every field's offset
+and width and each struct's size with the C++ ones (g++ on the header; the same header goes
+through NVRTC in ``test_nvrtc_compile.py``). Then the whole forward and backward run on CPU
+tensors through the launcher's device seam (``conftest.RecordingDevice``); each launch is
+recorded and its struct checked: for the fused and unfused forward and backward, one launch
+and segmented passes, dense and varlen, with and without initial states, tensor-core and SIMT
+instances. It also checks which instances each pass launches and how often, the
+shared-memory size the kernel is told against the launch's, a block of whole warps, and that
+every pointer is null or inside a tensor the launcher handed to the device.
 """
 
 from __future__ import annotations
 
-import functools
-import re
+import ctypes
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -27,31 +27,82 @@ from ttt import make_problem
 from ttt_cupy import compile as cc
 from ttt_cupy import launcher
 from ttt_cupy.config import Schedule, config
+from ttt_cupy.params import STRUCTS
 from ttt_cupy.placement import segment_plan
 from ttt_cupy.smem import grads_split
 
-_SCALAR = {"float": np.float32, "int": np.int32, "long long": np.int64,
-           "unsigned long long": np.uint64}
+CPP_TYPES = {"FwdParams": "ttt::FwdParams<float>", "BwdParams": "ttt::BwdParams<float>",
+             "DecodeParams": "ttt::DecodeParams<float, float>"}
 
 
-@functools.cache
-def _signatures() -> dict[str, list[type]]:
-    """{kernel name: the numpy type of each parameter} of every ``__global__`` function."""
-    sigs = {}
-    for path in cc.CSRC.glob("*.cu"):
-        text = re.sub(r"//[^\n]*", "", path.read_text())
-        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
-                             r"(\w+)\s*\(([^)]*)\)\s*\{", text):
-            types = []
-            for param in m.group(2).split(","):
-                decl = param.split("=")[0].strip()
-                if "*" in decl:
-                    types.append(np.uint64)
-                    continue
-                base = re.sub(r"\b(const|__restrict__)\b", "", decl).rsplit(None, 1)[0]
-                types.append(_SCALAR[" ".join(base.split())])
-            sigs[m.group(1)] = types
-    return sigs
+def layout_program() -> str:
+    """A C++ program printing ``struct field offset width`` for every field of
+    :data:`ttt_cupy.params.STRUCTS` and ``struct - size 0`` for each struct (a field missing
+    from the C++ struct fails its compile)."""
+    lines = ['#include <cstddef>', '#include <cstdio>', '#include "params.cuh"',
+             *[f"using {name} = {cpp};" for name, cpp in CPP_TYPES.items()], 'int main() {']
+    for name, cls in STRUCTS.items():
+        cpp = name   # (an alias: offsetof takes no commas)
+        lines.append(f'  std::printf("{name} - %zu 0\\n", sizeof({cpp}));')
+        for field, _ in cls._fields_:
+            lines.append(f'  std::printf("{name} {field} %zu %zu\\n", offsetof({cpp}, {field}), '
+                         f'sizeof((({cpp}*)nullptr)->{field}));')
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def test_struct_layouts_match_the_cuda_headers(tmp_path):
+    """Every field of the Python structs at the C++ struct's offset and of its width, and
+    each struct of the C++ size (g++ on csrc/params.cuh)."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found")
+    src = tmp_path / "layout.cpp"
+    src.write_text(layout_program())
+    exe = tmp_path / "layout"
+    build = subprocess.run([cxx, "-std=c++17", f"-I{cc.CSRC}", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    got = {}
+    for line in subprocess.run([str(exe)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        struct, field, offset, width = line.split()
+        got[struct, field] = (int(offset), int(width))
+    for name, cls in STRUCTS.items():
+        assert got[name, "-"][0] == ctypes.sizeof(cls), f"{name}: sizeof"
+        for field, kind in cls._fields_:
+            want = (getattr(cls, field).offset, ctypes.sizeof(kind))
+            assert got[name, field] == want, f"{name}.{field}: C++ {got[name, field]}, {want}"
+
+
+def test_struct_layouts_match_through_nvrtc():
+    """The same layouts in device code: static_asserts of every offset, width and size,
+    compiled by NVRTC for sm_90 (PTX only)."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python's NVRTC")
+    from ttt_cupy import nvrtc_check
+
+    asserts = [f"using {name} = {cpp};" for name, cpp in CPP_TYPES.items()]
+    for name, cls in STRUCTS.items():
+        asserts.append(f"static_assert(sizeof({name}) == {ctypes.sizeof(cls)}, \"{name}\");")
+        for field, kind in cls._fields_:
+            asserts.append(
+                f"static_assert(__builtin_offsetof({name}, {field}) == "
+                f"{getattr(cls, field).offset} && sizeof((({name}*)nullptr)->{field}) == "
+                f"{ctypes.sizeof(kind)}, \"{name}.{field}\");")
+    code = (cc.CSRC / "params.cuh").read_text() + "\n".join(asserts) + "\n"
+    nvrtc_check.compile_instance(code, [], "90", list(cc.NVRTC_OPTIONS), cubin=False)
+
+
+def test_struct_layout_check_fails_on_a_difference(tmp_path, monkeypatch):
+    """The layout check sees a field the C++ struct lacks (its program does not compile)."""
+    import ttt_cupy.params as params
+
+    class Broken(params.Params):
+        _fields_ = [*params.DecodeParams._fields_, ("missing", ctypes.c_int32)]
+
+    monkeypatch.setitem(params.STRUCTS, "DecodeParams", Broken)
+    monkeypatch.setitem(STRUCTS, "DecodeParams", Broken)
+    with pytest.raises(AssertionError):
+        test_struct_layouts_match_the_cuda_headers(tmp_path)
 
 
 def _problem(dtype, D, lens, init, H=2, chunk_size=16):
@@ -133,28 +184,35 @@ def test_launch_arguments_match_kernel_signatures(recording, dtype, D, lens, ini
     syncs = []
     for three, per_item in passes:
         (_, _, _, _, c_args), (_, o_grid, _, _, o_args), (_, k_grid, _, _, k_args) = three
-        sync = int(c_args[-2])
-        assert sync != 0 and int(o_args[-5]) == sync == int(k_args[-5]), "sync buffers"
-        assert (int(o_args[-4]), int(k_args[-4])) == (1, 2), "the group kernel's modes"
+        sync = c_args.sync
+        assert sync != 0 and o_args.sync == sync == k_args.sync, "sync buffers"
+        assert (o_args.mode, k_args.mode) == (1, 2), "the group kernel's modes"
         tickets = p.N * p.H * saved.groups.groups_max * per_item
-        assert int(o_args[-3]) == int(k_args[-3]) == p.N * p.H
+        assert o_args.n_chains == k_args.n_chains == p.N * p.H
         assert o_grid == k_grid == tickets
         syncs.append(sync)
     assert recording.waits == [(a, p.N * p.H) for a in syncs], recording.waits
 
-    sigs = _signatures()
     tensors = recording.tensors    # (every tensor whose address the launcher took)
-    for name, grid, block, smem, args in launches:
-        params = sigs[name.split("<")[0]]
-        assert len(args) == len(params), \
-            f"{name}: {len(args)} arguments, the kernel takes {len(params)}"
-        for i, (arg, want) in enumerate(zip(args, params)):
-            assert type(arg) is want, \
-                f"{name}: argument {i} is {type(arg).__name__}, the kernel reads {want.__name__}"
-            if want is np.uint64 and i < len(args) - 1 and int(arg) != 0:
-                assert _inside(int(arg), tensors), f"{name}: argument {i} points nowhere known"
-        assert int(args[-1]) == smem, f"{name}: tells the kernel {args[-1]} bytes, launches {smem}"
+    for name, grid, block, smem, params in launches:
+        _check_params(name, params, smem, tensors)
         assert grid > 0 and block % 32 == 0 and 0 < block <= 1024, (name, grid, block)
+
+
+STRUCT_OF = {"fwd_chain": "FwdParams", "fwd_out": "FwdParams", "bwd_local": "BwdParams",
+             "bwd_chain": "BwdParams", "bwd_chain_fused": "BwdParams",
+             "bwd_grads": "BwdParams", cc.DECODE_KERNEL: "DecodeParams"}
+
+
+def _check_params(name, params, smem, tensors) -> None:
+    """A launch's struct: the kernel's, every pointer null or inside a known tensor, the
+    shared memory it tells the kernel that of the launch."""
+    kernel = name.split("<")[0].removeprefix("ttt_linear_")
+    assert type(params) is STRUCTS[STRUCT_OF[kernel]], f"{name}: {type(params).__name__}"
+    for field, address in params.pointers().items():
+        assert address == 0 or _inside(address, tensors), f"{name}: {field} points nowhere known"
+    assert params.smem_bytes == smem, f"{name}: tells the kernel {params.smem_bytes} bytes, " \
+                                      f"launches {smem}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -170,21 +228,5 @@ def test_decode_launch_arguments_match_kernel_signature(recording, dtype, D, len
     (name, grid, block, smem, args), = recording.launches
     ctype = cc.CTYPES["bfloat16" if dtype == torch.bfloat16 else "float32"]
     assert name == cc.kernel_name(cc.DECODE_KERNEL, ctype, cc.d_pad(D), 16)
-    params = _signatures()[f"ttt_linear_{cc.DECODE_KERNEL}"]
-    assert [type(a) for a in args] == params
-    for i, arg in enumerate(args[:-1]):
-        if params[i] is np.uint64 and int(arg) != 0:
-            assert _inside(int(arg), recording.tensors), f"argument {i} points nowhere known"
-    assert int(args[-1]) == smem and grid == len(lens) * 2 and block % 32 == 0
-
-
-def test_the_devices_pointers_are_its_pointer_of_each_tensor():
-    """``CudaDevice.pointers`` (one array of addresses for a launch's tensors) gives what
-    ``pointer`` gives for each, numpy uint64 scalars, null for None, in order."""
-    from ttt_cupy.device import CudaDevice
-
-    tensors = (torch.empty(3), None, torch.empty(2, 5)[1], torch.empty(0), None)
-    got = CudaDevice.pointers(*tensors)
-    want = tuple(CudaDevice.pointer(t) for t in tensors)
-    assert got == want and [type(a) for a in got] == [np.uint64] * len(tensors)
-    assert got[2] == tensors[2].data_ptr() and got[1] == 0
+    _check_params(name, args, smem, recording.tensors)
+    assert grid == len(lens) * 2 and block % 32 == 0

@@ -1,12 +1,12 @@
-"""Lazy compilation of the CUDA C++ kernels in ``csrc/`` (CuPy RawModule, NVRTC).
+"""Lazy compilation of the CUDA C++ kernels in ``csrc/`` (NVRTC through cuda-python).
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
 builds that pass's template instances (forward: fwd_chain, fwd_out; backward: bwd_local,
 bwd_chain, bwd_grads; a short generation step, ``"dec"``: fwd_decode; through
 ``name_expressions``), each as a program of its own, the programs compiled side by side
 (NVRTC runs outside the GIL), cached for the process and on
-disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between processes; where that
-cache fails, one :class:`cupy.RawModule` of the whole pass compiled by CuPy). The *variant*
+disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between processes, loaded by
+CuPy; the one compile path). The *variant*
 (``eta_key`` given, the output form) picks the instances of the kernels it changes (template
 parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (no eta_key,
 ``norm_residual``) names exactly the instances it always had, and the others are compiled
@@ -40,7 +40,7 @@ PASSES = {
 """The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
 template ``ttt_linear_x<T, D_PAD, BT, MMA, ...>`` (the chunked passes ``fwd`` and ``bwd``),
 or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>`` (``dec``: :data:`DECODE_KERNEL`). One
-program (RawModule) per pass and instance."""
+program (a cubin) per instance."""
 
 DECODE_PASS = "dec"
 DECODE_KERNEL = "fwd_decode"
@@ -364,11 +364,9 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
     """{name expression: its module} of one (pass, C++ type, D_PAD, BT, arch, mma, variant):
     each kernel its own program, loaded from the disk cache (:mod:`ttt_cupy.diskcache`) after
     what the cache lacks compiled side by side (by a :func:`prefetch` under way, waited for,
-    or now); where the cache fails for any of them, one RawModule of the whole pass compiled
-    by CuPy. ``arch`` (the device's compute capability, e.g. "90") is part of the key: the
-    cubins are for the current device."""
-    import cupy
-
+    or now). ``arch`` (the device's compute capability, e.g. "90") is part of the key: the
+    cubins are for the current device. RuntimeError when a program does not compile or load
+    (diskcache.load_or_compile)."""
     from .config import config
     from .diskcache import load_or_compile
 
@@ -376,18 +374,8 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
     if not _prefetched((pass_, ctype, dp, bt, arch, mma, key, out)):
         _compile_programs(pass_, names, arch)
     code, options = source(pass_), NVRTC_OPTIONS + include_options()
-    cached = {name: load_or_compile(config().cache_dir, code, [name], options, arch)
-              for name in names}
-    if all(module is not None for module in cached.values()):
-        return cached
-    # without the disk cache (no cuda-python, any failure of it): CuPy compiles
-    module = cupy.RawModule(code=code, options=options, name_expressions=names)
-    try:
-        module.compile()
-    except cupy.cuda.compiler.CompileException as err:
-        raise RuntimeError(
-            f"NVRTC could not compile {names} for sm_{arch}:\n{err.get_message()}") from err
-    return dict.fromkeys(names, module)
+    return {name: load_or_compile(config().cache_dir, code, [name], options, arch)
+            for name in names}
 
 
 @functools.cache

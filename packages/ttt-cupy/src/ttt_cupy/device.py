@@ -9,7 +9,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from .compile import CTYPES, device_arch, get_kernels, prefetch, use_mma
@@ -74,10 +73,6 @@ GROUP_STREAMS = 8
 kernel takes about one block's time whatever its size, so one stream would queue them."""
 
 
-NULL = np.uint64(0)
-"""The null pointer argument (numpy scalars are immutable: one serves every launch)."""
-
-
 class CudaDevice:
     """CUDA device ``index`` through CuPy (kernels) and torch (streams)."""
 
@@ -117,15 +112,9 @@ class CudaDevice:
         return cupy.cuda.Device(self.index)
 
     @staticmethod
-    def pointer(t: torch.Tensor | None) -> np.uint64:
-        return NULL if t is None else np.uint64(t.data_ptr())
-
-    @staticmethod
-    def pointers(*tensors: torch.Tensor | None) -> tuple[np.uint64, ...]:
-        """:meth:`pointer` of each of ``tensors``, in order: the numpy scalars of one array
-        of their addresses, which costs less than making a scalar of each."""
-        return tuple(np.array([0 if t is None else t.data_ptr() for t in tensors],
-                              dtype=np.uint64))
+    def pointer(t: torch.Tensor | None) -> int:
+        """A tensor's address, 0 for None (what the argument structs hold)."""
+        return 0 if t is None else t.data_ptr()
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.index)
@@ -161,12 +150,14 @@ class CudaDevice:
             fn = self._functions[key] = kernel.kernel
         return fn
 
-    def launch(self, kernel, grid: int, block: int, smem: int, args: tuple, stream) -> None:
+    def launch(self, kernel, grid: int, block: int, smem: int, params, stream) -> None:
         """Launch ``kernel`` (``grid`` blocks of ``block`` threads, ``smem`` bytes of dynamic
-        shared memory) on ``stream``; the caller holds the device :meth:`active`."""
+        shared memory) on ``stream`` with its argument struct ``params``
+        (:class:`ttt_cupy.params.Params`, passed by value as a NumPy structured scalar); the
+        caller holds the device :meth:`active`."""
         if grid == 0:
             return
-        self.function(kernel, smem)((grid,), (block,), args, shared_mem=smem,
+        self.function(kernel, smem)((grid,), (block,), (params.as_numpy(),), shared_mem=smem,
                                     stream=_cupy_stream(stream.cuda_stream, self.index))
 
 

@@ -2,7 +2,7 @@
 
 CuPy's own disk cache never serves a program compiled with ``name_expressions`` (every
 program of this backend), so without this each process compiles every program again. Here a
-program is compiled with NVRTC through cuda-python (``cuda.bindings.nvrtc``, as
+program is compiled with NVRTC through cuda-python (:mod:`ttt_cupy.nvrtc`, as
 :mod:`ttt_cupy.nvrtc_check` does) to a cubin for the device's arch, with the lowered
 (mangled) names of its name expressions, and both are stored under
 :attr:`ttt_cupy.config.CupyConfig.cache_dir` (``TTT_CUPY_CACHE_DIR``, default
@@ -17,10 +17,10 @@ Each file is written to a temporary file in the same directory and moved into pl
 ``os.replace``, so that no reader sees a partial file and concurrent writers leave one valid
 entry. A load reads the ``.json``, checks the cubin's hash and loads it with
 ``cupy.RawModule(path=...)``. A missing or damaged entry (unreadable, for other names, a
-cubin whose hash differs) is compiled and stored again. :func:`load_or_compile` returns None
-on any other failure (cuda-python missing, an unwritable directory, NVRTC failing, a cubin
-the driver does not load): the caller then compiles through CuPy as without the cache, so
-the cache can never break the backend.
+cubin whose hash differs) is compiled and stored again. This is the backend's one compile
+path: where the directory cannot be written, the compiled cubin loads from a temporary file
+(and the next process compiles it again); cuda-python missing, NVRTC failing or a cubin the
+driver does not load is a RuntimeError that says which (:func:`load_or_compile`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import nvrtc
+
 FORMAT = 1
 """The entries' format; part of the key, so that a new format never reads an old entry."""
 
 
 def nvrtc_version() -> str:
-    """cuda-python's NVRTC version, e.g. ``"13.5"`` (ImportError without cuda-python)."""
-    from .nvrtc_check import _nvrtc
-
-    _, major, minor = _nvrtc().nvrtcVersion()
-    return f"{major}.{minor}"
+    """cuda-python's NVRTC version, e.g. ``"13.5"`` (nvrtc.NvrtcError without cuda-python)."""
+    return nvrtc.version()
 
 
 def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str], arch: str,
@@ -58,14 +57,9 @@ def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str],
 def compile_cubin(code: str, names: list[str], arch: str,
                   options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
     """(cubin for sm_``arch``, {name expression: lowered name}) compiled by NVRTC through
-    cuda-python; raises (nvrtc_check.CheckError with the log) when NVRTC fails."""
-    from .nvrtc_check import _check, _out_buffer, nvrtc_program
-
-    with nvrtc_program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-        cubin = _out_buffer(size)
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", nvrtc)
-        return bytes(cubin), lowered
+    cuda-python (:func:`ttt_cupy.nvrtc.cubin`); raises nvrtc.NvrtcError with the log when
+    NVRTC fails."""
+    return nvrtc.cubin(code, names, arch, options)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -155,17 +149,34 @@ def compile_into(directory: Path, code: str, names: list[str], options: tuple[st
 
 
 def load_or_compile(directory: Path, code: str, names: list[str],
-                    options: tuple[str, ...], arch: str) -> CachedModule | None:
-    """The program from the cache, compiled and stored first if missing; None on any failure
-    (the caller compiles through CuPy instead)."""
+                    options: tuple[str, ...], arch: str) -> CachedModule:
+    """The program from the cache, compiled (:func:`compile_cubin`) and stored first if
+    missing; from a temporary file where the directory cannot be written. RuntimeError when
+    cuda-python is missing, NVRTC fails (its log) or the driver does not load the cubin."""
     try:
         key = cache_key(code, names, options, arch, nvrtc_version())
         found = lookup(directory, key, names)
-        if found is not None:
-            # an intact entry (its hash checked) that does not load (say, a driver older than
-            # the NVRTC that built it) would not load compiled again either: CuPy compiles
-            return _load(*found)
-        cubin, lowered = compile_cubin(code, names, arch, options)
-        return _load(store(directory, key, cubin, lowered), lowered)
-    except Exception:  # noqa: BLE001 - the cache must never break the backend
-        return None
+        if found is None:
+            cubin, lowered = compile_cubin(code, names, arch, options)
+            try:
+                found = store(directory, key, cubin, lowered), lowered
+            except OSError:  # (an unwritable cache directory)
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / f"{key}.cubin"
+                    path.write_bytes(cubin)
+                    return _load_checked(path, lowered, arch)
+    except (ImportError, nvrtc.NvrtcError) as err:
+        raise RuntimeError(f"NVRTC could not compile {names} for sm_{arch}:\n{err}") from err
+    # (an intact entry that does not load, say for a driver older than the NVRTC that built
+    # it, would not load compiled again either)
+    return _load_checked(*found, arch)
+
+
+def _load_checked(path: Path, lowered: dict[str, str], arch: str) -> CachedModule:
+    try:
+        return _load(path, lowered)
+    except Exception as err:
+        raise RuntimeError(
+            f"the CUDA driver does not load {path} (NVRTC {nvrtc_version()}, sm_{arch}): "
+            f"{err}. A driver older than that NVRTC needs the cuda-python and NVRTC of its "
+            f"CUDA version (pip install 'ttt-cupy[cuda12]' or '[cuda13]')") from err

@@ -36,7 +36,7 @@ from . import layout
 from .compile import DECODE_KERNEL, DECODE_PASS, FUSED_BWD_NAME, FUSED_NAME, d_pad
 from .config import AUTO, Schedule, config
 from .device import cuda_device
-from .layout import NO_SYNC, PLAIN_GROUP, BackwardBuffers, Kernel, Saved, f32, group_blocks
+from .layout import BackwardBuffers, Kernel, Saved, f32, group_blocks
 from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan, row_step
 from .smem import (
     bwd_chain_fused_smem_bytes,
@@ -81,25 +81,24 @@ def _variant(p: Problem) -> dict:
 @dataclass(frozen=True)
 class _ForwardSetup:
     """What a forward's launches take besides its tensors: the grouping, the schedule, the
-    kernels with their block and shared memory sizes, and the scalar arguments."""
+    kernels with their block and shared memory sizes."""
 
     grp: ChunkGroups
     plan: Plan
     chain: tuple          # (kernel, block, smem)
     out: tuple | None     # fwd_out's, None when the chain is fused
-    scalars: tuple        # layout.shape_args
 
 
 @dataclass(frozen=True)
 class _DecodeSetup:
     """A short generation step's launch (placement.row_step) besides its tensors: fwd_decode,
-    its block and shared memory, its scalar arguments (layout.decode_scalars), and whether it
-    reads eta, w, b, eta_key as given (:func:`_native_params`) or in fp32."""
+    its block and shared memory, its rows, and whether it reads eta, w, b, eta_key as given
+    (:func:`_native_params`) or in fp32."""
 
     kernel: Any
     block: int
     smem: int
-    scalars: tuple
+    rows: int
     native: bool = False
 
 
@@ -140,8 +139,7 @@ def _decode_setup(p: Problem, device, native: bool) -> _DecodeSetup:
     smem = decode_smem_bytes(dp, rows)
     kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
                           **_variant(p), native_params=native)
-    return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem,
-                        layout.decode_scalars(p, rows, smem), native)
+    return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem, rows, native)
 
 
 def _native_params(p: Problem) -> bool:
@@ -169,7 +167,7 @@ def _chunked_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
              smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
     out = None if plan.fuse else (kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma))
-    return _ForwardSetup(grp, plan, chain, out, layout.shape_args(p, grp))
+    return _ForwardSetup(grp, plan, chain, out)
 
 
 def _keep(setups: dict, key: tuple | None, setup) -> None:
@@ -205,13 +203,10 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
     h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
     o = torch.empty_like(p.q)
-    ptrs = device.pointers
-    chain = Kernel(*setup.chain, layout.fwd_chain_args(
-        ptrs, p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
-        setup.scalars))
-    out = None if plan.fuse else Kernel(     # (fused: the chain writes o; no fwd_out)
-        *setup.out, layout.fwd_out_args(ptrs, p, grp, eta, w, b, ck, ckb, xbuf, rbuf, o,
-                                        setup.scalars))
+    params = layout.fwd_params(p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o,
+                               ekey, rlbuf)
+    chain = Kernel(*setup.chain, params)
+    out = None if plan.fuse else Kernel(*setup.out, params)  # (fused: the chain writes o)
     here = device.current_stream()
     tickets = N * H * grp.groups_max               # (overlapped: an fwd_out block each)
     with device.active():
@@ -220,16 +215,15 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
             run_overlapped(device, chain, out, sync, N * H, tickets, schedule.overlap_spins,
                            Fork(device, here, 1))
         elif len(plan.segments) == 1:
-            chain.launch(device, N * H, WHOLE, (NO_SYNC,), here)
+            chain.launch(device, N * H, WHOLE, here)
             if not plan.fuse:
-                out.launch(device, group_blocks(grp, N, WHOLE) * H, WHOLE, PLAIN_GROUP, here)
+                out.launch(device, group_blocks(grp, N, WHOLE) * H, WHOLE, here)
         else:  # each segment's outputs beside the chain's next segment
             fork = Fork(device, here, len(plan.segments))
             for i, seg in enumerate(plan.segments):
-                chain.launch(device, N * H, seg, (NO_SYNC,), fork.chain)
+                chain.launch(device, N * H, seg, fork.chain)
                 fork.group(i).wait_event(fork.chain.record_event())
-                out.launch(device, group_blocks(grp, N, seg) * H, seg, PLAIN_GROUP,
-                           fork.group(i))
+                out.launch(device, group_blocks(grp, N, seg) * H, seg, fork.group(i))
             fork.join()
     saved = (Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b), rlbuf, ekey) if save_for_backward
              else None)
@@ -249,9 +243,8 @@ def _decode_step(p: Problem, setup: _DecodeSetup, device):
     params = (p.eta, p.w, p.b, p.eta_key)     # (a Problem's tensors are contiguous)
     if not setup.native:
         params = tuple(map(f32, params))
-    args = layout.fwd_decode_args(
-        device.pointers, p, *params, f32(p.initial_state), f32(p.initial_state_bias), ht, hbt,
-        o, setup.scalars)
+    args = layout.decode_params(p, *params, f32(p.initial_state), f32(p.initial_state_bias),
+                                ht, hbt, o, setup.rows, setup.smem)
     here = device.current_stream()
     with device.active():
         device.launch(setup.kernel, p.N * H, setup.block, setup.smem, args, here)
@@ -267,8 +260,6 @@ class _BackwardSetup:
     local: tuple          # (kernel, block, smem) of bwd_local, the chain, bwd_grads
     chain: tuple
     grads: tuple
-    scalars: tuple        # layout.shape_args (bwd_local's, with eps)
-    scalars_no_eps: tuple  # (the chain's and bwd_grads')
 
 
 def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Schedule,
@@ -295,8 +286,7 @@ def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Sch
              bwd_chain_fused_smem_bytes(dp, bt) if plan.fuse
              else smem_bytes("bwd_chain", dp, bt, mma))
     grads = (kern["bwd_grads"], nt, smem_bytes("bwd_grads", dp, bt))
-    setup = _BackwardSetup(plan, split, local, chain, grads, layout.shape_args(p, grp),
-                           layout.shape_args(p, grp, eps=False))
+    setup = _BackwardSetup(plan, split, local, chain, grads)
     _keep(_BACKWARD_SETUPS, key, setup)
     return setup
 
@@ -326,12 +316,10 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     plan, split = setup.plan, setup.split
     do, dht, dhbt = do.contiguous(), f32(dht), f32(dhbt)
     g = BackwardBuffers.of(p, saved, want_dh0, run_grads, want["dkey"])
-    ptrs = device.pointers
-    local = Kernel(*setup.local, layout.bwd_local_args(ptrs, p, saved, g, do, setup.scalars))
-    chain = Kernel(*setup.chain, layout.bwd_chain_args(ptrs, p, saved, g, dht, dhbt, plan.fuse,
-                                                       setup.scalars_no_eps))
-    grads = Kernel(*setup.grads, layout.bwd_grads_args(ptrs, p, saved, g, setup.scalars_no_eps))
-    chain_tail = () if plan.fuse else (NO_SYNC,)
+    params = layout.bwd_params(p, saved, g, do, dht, dhbt)
+    local = Kernel(*setup.local, params)
+    chain = Kernel(*setup.chain, params)
+    grads = Kernel(*setup.grads, params)
 
     def local_blocks(seg):
         return group_blocks(grp, N, seg) * H
@@ -339,20 +327,20 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     here = device.current_stream()
     with device.active():
         if not run_grads:
-            local.launch(device, local_blocks(WHOLE), WHOLE, (), here)
+            local.launch(device, local_blocks(WHOLE), WHOLE, here)
             if run_chain:
-                chain.launch(device, N * H, WHOLE, chain_tail, here)
+                chain.launch(device, N * H, WHOLE, here)
         elif plan.overlap:  # bwd_local, then bwd_chain and bwd_grads at once
-            local.launch(device, local_blocks(WHOLE), WHOLE, (), here)
+            local.launch(device, local_blocks(WHOLE), WHOLE, here)
             tickets = N * H * grp.groups_max * split
             sync = overlap_sync(N * H, tickets, p.q.device)
             run_overlapped(device, chain, grads, sync, N * H, tickets, schedule.overlap_spins,
                            Fork(device, here, 1))
         elif len(plan.segments) == 1:
-            local.launch(device, local_blocks(WHOLE), WHOLE, (), here)
-            chain.launch(device, N * H, WHOLE, chain_tail, here)
+            local.launch(device, local_blocks(WHOLE), WHOLE, here)
+            chain.launch(device, N * H, WHOLE, here)
             if not plan.fuse:
-                grads.launch(device, local_blocks(WHOLE) * split, WHOLE, PLAIN_GROUP, here)
+                grads.launch(device, local_blocks(WHOLE) * split, WHOLE, here)
         else:
             # segments last to first: every bwd_local at once, each on a group stream; the
             # chain takes a segment once its bwd_local is done, bwd_grads follows the chain
@@ -360,15 +348,14 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
             order = list(reversed(plan.segments))
             local_done = []
             for i, seg in enumerate(order):
-                local.launch(device, local_blocks(seg), seg, (), fork.group(i))
+                local.launch(device, local_blocks(seg), seg, fork.group(i))
                 local_done.append(fork.group(i).record_event())
             for i, seg in enumerate(order):
                 fork.chain.wait_event(local_done[i])
-                chain.launch(device, N * H, seg, chain_tail, fork.chain)
+                chain.launch(device, N * H, seg, fork.chain)
                 if not plan.fuse:
                     fork.group(i).wait_event(fork.chain.record_event())
-                    grads.launch(device, local_blocks(seg) * split, seg, PLAIN_GROUP,
-                                 fork.group(i))
+                    grads.launch(device, local_blocks(seg) * split, seg, fork.group(i))
             fork.join()
     # [H, D]: each its own tensor (the custom op refuses returns that share storage), and
     # not reduced where not needed

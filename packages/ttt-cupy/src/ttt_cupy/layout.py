@@ -1,41 +1,36 @@
-"""The buffers of each pass and each kernel's arguments, in the order of its ``__global__``
-signature (csrc/*.cu): raw addresses as numpy uint64, scalars as numpy float32 / int32 /
-int64; the segment, the tail and the shared-memory size go last (:meth:`Kernel.launch`)."""
+"""The buffers of each pass and its kernels' argument struct (:mod:`ttt_cupy.params`, packed
+once per pass; :meth:`Kernel.launch` sets the segment, the overlapped pass's fields and the
+shared memory of each launch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ttt import Problem
 from ttt.chunking import ChunkGroups, group_count
 
+from .params import BwdParams, DecodeParams, FwdParams, Params
+
 Segment = tuple[int, int]
 """Group range [g_lo, g_hi) of each sequence; (0, 0): every group of the batch."""
 
-NO_SYNC = np.uint64(0)
-"""A chain kernel's ``sync`` argument when not overlapped (null)."""
-
-PLAIN_GROUP = (NO_SYNC, np.int32(0), np.int64(0), np.int32(0))
-"""A group kernel's (sync, mode, n_chains, wait_spins) when not overlapped (mode kPlain)."""
-
-
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel of a pass with its arguments up to the segment (built once per pass)."""
+    """A kernel of a pass with its argument struct (packed once per pass)."""
 
     fn: Any
     block: int
     smem: int
-    args: tuple
+    params: Params
 
-    def launch(self, device, grid: int, segment: Segment, tail: tuple, stream) -> None:
+    def launch(self, device, grid: int, segment: Segment, stream, **fields) -> None:
+        """``fields``: the overlapped pass's sync, mode, n_chains, wait_spins (else 0)."""
         device.launch(self.fn, grid, self.block, self.smem,
-                      (*self.args, np.int64(segment[0]), np.int64(segment[1]), *tail,
-                       np.uint64(self.smem)), stream)
+                      self.params.at(g_lo=segment[0], g_hi=segment[1], smem_bytes=self.smem,
+                                     **fields), stream)
 
 
 def group_blocks(grp: ChunkGroups, N: int, segment: Segment) -> int:
@@ -113,40 +108,24 @@ def saved_shapes(p: Problem, ckpt_interval: int) -> list[tuple[tuple[int, ...], 
             ((B, T, H, D), torch.float32), ((B, T, H), torch.float32), *key, *grouping, *casts]
 
 
-def shape_args(p: Problem, grp: ChunkGroups, eps: bool = True) -> tuple:
+def fwd_params(p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf,
+               rbuf, o, ekey, rlbuf) -> FwdParams:
+    """The forward's struct (fwd_chain, fwd_out): eta, w, b, ekey in fp32."""
     B, T, H, D = p.q.shape
-    return ((np.float32(p.scale),) + ((np.float32(p.eps),) if eps else ())
-            + (np.int64(T), np.int32(H), np.int32(D), np.int32(grp.G)))
+    return FwdParams(q=p.q, k=p.k, v=p.v, eta=eta, lnw=w, lnb=b, h0=h0, hb0=hb0, ht=ht,
+                     hbt=hbt, ck=ck, ckb=ckb, xbuf=xbuf, rbuf=rbuf, o=o, ekey=ekey, rlbuf=rlbuf,
+                     cu_seqlens=p.cu_seqlens, grp_offsets=grp.offsets, grp_seq=grp.seq, T_len=T,
+                     scale=p.scale, eps=p.eps, H=H, D=D, G=grp.G)
 
 
-def fwd_chain_args(ptrs, p: Problem, grp: ChunkGroups, eta, w, b, h0, hb0, ht, hbt, ck, ckb,
-                   xbuf, rbuf, o, ekey, rlbuf, scalars: tuple) -> tuple:
-    """``ptrs``: the device's :meth:`~ttt_cupy.device.CudaDevice.pointers` (as every builder
-    below takes it); ``scalars``: :func:`shape_args` of ``p`` and ``grp``."""
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey,
-                  rlbuf, p.cu_seqlens, grp.offsets), *scalars)
-
-
-def fwd_out_args(ptrs, p: Problem, grp: ChunkGroups, eta, w, b, ck, ckb, xbuf, rbuf,
-                 o, scalars: tuple) -> tuple:
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, ck, ckb, xbuf, rbuf, o, p.cu_seqlens, grp.offsets,
-                  grp.seq), *scalars)
-
-
-def decode_scalars(p: Problem, rows: int, smem: int) -> tuple:
-    """fwd_decode's arguments after its pointers: scale, eps, T, H, D, its rows and its
-    shared memory in bytes (the last argument of every kernel)."""
+def decode_params(p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o, rows: int,
+                  smem: int) -> DecodeParams:
+    """fwd_decode's struct: eta, w, b, ekey in fp32 or all in the input dtype (the kernel's
+    ``P``); shared memory for ``rows`` rows (``smem`` bytes)."""
     B, T, H, D = p.q.shape
-    return (np.float32(p.scale), np.float32(p.eps), np.int64(T), np.int32(H), np.int32(D),
-            np.int32(rows), np.uint64(smem))
-
-
-def fwd_decode_args(ptrs, p: Problem, eta, w, b, ekey, h0, hb0, ht, hbt, o,
-                    scalars: tuple) -> tuple:
-    """``scalars``: :func:`decode_scalars`; eta, w, b, ekey in fp32 or all in the input
-    dtype (the kernel's ``P``)."""
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, ekey, h0, hb0, ht, hbt, o, p.cu_seqlens),
-            *scalars)
+    return DecodeParams(q=p.q, k=p.k, v=p.v, eta=eta, lnw=w, lnb=b, ekey=ekey, h0=h0, hb0=hb0,
+                        ht=ht, hbt=hbt, o=o, cu_seqlens=p.cu_seqlens, T_len=T, smem_bytes=smem,
+                        scale=p.scale, eps=p.eps, H=H, D=D, rows=rows)
 
 
 @dataclass
@@ -187,29 +166,15 @@ class BackwardBuffers:
         return cls(dopbuf, dgbuf, dq, dk, dv, deta, dwbp, dh0, dhb0, dck, dckb, dkey)
 
 
-def bwd_local_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, do, scalars: tuple
-                   ) -> tuple:
+def bwd_params(p: Problem, s: Saved, g: BackwardBuffers, do, dht, dhbt) -> BwdParams:
+    """The backward's struct (bwd_local, bwd_chain, its fused instance, bwd_grads)."""
+    B, T, H, D = p.q.shape
     eta, w, b = s.f32
     dwp, dbp = g.dwbp[0], g.dwbp[1]
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, do, s.ck, s.ckb, s.xbuf, s.rbuf, g.dopbuf,
-                  g.dgbuf, g.dq, g.deta, dwp[0], dbp[0], p.cu_seqlens, s.groups.offsets,
-                  s.groups.seq), *scalars)
-
-
-def bwd_chain_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, dht, dhbt,
-                   fused: bool, scalars: tuple) -> tuple:
-    """The fused chain's also take the slots, dk, dv and the per-group dw, db partials."""
-    eta, w, b = s.f32
-    dwp, dbp = g.dwbp[0], g.dwbp[1]
-    fused_tensors = (s.ck, g.dk, g.dv, dwp[1], dbp[1]) if fused else ()
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, s.xbuf, s.rbuf, g.dopbuf, g.dgbuf, g.deta, dht,
-                  dhbt, g.dck, g.dckb, g.dh0, g.dhb0, s.rlbuf, g.dkey, *fused_tensors,
-                  p.cu_seqlens, s.groups.offsets), *scalars)
-
-
-def bwd_grads_args(ptrs, p: Problem, s: Saved, g: BackwardBuffers, scalars: tuple) -> tuple:
-    eta, w, b = s.f32
-    dwp, dbp = g.dwbp[0], g.dwbp[1]
-    return (*ptrs(p.q, p.k, p.v, eta, w, b, s.ck, g.dck, s.xbuf, s.rbuf, g.dopbuf, g.dgbuf,
-                  g.dk, g.dv, dwp[1], dbp[1], s.rlbuf, p.cu_seqlens, s.groups.offsets,
-                  s.groups.seq), *scalars)
+    return BwdParams(q=p.q, k=p.k, v=p.v, dout=do, eta=eta, lnw=w, lnb=b, ck=s.ck, ckb=s.ckb,
+                     xbuf=s.xbuf, rbuf=s.rbuf, rlbuf=s.rlbuf, dopbuf=g.dopbuf, dgbuf=g.dgbuf,
+                     dq=g.dq, dk=g.dk, dv=g.dv, deta=g.deta, dwp_local=dwp[0], dbp_local=dbp[0],
+                     dwp=dwp[1], dbp=dbp[1], dht=dht, dhbt=dhbt, dck=g.dck, dckb=g.dckb,
+                     dh0=g.dh0, dhb0=g.dhb0, dkey=g.dkey, cu_seqlens=p.cu_seqlens,
+                     grp_offsets=s.groups.offsets, grp_seq=s.groups.seq, T_len=T,
+                     scale=p.scale, eps=p.eps, H=H, D=D, G=s.groups.G)

@@ -17,7 +17,6 @@ programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import sys
@@ -40,12 +39,14 @@ from .compile import (
     program_names,
     source,
 )
+from .nvrtc import NvrtcError, bindings, check, log, out_buffer
+from .nvrtc import program as nvrtc_program
 
 DEFAULT_ARCHS = ("80", "90")
 
 
-class CheckError(RuntimeError):
-    """A compile failed; the message holds the NVRTC log."""
+CheckError = NvrtcError
+"""A compile failed; the message holds the NVRTC log (or a check of its output failed)."""
 
 
 @dataclass
@@ -85,19 +86,6 @@ def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
     return out
 
 
-def _nvrtc():
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        try:
-            from cuda import nvrtc  # cuda-python < 12.6
-        except ImportError as err:
-            raise CheckError(
-                "cuda-python is not installed: pip install './packages/ttt-cupy[compile-check]'"
-            ) from err
-    return nvrtc
-
-
 def smem_asserts() -> str:
     """static_asserts tying the C++ traits to the generated table that the launcher reads
     (:mod:`ttt_cupy._traits_table`)."""
@@ -105,54 +93,6 @@ def smem_asserts() -> str:
         f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {value}ull, "
         f"\"_traits_table.py is stale: Traits<{dp}, {bt}>::{field}\");"
         for (dp, bt), row in TRAITS.items() for field, value in zip(FIELDS, row)) + "\n"
-
-
-def _check(result, what: str, nvrtc, prog=None) -> tuple:
-    err = result[0]
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        log = _log(nvrtc, prog) if prog is not None else ""
-        _, msg = nvrtc.nvrtcGetErrorString(err)
-        raise CheckError(f"{what}: {msg.decode() if isinstance(msg, bytes) else msg}\n{log}")
-    return result[1:]
-
-
-def _out_buffer(size: int) -> bytearray:
-    """A fresh buffer NVRTC writes ``size`` bytes into. Never ``b" " * size``: for size 1
-    (an empty log: its NUL alone) that is CPython's shared one-byte ``b" "``, and NVRTC's
-    write turns every ``b" "`` of the process into ``b"\\x00"``."""
-    return bytearray(size)
-
-
-def _log(nvrtc, prog) -> str:
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = _out_buffer(size)
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.decode(errors="replace").rstrip("\x00").strip()
-
-
-@contextlib.contextmanager
-def nvrtc_program(code: str, names: list[str], options: list[str], target: str):
-    """``code`` compiled by NVRTC with ``names`` as name expressions and ``options`` plus
-    ``-arch=target``: yields ``(nvrtc, program, {name: lowered name})``, the program destroyed
-    afterwards; raises CheckError (with NVRTC's log) when a step fails."""
-    nvrtc = _nvrtc()
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
-                     "nvrtcCreateProgram", nvrtc)
-    try:
-        for name in names:
-            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
-                   f"nvrtcAddNameExpression({name})", nvrtc)
-        opts = [o.encode() for o in (*options, f"-arch={target}")]
-        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
-               f"nvrtcCompileProgram({names}, {target})", nvrtc, prog)
-        lowered = {}
-        for name in names:
-            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
-                            f"nvrtcGetLoweredName({name})", nvrtc)
-            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
-        yield nvrtc, prog, lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_instance(code: str, names: list[str], arch: str, options: list[str],
@@ -164,17 +104,14 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
     with nvrtc_program(code, names, [*options, *verbose], target) as (nvrtc, prog, lowered):
         size = 0
         if cubin:
-            (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
+            (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
             if size <= 0:
                 raise CheckError(f"empty cubin for {names} on sm_{arch}")
-        (ptx_size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
-        ptx = _out_buffer(ptx_size)
-        _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
+        (ptx_size,) = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
+        ptx = out_buffer(ptx_size)
+        check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
         mma = mma_counts(ptx.decode(errors="replace"), lowered)
-        return Compiled(arch, lowered, int(size), _log(nvrtc, prog), mma)
-
-
-SOURCE_NAME = "ttt_cupy_pass.cu"  # NVRTC's name for the program (one pass's csrc/ files)
+        return Compiled(arch, lowered, int(size), log(nvrtc, prog), mma)
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
@@ -228,7 +165,7 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     given, the output form: :func:`ttt_cupy.compile.kernel_name`; default: the default
     variant), every instance once (:func:`programs`, with ``skip_default``); returns {arch:
     kernel instances compiled}. Raises CheckError."""
-    nvrtc = _nvrtc()
+    nvrtc = bindings()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
     options = [*NVRTC_OPTIONS, *include_options()]

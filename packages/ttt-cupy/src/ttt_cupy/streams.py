@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .layout import Kernel, Segment
@@ -49,12 +48,10 @@ def run_overlapped(device, chain: Kernel, group: Kernel, sync: torch.Tensor, n_c
     until every chain block has started (``spins`` 0: not at all), so that group blocks never
     take the places the chain needs; where the GPU placed them first anyway, they hand their
     tickets back after ``spins`` naps."""
-    sync_ptr = device.pointer(sync)
-    chain.launch(device, n_chains, WHOLE, (sync_ptr,), fork.chain)
+    chain.launch(device, n_chains, WHOLE, fork.chain, sync=sync)
     if spins > 0:
         device.wait_value(fork.group(0), sync.data_ptr(), n_chains)  # overlap::kStarted
-    tail = (np.int64(n_chains), np.int32(spins))
-    group.launch(device, tickets, WHOLE, (sync_ptr, np.int32(1), *tail), fork.group(0))
+    tail = dict(sync=sync, n_chains=n_chains, wait_spins=spins)
+    group.launch(device, tickets, WHOLE, fork.group(0), mode=1, **tail)  # overlap::kOverlap
     fork.join()
-    group.launch(device, tickets, WHOLE, (sync_ptr, np.int32(2), *tail), fork.here)
-
+    group.launch(device, tickets, WHOLE, fork.here, mode=2, **tail)      # overlap::kCleanup

@@ -319,11 +319,8 @@ static void launch(long long grid, int nt, const std::function<void()>& body) {
 }
 
 using i64 = long long;
-using cf = const float*;
-using ci64 = const long long*;
 
-// One entry point per kernel: emu_<kernel>(dp, bt, grid, <the kernel's arguments but smem>);
-// returns 1 when no instance of (dp, bt) and the variant (below) is built here.
+// The (D_PAD, BT) instances built here.
 #define INSTANCES(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32) \
     X(128, 16) X(128, 32) X(128, 64)
 
@@ -363,344 +360,133 @@ static int with_variant(F&& f) {  // 1: the variant has no instance here
     return 0;
 }
 
-#define ENTRY(NAME, BYTES, PARAMS, ARGS, VARGS)                                              \
-    template <int DP, int BT>                                                                \
-    static int NAME##_t(i64 grid, PARAMS) {                                                  \
-        using Tr = ttt::Traits<DP, BT>;                                                      \
-        static_assert(Tr::BYTES <= sizeof(smem), "the emulated shared memory is too small"); \
-        return with_variant<DP, BT>([&](auto key, auto out) {                                \
-            constexpr bool KEY = decltype(key)::value;                                       \
-            constexpr int OUT = decltype(out)::value;                                        \
-            launch(grid, Tr::kThreads,                                                       \
-                   [&] { ttt_linear_##NAME<float, DP, BT, false VARGS>(ARGS, Tr::BYTES); }); \
+// f(DP, BT) as integral constants for the (dp, bt) asked for; 1 where none is built.
+template <typename F>
+static int with_shape(int dp, int bt, F&& f) {
+#define EMU_SHAPE(DP, BT) \
+    if (dp == DP && bt == BT) \
+        return f(std::integral_constant<int, DP>{}, std::integral_constant<int, BT>{});
+    INSTANCES(EMU_SHAPE)
+#undef EMU_SHAPE
+    return 1;
+}
+
+// The argument struct the caller packed (ttt_cupy.params, csrc/params.cuh) as the instance's
+// type: T = float, or the fake __half (a float in a struct: the same layout, the float arrays
+// read as they are); its smem_bytes the instance's need.
+template <typename S, typename From>
+static S params_as(const void* from, unsigned long long smem_bytes) {
+    static_assert(sizeof(S) == sizeof(From), "one layout for every T");
+    S p;
+    std::memcpy(&p, from, sizeof p);
+    p.smem_bytes = smem_bytes;
+    return p;
+}
+
+// One entry point per kernel family: emu_<NAME>(dp, bt, grid, params), params pointing at the
+// pass's struct (FwdParams or BwdParams of float); returns 1 when no instance of (dp, bt) and
+// the variant (above) is built here. KERNEL<T, DP, BT, ARGS> runs on NT threads with BYTES of
+// shared memory (Tr: its Traits; KEY, OUT: the variant).
+#define ENTRY(NAME, S, T, NT, BYTES, MAX_DP, KERNEL, ...)                                    \
+    extern "C" int emu_##NAME(int dp, int bt, i64 grid, const void* params) {                \
+        return with_shape(dp, bt, [&](auto dp_c, auto bt_c) {                                \
+            constexpr int DP = decltype(dp_c)::value, BT = decltype(bt_c)::value;            \
+            using Tr = ttt::Traits<DP, BT>;                                                  \
+            if constexpr (DP > MAX_DP) {                                                     \
+                return 1;                                                                    \
+            } else {                                                                         \
+                constexpr unsigned long long bytes = BYTES;                                  \
+                static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small"); \
+                const auto p = params_as<ttt::S<T>, ttt::S<float>>(params, bytes);           \
+                return with_variant<DP, BT>([&](auto key, auto out) {                        \
+                    constexpr bool KEY = decltype(key)::value;                               \
+                    constexpr int OUT = decltype(out)::value;                                \
+                    (void)KEY, (void)OUT;                                                    \
+                    launch(grid, Tr::NT, [&] { KERNEL<T, DP, BT, __VA_ARGS__>(p); });        \
+                });                                                                          \
+            }                                                                                \
         });                                                                                  \
-    }                                                                                        \
-    extern "C" int emu_##NAME(int dp, int bt, i64 grid, PARAMS) {                            \
-        INSTANCES(DISPATCH_ONE_##NAME)                                                       \
-        return 1;                                                                            \
     }
 
-#define P_(...) __VA_ARGS__
-
-#define FWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf h0, cf hb0, float* ht, \
-    float* hbt, float* ck, float* ckb, float* xbuf, float* rbuf, float* o, cf ekey, float* rlbuf, \
-    ci64 cu, ci64 go, float scale, float eps, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
-    int* sync
-#define FWD_CHAIN_ARGS q, k, v, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf, \
-    cu, go, scale, eps, T, H, D, G, g_lo, g_hi, sync
-#define DISPATCH_ONE_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_t<DP, BT>(grid, FWD_CHAIN_ARGS);
+// The SIMT instances (T = float) and the tensor-core ones (_mma: T = the fake __half, MMA =
+// true, with the emulated mma.sync above); fwd_chain's fused instances (_fused: they write o;
+// ck, ckb, xbuf, rbuf all null for a forward without backward) and bwd_chain's
+// (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; MMA only, D_PAD <= 64). The
+// stand-in half has 4 bytes: fwd_out's staged rows take more room than a real half's.
 #if EMU_IN_PART(0)
-ENTRY(fwd_chain, kFwdChainBytes, P_(FWD_CHAIN_PARAMS), P_(FWD_CHAIN_ARGS), P_(, false, KEY))
+ENTRY(fwd_chain, FwdParams, float, kThreads, Tr::kFwdChainBytes, 128, ttt_linear_fwd_chain,
+      false, false, KEY)
+ENTRY(fwd_chain_fused, FwdParams, float, kThreads, Tr::kFwdChainFusedBytes, 128,
+      ttt_linear_fwd_chain, false, true, KEY, OUT)
+ENTRY(fwd_chain_mma, FwdParams, __half, kTcThreads, Tr::kFwdChainTcBytes, 128,
+      ttt_linear_fwd_chain, true, false, KEY)
+ENTRY(fwd_chain_fused_mma, FwdParams, __half, kTcThreads, Tr::kFwdChainFusedTcBytes, 128,
+      ttt_linear_fwd_chain, true, true, KEY, OUT)
+ENTRY(fwd_out, FwdParams, float, kThreads, Tr::kFwdOutBytes, 128, ttt_linear_fwd_out, false,
+      OUT)
+ENTRY(fwd_out_mma, FwdParams, __half, kThreads,
+      4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>, 128, ttt_linear_fwd_out, true, OUT)
 #endif
-
-#define FWD_OUT_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf ckb, cf xbuf, cf rbuf, \
-    float* o, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, int G, \
-    i64 g_lo, i64 g_hi, int* sync, int mode, i64 n_chains, int wait_spins
-#define FWD_OUT_ARGS q, k, v, eta, w, b, ck, ckb, xbuf, rbuf, o, cu, go, gs, scale, eps, T, H, D, \
-    G, g_lo, g_hi, sync, mode, n_chains, wait_spins
-#define DISPATCH_ONE_fwd_out(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_out_t<DP, BT>(grid, FWD_OUT_ARGS);
-#if EMU_IN_PART(0)
-ENTRY(fwd_out, kFwdOutBytes, P_(FWD_OUT_PARAMS), P_(FWD_OUT_ARGS), P_(, OUT))
-#endif
-
-#define BWD_LOCAL_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf dout, cf ck, cf ckb, \
-    cf xbuf, cf rbuf, float* dopbuf, float* dgbuf, float* dq, float* deta, float* dwp, \
-    float* dbp, ci64 cu, ci64 go, const int* gs, float scale, float eps, i64 T, int H, int D, \
-    int G, i64 g_lo, i64 g_hi
-#define BWD_LOCAL_ARGS q, k, v, eta, w, b, dout, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, \
-    dwp, dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi
-#define DISPATCH_ONE_bwd_local(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_local_t<DP, BT>(grid, BWD_LOCAL_ARGS);
 #if EMU_IN_PART(1)
-ENTRY(bwd_local, kBwdLocalBytes, P_(BWD_LOCAL_PARAMS), P_(BWD_LOCAL_ARGS), P_(, OUT))
-#endif
-
-#define BWD_CHAIN_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf xbuf, cf rbuf, cf dopbuf, \
-    float* dgbuf, float* deta, cf dht, cf dhbt, float* dck, float* dckb, float* dh0, \
-    float* dhb0, cf rlbuf, float* dkey, ci64 cu, ci64 go, float scale, i64 T, int H, int D, \
-    int G, i64 g_lo, i64 g_hi, int* sync
-#define BWD_CHAIN_ARGS q, k, v, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, \
-    dh0, dhb0, rlbuf, dkey, cu, go, scale, T, H, D, G, g_lo, g_hi, sync
-#define DISPATCH_ONE_bwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_chain_t<DP, BT>(grid, BWD_CHAIN_ARGS);
-#if EMU_IN_PART(1)
-ENTRY(bwd_chain, kBwdChainBytes, P_(BWD_CHAIN_PARAMS), P_(BWD_CHAIN_ARGS), P_(, KEY))
-#endif
-
-#define BWD_GRADS_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ck, cf dck, cf xbuf, cf rbuf, \
-    cf dopbuf, cf dgbuf, float* dk, float* dv, float* dwp, float* dbp, cf rlbuf, ci64 cu, \
-    ci64 go, const int* gs, float scale, i64 T, int H, int D, int G, i64 g_lo, i64 g_hi, \
-    int* sync, int mode, i64 n_chains, int wait_spins
-#define BWD_GRADS_ARGS q, k, v, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dk, dv, dwp, dbp, \
-    rlbuf, cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains, wait_spins
-#define DISPATCH_ONE_bwd_grads(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_grads_t<DP, BT>(grid, BWD_GRADS_ARGS);
-#if EMU_IN_PART(1)
-ENTRY(bwd_grads, kBwdGradsBytes, P_(BWD_GRADS_PARAMS), P_(BWD_GRADS_ARGS), P_(, KEY))
+ENTRY(bwd_local, BwdParams, float, kThreads, Tr::kBwdLocalBytes, 128, ttt_linear_bwd_local,
+      false, OUT)
+ENTRY(bwd_local_mma, BwdParams, __half, kThreads, Tr::kBwdLocalTcBytes, 128,
+      ttt_linear_bwd_local, true, OUT)
+ENTRY(bwd_chain, BwdParams, float, kThreads, Tr::kBwdChainBytes, 128, ttt_linear_bwd_chain,
+      false, KEY)
+ENTRY(bwd_chain_mma, BwdParams, __half, kTcThreads, Tr::kBwdChainTcBytes, 128,
+      ttt_linear_bwd_chain, true, KEY)
+ENTRY(bwd_chain_fused_mma, BwdParams, __half, kTcThreads, Tr::kBwdChainFusedTcBytes, 64,
+      ttt_linear_bwd_chain_fused, true, KEY)
+ENTRY(bwd_grads, BwdParams, float, kThreads, Tr::kBwdGradsBytes, 128, ttt_linear_bwd_grads,
+      false, KEY)
+ENTRY(bwd_grads_mma, BwdParams, __half, kThreads, Tr::kBwdGradsBytes, 128,
+      ttt_linear_bwd_grads, true, KEY)
 #endif
 
 // fwd_decode (a short generation step: no chunk size, bt ignored), every variant at every D_PAD
-// (the kernel is small); its shared memory for `rows` rows, as the launcher sizes it.
+// (the kernel is small); its shared memory for the struct's rows, as the launcher sizes it.
 // emu_fwd_decode: T = P = float. emu_fwd_decode_half, emu_fwd_decode_bf16: T = P = the fake
-// __half / __nv_bfloat16 (a float in a struct: the float arrays are read as they are), the
-// instance that reads eta, w, b and eta_key in the input type (the launcher's native_params).
-#define FWD_DECODE_PARAMS cf q, cf k, cf v, cf eta, cf w, cf b, cf ekey, cf h0, cf hb0, \
-    float* ht, float* hbt, float* o, ci64 cu, float scale, float eps, i64 T_len, int H, int D, \
-    int rows
-#define FWD_DECODE_ARGS q, k, v, eta, w, b, ekey, h0, hb0, ht, hbt, o, cu, scale, eps, T_len, H, \
-    D, rows
-template <int DP, typename T>
-static int fwd_decode_t(i64 grid, FWD_DECODE_PARAMS) {
-    using Tr = ttt::DecodeTraits<DP>;
-    static_assert(sizeof(T) == sizeof(float), "the stand-in types hold a float");
-    const unsigned long long bytes = (unsigned long long)rows * Tr::kRowBytes;
-    if (bytes > sizeof(smem)) __trap();  // (more than the emulated shared memory)
-    auto in = [](cf a) { return reinterpret_cast<const T*>(a); };
-    auto run = [&](auto key, auto out) {
-        constexpr bool KEY = decltype(key)::value;
-        constexpr int OUT = decltype(out)::value;
-        launch(grid, Tr::kThreads, [&] {
-            ttt_linear_fwd_decode<T, DP, KEY, OUT, T>(
-                in(q), in(k), in(v), in(eta), in(w), in(b), in(ekey), h0, hb0, ht, hbt,
-                reinterpret_cast<T*>(o), cu, scale, eps, T_len, H, D, rows, bytes);
-        });
-    };
-    every_variant(run);
-    return 0;
-}
+// __half / __nv_bfloat16, the instance that reads eta, w, b and eta_key in the input type (the
+// launcher's native_params).
 template <typename T>
-static int fwd_decode_dispatch(int dp, i64 grid, FWD_DECODE_PARAMS) {
-    if (dp == 16) return fwd_decode_t<16, T>(grid, FWD_DECODE_ARGS);
-    if (dp == 32) return fwd_decode_t<32, T>(grid, FWD_DECODE_ARGS);
-    if (dp == 64) return fwd_decode_t<64, T>(grid, FWD_DECODE_ARGS);
-    if (dp == 128) return fwd_decode_t<128, T>(grid, FWD_DECODE_ARGS);
+static int fwd_decode_entry(int dp, i64 grid, const void* params) {
+    static_assert(sizeof(T) == sizeof(float), "the stand-in types hold a float");
+    auto run = [&](auto dp_c) {
+        constexpr int DP = decltype(dp_c)::value;
+        using Tr = ttt::DecodeTraits<DP>;
+        ttt::DecodeParams<float, float> given;
+        std::memcpy(&given, params, sizeof given);
+        const unsigned long long bytes = (unsigned long long)given.rows * Tr::kRowBytes;
+        if (bytes > sizeof(smem)) __trap();  // (more than the emulated shared memory)
+        const auto p = params_as<ttt::DecodeParams<T, T>, ttt::DecodeParams<float, float>>(
+            params, bytes);
+        every_variant([&](auto key, auto out) {
+            constexpr bool KEY = decltype(key)::value;
+            constexpr int OUT = decltype(out)::value;
+            launch(grid, Tr::kThreads, [&] { ttt_linear_fwd_decode<T, DP, KEY, OUT, T>(p); });
+        });
+        return 0;
+    };
+    if (dp == 16) return run(std::integral_constant<int, 16>{});
+    if (dp == 32) return run(std::integral_constant<int, 32>{});
+    if (dp == 64) return run(std::integral_constant<int, 64>{});
+    if (dp == 128) return run(std::integral_constant<int, 128>{});
     return 1;
 }
 #if EMU_IN_PART(0)
-extern "C" int emu_fwd_decode(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
-    return fwd_decode_dispatch<float>(dp, grid, FWD_DECODE_ARGS);
+extern "C" int emu_fwd_decode(int dp, int, i64 grid, const void* params) {
+    return fwd_decode_entry<float>(dp, grid, params);
 }
-#endif
-#if EMU_IN_PART(1)  // (the half instances: in the other part, which builds at the same time)
-extern "C" int emu_fwd_decode_half(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
-    return fwd_decode_dispatch<__half>(dp, grid, FWD_DECODE_ARGS);
-}
-extern "C" int emu_fwd_decode_bf16(int dp, int, i64 grid, FWD_DECODE_PARAMS) {
-    return fwd_decode_dispatch<__nv_bfloat16>(dp, grid, FWD_DECODE_ARGS);
-}
-#endif
-
-// The chain kernels' tensor-core instances (T = the fake __half: a float in a struct, so the
-// float inputs are read as they are; MMA = true). emu_set_tf32_round(1) rounds the mma
-// operands to tf32 (the GPU's arithmetic), 0 keeps them fp32 (the index math alone).
-#if EMU_IN_PART(0)
+// emu_set_tf32_round(1) rounds the mma operands to tf32 (the GPU's arithmetic), 0 keeps them
+// fp32 (the index math alone).
 extern "C" void emu_set_tf32_round(int on) { g_tf32_round = on; }
 #endif
-
-template <int DP, int BT, bool FUSE = false>
-static int fwd_chain_mma_t(i64 grid, FWD_CHAIN_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    auto oh = reinterpret_cast<__half*>(o);
-    constexpr unsigned long long bytes = FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes;
-    static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    return with_variant<DP, BT>([&](auto key, auto out) {
-        constexpr bool KEY = decltype(key)::value;
-        constexpr int OUT = FUSE ? decltype(out)::value : ttt::kOutNorm;
-        launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance: a warp per 16
-            ttt_linear_fwd_chain<__half, DP, BT, true, FUSE, KEY, OUT>(   // columns
-                qh, kh, vh, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, oh, ekey, rlbuf, cu,
-                go, scale, eps, T, H, D, G, g_lo, g_hi, sync, bytes);
-        });
-    });
+#if EMU_IN_PART(1)  // (the half instances: in the other part, which builds at the same time)
+extern "C" int emu_fwd_decode_half(int dp, int, i64 grid, const void* params) {
+    return fwd_decode_entry<__half>(dp, grid, params);
 }
-#define DISPATCH_MMA_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT>(grid, FWD_CHAIN_ARGS);
-#if EMU_IN_PART(0)
-extern "C" int emu_fwd_chain_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
-    INSTANCES(DISPATCH_MMA_fwd_chain)
-    return 1;
-}
-#endif
-
-// fwd_chain's fused instances (FUSE = true: they write o; ck, ckb, xbuf, rbuf all null for a
-// forward without backward), SIMT (T = float) and MMA (T = the fake __half).
-template <int DP, int BT>
-static int fwd_chain_fused_t(i64 grid, FWD_CHAIN_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    static_assert(Tr::kFwdChainFusedBytes <= sizeof(smem),
-                  "the emulated shared memory is too small");
-    return with_variant<DP, BT>([&](auto key, auto out) {
-        constexpr bool KEY = decltype(key)::value;
-        constexpr int OUT = decltype(out)::value;
-        launch(grid, Tr::kThreads, [&] {
-            ttt_linear_fwd_chain<float, DP, BT, false, true, KEY, OUT>(FWD_CHAIN_ARGS,
-                                                                       Tr::kFwdChainFusedBytes);
-        });
-    });
-}
-#define DISPATCH_FUSED_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_fused_t<DP, BT>(grid, FWD_CHAIN_ARGS);
-#if EMU_IN_PART(0)
-extern "C" int emu_fwd_chain_fused(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
-    INSTANCES(DISPATCH_FUSED_fwd_chain)
-    return 1;
-}
-#endif
-#define DISPATCH_FUSED_MMA_fwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_chain_mma_t<DP, BT, true>(grid, FWD_CHAIN_ARGS);
-#if EMU_IN_PART(0)
-extern "C" int emu_fwd_chain_fused_mma(int dp, int bt, i64 grid, FWD_CHAIN_PARAMS) {
-    INSTANCES(DISPATCH_FUSED_MMA_fwd_chain)
-    return 1;
-}
-#endif
-
-template <int DP, int BT>
-static int bwd_chain_mma_t(i64 grid, BWD_CHAIN_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    return with_variant<DP, BT>([&](auto key, auto) {
-        constexpr bool KEY = decltype(key)::value;
-        launch(grid, Tr::kTcThreads, [&] {  // the register-resident instance
-            ttt_linear_bwd_chain<__half, DP, BT, true, KEY>(
-                qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, dh0,
-                dhb0, rlbuf, dkey, cu, go, scale, T, H, D, G, g_lo, g_hi, sync,
-                Tr::kBwdChainTcBytes);
-        });
-    });
-}
-#define DISPATCH_MMA_bwd_chain(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_chain_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS);
-#if EMU_IN_PART(1)
-extern "C" int emu_bwd_chain_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS) {
-    INSTANCES(DISPATCH_MMA_bwd_chain)
-    return 1;
-}
-#endif
-
-// The group kernels' tensor-core instances (T = the fake __half as above, MMA = true); the
-// outputs of type T (o, dq, dk, dv) are fake halves too, i.e. floats.
-template <int DP, int BT>
-static int fwd_out_mma_t(i64 grid, FWD_OUT_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    auto oh = reinterpret_cast<__half*>(o);
-    // the stand-in half has 4 bytes: its staged rows take more room than a real half's
-    constexpr unsigned long long bytes = 4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>;
-    static_assert(bytes <= sizeof(smem), "the emulated shared memory is too small");
-    return with_variant<DP, BT>([&](auto, auto out) {
-        constexpr int OUT = decltype(out)::value;
-        launch(grid, Tr::kThreads, [&] {
-            ttt_linear_fwd_out<__half, DP, BT, true, OUT>(qh, kh, vh, eta, w, b, ck, ckb, xbuf,
-                                                          rbuf, oh, cu, go, gs, scale, eps, T, H,
-                                                          D, G, g_lo, g_hi, sync, mode, n_chains,
-                                                          wait_spins, bytes);
-        });
-    });
-}
-#define DISPATCH_MMA_fwd_out(DP, BT) \
-    if (dp == DP && bt == BT) return fwd_out_mma_t<DP, BT>(grid, FWD_OUT_ARGS);
-#if EMU_IN_PART(0)
-extern "C" int emu_fwd_out_mma(int dp, int bt, i64 grid, FWD_OUT_PARAMS) {
-    INSTANCES(DISPATCH_MMA_fwd_out)
-    return 1;
-}
-#endif
-
-template <int DP, int BT>
-static int bwd_local_mma_t(i64 grid, BWD_LOCAL_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    auto doh = reinterpret_cast<const __half*>(dout);
-    auto dqh = reinterpret_cast<__half*>(dq);
-    return with_variant<DP, BT>([&](auto, auto out) {
-        constexpr int OUT = decltype(out)::value;
-        launch(grid, Tr::kThreads, [&] {
-            ttt_linear_bwd_local<__half, DP, BT, true, OUT>(
-                qh, kh, vh, eta, w, b, doh, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dqh, deta, dwp,
-                dbp, cu, go, gs, scale, eps, T, H, D, G, g_lo, g_hi, Tr::kBwdLocalTcBytes);
-        });
-    });
-}
-#define DISPATCH_MMA_bwd_local(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_local_mma_t<DP, BT>(grid, BWD_LOCAL_ARGS);
-#if EMU_IN_PART(1)
-extern "C" int emu_bwd_local_mma(int dp, int bt, i64 grid, BWD_LOCAL_PARAMS) {
-    INSTANCES(DISPATCH_MMA_bwd_local)
-    return 1;
-}
-#endif
-
-template <int DP, int BT>
-static int bwd_grads_mma_t(i64 grid, BWD_GRADS_PARAMS) {
-    using Tr = ttt::Traits<DP, BT>;
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    auto dkh = reinterpret_cast<__half*>(dk);
-    auto dvh = reinterpret_cast<__half*>(dv);
-    return with_variant<DP, BT>([&](auto key, auto) {
-        constexpr bool KEY = decltype(key)::value;
-        launch(grid, Tr::kThreads, [&] {
-            ttt_linear_bwd_grads<__half, DP, BT, true, KEY>(
-                qh, kh, vh, eta, w, b, ck, dck, xbuf, rbuf, dopbuf, dgbuf, dkh, dvh, dwp, dbp,
-                rlbuf, cu, go, gs, scale, T, H, D, G, g_lo, g_hi, sync, mode, n_chains,
-                wait_spins, Tr::kBwdGradsBytes);
-        });
-    });
-}
-#define DISPATCH_MMA_bwd_grads(DP, BT) \
-    if (dp == DP && bt == BT) return bwd_grads_mma_t<DP, BT>(grid, BWD_GRADS_ARGS);
-#if EMU_IN_PART(1)
-extern "C" int emu_bwd_grads_mma(int dp, int bt, i64 grid, BWD_GRADS_PARAMS) {
-    INSTANCES(DISPATCH_MMA_bwd_grads)
-    return 1;
-}
-#endif
-
-// bwd_chain's fused instance (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; T = the
-// fake __half, MMA only, D_PAD <= 64): the chain's arguments (sync unused: the fused chain
-// does not overlap), then ck, dk, dv, dwp, dbp.
-#define INSTANCES_D64(X) X(16, 16) X(16, 32) X(16, 64) X(32, 16) X(32, 32) X(64, 16) X(64, 32)
-template <int DP, int BT>
-static int bwd_chain_fused_mma_t(i64 grid, BWD_CHAIN_PARAMS, cf ck, float* dk, float* dv,
-                                 float* dwp, float* dbp) {
-    using Tr = ttt::Traits<DP, BT>;
-    static_assert(Tr::kBwdChainFusedTcBytes <= sizeof(smem),
-                  "the emulated shared memory is too small");
-    auto qh = reinterpret_cast<const __half*>(q);
-    auto kh = reinterpret_cast<const __half*>(k);
-    auto vh = reinterpret_cast<const __half*>(v);
-    auto dkh = reinterpret_cast<__half*>(dk);
-    auto dvh = reinterpret_cast<__half*>(dv);
-    return with_variant<DP, BT>([&](auto key, auto) {
-        constexpr bool KEY = decltype(key)::value;
-        launch(grid, Tr::kTcThreads, [&] {
-            ttt_linear_bwd_chain_fused<__half, DP, BT, true, KEY>(
-                qh, kh, vh, eta, w, b, xbuf, rbuf, dopbuf, dgbuf, deta, dht, dhbt, dck, dckb, dh0,
-                dhb0, rlbuf, dkey, ck, dkh, dvh, dwp, dbp, cu, go, scale, T, H, D, G, g_lo, g_hi,
-                Tr::kBwdChainFusedTcBytes);
-        });
-    });
-}
-#define DISPATCH_FUSED_MMA_bwd_chain(DP, BT)                                                 \
-    if (dp == DP && bt == BT)                                                                \
-        return bwd_chain_fused_mma_t<DP, BT>(grid, BWD_CHAIN_ARGS, ck, dk, dv, dwp, dbp);
-#if EMU_IN_PART(1)
-extern "C" int emu_bwd_chain_fused_mma(int dp, int bt, i64 grid, BWD_CHAIN_PARAMS, cf ck,
-                                       float* dk, float* dv, float* dwp, float* dbp) {
-    INSTANCES_D64(DISPATCH_FUSED_MMA_bwd_chain)
-    return 1;
+extern "C" int emu_fwd_decode_bf16(int dp, int, i64 grid, const void* params) {
+    return fwd_decode_entry<__nv_bfloat16>(dp, grid, params);
 }
 #endif

@@ -66,6 +66,270 @@ namespace ttt {
 
 // The MMA instance of the backward chain (see the top of this file); FUSE: the fused instance
 // (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-group dw, db partials.
+// The tensor-core chain's steps over a lane's fragment entries: row t = 8 i + 2 tq + e
+// (e < 2), column n0 + 8 h (h < 2), entry c = e + 2 h of x[i][c] (mma.sync's accumulator
+// layout); col_ok[h]: column n0 + 8 h within D.
+
+// This chunk's rows of xh, v, do_pre, dg_loc, r (and KEY: the LayerNorm's r): from the stage
+// (kStage: filled by the step before, zero past L rows and D columns) or device memory.
+template <typename T, int D_PAD, int BT, bool KEY>
+__device__ __forceinline__ void bwd_tc_rows(
+    float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4],
+    float (&dg)[BT / 8][4], float (&r)[BT / 8][2], float (&rl)[BT / 8][2], const float* s_xh,
+    const T* s_v, const float* s_dop, const float* s_dg, const float* s_r,
+    const float* __restrict__ xbuf, const T* __restrict__ v, const float* __restrict__ dopbuf,
+    const float* __restrict__ dgbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ rlbuf, long long o_rows, long long p_ebase, long long row0, int rs,
+    int L, int H, int D, int tq) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NR = BT / 8, NT = Tr::kTcThreads;
+    constexpr bool kStage = Tr::kBwdChainStage;
+    using RowsF = StagedRows<float, D_PAD, BT, NT>;
+    using RowsT = StagedRows<T, D_PAD, BT, NT>;
+    if constexpr (kStage) {  // staged by the step before (zero past L rows, D columns)
+        frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);
+        frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);
+        frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);
+        frag_rows_from_smem<BT, RowsF::kLd>(dg, s_dg);
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) r[i][e] = s_r[8 * i + 2 * tq + e];
+    } else {
+        load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
+        load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
+        load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
+        load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
+        const float* r_rows = rbuf + p_ebase + row0 * H;
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                r[i][e] = t < L ? r_rows[t * H] : 0.f;
+            }
+    }
+    if constexpr (KEY) {  // the LayerNorm's r (r: g's factor l r)
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = 8 * i + 2 * tq + e;
+                rl[i][e] = t < L ? rlbuf[p_ebase + (row0 + t) * H] : 0.f;
+            }
+    }
+}
+
+// The fused chain's tiles of a step: dW (after the chunk) and do_pre, the per-row eta, and at
+// a group start (``slot`` given) W before the chunk from its slot (else stepped back later).
+template <int D_PAD, int BT>
+__device__ __forceinline__ void bwd_tc_fused_tiles(
+    float* s_dWs, float* s_out, float* s_e, float* s_W, const float (&dW)[D_PAD / 8][4],
+    const float (&dop)[BT / 8][4], const float* __restrict__ eta, long long p_ebase,
+    long long row0, int L, int H, const float* __restrict__ slot, int D, int tq, int n0) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
+    for_each_state_entry<D_PAD>(
+        [&](int J, int c, int a, int n) { s_dWs[a * LD + n] = dW[J][c]; });
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            s_out[(8 * i + 2 * tq + (c & 1)) * LD + n0 + 8 * (c >> 1)] = dop[i][c];
+    for (int j = threadIdx.x; j < BT; j += NT)
+        s_e[j] = j < L ? eta[p_ebase + (row0 + j) * H] : 0.f;
+    if (slot != nullptr) load_state_rows<D_PAD, D_PAD, NT>(s_W, slot, D, D);
+}
+
+// u += dhb; y = (xh w + b - v + k) w; round 1's row sums of y, y xh.
+template <int NR, int LD>
+__device__ __forceinline__ void bwd_tc_y(float (&u)[NR][4], float (&y)[NR][4],
+                                         float (&s1)[NR][2][2], const float (&xh)[NR][4],
+                                         const float (&vv)[NR][4], const bool (&col_ok)[2],
+                                         const float (&dhb)[2], const float (&lw)[2],
+                                         const float (&lb)[2], const float* skt, int tq, int n0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            s1[i][e][0] = s1[i][e][1] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h;
+                u[i][c] = col_ok[h] ? u[i][c] + dhb[h] : 0.f;
+                y[i][c] = col_ok[h] ? (xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                       skt[t * LD + n0 + 8 * h]) * lw[h]
+                                    : 0.f;
+                s1[i][e][0] += y[i][c];
+                s1[i][e][1] += y[i][c] * xh[i][c];
+            }
+        }
+}
+
+// g (FUSE: into s_g); dg = dg_loc - eta_l u; round 2's row sums of dg, dg xh, dg g, u g (KEY:
+// dg g / l, g / l = r_ln (y - ..), which is deta_key).
+template <int NR, int LD, bool FUSE, bool KEY>
+__device__ __forceinline__ void bwd_tc_dg(float (&gg)[NR][4], float (&dg)[NR][4],
+                                          float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
+                                          const float (&u)[NR][4], const float (&y)[NR][4],
+                                          const float (&xh)[NR][4], const float (&r)[NR][2],
+                                          const float (&rl)[NR][2], const bool (&col_ok)[2],
+                                          float e_l, float inv_d, int L, float* s_g, int tq,
+                                          int n0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
+            s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h;
+                const bool ok = col_ok[h] && t < L;
+                gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
+                if constexpr (FUSE) s_g[t * LD + n0 + 8 * h] = gg[i][c];
+                dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
+                s2[i][e][0] += dg[i][c];
+                s2[i][e][1] += dg[i][c] * xh[i][c];
+                if constexpr (KEY)
+                    s2[i][e][2] +=
+                        dg[i][c] * (ok ? rl[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f);
+                else
+                    s2[i][e][2] += dg[i][c] * gg[i][c];
+                s2[i][e][3] += u[i][c] * gg[i][c];
+            }
+        }
+}
+
+// dy, dxh (inner_grad_bwd_row); round 3's row sums of dxh, dxh xh. FUSE: dy w (kept for
+// dk), dv = -dy w, and the dw, db partials (sum_i dy (2 xh w + b - v + k), sum_i dy w).
+template <typename T, int NR, int LD, bool FUSE>
+__device__ __forceinline__ void bwd_tc_dxh(
+    float (&dxh)[NR][4], float (&s3)[NR][2][2], float (&dyw)[NR][4], float (&dwa)[2],
+    float (&dba)[2], const float (&s1)[NR][2][2], const float (&s2)[NR][2][4],
+    const float (&dg)[NR][4], const float (&xh)[NR][4], const float (&y)[NR][4],
+    const float (&r)[NR][2], const float (&vv)[NR][4], const bool (&col_ok)[2],
+    const float (&lw)[2], const float (&lb)[2], const float* skt, T* __restrict__ dv,
+    long long o_rows, int rs, int L, float inv_d, int tq, int n0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            const float a1 = s2[i][e][0] * inv_d, a2 = s2[i][e][1] * inv_d;
+            const float a3 = s1[i][e][1] * inv_d;
+            s3[i][e][0] = s3[i][e][1] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h;
+                const bool ok = col_ok[h] && t < L;
+                const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
+                if constexpr (FUSE) {
+                    const int n = n0 + 8 * h;
+                    dyw[i][c] = dy * lw[h];
+                    if (ok) dv[o_rows + t * rs + n] = from_f32<T>(-dyw[i][c]);
+                    dwa[h] += dy * (2.f * xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                    skt[t * LD + n]);
+                    dba[h] += dyw[i][c];
+                }
+                dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
+                                     dy * (lw[h] * lw[h])
+                               : 0.f;
+                s3[i][e][0] += dxh[i][c];
+                s3[i][e][1] += dxh[i][c] * xh[i][c];
+            }
+        }
+}
+
+// dkh (into u; FUSE: into s_dkh too); the full dg out (unfused); us += the rows' u g sums
+// (deta's last-row term).
+template <int NR, int LD, bool FUSE, bool KEY>
+__device__ __forceinline__ void bwd_tc_dkh(
+    float (&u)[NR][4], float& us, const float (&s2)[NR][2][4], const float (&s3)[NR][2][2],
+    const float (&dxh)[NR][4], const float (&xh)[NR][4], const float (&r)[NR][2],
+    const float (&rl)[NR][2], const float (&dg)[NR][4], const bool (&col_ok)[2], float inv_d,
+    int L, float* s_dkh, float* __restrict__ dgbuf, long long o_rows, int rs, int tq, int n0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            const float c1 = s3[i][e][0] * inv_d, c2 = s3[i][e][1] * inv_d;
+            const float dr = s2[i][e][2] * r[i][e] * inv_d;  // dr r^2 / D
+            if (t < L) us += s2[i][e][3];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h;
+                const bool ok = col_ok[h] && t < L;
+                u[i][c] = ok ? (KEY ? rl[i][e] : r[i][e]) * (dxh[i][c] - c1 - xh[i][c] * c2) -
+                                   dr * xh[i][c]
+                             : 0.f;
+                if constexpr (FUSE)
+                    s_dkh[t * LD + n0 + 8 * h] = u[i][c];
+                else if (ok)
+                    dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
+            }
+        }
+}
+
+// The fused chain's dk: W before the chunk (W + eta_l k^T g, unless it came from its slot),
+// then dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads).
+template <typename T, int D_PAD, int BT>
+__device__ __forceinline__ void bwd_tc_fused_dk(
+    float* s_W, float* s_out, const float* s_S, const float* s_g, const float* s_dkh,
+    const float* s_dWs, const float* sqt, const float* skt, const float (&dyw)[BT / 8][4],
+    const bool (&col_ok)[2], float e_l, int in_group, T* __restrict__ dk, long long o_rows,
+    int rs, int L, int D, int tq, int n0) {
+    using Tr = Traits<D_PAD, BT>;
+    constexpr int NW = Tr::kTcWarps, LD = Tr::kLd, LA = Tr::kLdA, NR = BT / 8;
+    // W before the chunk: W + eta_l k^T g, unless it came from its slot; then
+    // dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads)
+    if (in_group != 0)
+        state_update_mma<D_PAD, BT, NW>(s_W, e_l, skt, s_g, nullptr, nullptr, D);
+    __syncthreads();
+    mma_tiles<BT, D_PAD, NW>(
+        [&](float (&acc)[4], int m0, int n1) {
+            float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tile_acc(acc, s_S, LA, 1, sqt, LD, 1, m0, n1, m0, BT);
+            mma_tile_acc(acc, s_dkh, LD, 1, s_W, 1, LD, m0, n1, 0, D_PAD);
+            mma_tile_acc(acc2, s_g, LD, 1, s_dWs, 1, LD, m0, n1, 0, D_PAD);
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) acc[q4] -= e_l * acc2[q4];
+        },
+        [&](float (&acc)[4], int m0, int n1) { store_acc_tile<LD>(s_out, acc, m0, n1); });
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int t = 8 * i + 2 * tq + (c & 1), n = n0 + 8 * (c >> 1);
+            if (t < L && col_ok[c >> 1])
+                dk[o_rows + t * rs + n] = from_f32<T>(s_out[t * LD + n] + dyw[i][c]);
+        }
+}
+
+// The fused chain's dw, db partials of a group: sums over a column's lanes, at ``i_p``.
+__device__ __forceinline__ void bwd_tc_group_partials(float (&dwa)[2], float (&dba)[2],
+                                                      float* __restrict__ dwp,
+                                                      float* __restrict__ dbp, long long i_p,
+                                                      const bool (&col_ok)[2], int tq, int n0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int m = 1; m <= 2; m <<= 1) {
+            dwa[h] += __shfl_xor_sync(0xffffffffu, dwa[h], m);
+            dba[h] += __shfl_xor_sync(0xffffffffu, dba[h], m);
+        }
+        if (tq == 0 && col_ok[h]) {
+            dwp[i_p + n0 + 8 * h] = dwa[h];
+            dbp[i_p + n0 + 8 * h] = dba[h];
+        }
+        dwa[h] = dba[h] = 0.f;
+    }
+}
+
 template <typename T, int D_PAD, int BT, bool FUSE = false, bool KEY = false>
 __device__ __forceinline__ void bwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -82,7 +346,6 @@ __device__ __forceinline__ void bwd_chain_tc(
     float* __restrict__ dbp = nullptr, int* sync = nullptr) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
-    constexpr int LA = Tr::kLdA;
     float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
     float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
     float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
@@ -213,76 +476,19 @@ __device__ __forceinline__ void bwd_chain_tc(
         // column n0 + 8 (c >> 1)
         float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2], rl[NR][2];
         const long long o_rows = p_base + row0 * row_stride;
-        if constexpr (kStage) {  // staged by the step before (zero past L rows, D columns)
-            frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);
-            frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);
-            frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);
-            frag_rows_from_smem<BT, RowsF::kLd>(dg, s_dg);
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) r[i][e] = s_r[8 * i + 2 * tq + e];
-        } else {
-            load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
-            load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
-            load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
-            load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
-            const float* r_rows = rbuf + p_ebase + row0 * H;
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int t = 8 * i + 2 * tq + e;
-                    r[i][e] = t < L ? r_rows[t * H] : 0.f;
-                }
-        }
-        if constexpr (KEY) {  // the LayerNorm's r (r: g's factor l r)
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int t = 8 * i + 2 * tq + e;
-                    rl[i][e] = t < L ? rlbuf[p_ebase + (row0 + t) * H] : 0.f;
-                }
-        }
-        if constexpr (FUSE) {
-            // dW (after the chunk) and do_pre as tiles, the per-row eta; at a group start W
-            // (before the chunk) from its slot, else stepped back below. (The step before
-            // ended with a barrier: nobody reads these tiles any more.)
-            for_each_state_entry<D_PAD>(
-                [&](int J, int c, int a, int n) { s_dWs[a * LD + n] = dW[J][c]; });
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    s_out[(8 * i + 2 * tq + (c & 1)) * LD + n0 + 8 * (c >> 1)] = dop[i][c];
-            for (int j = threadIdx.x; j < BT; j += NT)
-                s_e[j] = j < L ? eta[p_ebase + (row0 + j) * H] : 0.f;
-            if (in_group == 0)
-                load_state_rows<D_PAD, D_PAD, NT>(
-                    s_W, ck + ((sq.slot_base + i_c / G) * H + i_h) * DD, D, D);
-        }
+        bwd_tc_rows<T, D_PAD, BT, KEY>(xh, vv, dop, dg, r, rl, s_xh, s_v, s_dop, s_dg, s_r, xbuf,
+                                       v, dopbuf, dgbuf, rbuf, rlbuf, o_rows, p_ebase, row0, rs,
+                                       L, H, D, tq);
+        if constexpr (FUSE)  // (the step before ended with a barrier: these tiles are free)
+            bwd_tc_fused_tiles<D_PAD, BT>(
+                s_dWs, s_out, s_e, s_W, dW, dop, eta, p_ebase, row0, L, H,
+                in_group == 0 ? ck + ((sq.slot_base + i_c / G) * H + i_h) * DD : nullptr, D, tq,
+                n0);
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
         float u[NR][4], y[NR][4], s1[NR][2][2];
         tile_times_state_frag<D_PAD, BT, kExact>(u, dW, skt);
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                s1[i][e][0] = s1[i][e][1] = 0.f;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h;
-                    u[i][c] = col_ok[h] ? u[i][c] + dhb[h] : 0.f;
-                    y[i][c] = col_ok[h] ? (xh[i][c] * lw[h] + lb[h] - vv[i][c] +
-                                           skt[t * LD + n0 + 8 * h]) * lw[h]
-                                        : 0.f;
-                    s1[i][e][0] += y[i][c];
-                    s1[i][e][1] += y[i][c] * xh[i][c];
-                }
-            }
+        bwd_tc_y<NR, LD>(u, y, s1, xh, vv, col_ok, dhb, lw, lb, skt, tq, n0);
         frag_row_sums<NW, BT, 2>(s1, s_red);
         // past its barrier every thread has read the stage: the previous chunk's rows go in
         if (kStage && i_c > c_lo) stage_rows(row0p, BT);
@@ -290,30 +496,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g (KEY: dg g / l,
         // g / l = r_ln (y - ..), which is deta_key)
         float gg[NR][4], s2[NR][2][4];
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
-                s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h;
-                    const bool ok = col_ok[h] && t < L;
-                    gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
-                    if constexpr (FUSE) s_g[t * LD + n0 + 8 * h] = gg[i][c];
-                    dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
-                    s2[i][e][0] += dg[i][c];
-                    s2[i][e][1] += dg[i][c] * xh[i][c];
-                    if constexpr (KEY)
-                        s2[i][e][2] +=
-                            dg[i][c] * (ok ? rl[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f);
-                    else
-                        s2[i][e][2] += dg[i][c] * gg[i][c];
-                    s2[i][e][3] += u[i][c] * gg[i][c];
-                }
-            }
+        bwd_tc_dg<NR, LD, FUSE, KEY>(gg, dg, s2, s1, u, y, xh, r, rl, col_ok, e_l, inv_d, L, s_g,
+                                     tq, n0);
         frag_row_sums<NW, BT, 4>(s2, s_red + 4 * NW * BT);
         if constexpr (KEY) {  // deta_key = sum(dg g / l), once a row (warp 0, g = 0)
             if (dkey != nullptr && wid == 0 && (lane >> 2) == 0) {  // (null: not needed)
@@ -332,85 +516,18 @@ __device__ __forceinline__ void bwd_chain_tc(
         // dy, dxh (inner_grad_bwd_row); round 3: sums of dxh, dxh xh. FUSE: dy w (kept for
         // dk), dv = -dy w, and the dw, db partials (sum_i dy (2 xh w + b - v + k), sum_i dy w)
         float dxh[NR][4], s3[NR][2][2], dyw[NR][4];
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                const float a1 = s2[i][e][0] * inv_d, a2 = s2[i][e][1] * inv_d;
-                const float a3 = s1[i][e][1] * inv_d;
-                s3[i][e][0] = s3[i][e][1] = 0.f;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h;
-                    const bool ok = col_ok[h] && t < L;
-                    const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
-                    if constexpr (FUSE) {
-                        const int n = n0 + 8 * h;
-                        dyw[i][c] = dy * lw[h];
-                        if (ok) dv[o_rows + t * rs + n] = from_f32<T>(-dyw[i][c]);
-                        dwa[h] += dy * (2.f * xh[i][c] * lw[h] + lb[h] - vv[i][c] +
-                                        skt[t * LD + n]);
-                        dba[h] += dyw[i][c];
-                    }
-                    dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
-                                         dy * (lw[h] * lw[h])
-                                   : 0.f;
-                    s3[i][e][0] += dxh[i][c];
-                    s3[i][e][1] += dxh[i][c] * xh[i][c];
-                }
-            }
+        bwd_tc_dxh<T, NR, LD, FUSE>(dxh, s3, dyw, dwa, dba, s1, s2, dg, xh, y, r, vv, col_ok, lw,
+                                    lb, skt, dv, o_rows, rs, L, inv_d, tq, n0);
         frag_row_sums<NW, BT, 2>(s3, s_red + 8 * NW * BT);
 
         // dkh (into u); the full dg out; deta's last-row term
         float us = 0.f;
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                const float c1 = s3[i][e][0] * inv_d, c2 = s3[i][e][1] * inv_d;
-                const float dr = s2[i][e][2] * r[i][e] * inv_d;  // dr r^2 / D
-                if (t < L) us += s2[i][e][3];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h;
-                    const bool ok = col_ok[h] && t < L;
-                    u[i][c] = ok ? (KEY ? rl[i][e] : r[i][e]) * (dxh[i][c] - c1 - xh[i][c] * c2) -
-                                       dr * xh[i][c]
-                                 : 0.f;
-                    if constexpr (FUSE)
-                        s_dkh[t * LD + n0 + 8 * h] = u[i][c];
-                    else if (ok)
-                        dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
-                }
-            }
+        bwd_tc_dkh<NR, LD, FUSE, KEY>(u, us, s2, s3, dxh, xh, r, rl, dg, col_ok, inv_d, L, s_dkh,
+                                      dgbuf, o_rows, rs, tq, n0);
 
         if constexpr (FUSE) {
-            // W before the chunk: W + eta_l k^T g, unless it came from its slot; then
-            // dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads)
-            if (in_group != 0)
-                state_update_mma<D_PAD, BT, NW>(s_W, e_l, skt, s_g, nullptr, nullptr, D);
-            __syncthreads();
-            mma_tiles<BT, D_PAD, NW>(
-                [&](float (&acc)[4], int m0, int n1) {
-                    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_tile_acc(acc, s_S, LA, 1, sqt, LD, 1, m0, n1, m0, BT);
-                    mma_tile_acc(acc, s_dkh, LD, 1, s_W, 1, LD, m0, n1, 0, D_PAD);
-                    mma_tile_acc(acc2, s_g, LD, 1, s_dWs, 1, LD, m0, n1, 0, D_PAD);
-#pragma unroll
-                    for (int q4 = 0; q4 < 4; ++q4) acc[q4] -= e_l * acc2[q4];
-                },
-                [&](float (&acc)[4], int m0, int n1) { store_acc_tile<LD>(s_out, acc, m0, n1); });
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int t = 8 * i + 2 * tq + (c & 1), n = n0 + 8 * (c >> 1);
-                    if (t < L && col_ok[c >> 1])
-                        dk[o_rows + t * rs + n] = from_f32<T>(s_out[t * LD + n] + dyw[i][c]);
-                }
+            bwd_tc_fused_dk<T, D_PAD, BT>(s_W, s_out, s_S, s_g, s_dkh, s_dWs, sqt, skt, dyw, col_ok,
+                                          e_l, in_group, dk, o_rows, rs, L, D, tq, n0);
         }
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i (do_pre_i + dkh_i)
@@ -451,19 +568,7 @@ __device__ __forceinline__ void bwd_chain_tc(
                 // at the partial index of bwd_grads' (group index: slot - sequence index), so
                 // that the sums do not depend on how the launcher splits the chain
                 const long long i_p = ((sq.slot_base - i_n + i_c / G) * H + i_h) * D;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                    for (int m = 1; m <= 2; m <<= 1) {
-                        dwa[h] += __shfl_xor_sync(0xffffffffu, dwa[h], m);
-                        dba[h] += __shfl_xor_sync(0xffffffffu, dba[h], m);
-                    }
-                    if (tq == 0 && col_ok[h]) {
-                        dwp[i_p + n0 + 8 * h] = dwa[h];
-                        dbp[i_p + n0 + 8 * h] = dba[h];
-                    }
-                    dwa[h] = dba[h] = 0.f;
-                }
+                bwd_tc_group_partials(dwa, dba, dwp, dbp, i_p, col_ok, tq, n0);
             }
             in_group = G;
         }
@@ -618,50 +723,24 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           bool KEY = false>
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,     // [B, T, H] fp32
-                     const float* __restrict__ lnw,     // [H, D] fp32
-                     const float* __restrict__ lnb,     // [H, D] fp32
-                     const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
-                     const float* __restrict__ rbuf,    // [B, T, H] fp32 r
-                     const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-                     float* __restrict__ dgbuf,         // dg_loc in, the full dg out
-                     float* __restrict__ deta,          // [B, T, H]: += the last-row terms
-                     const float* __restrict__ dht,     // [N, H, D, D] or null
-                     const float* __restrict__ dhbt,    // [N, H, D] or null
-                     float* __restrict__ dck,           // [slots, H, D, D] slot cotangents
-                     float* __restrict__ dckb,          // [slots, H, D] (of hb)
-                     float* __restrict__ dh0,           // [N, H, D, D] or null
-                     float* __restrict__ dhb0,          // [N, H, D] or null (with dh0)
-                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
-                     float* __restrict__ dkey,          // [B, T, H] fp32 deta_key (KEY) or null
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,  // [3 + ..] int32 or null: the overlapped backward
-                     unsigned long long smem_bytes) {
+ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if constexpr (MMA) {
-        if (smem_bytes < Tr::kBwdChainTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
-            G < 1)
-            __trap();
-        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf,
-                                                    dopbuf, dgbuf, deta, dht, dhbt, dck, dckb,
-                                                    dh0, dhb0, rlbuf, dkey, cu_seqlens,
-                                                    grp_offsets, scale, T_len, H, D, G, g_lo,
-                                                    g_hi, nullptr, nullptr, nullptr, nullptr,
-                                                    nullptr, sync);
-    } else {
-        if (smem_bytes < Tr::kBwdChainBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
-                                               T_len, H, D, G, g_lo, g_hi, sync);
-    }
+    if (p.smem_bytes < (MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes) ||
+        blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) || p.D > D_PAD || p.G < 1)
+        __trap();
+    if constexpr (MMA)
+        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, nullptr, nullptr,
+            nullptr, nullptr, nullptr, p.sync);
+    else
+        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
 }
 
 // The fused backward chain (launcher: many chains at D_PAD <= 64, half inputs): the MMA
@@ -679,34 +758,17 @@ ttt_linear_bwd_chain(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // (Traits::kBwdChainFusedTcBytes).
 template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
-ttt_linear_bwd_chain_fused(const T* __restrict__ q, const T* __restrict__ k,
-                           const T* __restrict__ v, const float* __restrict__ eta,
-                           const float* __restrict__ lnw, const float* __restrict__ lnb,
-                           const float* __restrict__ xbuf, const float* __restrict__ rbuf,
-                           const float* __restrict__ dopbuf, float* __restrict__ dgbuf,
-                           float* __restrict__ deta, const float* __restrict__ dht,
-                           const float* __restrict__ dhbt, float* __restrict__ dck,
-                           float* __restrict__ dckb, float* __restrict__ dh0,
-                           float* __restrict__ dhb0,
-                           const float* __restrict__ rlbuf,   // [B, T, H] LayerNorm r (KEY)
-                           float* __restrict__ dkey,          // [B, T, H] deta_key (KEY)
-                           const float* __restrict__ ck,      // [slots, H, D, D] state slots
-                           T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-                           float* __restrict__ dwp,           // [groups, H, D] dw partials
-                           float* __restrict__ dbp,           // [groups, H, D] db partials
-                           const long long* __restrict__ cu_seqlens,
-                           const long long* __restrict__ grp_offsets, float scale,
-                           long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-                           unsigned long long smem_bytes) {
+ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {
     static_assert(MMA && ttt::is_half_type<T>::value, "only the tensor-core instance fuses");
     static_assert(D_PAD <= 64, "D_PAD 128 would hold two [D_PAD, D_PAD] tiles per block");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads || D > D_PAD ||
-        G < 1)
+    if (p.smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads ||
+        p.D > D_PAD || p.G < 1)
         __trap();
-    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(smem, q, k, v, eta, lnw, lnb, xbuf, rbuf, dopbuf,
-                                               dgbuf, deta, dht, dhbt, dck, dckb, dh0, dhb0,
-                                               rlbuf, dkey, cu_seqlens, grp_offsets, scale,
-                                               T_len, H, D, G, g_lo, g_hi, ck, dk, dv, dwp, dbp);
+    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(
+        smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
+        p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
+        p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.ck, p.dk, p.dv, p.dwp,
+        p.dbp);
 }

@@ -44,36 +44,92 @@
 // product is SIMT fp32.
 #include "ttt_common.cuh"
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          bool KEY = false>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
-                                  ttt::Traits<D_PAD, BT>::kGradsBlocks)
-ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,     // [B, T, H] fp32
-                     const float* __restrict__ lnw,     // [H, D] fp32
-                     const float* __restrict__ lnb,     // [H, D] fp32
-                     const float* __restrict__ ck,      // [slots, H, D, D] state slots
-                     // written by bwd_chain, running beside this kernel when overlapped: not
-                     // __restrict__, so that they are not read through the read-only path
-                     const float* dck,                  // [slots, H, D, D] slot cotangents
-                     const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
-                     const float* __restrict__ rbuf,    // [B, T, H] fp32 r
-                     const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-                     const float* dgbuf,                // [B, T, H, D] fp32 full dg
-                     T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-                     float* __restrict__ dwp,           // [groups, H, D] partials of dw
-                     float* __restrict__ dbp,           // [groups, H, D] partials of db
-                     const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                     float scale, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,           // null (kPlain) or the overlapped backward's buffer
-                     int mode,            // overlap::kPlain / kOverlap / kCleanup
-                     long long n_chains,  // N H (kOverlap, kCleanup)
-                     int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
-                     unsigned long long smem_bytes) {
+// bwd_grads' row pass over a chunk: g (s_g), dkh (s_dkh), dy w (b_dyw), dv, and this lane's
+// dw / db partials. Pass u gives lane group ``sub`` row warp + NW (sub + RPP u); rows >= L run
+// on zeros (every lane takes part in the row sums): r = 0 makes g, dkh and dy zero there.
+template <typename T, int D_PAD, int BT, bool MMA, bool KEY,
+          int LPR = MMA ? ttt::Traits<D_PAD, BT>::template kRowLanes<BT> : 32,
+          int PL = (D_PAD + LPR - 1) / LPR,
+          int NPASS = ttt::Traits<D_PAD, BT>::kRowsPerWarp / (32 / LPR)>
+__device__ __forceinline__ void bwd_grads_rows(
+    float (&b_dyw)[NPASS][PL], float (&b_dw)[PL], float (&b_db)[PL], float* s_g, float* s_dkh,
+    const float* s_k, const float* __restrict__ xbuf, const T* __restrict__ k,
+    const T* __restrict__ v, const float* dgbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ rlbuf, T* __restrict__ dv, const float (&b_w)[PL],
+    const float (&b_b)[PL], long long p_base, long long p_ebase, long long row0,
+    long long row_stride, int L, int H, int D, int a0, int d1) {
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr int NW = Tr::kWarps, LD = Tr::kLd, SPLIT = Tr::kGradsSplit, RPP = 32 / LPR;
+    const int warp = threadIdx.x >> 5, sub = (threadIdx.x & 31) / LPR;
+#pragma unroll
+    for (int u = 0; u < NPASS; ++u) {
+        const int i = warp + NW * (sub + RPP * u);
+        const bool ok = i < L;
+        const int n = ok ? D : 0;
+        const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
+        float b_xh[PL], b_k[PL], b_v[PL], b_g[PL], b_y[PL], b_dg[PL], b_dkh[PL], b_dy[PL];
+        const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
+        ttt::load_row<D_PAD, LPR>(b_xh, xbuf + o_r, n, 1.f);
+        if constexpr (SPLIT == 1)
+            ttt::load_row<D_PAD, LPR>(b_k, s_k + i * LD, n, 1.f);
+        else  // s_k holds the block's columns only
+            ttt::load_row<D_PAD, LPR>(b_k, k + o_r, n, 1.f);
+        ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
+        ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
+        ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
+        if constexpr (KEY) {  // (g / l from the LayerNorm's r: inner_grad_bwd_row)
+            const float rl = ok ? rlbuf[p_ebase + (row0 + i) * H] : 0.f;
+            float b_gl[PL];
+            ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
+        } else {
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+        }
+        ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
+        ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            b_dyw[u][e] = b_dy[e] * b_w[e];
+            b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
+            b_db[e] += b_dyw[u][e];
+            b_dy[e] = -b_dyw[u][e];
+        }
+        if (!ok) continue;
+        if constexpr (SPLIT == 1)
+            ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
+        else
+            ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
+    }
+}
+
+template <typename T, int D_PAD, int BT, bool MMA, bool KEY>
+__device__ __forceinline__ void bwd_grads_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,     // [B, T, H] fp32
+    const float* __restrict__ lnw,     // [H, D] fp32
+    const float* __restrict__ lnb,     // [H, D] fp32
+    const float* __restrict__ ck,      // [slots, H, D, D] state slots
+    // written by bwd_chain, running beside this kernel when overlapped: not
+    // __restrict__, so that they are not read through the read-only path
+    const float* dck,                  // [slots, H, D, D] slot cotangents
+    const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
+    const float* __restrict__ rbuf,    // [B, T, H] fp32 r
+    const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
+    const float* dgbuf,                // [B, T, H, D] fp32 full dg
+    T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
+    float* __restrict__ dwp,           // [groups, H, D] partials of dw
+    float* __restrict__ dbp,           // [groups, H, D] partials of db
+    const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
+    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+    float scale, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi,
+    int* sync,           // null (kPlain) or the overlapped backward's buffer
+    int mode,            // overlap::kPlain / kOverlap / kCleanup
+    long long n_chains,  // N H (kOverlap, kCleanup)
+    int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+    unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
@@ -188,45 +244,9 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
         // gives lane group `sub` row warp + NW (sub + RPP u); rows >= L run on zeros (every
         // lane takes part in the row sums): r = 0 makes g, dkh and dy zero there
         float b_dyw[NPASS][PL];                                      // [passes, D] per lane
-#pragma unroll
-        for (int u = 0; u < NPASS; ++u) {
-            const int i = warp + NW * (sub + RPP * u);
-            const bool ok = i < L;
-            const int n = ok ? D : 0;
-            const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
-            float b_xh[PL], b_k[PL], b_v[PL], b_g[PL], b_y[PL], b_dg[PL], b_dkh[PL], b_dy[PL];
-            const float r = ok ? rbuf[p_ebase + (row0 + i) * H] : 0.f;
-            ttt::load_row<D_PAD, LPR>(b_xh, xbuf + o_r, n, 1.f);
-            if constexpr (SPLIT == 1)
-                ttt::load_row<D_PAD, LPR>(b_k, s_k + i * LD, n, 1.f);
-            else  // s_k holds the block's columns only
-                ttt::load_row<D_PAD, LPR>(b_k, k + o_r, n, 1.f);
-            ttt::load_row<D_PAD, LPR>(b_v, v + o_r, n, 1.f);
-            ttt::load_row<D_PAD, LPR>(b_dg, dgbuf + o_r, n, 1.f);
-            ttt::inner_grad_row<LPR>(b_g, b_y, b_xh, r, b_k, b_v, b_w, b_b, D);
-            if constexpr (KEY) {  // (g / l from the LayerNorm's r: inner_grad_bwd_row)
-                const float rl = ok ? rlbuf[p_ebase + (row0 + i) * H] : 0.f;
-                float b_gl[PL];
-                ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
-                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
-            } else {
-                ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
-            }
-            ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
-            ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
-#pragma unroll
-            for (int e = 0; e < PL; ++e) {
-                b_dyw[u][e] = b_dy[e] * b_w[e];
-                b_dw[e] += b_dy[e] * (2.f * b_xh[e] * b_w[e] + b_b[e] - b_v[e] + b_k[e]);
-                b_db[e] += b_dyw[u][e];
-                b_dy[e] = -b_dyw[u][e];
-            }
-            if (!ok) continue;
-            if constexpr (SPLIT == 1)
-                ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
-            else
-                ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
-        }
+        bwd_grads_rows<T, D_PAD, BT, MMA, KEY>(b_dyw, b_dw, b_db, s_g, s_dkh, s_k, xbuf, k, v,
+                                               dgbuf, rbuf, rlbuf, dv, b_w, b_b, p_base, p_ebase,
+                                               row0, row_stride, L, H, D, a0, d1);
         __syncthreads();
 
         if constexpr (MMA) {
@@ -324,4 +344,15 @@ ttt_linear_bwd_grads(const T* __restrict__ q, const T* __restrict__ k, const T* 
     static_assert(NW * LD <= BT * LDH, "the partials need [NW, LD] of s_q and s_k");
     ttt::store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D,
                                             a0, d1);
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          bool KEY = false>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  ttt::Traits<D_PAD, BT>::kGradsBlocks)
+ttt_linear_bwd_grads(const ttt::BwdParams<T> p) {
+    bwd_grads_kernel<T, D_PAD, BT, MMA, KEY>(
+        p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.dck, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.dk,
+        p.dv, p.dwp, p.dbp, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.grp_seq, p.scale, p.T_len, p.H,
+        p.D, p.G, p.g_lo, p.g_hi, p.sync, p.mode, p.n_chains, p.wait_spins, p.smem_bytes);
 }

@@ -281,45 +281,32 @@ __device__ __forceinline__ void bwd_local_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          int OUT = ttt::kOutNorm>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
-ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,    // [B, T, H] fp32
-                     const float* __restrict__ lnw,    // [H, D] fp32
-                     const float* __restrict__ lnb,    // [H, D] fp32
-                     const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
-                     const float* __restrict__ ck,     // [slots, H, D, D] state slots
-                     const float* __restrict__ ckb,    // [slots, H, D]
-                     const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
-                     const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
-                     float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
-                     float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
-                     T* __restrict__ dq,               // [B, T, H, D]
-                     float* __restrict__ deta,         // [B, T, H] fp32
-                     float* __restrict__ dwp,          // [groups, H, D] partials of dw
-                     float* __restrict__ dbp,          // [groups, H, D] partials of db
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                     float scale, float eps, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi, unsigned long long smem_bytes) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+// The SIMT instance of bwd_local (MMA = false; see the top of this file).
+template <typename T, int D_PAD, int BT, int OUT>
+__device__ __forceinline__ void bwd_local_simt(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta,    // [B, T, H] fp32
+    const float* __restrict__ lnw,    // [H, D] fp32
+    const float* __restrict__ lnb,    // [H, D] fp32
+    const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
+    const float* __restrict__ ck,     // [slots, H, D, D] state slots
+    const float* __restrict__ ckb,    // [slots, H, D]
+    const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
+    const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
+    float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
+    float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
+    T* __restrict__ dq,               // [B, T, H, D]
+    float* __restrict__ deta,         // [B, T, H] fp32
+    float* __restrict__ dwp,          // [groups, H, D] partials of dw
+    float* __restrict__ dbp,          // [groups, H, D] partials of db
+    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
+    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
+    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
+    float scale, float eps, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi) {
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
-    if (smem_bytes < (MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes) || blockDim.x != NT ||
-        D > D_PAD || G < 1)
-        __trap();
-
-    extern __shared__ float smem[];
-    if constexpr (MMA) {
-        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, dout, ck, ckb, xbuf,
-                                             rbuf, dopbuf, dgbuf, dq, deta, dwp, dbp, cu_seqlens,
-                                             grp_offsets, grp_seq, scale, eps, T_len, H, D, G,
-                                             g_lo, g_hi);
-        return;
-    }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
     float* s_q = s_hb + D_PAD;         // [BT, LD]     q * scale
@@ -420,4 +407,26 @@ ttt_linear_bwd_local(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
     ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
                                        D);
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
+ttt_linear_bwd_local(const ttt::BwdParams<T> p) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+    using Tr = ttt::Traits<D_PAD, BT>;
+    if (p.smem_bytes < (MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes) ||
+        blockDim.x != Tr::kThreads || p.D > D_PAD || p.G < 1)
+        __trap();
+    extern __shared__ float smem[];
+    if constexpr (MMA)
+        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf,
+            p.dopbuf, p.dgbuf, p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens,
+            p.grp_offsets, p.grp_seq, p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi);
+    else
+        bwd_local_simt<T, D_PAD, BT, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf,
+            p.dopbuf, p.dgbuf, p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens,
+            p.grp_offsets, p.grp_seq, p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi);
 }

@@ -73,6 +73,135 @@
 namespace ttt {
 
 // The MMA instance of the forward chain (see the top of this file); arguments as the kernel's.
+// The tensor-core forward chain's steps over a lane's fragment entries: row t = 8 i + 2 tq + e
+// (e < 2), column n0 + 8 h (h < 2), entry c = e + 2 h of x[i][c] (mma.sync's accumulator
+// layout); col_ok[h]: column n0 + 8 h within D; cols[w]: the valid columns of warp w.
+
+// o <- o_pre + LN(o_pre) w + b (OUT: the output form) for a chunk's o_pre in ``ob`` (rows
+// ``o_rows`` .., L_o of them), from the per-warp statistics of its rows in s_ost.
+template <typename T, int D_PAD, int BT, int OUT>
+__device__ __forceinline__ void fwd_tc_finish_out(
+    T* __restrict__ o_rows, const T* __restrict__ q_rows, const float (&ob)[BT / 8][4],
+    const float* s_ost, const float (&cols)[Traits<D_PAD, BT>::kTcWarps],
+    const bool (&col_ok)[2], const float (&lw)[2], const float (&lb)[2], int L_o, float inv_d,
+    float eps, int rs, int tq, int n0) {
+    constexpr int NW = Traits<D_PAD, BT>::kTcWarps, NR = BT / 8;
+    const FloatK<2>* ost = reinterpret_cast<const FloatK<2>*>(s_ost);
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            float mean = 0.f;
+#pragma unroll
+            for (int w2 = 0; w2 < NW; ++w2) mean += cols[w2] * ost[w2 * BT + t].v[0];
+            mean *= inv_d;
+            float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
+#pragma unroll
+            for (int w2 = 0; w2 < NW; ++w2) {
+                const FloatK<2> st = ost[w2 * BT + t];
+                const float dm = st.v[0] - mean;
+                m2 += st.v[1] + cols[w2] * dm * dm;
+            }
+            const float ro = 1.f / sqrtf(m2 * inv_d + eps);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float x = ob[i][e + 2 * h];
+                if (col_ok[h] && t < L_o) {
+                    const int ix = t * rs + n0 + 8 * h;
+                    if constexpr (OUT == kOutNorm)
+                        o_rows[ix] = from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
+                    else if constexpr (OUT == kOutQuery)
+                        o_rows[ix] = from_f32<T>(to_f32(q_rows[ix]) + (x - mean) * ro * lw[h] +
+                                                 lb[h]);
+                    else
+                        o_rows[ix] = from_f32<T>(x);
+                }
+            }
+        }
+}
+
+// kh (in x, its per-warp statistics in ``stat``) -> xh (in x) and r, combining the warps'
+// statistics by Chan's formula; with KEY r becomes g's factor l r. Stores xh (x_rows given: a
+// forward with a backward), r and (KEY) the LayerNorm's r of valid rows.
+template <int D_PAD, int BT, bool KEY>
+__device__ __forceinline__ void fwd_tc_layernorm(
+    float (&x)[BT / 8][4], float (&r)[BT / 8][2], const FloatK<2>* stat,
+    const float (&cols)[Traits<D_PAD, BT>::kTcWarps], const bool (&col_ok)[2], float inv_d,
+    float eps, const float* __restrict__ ekey_rows, float* __restrict__ x_rows,
+    float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq,
+    int n0) {
+    constexpr int NW = Traits<D_PAD, BT>::kTcWarps, NR = BT / 8;
+    const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    const bool save = x_rows != nullptr;
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = 8 * i + 2 * tq + e;
+            FloatK<2> st[NW];
+            float mean = 0.f;
+#pragma unroll
+            for (int w2 = 0; w2 < NW; ++w2) {
+                st[w2] = stat[w2 * BT + t];
+                mean += cols[w2] * st[w2].v[0];
+            }
+            mean *= inv_d;
+            float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
+#pragma unroll
+            for (int w2 = 0; w2 < NW; ++w2) {
+                const float dm = st[w2].v[0] - mean;
+                m2 += st[w2].v[1] + cols[w2] * dm * dm;
+            }
+            r[i][e] = rsqrtf(m2 * inv_d + eps);
+            x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
+            x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
+            if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
+                const float rk = t < L ? r[i][e] * ekey_rows[t * H] : 0.f;
+                if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
+                r[i][e] = rk;
+            }
+            if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
+                if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
+                if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
+                if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
+            }
+        }
+
+}
+
+// o_pre += (-e A) g: M = n (this warp's columns), K = j (g's accumulators as the A operand:
+// slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower); then the per-warp
+// statistics of o_pre's rows (mean, M2 over the warp's columns) into s_ost.
+template <int D_PAD, int BT>
+__device__ __forceinline__ void fwd_tc_out_pre(float (&ob)[BT / 8][4],
+                                               const float (&y)[BT / 8][4], const float* s_A,
+                                               float* s_ost, const bool (&col_ok)[2],
+                                               float inv_cols, int tq, int n0) {
+    constexpr int NR = BT / 8, LA = Traits<D_PAD, BT>::kLdA;
+    const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    FloatK<2>* ost = reinterpret_cast<FloatK<2>*>(s_ost);
+#pragma unroll
+    for (int I = 0; I < NR; ++I) {
+        const float* arow = s_A + (8 * I + g) * LA + 2 * tq;
+#pragma unroll
+        for (int i = 0; i <= I; ++i) {
+            unsigned a[4];
+            acc_as_a(a, y[i], 1.f);
+            const unsigned b[2] = {to_tf32(arow[8 * i]), to_tf32(arow[8 * i + 1])};
+            mma_m16n8k8_tf32(ob[I], a, b);
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float x0 = ob[I][e], x1 = ob[I][e + 2];  // zero in padded columns
+            const float m = frag_col_sum(x0, x1) * inv_cols;
+            const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
+            const float m2 = frag_col_sum(d0 * d0, d1 * d1);
+            if (g == 0) ost[wid * BT + 8 * I + 2 * tq + e] = FloatK<2>{{m, m2}};
+        }
+    }
+}
+
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -86,8 +215,7 @@ __device__ __forceinline__ void fwd_chain_tc(
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
     using Tr = Traits<D_PAD, BT>;
-    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, LA = Tr::kLdA;
-    constexpr int NR = BT / 8;
+    constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     constexpr int PE = (BT + NT - 1) / NT;  // rows of a chunk's eta per thread (FUSE)
     float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
     float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
@@ -158,41 +286,9 @@ __device__ __forceinline__ void fwd_chain_tc(
     int L_o = 0;
     // o <- o_pre + LN(o_pre) w + b for the chunk in ob (FUSE), from the per-warp statistics
     auto finish_out = [&]() {
-        const FloatK<2>* ost = reinterpret_cast<const FloatK<2>*>(s_ost);
-        T* o_rows = o + p_base + row0_o * row_stride;
-        const T* q_rows = q + p_base + row0_o * row_stride;  // (OUT == kOutQuery)
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                float mean = 0.f;
-#pragma unroll
-                for (int w2 = 0; w2 < NW; ++w2) mean += cols[w2] * ost[w2 * BT + t].v[0];
-                mean *= inv_d;
-                float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
-#pragma unroll
-                for (int w2 = 0; w2 < NW; ++w2) {
-                    const FloatK<2> st = ost[w2 * BT + t];
-                    const float dm = st.v[0] - mean;
-                    m2 += st.v[1] + cols[w2] * dm * dm;
-                }
-                const float ro = 1.f / sqrtf(m2 * inv_d + eps);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float x = ob[i][e + 2 * h];
-                    if (col_ok[h] && t < L_o) {
-                        const int ix = t * rs + n0 + 8 * h;
-                        if constexpr (OUT == kOutNorm)
-                            o_rows[ix] = from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
-                        else if constexpr (OUT == kOutQuery)
-                            o_rows[ix] = from_f32<T>(to_f32(q_rows[ix]) + (x - mean) * ro * lw[h] +
-                                                     lb[h]);
-                        else
-                            o_rows[ix] = from_f32<T>(x);
-                    }
-                }
-            }
+        fwd_tc_finish_out<T, D_PAD, BT, OUT>(
+            o + p_base + row0_o * row_stride, q + p_base + row0_o * row_stride, ob, s_ost, cols,
+            col_ok, lw, lb, L_o, inv_d, eps, rs, tq, n0);
     };
     long long i_slot = i_start;                          // the next slot to write
     int in_group = 0;                                    // i_c % G, without a 64-bit modulo
@@ -276,42 +372,10 @@ __device__ __forceinline__ void fwd_chain_tc(
             }
         __syncthreads();
         float r[NR][2];
-        float* x_rows = xbuf + p_base + row0 * row_stride;
-        float* r_rows = rbuf + p_ebase + row0 * H;
-        float* rl_rows = rlbuf + p_ebase + row0 * H;  // (KEY)
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                FloatK<2> st[NW];
-                float mean = 0.f;
-#pragma unroll
-                for (int w2 = 0; w2 < NW; ++w2) {
-                    st[w2] = stat[w2 * BT + t];
-                    mean += cols[w2] * st[w2].v[0];
-                }
-                mean *= inv_d;
-                float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
-#pragma unroll
-                for (int w2 = 0; w2 < NW; ++w2) {
-                    const float dm = st[w2].v[0] - mean;
-                    m2 += st[w2].v[1] + cols[w2] * dm * dm;
-                }
-                r[i][e] = rsqrtf(m2 * inv_d + eps);
-                x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
-                x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
-                if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
-                    const float rk = t < L ? r[i][e] * ekey[p_ebase + (row0 + t) * H] : 0.f;
-                    if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
-                    r[i][e] = rk;
-                }
-                if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
-                    if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
-                    if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
-                    if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
-                }
-            }
+        fwd_tc_layernorm<D_PAD, BT, KEY>(
+            x, r, stat, cols, col_ok, inv_d, eps, KEY ? ekey + p_ebase + row0 * H : nullptr,
+            save ? xbuf + p_base + row0 * row_stride : nullptr, rbuf + p_ebase + row0 * H,
+            rlbuf + p_ebase + row0 * H, L, H, rs, tq, n0);
 
         // y = (xh w + b - v + k) w; g = r (y - mean(y) - xh mean(y xh))
         float y[NR][4], sums[NR][2][2];
@@ -349,31 +413,8 @@ __device__ __forceinline__ void fwd_chain_tc(
                 }
             }
 
-        if constexpr (FUSE) {
-            // o_pre += (-e A) g: M = n (this warp's columns), K = j (g's accumulators as the A
-            // operand: slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower);
-            // then the per-warp statistics of o_pre's rows (mean, M2 over the warp's columns)
-            FloatK<2>* ost = reinterpret_cast<FloatK<2>*>(s_ost);
-#pragma unroll
-            for (int I = 0; I < NR; ++I) {
-                const float* arow = s_A + (8 * I + g) * LA + 2 * tq;
-#pragma unroll
-                for (int i = 0; i <= I; ++i) {
-                    unsigned a[4];
-                    acc_as_a(a, y[i], 1.f);
-                    const unsigned b[2] = {to_tf32(arow[8 * i]), to_tf32(arow[8 * i + 1])};
-                    mma_m16n8k8_tf32(ob[I], a, b);
-                }
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float x0 = ob[I][e], x1 = ob[I][e + 2];  // zero in padded columns
-                    const float m = frag_col_sum(x0, x1) * inv_cols;
-                    const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
-                    const float m2 = frag_col_sum(d0 * d0, d1 * d1);
-                    if (g == 0) ost[wid * BT + 8 * I + 2 * tq + e] = FloatK<2>{{m, m2}};
-                }
-            }
-        }
+        if constexpr (FUSE)  // o_pre += (-e A) g, then the statistics of o_pre's rows
+            fwd_tc_out_pre<D_PAD, BT>(ob, y, s_A, s_ost, col_ok, inv_cols, tq, n0);
 
         // W <- W - eta_l k^T g, hb <- hb - eta_l sum_i g_i
         state_update_frag<D_PAD, BT, kExact>(W, y, -e_l, sk);
@@ -537,50 +578,26 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
-ttt_linear_fwd_chain(const T* __restrict__ q,         // [B, T, H, D] (FUSE; else unused)
-                     const T* __restrict__ k, const T* __restrict__ v,
-                     const float* __restrict__ eta,   // [B, T, H] fp32
-                     const float* __restrict__ lnw,   // [H, D] fp32
-                     const float* __restrict__ lnb,   // [H, D] fp32
-                     const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
-                     const float* __restrict__ hb0,   // [N, H, D] fp32 or null
-                     float* __restrict__ ht,          // [N, H, D, D] or null
-                     float* __restrict__ hbt,         // [N, H, D] or null (with ht)
-                     float* __restrict__ ck,          // [slots, H, D, D] state slots
-                     float* __restrict__ ckb,         // [slots, H, D]
-                     float* __restrict__ xbuf,        // [B, T, H, D] fp32: xh of valid rows
-                     float* __restrict__ rbuf,        // [B, T, H] fp32: r of valid rows
-                     T* __restrict__ o,               // [B, T, H, D] (FUSE; else unused)
-                     const float* __restrict__ ekey,  // [B, T, H] fp32 eta_key (KEY) or null
-                     float* __restrict__ rlbuf,       // [B, T, H] fp32 LayerNorm r (KEY) or null
-                     const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                     const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                     float scale, float eps, long long T_len, int H, int D, int G,
-                     long long g_lo, long long g_hi,
-                     int* sync,  // [3 + ..] int32 or null: the overlapped forward (ttt_common.cuh)
-                     unsigned long long smem_bytes) {
+ttt_linear_fwd_chain(const ttt::FwdParams<T> p) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     static_assert(FUSE || OUT == ttt::kOutNorm, "only the FUSE instance writes outputs");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if constexpr (MMA) {
-        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedTcBytes
-                                                   : Tr::kFwdChainTcBytes;
-        if (smem_bytes < kBytes || blockDim.x != Tr::kTcThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0, ht,
-                                                        hbt, ck, ckb, xbuf, rbuf, o, ekey, rlbuf,
-                                                        cu_seqlens, grp_offsets, scale, eps,
-                                                        T_len, H, D, G, g_lo, g_hi, sync);
-    } else {
-        constexpr unsigned long long kBytes = FUSE ? Tr::kFwdChainFusedBytes
-                                                   : Tr::kFwdChainBytes;
-        if (smem_bytes < kBytes || blockDim.x != Tr::kThreads || D > D_PAD || G < 1)
-            __trap();
-        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(smem, q, k, v, eta, lnw, lnb, h0, hb0,
-                                                          ht, hbt, ck, ckb, xbuf, rbuf, o, ekey,
-                                                          rlbuf, cu_seqlens, grp_offsets, scale,
-                                                          eps, T_len, H, D, G, g_lo, g_hi, sync);
-    }
+    constexpr unsigned long long kBytes =
+        MMA ? (FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes)
+            : (FUSE ? Tr::kFwdChainFusedBytes : Tr::kFwdChainBytes);
+    if (p.smem_bytes < kBytes || blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) ||
+        p.D > D_PAD || p.G < 1)
+        __trap();
+    if constexpr (MMA)
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
+            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
+            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+    else
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(
+            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
+            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
+            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
 }

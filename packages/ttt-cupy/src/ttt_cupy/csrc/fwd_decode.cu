@@ -204,23 +204,23 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 }  // namespace ttt
 
 // P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
-template <typename T, int D_PAD, bool KEY = false, int OUT = ttt::kOutNorm, typename P = float>
-__global__ void __launch_bounds__(ttt::DecodeTraits<D_PAD>::kThreads)
-ttt_linear_fwd_decode(const T* __restrict__ q,         // [B, T, H, D]
-                      const T* __restrict__ k, const T* __restrict__ v,
-                      const P* __restrict__ eta,       // [B, T, H]
-                      const P* __restrict__ lnw,       // [H, D]
-                      const P* __restrict__ lnb,       // [H, D]
-                      const P* __restrict__ ekey,      // [B, T, H] eta_key (KEY) or null
-                      const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
-                      const float* __restrict__ hb0,   // [N, H, D] fp32 or null
-                      float* __restrict__ ht,          // [N, H, D, D] or null
-                      float* __restrict__ hbt,         // [N, H, D] or null (with ht)
-                      T* __restrict__ o,               // [B, T, H, D]
-                      const long long* __restrict__ cu_seqlens,  // [N + 1] or null
-                      float scale, float eps, long long T_len, int H, int D,
-                      int rows,  // the most rows of a sequence: shared memory for that many
-                      unsigned long long smem_bytes) {
+template <typename T, int D_PAD, bool KEY, int OUT, typename P>
+__device__ __forceinline__ void fwd_decode_kernel(
+    const T* __restrict__ q,         // [B, T, H, D]
+    const T* __restrict__ k, const T* __restrict__ v,
+    const P* __restrict__ eta,       // [B, T, H]
+    const P* __restrict__ lnw,       // [H, D]
+    const P* __restrict__ lnb,       // [H, D]
+    const P* __restrict__ ekey,      // [B, T, H] eta_key (KEY) or null
+    const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
+    const float* __restrict__ hb0,   // [N, H, D] fp32 or null
+    float* __restrict__ ht,          // [N, H, D, D] or null
+    float* __restrict__ hbt,         // [N, H, D] or null (with ht)
+    T* __restrict__ o,               // [B, T, H, D]
+    const long long* __restrict__ cu_seqlens,  // [N + 1] or null
+    float scale, float eps, long long T_len, int H, int D,
+    int rows,  // the most rows of a sequence: shared memory for that many
+    unsigned long long smem_bytes) {
     using namespace ttt;
     using Tr = DecodeTraits<D_PAD>;
     constexpr int NW = Tr::kWarps, R = Tr::kParts;
@@ -278,4 +278,12 @@ ttt_linear_fwd_decode(const T* __restrict__ q,         // [B, T, H, D]
     for (int i = wid; i < L; i += NW)  // o_i (both read the tiles only: no barrier between)
         decode_out_row<D_PAD, OUT>(o + p_base + i * row_stride, s_q, s_k, s_x, s_o, s_e, i, w_h,
                                    b_h, scale, D, eps);
+}
+
+template <typename T, int D_PAD, bool KEY = false, int OUT = ttt::kOutNorm, typename P = float>
+__global__ void __launch_bounds__(ttt::DecodeTraits<D_PAD>::kThreads)
+ttt_linear_fwd_decode(const ttt::DecodeParams<T, P> p) {
+    fwd_decode_kernel<T, D_PAD, KEY, OUT, P>(
+        p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ekey, p.h0, p.hb0, p.ht, p.hbt, p.o, p.cu_seqlens,
+        p.scale, p.eps, p.T_len, p.H, p.D, p.rows, p.smem_bytes);
 }

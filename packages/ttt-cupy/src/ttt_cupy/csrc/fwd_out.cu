@@ -213,52 +213,19 @@ __device__ __forceinline__ void fwd_out_tc(
 
 }  // namespace ttt
 
-template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
-          int OUT = ttt::kOutNorm>
-__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
-                                  MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
-ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const float* __restrict__ eta,    // [B, T, H] fp32
-                   const float* __restrict__ lnw,    // [H, D] fp32
-                   const float* __restrict__ lnb,    // [H, D] fp32
-                   // written by fwd_chain, running beside this kernel when overlapped: not
-                   // __restrict__, so that they are not read through the read-only path
-                   const float* ck,                  // [slots, H, D, D] state slots
-                   const float* ckb,                 // [slots, H, D]
-                   const float* xbuf,                // [B, T, H, D] fp32 xh (fwd_chain)
-                   const float* rbuf,                // [B, T, H] fp32 r (fwd_chain)
-                   T* __restrict__ o,                // [B, T, H, D]
-                   const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-                   const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-                   const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-                   float scale, float eps, long long T_len, int H, int D, int G,
-                   long long g_lo, long long g_hi,
-                   int* sync,           // null (kPlain) or the overlapped forward's buffer
-                   int mode,            // overlap::kPlain / kOverlap / kCleanup
-                   long long n_chains,  // N H (kOverlap, kCleanup)
-                   int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
-                   unsigned long long smem_bytes) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+// The SIMT instance of fwd_out (MMA = false; see the top of this file) for group ``gr`` of
+// head ``i_h``.
+template <typename T, int D_PAD, int BT, int OUT>
+__device__ __forceinline__ void fwd_out_simt(
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    // written by fwd_chain, running beside this kernel when overlapped: not __restrict__, so
+    // that they are not read through the read-only path
+    const float* ck, const float* ckb, const float* xbuf, const float* rbuf, T* __restrict__ o,
+    float scale, float eps, long long T_len, int H, int D, int G, const ttt::Group& gr,
+    int i_h) {
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
-    constexpr unsigned long long kTcBytes = 4ull * Tr::template kFwdOutTcFloatsT<(int)sizeof(T)>;
-    if (smem_bytes < (MMA ? kTcBytes : Tr::kFwdOutBytes) || blockDim.x != NT ||
-        D > D_PAD || G < 1)
-        __trap();
-
-    extern __shared__ float smem[];
-    int i_h, a0;
-    ttt::Group gr;
-    static __shared__ int s_item;
-    if (!ttt::group_block<1, D_PAD, false>(i_h, a0, gr, s_item, sync, mode, n_chains,
-                                           wait_spins, T_len, H, BT, G, cu_seqlens,
-                                           grp_offsets, grp_seq, g_lo, g_hi))
-        return;
-    if constexpr (MMA) {
-        ttt::fwd_out_tc<T, D_PAD, BT, OUT>(smem, q, k, v, eta, lnw, lnb, ck, ckb, xbuf, rbuf, o,
-                                           scale, eps, T_len, H, D, G, gr, i_h);
-        return;
-    }
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
     float* s_q = s_hb + D_PAD;         // [BT, LD]     q * scale
@@ -307,4 +274,33 @@ ttt_linear_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __
         ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
         __syncthreads();
     }
+}
+
+template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
+          int OUT = ttt::kOutNorm>
+__global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
+                                  MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
+ttt_linear_fwd_out(const ttt::FwdParams<T> p) {
+    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+    using Tr = ttt::Traits<D_PAD, BT>;
+    constexpr unsigned long long kTcBytes = 4ull * Tr::template kFwdOutTcFloatsT<(int)sizeof(T)>;
+    if (p.smem_bytes < (MMA ? kTcBytes : Tr::kFwdOutBytes) || blockDim.x != Tr::kThreads ||
+        p.D > D_PAD || p.G < 1)
+        __trap();
+    extern __shared__ float smem[];
+    int i_h, a0;
+    ttt::Group gr;
+    static __shared__ int s_item;
+    if (!ttt::group_block<1, D_PAD, false>(i_h, a0, gr, s_item, p.sync, p.mode, p.n_chains,
+                                           p.wait_spins, p.T_len, p.H, BT, p.G, p.cu_seqlens,
+                                           p.grp_offsets, p.grp_seq, p.g_lo, p.g_hi))
+        return;
+    if constexpr (MMA)
+        ttt::fwd_out_tc<T, D_PAD, BT, OUT>(smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb,
+                                           p.xbuf, p.rbuf, p.o, p.scale, p.eps, p.T_len, p.H,
+                                           p.D, p.G, gr, i_h);
+    else
+        fwd_out_simt<T, D_PAD, BT, OUT>(smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb,
+                                        p.xbuf, p.rbuf, p.o, p.scale, p.eps, p.T_len, p.H, p.D,
+                                        p.G, gr, i_h);
 }

@@ -45,6 +45,7 @@
 // walk down a column). Per-kernel shared memory: Traits<D_PAD, BT>::k*Bytes (traits.cuh).
 #pragma once
 
+#include "params.cuh"
 #include "types.cuh"
 #include "overlap.cuh"
 #include "tiles.cuh"

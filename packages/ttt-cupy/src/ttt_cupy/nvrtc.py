@@ -1,0 +1,95 @@
+"""NVRTC through cuda-python (``cuda.bindings.nvrtc``, or ``cuda.nvrtc`` before cuda-python
+12.6): a program's compile with its name expressions, its cubin or PTX, its log. Used by the
+disk cache (:mod:`ttt_cupy.diskcache`) and the compile check (:mod:`ttt_cupy.nvrtc_check`);
+it imports nothing of the package."""
+
+from __future__ import annotations
+
+import contextlib
+
+SOURCE_NAME = "ttt_cupy_pass.cu"
+"""NVRTC's name for a program (one pass's csrc/ files)."""
+
+
+class NvrtcError(RuntimeError):
+    """cuda-python is missing or an NVRTC step failed; the message holds the NVRTC log."""
+
+
+def bindings():
+    """cuda-python's NVRTC module (NvrtcError without cuda-python)."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # cuda-python < 12.6
+        except ImportError as err:
+            raise NvrtcError(
+                "cuda-python is not installed: pip install './packages/ttt-cupy[compile-check]'"
+            ) from err
+    return nvrtc
+
+
+def version() -> str:
+    """NVRTC's version, e.g. ``"13.5"``."""
+    _, major, minor = bindings().nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def check(result, what: str, nvrtc, prog=None) -> tuple:
+    """The values of an NVRTC call's ``result`` after its status; NvrtcError (with the
+    program's log where ``prog`` is given) when the call failed."""
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        text = log(nvrtc, prog) if prog is not None else ""
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        raise NvrtcError(f"{what}: {msg.decode() if isinstance(msg, bytes) else msg}\n{text}")
+    return result[1:]
+
+
+def out_buffer(size: int) -> bytearray:
+    """A fresh buffer NVRTC writes ``size`` bytes into. Never ``b" " * size``: for size 1
+    (an empty log: its NUL alone) that is CPython's shared one-byte ``b" "``, and NVRTC's
+    write turns every ``b" "`` of the process into ``b"\\x00"``."""
+    return bytearray(size)
+
+
+def log(nvrtc, prog) -> str:
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = out_buffer(size)
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\x00").strip()
+
+
+@contextlib.contextmanager
+def program(code: str, names: list[str], options: list[str], target: str):
+    """``code`` compiled by NVRTC with ``names`` as name expressions and ``options`` plus
+    ``-arch=target``: yields ``(nvrtc, program, {name: lowered name})``, the program destroyed
+    afterwards; raises NvrtcError (with NVRTC's log) when a step fails."""
+    nvrtc = bindings()
+    (prog,) = check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
+                    "nvrtcCreateProgram", nvrtc)
+    try:
+        for name in names:
+            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
+                  f"nvrtcAddNameExpression({name})", nvrtc)
+        opts = [o.encode() for o in (*options, f"-arch={target}")]
+        check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
+              f"nvrtcCompileProgram({names}, {target})", nvrtc, prog)
+        lowered = {}
+        for name in names:
+            (low,) = check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
+                           f"nvrtcGetLoweredName({name})", nvrtc)
+            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        yield nvrtc, prog, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def cubin(code: str, names: list[str], arch: str,
+          options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
+    """(cubin for sm_``arch``, {name expression: lowered name}) of ``code``."""
+    with program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
+        (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
+        data = out_buffer(size)
+        check(nvrtc.nvrtcGetCUBIN(prog, data), "nvrtcGetCUBIN", nvrtc)
+        return bytes(data), lowered
