@@ -52,8 +52,9 @@ most own time per call of the ``fwd+bwd`` case on the first shape (in this proce
 schedule, the buffers, the casts and each launch's arguments), on the CPU, with nothing
 launched: the cupy launcher runs through its device seam with a stand-in whose kernels are
 their names and whose ``launch`` returns at once (no cupy needed), the Triton launcher with
-its launch step (``launches.run``) and compiling ahead replaced by no-ops. CPU tensors, bfloat16 inputs (q, k,
-v, w, b, eta, as ``benchmarks/decode.py`` passes them). Per backend and shape:
+its launch step (``launches.run``) and compiling ahead replaced by no-ops. CPU tensors,
+bfloat16 inputs (q, k, v, w, b, eta, as ``benchmarks/decode.py`` passes them). Per backend
+and shape:
 
 - ``decode``: a forward without backward, with initial and final states (a generation step
   at 4,1,16,64);
