@@ -5,8 +5,9 @@
 # cuda-core and cuda-pathfinder wheels for the runner's Python, e.g. `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
 # 'cuda-python==13.4.4' 'cuda-bindings~=13.4.4' 'cuda-core~=1.2' 'cuda-pathfinder~=1.1'`):
-# install our packages, run the conformance suite for every backend on CUDA tensors (big cases included), then the benchmarks. Stops at the first stage that
-# fails (a failing command anywhere in a pipe fails its stage); a backend that cannot run
+# install our packages, run the conformance suite for every backend on CUDA tensors (big
+# cases included), then the benchmarks. Stops at the first stage that fails (a failing
+# command anywhere in a pipe fails its stage); a backend that cannot run
 # on the GPU fails its suite. Each suite stage runs in two steps: every test but the
 # whole_device ones with $XDIST workers (default 8), then the whole_device tests alone
 # (one process holding up to about 60 GiB of device memory: docs/testing.md).
