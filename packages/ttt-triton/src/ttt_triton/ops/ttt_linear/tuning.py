@@ -188,11 +188,16 @@ def ieee_wide(ieee: bool, BD: int, BT: int) -> bool:
     return ieee and (BD >= 128 or BT >= 64)
 
 
+def _table_kind(kind: str) -> str:
+    """The kind whose tables and Tuning fields a ``kind`` kernel takes ("local": "group")."""
+    return "group" if kind == "local" else kind
+
+
 def num_warps(kind: str, BD: int, ieee: bool, tune: Tuning = DEFAULT_TUNING,
               BT: int = 16) -> int:
     """num_warps of a ``kind`` kernel: "chain", "group", or "local" (fwd_out, bwd_local: group
     kernels but for :data:`IEEE_WIDE`); :data:`NUM_WARPS`."""
-    group = "group" if kind == "local" else kind
+    group = _table_kind(kind)
     forced = getattr(tune, f"{group}_warps")
     if forced is not None:
         return forced
@@ -209,7 +214,7 @@ def launch_options(kind: str, BD: int, ieee: bool, tune: Tuning,
     """num_warps and num_stages of a ``kind`` ("chain", "group" or "local") kernel,
     ``fused_bwd`` for the backward chain that does bwd_grads' work: what the launcher passes
     on a GPU and ``tools/resources.py`` compiles with."""
-    group = "group" if kind == "local" else kind
+    group = _table_kind(kind)
     stages = getattr(tune, f"{group}_stages")
     if stages is None:
         if ieee:
