@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ttt
+from ttt.arguments import GRAD_INPUTS
 from ttt.oracle import oracle_chunk_ttt_linear
-from ttt.problem import GRAD_INPUTS
 from ttt.tolerances import TOLERANCES
 from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd
 
@@ -82,9 +82,8 @@ def launch(problem, cotangents, tuning, with_grad=True, needs=None):
     got = dict(zip(RESULTS, (o, ht, hbt)))
     if with_grad:
         do, dht, dhbt = (c.to(DEVICE, t.dtype) for c, t in zip(cotangents, (o, ht, hbt)))
-        grads = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning,
-                               needs=needs)
-        gradients = ttt.Gradients(*grads)          # (the launcher returns its fields)
+        gradients = ttt_linear_bwd(problem, saved, do.contiguous(), dht, dhbt, tuning=tuning,
+                                   needs=needs)
         got.update({f"d{n}": gradients.of(n) for n in GRAD_INPUTS})
     return got
 

@@ -31,7 +31,8 @@ from launcher_cases import (  # noqa: E402
 
 import ttt  # noqa: E402
 from ttt import GradNeeds  # noqa: E402
-from ttt.problem import GRAD_INPUTS, OUTPUTS  # noqa: E402
+from ttt.arguments import GRAD_INPUTS  # noqa: E402
+from ttt.problem import OUTPUTS  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

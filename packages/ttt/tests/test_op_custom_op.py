@@ -11,8 +11,8 @@ import torch
 
 import ttt
 from ttt import reference
+from ttt.arguments import GRAD_INPUTS
 from ttt.oracle import oracle_chunk_ttt_linear
-from ttt.problem import GRAD_INPUTS
 from ttt.tolerances import TOLERANCES
 
 H, D, CHUNK = 2, 8, 16

@@ -126,5 +126,7 @@ class CupyBackend(Backend):
         from .launcher import saved_of, ttt_linear_bwd
 
         # only what ``needs`` asks for (None elsewhere), bitwise as in the full backward
-        return Gradients(*ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt,
-                                         needs=needs, device=self.launch_device(problem)))
+        grads = ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt, needs=needs,
+                               device=self.launch_device(problem))
+        return Gradients(**dict(zip(("dq", "dk", "dv", "dw", "db", "deta", "dh0", "dhb0",
+                                     "deta_key"), grads)))

@@ -111,5 +111,4 @@ class TritonBackend(Backend):
         from .ops.ttt_linear.launcher import Saved
 
         # only the gradients autograd asks for (needs), each a fresh tensor
-        return Gradients(*ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt,
-                                         needs=needs))
+        return ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt, needs=needs)

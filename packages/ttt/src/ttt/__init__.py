@@ -6,7 +6,8 @@
 Importing ttt touches no GPU and compiles nothing.
 """
 
-from .backend import Backend, Capabilities, GradNeeds, WarmupShape
+from .arguments import Gradients, GradNeeds
+from .backend import Backend, Capabilities, WarmupShape
 from .choice import get_backend, set_backend
 from .errors import (
     BackendError,
@@ -16,7 +17,7 @@ from .errors import (
     UnknownBackendError,
 )
 from .ops import chunk_ttt_linear
-from .problem import Gradients, Problem
+from .problem import Problem
 from .registry import KNOWN_BACKENDS, load_backend, register_backend, unregister_backend
 from .status import available_backends
 from .validation import make_problem

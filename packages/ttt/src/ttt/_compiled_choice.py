@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ._custom_op import problem_of
+from .arguments import GRAD_INPUTS
 from .choice import select_backend
 from .errors import BackendNotSupportedError
-from .problem import GRAD_INPUTS
 
 
 def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,9 +38,9 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     t = {name: None if dtype is None else _stand_in(shapes[name], dtype, device)
          for name, dtype in zip(GRAD_INPUTS, dtypes)}
     cu_seqlens = None if packed_lens is None else _stand_in((N + 1,), torch.int64, device)
-    problem = problem_of(*(t[name] for name in GRAD_INPUTS), cu_seqlens, seq_lens,
-                         D ** -0.5, 1e-6, chunk_size, output_final_state, eta_is_tensor,
-                         output, requires_grad)
+    problem = problem_of((*(t[name] for name in GRAD_INPUTS), cu_seqlens, seq_lens,
+                          D ** -0.5, 1e-6, chunk_size, output_final_state, eta_is_tensor,
+                          output, None), requires_grad)
     try:
         return select_backend(problem, requested).name
     except BackendNotSupportedError as err:

@@ -17,33 +17,37 @@ import contextlib
 
 import torch
 
-from .backend import GradNeeds
-from .problem import GRAD_INPUTS, GRADIENT_FIELDS, Problem
+from .arguments import GRAD_INPUTS, GRADIENT_FIELDS, OPTIONS, TENSORS, GradNeeds, declared
+from .problem import Problem
 from .registry import load_backend
 
+_NAMES = (*TENSORS, *OPTIONS)
+_SEQ_LENS = _NAMES.index("seq_lens")
+_TENSOR_ARGS = len(TENSORS)
+_ETA_IS_TENSOR = OPTIONS.index("eta_is_tensor")
 
-def problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
-               seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
-               requires_grad) -> Problem:
-    """The Problem the wrapper validated, re-created from the ops' arguments (which the
-    wrapper made from it, so unchecked: see ``Problem._of_fields``)."""
-    B, T = q.shape[0], q.shape[1]
-    lens = tuple(seq_lens) if cu_seqlens is not None else (T,) * B
-    return Problem._of_fields({
-        "q": q, "k": k, "v": v, "w": w, "b": b, "eta": eta, "scale": scale, "eps": eps,
-        "chunk_size": chunk_size, "initial_state": initial_state,
-        "initial_state_bias": initial_state_bias, "output_final_state": output_final_state,
-        "cu_seqlens": cu_seqlens, "seq_lens": lens, "eta_is_tensor": eta_is_tensor,
-        "requires_grad": requires_grad, "eta_key": eta_key, "output": output})
+
+def problem_of(args, requires_grad: bool) -> Problem:
+    """The Problem the wrapper validated, re-created from the ops' tensors and options
+    ``args`` (which the wrapper made from it, so unchecked: see ``Problem._of_fields``)."""
+    fields = dict(zip(_NAMES, args))
+    del fields["backend"]
+    if fields["cu_seqlens"] is None:
+        B, T = fields["q"].shape[:2]
+        fields["seq_lens"] = (T,) * B
+    else:
+        fields["seq_lens"] = tuple(fields["seq_lens"])
+    fields["requires_grad"] = requires_grad
+    return Problem._of_fields(fields)
 
 
 def arguments(problem: Problem, backend: str) -> tuple:
     """The forward op's arguments for a validated ``problem`` on backend ``backend``."""
-    p = problem
-    return (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, p.initial_state, p.initial_state_bias,
-            p.cu_seqlens, list(p.seq_lens) if p.is_varlen else [], p.scale, p.eps,
-            p.chunk_size, p.output_final_state, p.eta_is_tensor, p.output, backend,
-            p.requires_grad)
+    args = [getattr(problem, name) for name in _NAMES[:-1]]   # (backend: no Problem field)
+    args[_SEQ_LENS] = list(problem.seq_lens) if problem.is_varlen else []
+    args.append(backend)
+    args.append(problem.requires_grad)
+    return tuple(args)
 
 
 def device_type(t: torch.Tensor) -> str:
@@ -85,18 +89,10 @@ def _with_autograd():
     return torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS)
 
 
-def _forward_impl(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-        eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
-        initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        seq_lens: list[int], scale: float, eps: float, chunk_size: int,
-        output_final_state: bool, eta_is_tensor: bool, output: str, backend: str,
-        needs_backward: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """``(o, [final_state, final_state_bias] or [], saved or [])`` from backend ``backend``."""
-    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
-                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
-                         eta_is_tensor, output, needs_backward)
-    return _run_forward(problem, backend, _autocast_on(q))
+def _forward_impl(*args) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``(o, [final_state, final_state_bias] or [], saved or [])`` from the backend
+    ``args`` name; ``args``: the tensors and options, then ``needs_backward``."""
+    return _run_forward(problem_of(args[:-1], args[-1]), args[-2], _autocast_on(args[0]))
 
 
 def _run_forward(problem: Problem, backend: str, autocast: bool):
@@ -111,34 +107,28 @@ def _run_forward(problem: Problem, backend: str, autocast: bool):
     return o.contiguous(), finals, saved
 
 
-_FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor w, Tensor b, Tensor eta, Tensor? eta_key, "
-    "Tensor? initial_state, Tensor? initial_state_bias, Tensor? cu_seqlens, SymInt[] seq_lens, "
-    "float scale, float eps, SymInt chunk_size, bool output_final_state, bool eta_is_tensor, "
-    "str output, str backend, bool needs_backward) -> (Tensor, Tensor[], Tensor[])")
-"""The forward op's schema, as recent torch infers it from ``_forward_impl``'s annotations;
-given explicitly, since older torch (2.5, 2.6) cannot read ``list[int]`` or ``X | None``."""
+_FWD_SCHEMA = (f"({declared(_NAMES)}, bool needs_backward) "
+               "-> (Tensor, Tensor[], Tensor[])")
+_BWD_SCHEMA = (f"(Tensor do, Tensor? dht, Tensor? dhbt, {declared(TENSORS)}, Tensor[] saved, "
+               f"{declared(OPTIONS)}, bool[] needs) -> Tensor[]")
+"""The ops' schemas, given explicitly: an implementation takes its arguments as ``*args``."""
 
 chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd", mutates_args=(),
                                                schema=_FWD_SCHEMA)(_forward_impl)
 
 
 @chunk_ttt_linear_fwd.register_fake
-def _fwd_fake(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias, cu_seqlens,
-              seq_lens, scale, eps, chunk_size, output_final_state, eta_is_tensor, output,
-              backend, needs_backward):
-    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
-                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
-                         eta_is_tensor, output, needs_backward)
-    N, H, D = problem.N, problem.H, problem.D
+def _fwd_fake(*args):
+    problem = problem_of(args[:-1], args[-1])
+    q, N, H, D = problem.q, problem.N, problem.H, problem.D
     finals = []
-    if output_final_state:
+    if problem.output_final_state:
         finals = [q.new_empty(N, H, D, D, dtype=problem.state_dtype),
                   q.new_empty(N, H, 1, D, dtype=problem.state_dtype)]
     saved = []
-    if needs_backward:
+    if problem.requires_grad:
         saved = [q.new_empty(shape, dtype=dtype)
-                 for shape, dtype in load_backend(backend).saved_shapes(problem)]
+                 for shape, dtype in load_backend(args[-2]).saved_shapes(problem)]
     return torch.empty_like(q), finals, saved
 
 
@@ -154,25 +144,24 @@ def _grad_needs(needs: tuple[bool, ...]) -> GradNeeds:
     return found
 
 
-def _backward_impl(
-        do: torch.Tensor, dht: torch.Tensor | None, dhbt: torch.Tensor | None,
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-        eta: torch.Tensor, eta_key: torch.Tensor | None, initial_state: torch.Tensor | None,
-        initial_state_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        saved: list[torch.Tensor], seq_lens: list[int], scale: float, eps: float,
-        chunk_size: int, output_final_state: bool, eta_is_tensor: bool, output: str,
-        backend: str, needs: list[bool]) -> list[torch.Tensor]:
+def _backward_parts(args):
+    """The backward op's ``args`` as (cotangents, tensors, saved, options, needs)."""
+    return (args[:3], args[3:3 + _TENSOR_ARGS], args[3 + _TENSOR_ARGS],
+            args[4 + _TENSOR_ARGS:-1], args[-1])
+
+
+def _backward_impl(*args) -> list[torch.Tensor]:
     """The gradients of the inputs ``needs`` marks (GRAD_INPUTS order), each in its input's
-    dtype; ``dht``/``dhbt`` None when those cotangents are absent."""
-    problem = problem_of(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
-                         cu_seqlens, seq_lens, scale, eps, chunk_size, output_final_state,
-                         eta_is_tensor, output, True)
-    with _no_autocast(q, _autocast_on(q)), _with_autograd():
+    dtype; ``args``: the cotangents ``do``, ``dht``, ``dhbt`` (the last two None when
+    absent), the forward's tensors, what it saved, its options and ``needs``."""
+    (do, dht, dhbt), tensors, saved, options, needs = _backward_parts(args)
+    problem = problem_of((*tensors, *options), True)
+    backend = options[-1]
+    with _no_autocast(problem.q, _autocast_on(problem.q)), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
                                                dhbt, _grad_needs(tuple(needs)))
-    inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
     result = []
-    for name, need, field, like in zip(GRAD_INPUTS, needs, _GRADIENT_FIELDS, inputs):
+    for name, need, field, like in zip(GRAD_INPUTS, needs, _GRADIENT_FIELDS, tensors):
         if not need:
             continue
         grad = getattr(grads, field)
@@ -182,35 +171,21 @@ def _backward_impl(
     return result
 
 
-_BWD_SCHEMA = (
-    "(Tensor do, Tensor? dht, Tensor? dhbt, Tensor q, Tensor k, Tensor v, Tensor w, Tensor b, "
-    "Tensor eta, Tensor? eta_key, Tensor? initial_state, Tensor? initial_state_bias, "
-    "Tensor? cu_seqlens, Tensor[] saved, SymInt[] seq_lens, float scale, float eps, "
-    "SymInt chunk_size, bool output_final_state, bool eta_is_tensor, str output, str backend, "
-    "bool[] needs) -> Tensor[]")
-"""The backward op's schema (see ``_FWD_SCHEMA``)."""
-
 chunk_ttt_linear_bwd = torch.library.custom_op("ttt::chunk_ttt_linear_bwd", mutates_args=(),
                                                schema=_BWD_SCHEMA)(_backward_impl)
 
 
 @chunk_ttt_linear_bwd.register_fake
-def _bwd_fake(do, dht, dhbt, q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias,
-              cu_seqlens, saved, seq_lens, scale, eps, chunk_size, output_final_state,
-              eta_is_tensor, output, backend, needs):
-    inputs = (q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
-    return [torch.empty_like(like) for need, like in zip(needs, inputs) if need]
-
-
-_TENSOR_ARGS = 10
-"""The forward op's tensor arguments: GRAD_INPUTS and cu_seqlens; nine options follow."""
+def _bwd_fake(*args):
+    _, tensors, _, _, needs = _backward_parts(args)
+    return [torch.empty_like(like) for need, like in zip(needs, tensors) if need]
 
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)        # absent cotangents stay None
     tensors, options = inputs[:_TENSOR_ARGS], inputs[_TENSOR_ARGS:-1]   # (not needs_backward)
     ctx.options = options                   # seq_lens .. backend: the backward op's options
-    ctx.eta_is_tensor = options[5]
+    ctx.eta_is_tensor = options[_ETA_IS_TENSOR]
     ctx.save_for_backward(*tensors, *output[2])
 
 
@@ -221,7 +196,8 @@ def _backward(ctx, do, d_finals, _d_saved):
     grad_flags[GRAD_INPUTS.index("eta")] &= bool(ctx.eta_is_tensor)
     grad_flags = [flag and t is not None for flag, t in zip(grad_flags, inputs)]
     # (an empty seq_lens counts as a list of tensors, a non-empty one as one leaf)
-    no_option_grads = ([] if not ctx.options[0] else None, *(None,) * 8)
+    # (then the other options' and needs_backward's)
+    no_option_grads = ([] if not ctx.options[0] else None, *(None,) * len(OPTIONS))
     if not any(grad_flags):
         return (*(None,) * _TENSOR_ARGS, *no_option_grads)
     dht = dhbt = None

@@ -34,36 +34,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from .problem import GRAD_INPUTS, Gradients, Problem
-
-
-@dataclass(frozen=True)
-class GradNeeds:
-    """Which gradients autograd asks for: one flag per differentiable input
-    (``ttt.problem.GRAD_INPUTS``, checked at import), all True by default."""
-
-    q: bool = True
-    k: bool = True
-    v: bool = True
-    w: bool = True
-    b: bool = True
-    eta: bool = True
-    initial_state: bool = True
-    initial_state_bias: bool = True
-    eta_key: bool = True
-
-    @classmethod
-    def of_flags(cls, flags) -> GradNeeds:
-        """The GradNeeds of ``flags``, one bool per input in ``GRAD_INPUTS`` order."""
-        return cls(**dict(zip(GRAD_INPUTS, flags, strict=True)))
-
-
-if {f.name for f in fields(GradNeeds)} != set(GRAD_INPUTS):
-    raise RuntimeError("ttt.backend: GradNeeds' fields do not match GRAD_INPUTS")
+from .arguments import Gradients, GradNeeds
+from .problem import Problem
 
 
 @dataclass(frozen=True)

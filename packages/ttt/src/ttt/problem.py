@@ -7,21 +7,11 @@ input. Tensors in a Problem are contiguous and never to be written by a backend.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field, fields
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 
 import torch
 
-GRAD_INPUTS = ("q", "k", "v", "w", "b", "eta", "eta_key", "initial_state",
-               "initial_state_bias")
-"""The differentiable inputs of ``chunk_ttt_linear``, by argument name, in the custom op's
-order: the one list of them. :class:`ttt.GradNeeds` has one field per name,
-:class:`Gradients` one per name (:data:`GRADIENT_FIELDS`)."""
-
-GRADIENT_FIELDS = {name: {"initial_state": "dh0", "initial_state_bias": "dhb0"}.get(
-    name, "d" + name) for name in GRAD_INPUTS}
-"""The :class:`Gradients` field holding each input's gradient (``"q"`` -> ``"dq"``; the
-initial states' are ``dh0`` and ``dhb0``)."""
+from .arguments import GRAD_INPUTS
 
 OUTPUTS = ("norm_residual", "query_residual", "raw")
 """The output forms, with z the inner model's prediction for the scaled query:
@@ -153,38 +143,7 @@ class Problem:
 
 
 def _input_dtypes(p: Problem) -> tuple:
-    """The dtypes of ``p``'s :data:`GRAD_INPUTS` (None where absent), in that order: written
-    out (a comprehension over the names costs a microsecond per call of the automatic
-    choice), checked against GRAD_INPUTS at import."""
-    eta_key, h0, hb0 = p.eta_key, p.initial_state, p.initial_state_bias
-    return (p.q.dtype, p.k.dtype, p.v.dtype, p.w.dtype, p.b.dtype, p.eta.dtype,
-            None if eta_key is None else eta_key.dtype, None if h0 is None else h0.dtype,
-            None if hb0 is None else hb0.dtype)
-
-
-if _input_dtypes(SimpleNamespace(**{name: SimpleNamespace(dtype=name)
-                                    for name in GRAD_INPUTS})) != GRAD_INPUTS:
-    raise RuntimeError("ttt.problem: _input_dtypes does not follow GRAD_INPUTS")
-
-
-@dataclass
-class Gradients:
-    """Gradients a backend returns; None where not requested or not applicable."""
-
-    dq: torch.Tensor | None = None
-    dk: torch.Tensor | None = None
-    dv: torch.Tensor | None = None
-    dw: torch.Tensor | None = None
-    db: torch.Tensor | None = None
-    deta: torch.Tensor | None = None
-    dh0: torch.Tensor | None = None
-    dhb0: torch.Tensor | None = None
-    deta_key: torch.Tensor | None = None
-
-    def of(self, name: str) -> torch.Tensor | None:
-        """The gradient of input ``name`` (one of :data:`GRAD_INPUTS`)."""
-        return getattr(self, GRADIENT_FIELDS[name])
-
-
-if {f.name for f in fields(Gradients)} != set(GRADIENT_FIELDS.values()):
-    raise RuntimeError("ttt.problem: Gradients' fields do not match GRAD_INPUTS")
+    """The dtypes of ``p``'s :data:`ttt.arguments.GRAD_INPUTS` (None where absent), in that
+    order."""
+    return tuple([None if (t := getattr(p, name)) is None else t.dtype
+                  for name in GRAD_INPUTS])

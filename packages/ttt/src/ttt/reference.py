@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from .arguments import GRADIENT_FIELDS, Gradients
 from .backend import Backend, Capabilities, GradNeeds, WarmupShape
-from .problem import OUTPUTS, Gradients, Problem
+from .problem import OUTPUTS, Problem
 
 
 def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +173,4 @@ class ReferenceBackend(Backend):
             grads = torch.autograd.grad(outputs, [leaves[n] for n in wanted], cotangents,
                                         allow_unused=True) if wanted else ()
         found = dict(zip(wanted, grads))
-        return Gradients(
-            dq=found.get("q"), dk=found.get("k"), dv=found.get("v"), dw=found.get("w"),
-            db=found.get("b"), deta=found.get("eta"), dh0=found.get("initial_state"),
-            dhb0=found.get("initial_state_bias"), deta_key=found.get("eta_key"))
+        return Gradients(**{GRADIENT_FIELDS[name]: grad for name, grad in found.items()})

@@ -8,13 +8,13 @@ import torch
 
 import ttt
 
-from .cases import GRAD_NAMES, grad_leaves
+from .cases import GRAD_INPUTS, grad_leaves
 
 
 def skip_unless_supported(backend: ttt.Backend, inputs: dict, requires_grad: bool = True):
     """Skip with ``backend.not_supported_reasons`` of the public ``ttt.make_problem``."""
     with torch.set_grad_enabled(requires_grad):
-        probe = {k: (v.detach().requires_grad_(requires_grad and k in GRAD_NAMES)
+        probe = {k: (v.detach().requires_grad_(requires_grad and k in GRAD_INPUTS)
                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                  for k, v in inputs.items()}
         problem = ttt.make_problem(**probe)

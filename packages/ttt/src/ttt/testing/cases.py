@@ -9,14 +9,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ttt.problem import GRAD_INPUTS
+from ttt.arguments import GRAD_INPUTS
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 DTYPE_NAMES = {F32: "fp32", BF16: "bf16", F16: "fp16", F64: "fp64"}
 DEFAULT_EPS = 1e-6
 
-GRAD_NAMES = GRAD_INPUTS
-"""The differentiable inputs (``ttt.problem.GRAD_INPUTS``, under the suite's older name)."""
 OUTPUT_FORMS = ("norm_residual", "query_residual", "raw")
 """The op's output forms (``output=``); the first is its default."""
 STATE_NAMES = ("initial_state", "initial_state_bias")
@@ -299,10 +297,10 @@ def make_inputs(case: Case, device, seed: int = 0) -> dict:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
 
-def with_requires_grad(inputs: dict, names=GRAD_NAMES) -> dict:
+def with_requires_grad(inputs: dict, names=GRAD_INPUTS) -> dict:
     """Copies of the inputs; the floating tensors named in ``names`` require grad."""
     out = dict(inputs)
-    for name in GRAD_NAMES:
+    for name in GRAD_INPUTS:
         t = inputs.get(name)
         if isinstance(t, torch.Tensor):
             out[name] = t.detach().clone().requires_grad_(name in names)
@@ -315,7 +313,7 @@ def differentiable(inputs: dict) -> dict:
 
 
 def grad_leaves(inputs: dict) -> list[tuple[str, torch.Tensor]]:
-    return [(n, inputs[n]) for n in GRAD_NAMES
+    return [(n, inputs[n]) for n in GRAD_INPUTS
             if isinstance(inputs.get(n), torch.Tensor) and inputs[n].requires_grad]
 
 

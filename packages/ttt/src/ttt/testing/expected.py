@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..oracle import oracle_chunk_ttt_linear
-from .cases import GRAD_NAMES, Case, make_inputs
+from .cases import GRAD_INPUTS, Case, make_inputs
 
 F64 = torch.float64
 OUTPUT_NAMES = ("o", "final_state", "final_state_bias")
@@ -50,7 +50,7 @@ def oracle_inputs(inputs: dict, requires_grad: bool) -> dict:
     args = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            value = value.detach().to(F64).requires_grad_(requires_grad and name in GRAD_NAMES)
+            value = value.detach().to(F64).requires_grad_(requires_grad and name in GRAD_INPUTS)
         args[name] = value
     args.pop("output_final_state", None)
     return args
@@ -77,7 +77,7 @@ def expected_for(case: Case, device: str) -> Expected:
     one after another in one worker)."""
     inputs = make_inputs(case, device, seed=case.seed)
     args = oracle_inputs(inputs, requires_grad=True)
-    leaves = {n: args[n] for n in GRAD_NAMES
+    leaves = {n: args[n] for n in GRAD_INPUTS
               if isinstance(args.get(n), torch.Tensor) and args[n].requires_grad}
     with torch.enable_grad():
         o, ht, hbt = oracle_chunk_ttt_linear(**args)

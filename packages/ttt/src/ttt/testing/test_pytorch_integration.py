@@ -16,7 +16,16 @@ import ttt
 
 from ..tolerances import TOLERANCES
 from .calls import gradients, op_arguments, run_op, skip_unless_supported
-from .cases import BF16, F16, F32, GRAD_NAMES, Case, differentiable, make_inputs, with_requires_grad
+from .cases import (
+    BF16,
+    F16,
+    F32,
+    GRAD_INPUTS,
+    Case,
+    differentiable,
+    make_inputs,
+    with_requires_grad,
+)
 from .compare import expect, expect_close
 
 H, D, CHUNK = 2, 16, 16
@@ -91,9 +100,9 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
     do, dht, dhbt = _cotangents([o, *finals])
     if not final_cotangents:
         dht = dhbt = None
-    tensors = args[:len(GRAD_NAMES) + 1]                     # the inputs and cu_seqlens
+    tensors = args[:len(GRAD_INPUTS) + 1]                     # the inputs and cu_seqlens
     eta_is_tensor = case.eta_tensor
-    needs = [t is not None and (n != "eta" or eta_is_tensor) for n, t in zip(GRAD_NAMES, tensors)]
+    needs = [t is not None and (n != "eta" or eta_is_tensor) for n, t in zip(GRAD_INPUTS, tensors)]
     bwd_args = (do, dht, dhbt, *tensors, saved, *args[len(tensors):-1], needs)
     before = [t.clone() for t in bwd_args if isinstance(t, torch.Tensor)]
     utils = ["test_schema", "test_autograd_registration", "test_faketensor",
@@ -354,10 +363,10 @@ def test_cuda_graph_replay_equals_eager(dtype, backward, ttt_backend, ttt_backen
         pytest.skip(f"CUDA graphs: needs a CUDA device (test device: {ttt_device})")
     case = Case(2, 70, H, 32, CHUNK, dtype, eta_key=ttt_backend.capabilities.eta_key)
     static = with_requires_grad(make_inputs(case, ttt_device, seed=1),
-                                GRAD_NAMES if backward else ())
+                                GRAD_INPUTS if backward else ())
     skip_unless_supported(ttt_backend, static, requires_grad=backward)
     fresh = with_requires_grad(make_inputs(case, ttt_device, seed=2),
-                               GRAD_NAMES if backward else ())
+                               GRAD_INPUTS if backward else ())
     cotangents = _cotangents(run_op(ttt_backend_name, fresh))
 
     def step():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ttt import GradNeeds, Problem
+from ttt import Gradients, GradNeeds, Problem
 from ttt.chunking import ChunkGroups, group_count
 
 from ..._env import kernels_interpreted
@@ -373,8 +373,10 @@ def _backward_pass(p: Problem, saved: Saved, do, dht, dhbt, tune: Tuning, needs:
         if fuse:
             dw = None if dwp is None else dwp[0].sum(0) + dwc.sum(0)
             db = None if dbp is None else dbp[0].sum(0) + dbc.sum(0)
-            return dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key
-        return dq, dk, dv, _reduced(dwp), _reduced(dbp), deta, dh0, dhb0, deta_key
+        else:
+            dw, db = _reduced(dwp), _reduced(dbp)
+        return Gradients(dq=dq, dk=dk, dv=dv, dw=dw, db=db, deta=deta, deta_key=deta_key,
+                         dh0=dh0, dhb0=dhb0)
 
     return _BackwardPass(launches, (needs, use_dht, fuse, tune), finish)
 
@@ -382,8 +384,7 @@ def _backward_pass(p: Problem, saved: Saved, do, dht, dhbt, tune: Tuning, needs:
 @_refusing_unfit_tunings
 def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
                    tuning: Tuning = DEFAULT_TUNING, needs: GradNeeds | None = None):
-    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the order of
-    :class:`ttt.Gradients`); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32. Each is
+    """The :class:`ttt.Gradients`: dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32. Each is
     None where not needed: ``needs`` (a :class:`ttt.GradNeeds`, every gradient when None)
     does not ask for it, or it does not apply (dh0/dhb0 without initial states, deta of a
     float eta, deta_key without eta_key). Only the kernels, stores and buffers the needed
@@ -395,7 +396,7 @@ def ttt_linear_bwd(problem: Problem, saved: Saved, do, dht, dhbt, *,
     bwd = _backward_pass(problem, saved, do, dht, dhbt, tune,
                          GradNeeds() if needs is None else needs, torch.empty)
     if bwd is None:
-        return (None,) * 9
+        return Gradients()
     launches_run(bwd.launches, problem.q.device, "bwd", problem, *bwd.flags)
     return bwd.finish()
 
