@@ -33,6 +33,10 @@ class Row:
     fwdbwd_p80_ms: float | None = None
     peak_mib: float | None = None       # extra device memory of one fwd+bwd
     step_us: float | None = None        # fwd_ms / number of chunks, in microseconds
+    floor_us: float | None = None       # the chain step's floor (benchmarks.step_floor)
+    chains_per_sm: float | None = None  # B * H chains over the GPU's SMs
+    hbm_fwd: float | None = None        # minimal fwd bytes / fwd_ms / peak HBM bandwidth
+    hbm_fwdbwd: float | None = None     # the same for fwd+bwd
     speedup_fwd: float | None = None    # fastest FLA variant's fwd median / this fwd median
     speedup_fwdbwd: float | None = None
 
@@ -71,14 +75,18 @@ def fmt(x: float | None) -> str:
     return f"{x:.3g}"
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def _fmt_speedup(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
 def markdown_table(rows: list[Row]) -> str:
     head = ("| B, T, H, D | provider | fwd ms | fwd+bwd ms | speed-up fwd | speed-up fwd+bwd "
-            "| peak MiB | step us | status |")
-    lines = [head, "|" + "---|" * 9]
+            "| peak MiB | step us | floor us | HBM fwd | HBM fwd+bwd | chains/SM | status |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         shape = r.shape.replace(",", ", ")
         peak = "-" if r.peak_mib is None else f"{r.peak_mib:.0f}"
@@ -87,7 +95,8 @@ def markdown_table(rows: list[Row]) -> str:
             status = status[:117] + "..."
         lines.append(f"| {shape} | {r.provider} | {fmt(r.fwd_ms)} | {fmt(r.fwdbwd_ms)} | "
                      f"{_fmt_speedup(r.speedup_fwd)} | {_fmt_speedup(r.speedup_fwdbwd)} | "
-                     f"{peak} | {fmt(r.step_us)} | {status} |")
+                     f"{peak} | {fmt(r.step_us)} | {fmt(r.floor_us)} | {_pct(r.hbm_fwd)} | "
+                     f"{_pct(r.hbm_fwdbwd)} | {fmt(r.chains_per_sm)} | {status} |")
     return "\n".join(lines)
 
 

@@ -121,6 +121,8 @@ def measure(provider: Provider, shape: Shape, args: argparse.Namespace,
     try:
         row.fwd_p20_ms, row.fwd_ms, row.fwd_p80_ms = _timing.bench(forward, device, budget)
         row.step_us = row.fwd_ms * 1e3 / math.ceil(T / args.chunk_size)
+        row.hbm_fwd = hbm_fraction(min_bytes(shape, dtype, backward=False), row.fwd_ms,
+                                   device)
     except Exception as exc:  # noqa: BLE001 - OOM, compile errors, unsupported: a row
         errors.append(f"fwd: {_short_error(exc)}")
     _free(device)
@@ -135,6 +137,8 @@ def measure(provider: Provider, shape: Shape, args: argparse.Namespace,
         try:
             timed = _timing.bench(forward_backward, device, budget)
             row.fwdbwd_p20_ms, row.fwdbwd_ms, row.fwdbwd_p80_ms = timed
+            row.hbm_fwdbwd = hbm_fraction(min_bytes(shape, dtype, backward=True),
+                                          row.fwdbwd_ms, device)
             _free(device)
             row.peak_mib = _timing.peak_extra_mib(forward_backward, device)
         except Exception as exc:  # noqa: BLE001
@@ -142,6 +146,45 @@ def measure(provider: Provider, shape: Shape, args: argparse.Namespace,
     if errors:
         row.status = "error: " + "; ".join(errors)
     return row
+
+
+def min_bytes(shape: Shape, dtype: torch.dtype, backward: bool) -> int:
+    """The bytes a pass cannot avoid moving: q, k, v and eta read and o written; with the
+    backward also do read and dq, dk, dv and deta written."""
+    B, T, H, D = shape
+    tokens, size = B * T * H, torch.empty((), dtype=dtype).element_size()
+    per_token = (4 * D + 1) * size
+    return tokens * per_token * (2 if backward else 1)
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """The GPU's peak memory bandwidth in bytes/s (double data rate: 2 transfers per
+    memory clock over the bus), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = (getattr(props, name, 0) for name in
+                           ("memory_clock_rate", "memory_bus_width"))
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def hbm_fraction(nbytes: int, ms: float, device: torch.device) -> float | None:
+    """The share of the peak bandwidth that moving ``nbytes`` in ``ms`` uses."""
+    peak = peak_bandwidth(device)
+    return None if peak is None else nbytes / (ms / 1e3) / peak
+
+
+def step_floor_us(shape: Shape, args: argparse.Namespace, device: torch.device):
+    """``benchmarks.step_floor``'s floor for the shape's head dim (a power of two), the
+    chunk size and dtype, on a CUDA GPU with Triton; None elsewhere."""
+    D = shape[3]
+    if device.type != "cuda" or D & (D - 1):
+        return None
+    try:
+        from benchmarks import step_floor
+    except ImportError:                 # no Triton backend installed
+        return None
+    return step_floor.floor_us(D, args.chunk_size, DTYPES[args.dtype], str(device))
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -409,10 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[_report.Row] = []
     fla_names = {p.name for p in discovery.providers if p.is_fla}
     for shape in shapes:
+        floor = step_floor_us(shape, args, device)
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else None)
         for provider in discovery.providers:
             _log(f"bench {provider.name} on B,T,H,D={shape} ...")
             row = measure(provider, shape, args, device)
             _free(device)          # the inputs of measure() are gone now
+            row.floor_us = floor
+            row.chains_per_sm = None if sms is None else shape[0] * shape[2] / sms
             _log(f"  fwd {_report.fmt(row.fwd_ms)} ms, fwd+bwd {_report.fmt(row.fwdbwd_ms)} ms, "
                  f"peak {_report.fmt(row.peak_mib)} MiB"
                  + ("" if row.status == "ok" else f" [{row.status}]"))
