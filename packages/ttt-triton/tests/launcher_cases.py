@@ -5,6 +5,8 @@ launcher's place. On CUDA when there is a GPU, else in the Triton interpreter.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,16 @@ from ttt_triton.ops.ttt_linear import ttt_linear_bwd, ttt_linear_fwd
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 RESULTS = ("o", "ht", "hbt")
+NEEDS_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the other tests run every path "
+    "in float32 (the interpreter's bf16 tl.dot is wrong)")
+
+
+def skip_unless_kernels_run():
+    """Skips the calling test module where the kernels cannot run: no GPU and no
+    ``TRITON_INTERPRET=1``."""
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 
 def inputs(T, H, D, seq_lens, seed, eta_key=False):
@@ -121,6 +133,19 @@ class LaunchSpy:
 
     def warmup(self, *args, **kwargs):
         return self.kernel.warmup(*args, **kwargs) if self.run else None
+
+
+def oracle_errors(T, H, D, chunk, seq_lens, seed, tuning, *, with_grad=True,
+                  dtype=torch.float32, output="norm_residual", eta_key=False):
+    """{name: relative error against the oracle} of every output and, ``with_grad``, every
+    gradient of one call under ``tuning`` (:func:`launch_or_skip_unfit`) on fresh inputs
+    (:func:`inputs`, with ``eta_key`` a per-key factor) as a call in ``dtype`` sees them."""
+    x, cu = inputs(T, H, D, seq_lens, seed, eta_key)
+    x = as_run(x, dtype)
+    dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
+    want = oracle(x, cu, chunk, dys, output, with_grad)
+    got = launch_or_skip_unfit(problem(x, cu, chunk, dtype, output), dys, tuning, with_grad)
+    return relative_errors(got, want)
 
 
 def relative_errors(got, want):

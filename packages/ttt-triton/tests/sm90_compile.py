@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import NamedTuple
 
 if __name__ == "__main__":           # (imported, by the test for CASES, it changes nothing)
     os.environ.pop("TRITON_INTERPRET", None)   # compile, never interpret
@@ -41,36 +42,49 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# (label, dtype, B, T, H, D, chunk, packed lengths or None, layer form, calls)
-# calls: "train" (forward saving for the backward, then the backward), "train states" (the
-# same with initial and final states, the backward getting the final states' cotangents),
-# "infer" (forward without backward, with states); generation steps are "infer" with T within
-# one chunk. H sets the chain
-# count, and with it the fused chains (tuning.FUSED).
+class Case(NamedTuple):
+    """One set of calls: ``calls`` "train" (forward saving for the backward, then the
+    backward), "train states" (the same with initial and final states, the backward getting
+    the final states' cotangents) or "infer" (forward without backward, with states);
+    generation steps are "infer" with T within one chunk. H sets the chain count, and with it
+    the fused chains (tuning.FUSED). ``packed``: the packed lengths (None: dense); ``layer``:
+    the layer's form (eta_key, query_residual)."""
+    label: str
+    dtype: str = "bf16"
+    B: int = 2
+    T: int = 40
+    H: int = 2
+    D: int = 64
+    chunk: int = 16
+    packed: tuple | None = None
+    layer: bool = False
+    calls: str = "train"
+
+
 CASES = (
-    ("train", "bf16", 2, 40, 2, 64, 16, None, False, "train"),
-    ("train layer", "bf16", 2, 40, 2, 64, 16, None, True, "train"),
-    ("train fused", "bf16", 1, 40, 256, 64, 16, None, True, "train"),
-    ("train fp32", "fp32", 2, 40, 2, 64, 16, None, True, "train"),
-    ("train fp32 fused", "fp32", 1, 40, 256, 64, 16, None, False, "train"),
-    ("train packed", "bf16", 1, 40, 2, 64, 16, (7, 0, 33), True, "train"),
-    ("train states", "bf16", 2, 40, 2, 64, 16, None, True, "train states"),
-    ("train states packed", "fp32", 1, 40, 2, 32, 16, (9, 31), False, "train states"),
-    ("train d128 c64", "bf16", 1, 130, 2, 128, 64, None, True, "train"),
-    ("train d24", "fp16", 1, 40, 2, 24, 16, (17, 23), False, "train"),
-    ("infer", "bf16", 2, 40, 2, 64, 16, None, True, "infer"),
-    ("infer fused", "bf16", 1, 40, 96, 64, 16, None, True, "infer"),
-    ("infer fp32 d128 fused", "fp32", 1, 40, 96, 128, 16, None, False, "infer"),
-    ("step", "bf16", 4, 1, 2, 64, 16, None, True, "infer"),
-    ("step default", "bf16", 4, 1, 2, 64, 16, None, False, "infer"),
-    ("step fp32 rows", "fp32", 4, 4, 2, 64, 16, None, True, "infer"),
-    ("step packed", "fp32", 1, 3, 2, 128, 16, (1, 0, 2), True, "infer"),
-    ("step chain", "bf16", 4, 16, 2, 64, 16, None, True, "infer"),
+    Case("train"),
+    Case("train layer", layer=True),
+    Case("train fused", B=1, H=256, layer=True),
+    Case("train fp32", "fp32", layer=True),
+    Case("train fp32 fused", "fp32", B=1, H=256),
+    Case("train packed", B=1, packed=(7, 0, 33), layer=True),
+    Case("train states", layer=True, calls="train states"),
+    Case("train states packed", "fp32", B=1, D=32, packed=(9, 31), calls="train states"),
+    Case("train d128 c64", B=1, T=130, D=128, chunk=64, layer=True),
+    Case("train d24", "fp16", B=1, D=24, packed=(17, 23)),
+    Case("infer", layer=True, calls="infer"),
+    Case("infer fused", B=1, H=96, layer=True, calls="infer"),
+    Case("infer fp32 d128 fused", "fp32", B=1, H=96, D=128, calls="infer"),
+    Case("step", B=4, T=1, layer=True, calls="infer"),
+    Case("step default", B=4, T=1, calls="infer"),
+    Case("step fp32 rows", "fp32", B=4, T=4, layer=True, calls="infer"),
+    Case("step packed", "fp32", B=1, T=3, D=128, packed=(1, 0, 2), layer=True, calls="infer"),
+    Case("step chain", B=4, T=16, layer=True, calls="infer"),
 )
 
 SLOW_CASES = (
-    ("train fp32 d128 c64", "fp32", 1, 130, 2, 128, 64, None, True, "train"),
-    ("train fp32 d64 c64", "fp32", 1, 130, 2, 64, 64, None, False, "train"),
+    Case("train fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True),
+    Case("train fp32 d64 c64", "fp32", B=1, T=130, chunk=64),
 )
 """Float32 at chunk 64 (tuning.IEEE_WIDE), whose kernels take minutes to compile on a CPU:
 test_sm90_compile.py marks them ``big``."""
@@ -182,12 +196,12 @@ def stack_bytes(kernel) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--case", action="append",
-                        choices=[case[0] for case in CASES + SLOW_CASES],
+                        choices=[case.label for case in CASES + SLOW_CASES],
                         help="only this case (default: every case)")
     args = parser.parse_args()
     seen, failed = set(), []
     for case in CASES + SLOW_CASES:
-        if (args.case and case[0] not in args.case) or (not args.case and case in SLOW_CASES):
+        if (args.case and case.label not in args.case) or (not args.case and case in SLOW_CASES):
             continue
         for launch in recorded_launches(case):
             inputs = compile_inputs(launch)
@@ -195,7 +209,7 @@ def main() -> int:
             if key in seen:
                 continue
             seen.add(key)
-            name = f"{case[0]}: {launch.kernel.__name__}"
+            name = f"{case.label}: {launch.kernel.__name__}"
             start = time.perf_counter()
             try:
                 signature, constexprs, attrs, options = inputs

@@ -18,6 +18,13 @@ def _problem(D, dtype=torch.float32):
     return ttt.make_problem(x, x, x, torch.ones(2, D), torch.zeros(2, D), 0.1)
 
 
+def _python_prints(code: str, env: dict | None = None) -> str:
+    """What a fresh python running ``code`` prints (stripped); it must exit 0."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_declared_for_cuda_the_interpreter_adds_cpu(monkeypatch):
     assert TritonBackend.capabilities is CAPABILITIES
     assert CAPABILITIES.devices == {"cuda"}
@@ -59,9 +66,7 @@ def test_a_missing_dependency_of_triton_is_named_not_triton(tmp_path):
     code = ("from ttt_triton.backend import TritonBackend; "
             "print(TritonBackend().unavailable_reason())")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (
+    assert _python_prints(code, env) == (
         "module 'ttt_missing_dependency_xyz' cannot be imported (No module named "
         "'ttt_missing_dependency_xyz'); install with: pip install ttt_missing_dependency_xyz")
 
@@ -74,9 +79,7 @@ def test_backend_module_needs_no_triton_and_launcher_no_backend():
             "del sys.modules['triton']; del sys.modules['ttt_triton.backend']\n"
             "import ttt_triton.ops.ttt_linear.launcher\n"
             "print('ttt_triton.backend' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert _python_prints(code) == "False"
 
 
 def test_the_kernels_keep_the_mode_of_the_switch_when_first_asked(monkeypatch):

@@ -7,7 +7,6 @@ returned tensor fresh. Runs on CUDA when there is a GPU, else in the Triton inte
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -15,19 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from launcher_cases import (  # noqa: E402
-    DEVICE,
-    LaunchSpy,
-    as_run,
-    assert_within_bounds,
-    cotangents,
-    inputs,
-    launch,
-    launch_or_skip_unfit,
-    oracle,
-    problem,
-    relative_errors,
-)
+import launcher_cases as cases  # noqa: E402
 
 import ttt  # noqa: E402
 from ttt import GradNeeds  # noqa: E402
@@ -35,18 +22,14 @@ from ttt.arguments import GRAD_INPUTS  # noqa: E402
 from ttt.problem import OUTPUTS  # noqa: E402
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+cases.skip_unless_kernels_run()
 
 
 def _check(T, H, D, chunk, seq_lens, seed, tuning, output, eta_key=True,
            dtype=torch.float32):
-    x, cu = inputs(T, H, D, seq_lens, seed, eta_key)
-    x = as_run(x, dtype)
-    dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
-    want = oracle(x, cu, chunk, dys, output)
-    got = launch_or_skip_unfit(problem(x, cu, chunk, dtype, output), dys, tuning)
-    assert_within_bounds(relative_errors(got, want), dtype, f"{tuning}, {output}")
+    errs = cases.oracle_errors(T, H, D, chunk, seq_lens, seed, tuning, dtype=dtype,
+                               output=output, eta_key=eta_key)
+    cases.assert_within_bounds(errs, dtype, f"{tuning}, {output}")
 
 
 PATHS = [
@@ -84,12 +67,7 @@ def test_eta_key_with_blocks_of_chunks_and_chunk_32():
     _check(150, 2, 32, 32, None, 25, tuning, "query_residual")
 
 
-NEEDS_GPU = pytest.mark.skipif(
-    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the tests above run every path "
-    "in float32 (the interpreter's bf16 tl.dot is wrong)")
-
-
-@NEEDS_GPU
+@cases.NEEDS_GPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("output", OUTPUTS)
 @pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
@@ -128,7 +106,7 @@ the same operations, so there the two are bitwise equal."""
 
 
 def _same_gradient(grad: torch.Tensor, full: torch.Tensor) -> bool:
-    if DEVICE == "cpu":
+    if cases.DEVICE == "cpu":
         return torch.equal(grad, full)
     return bool((grad - full).norm() <= SAME_ON_GPU * full.norm())
 
@@ -141,14 +119,14 @@ def test_needed_gradients_are_those_of_the_full_backward(fuse, output):
     returned tensor is fresh (no storage shared with an input or with another result)."""
     tuning = Tuning(fuse_forward=fuse, fuse_backward=fuse, checkpoint_interval=2)
     T, H, D = 60, 2, 32
-    x, cu = inputs(T, H, D, (23, 37), 31, eta_key=True)
-    p = problem(x, cu, 16, output=output)
-    dys = cotangents(T, H, D, 2, 31)
-    full = launch(p, dys, tuning)
+    x, cu = cases.inputs(T, H, D, (23, 37), 31, eta_key=True)
+    p = cases.problem(x, cu, 16, output=output)
+    dys = cases.cotangents(T, H, D, 2, 31)
+    full = cases.launch(p, dys, tuning)
     given = [t for t in (p.q, p.k, p.v, p.w, p.b, p.eta, p.initial_state,
                          p.initial_state_bias, p.eta_key) if t is not None]
     for label, needs in NEEDS.items():
-        got = launch(p, dys, tuning, needs=needs)
+        got = cases.launch(p, dys, tuning, needs=needs)
         returned = []
         for name in GRAD_INPUTS:
             grad, want = got[f"d{name}"], full[f"d{name}"]
@@ -167,9 +145,9 @@ def test_needed_gradients_are_those_of_the_full_backward(fuse, output):
 def test_a_float_eta_gets_no_gradient():
     """A float eta (a constant tensor, not a leaf): no deta even when every gradient is asked
     for."""
-    x, cu = inputs(40, 2, 16, None, 33)
-    p = replace(problem(x, cu, 16, output="raw"), eta_is_tensor=False)
-    got = launch(p, cotangents(40, 2, 16, 1, 33), Tuning())
+    x, cu = cases.inputs(40, 2, 16, None, 33)
+    p = replace(cases.problem(x, cu, 16, output="raw"), eta_is_tensor=False)
+    got = cases.launch(p, cases.cotangents(40, 2, 16, 1, 33), Tuning())
     assert got["deta"] is None and got["deta_key"] is None
     assert got["dq"] is not None and got["dinitial_state"] is not None
 
@@ -183,11 +161,11 @@ def test_the_backend_launches_only_what_autograd_needs(monkeypatch):
     counts = {}
     for name in ("ttt_linear_bwd_local_kernel", "ttt_linear_bwd_chain_kernel",
                  "ttt_linear_bwd_grads_kernel"):
-        counts[name] = LaunchSpy(getattr(launcher, name))
+        counts[name] = cases.LaunchSpy(getattr(launcher, name))
         monkeypatch.setattr(launcher, name, counts[name])
-    x, _ = inputs(40, 2, 16, None, 35, eta_key=True)
-    args = {n: x[n].to(DEVICE, torch.float32) for n in ("q", "k", "v", "w", "b", "eta_key")}
-    do = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    x, _ = cases.inputs(40, 2, 16, None, 35, eta_key=True)
+    args = {n: x[n].to(cases.DEVICE, torch.float32) for n in ("q", "k", "v", "w", "b", "eta_key")}
+    do = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(5)).to(cases.DEVICE)
 
     def dq_of(grad_leaves):
         leaves = {n: t.clone().requires_grad_(n in grad_leaves) for n, t in args.items()}

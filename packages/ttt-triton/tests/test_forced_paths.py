@@ -7,42 +7,16 @@ in the Triton interpreter (float32)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from launcher_cases import (  # noqa: E402
-    DEVICE,
-    F64,
-    LaunchSpy,
-    as_run,
-    assert_within_bounds,
-    cotangents,
-    inputs,
-    launch,
-    launch_or_skip_unfit,
-    oracle,
-    problem,
-    relative_errors,
-)
+import launcher_cases as cases  # noqa: E402
 
 from ttt_triton.ops.ttt_linear.tuning import Tuning  # noqa: E402
 
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
-
-
-def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float32):
-    """{name: relative error against the oracle} of every output and gradient."""
-    x, cu = inputs(T, H, D, seq_lens, seed)
-    x = as_run(x, dtype)
-    dys = cotangents(T, H, D, len(seq_lens) if seq_lens else 1, seed)
-    want = oracle(x, cu, chunk, dys, with_grad=with_grad)
-    got = launch_or_skip_unfit(problem(x, cu, chunk, dtype), dys, tuning, with_grad)
-    return relative_errors(got, want)
+cases.skip_unless_kernels_run()
 
 
 @pytest.mark.parametrize("tuning,chunk,seq_lens", [
@@ -60,8 +34,8 @@ def _errors(T, H, D, chunk, seq_lens, seed, tuning, with_grad, dtype=torch.float
         "blocks-below-chunk", "group-of-one-chunk"])
 def test_small_groups_and_blocks(tuning, chunk, seq_lens):
     T = sum(seq_lens) if seq_lens else 165
-    errs = _errors(T, 2, 32, chunk, seq_lens, 11, tuning, with_grad=True)
-    assert_within_bounds(errs, torch.float32, tuning)
+    errs = cases.oracle_errors(T, 2, 32, chunk, seq_lens, 11, tuning)
+    cases.assert_within_bounds(errs, torch.float32, tuning)
 
 
 FORCED_CHAINS = [
@@ -84,8 +58,8 @@ def test_fused_chains(tuning, with_grad, chunk, seq_lens):
     chunks, varlen, initial states, several groups (G = 2)."""
     tuning = Tuning(**{**vars(tuning), "checkpoint_interval": 2})
     T = sum(seq_lens) if seq_lens else 85
-    errs = _errors(T, 2, 32, chunk, seq_lens, 13, tuning, with_grad)
-    assert_within_bounds(errs, torch.float32, tuning)
+    errs = cases.oracle_errors(T, 2, 32, chunk, seq_lens, 13, tuning, with_grad=with_grad)
+    cases.assert_within_bounds(errs, torch.float32, tuning)
 
 
 @pytest.mark.parametrize("chunk,seq_lens", [(16, (40, 25)), (64, None)])
@@ -97,16 +71,11 @@ def test_split_grads_kernel(chunk, seq_lens):
     tuning = Tuning(grads_split=2, checkpoint_interval=2,
                     group_stages=1 if chunk == 64 else None)
     T = sum(seq_lens) if seq_lens else 150
-    errs = _errors(T, 2, 40, chunk, seq_lens, 17, tuning, with_grad=True)
-    assert_within_bounds(errs, torch.float32, tuning)
+    errs = cases.oracle_errors(T, 2, 40, chunk, seq_lens, 17, tuning)
+    cases.assert_within_bounds(errs, torch.float32, tuning)
 
 
-NEEDS_GPU = pytest.mark.skipif(
-    DEVICE == "cpu", reason="GPU dtypes and head dims: on CPU the tests above run every forced "
-    "path in float32 (the interpreter's bf16 tl.dot is wrong)")
-
-
-@NEEDS_GPU
+@cases.NEEDS_GPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tuning,with_grad", FORCED_CHAINS, ids=FORCED_CHAIN_IDS)
 @pytest.mark.parametrize("D,chunk", [(50, 16), (64, 32), (128, 64)])
@@ -114,8 +83,9 @@ def test_forced_chains_on_gpu(dtype, tuning, with_grad, D, chunk):
     """Every dtype, the fused and the split kernels in every combination, at an unaligned
     head dim, the IEEE K-blocked dots (float32 at D 128) and the wide backward (half inputs
     at D 128, chunk 64), against the oracle within the conformance suite's bounds."""
-    errs = _errors(180, 3, D, chunk, (60, 120), 9, tuning, with_grad, dtype=dtype)
-    assert_within_bounds(errs, dtype, tuning)
+    errs = cases.oracle_errors(180, 3, D, chunk, (60, 120), 9, tuning, with_grad=with_grad,
+                               dtype=dtype)
+    cases.assert_within_bounds(errs, dtype, tuning)
 
 
 @pytest.mark.parametrize("tuning,fwd_out,bwd_grads,split", [
@@ -130,9 +100,9 @@ def test_forcing_takes_the_path(monkeypatch, tuning, fwd_out, bwd_grads, split):
 
     spies = {}
     for name in ("ttt_linear_fwd_out_kernel", "ttt_linear_bwd_grads_kernel"):
-        spies[name] = LaunchSpy(getattr(launcher, name))
+        spies[name] = cases.LaunchSpy(getattr(launcher, name))
         monkeypatch.setattr(launcher, name, spies[name])
-    _errors(40, 2, 32, 16, None, 3, tuning, with_grad=True)
+    cases.oracle_errors(40, 2, 32, 16, None, 3, tuning)
     assert len(spies["ttt_linear_fwd_out_kernel"].grids) == fwd_out
     grads_grids = spies["ttt_linear_bwd_grads_kernel"].grids
     assert len(grads_grids) == bwd_grads
@@ -168,10 +138,10 @@ def test_unfit_forced_tuning_is_refused_with_the_need_and_the_limit(monkeypatch)
 
     monkeypatch.setattr(launcher, "ttt_linear_bwd_grads_kernel", _OutOfSharedMemory())
     forced = Tuning(grads_split=2, checkpoint_interval=2, fuse_backward=False)
-    x, _ = inputs(40, 2, 32, None, 3)
-    dys = [torch.randn(s, dtype=F64) for s in ((1, 40, 2, 32), (1, 2, 32, 32), (1, 2, 1, 32))]
+    x, _ = cases.inputs(40, 2, 32, None, 3)
+    dys = [torch.randn(s, dtype=cases.F64) for s in ((1, 40, 2, 32), (1, 2, 32, 32), (1, 2, 1, 32))]
     with pytest.raises(ValueError, match=r"grads_split=2.*377344 bytes of shared memory.*"
                                          r"allows 232448"):
-        launch(problem(x, None, 16), dys, forced)
+        cases.launch(cases.problem(x, None, 16), dys, forced)
     with pytest.raises(OutOfResources):
-        launch(problem(x, None, 16), dys, Tuning())
+        cases.launch(cases.problem(x, None, 16), dys, Tuning())

@@ -31,8 +31,8 @@ def triton_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp().parent / "sm90-triton-cache"
 
 
-@pytest.mark.parametrize("case", [case[0] for case in CASES] + [
-    pytest.param(case[0], marks=pytest.mark.big) for case in SLOW_CASES])
+@pytest.mark.parametrize("case", [case.label for case in CASES] + [
+    pytest.param(case.label, marks=pytest.mark.big) for case in SLOW_CASES])
 def test_launches_compile_for_sm90(case, triton_cache):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(triton_cache), TRITON_DEFAULT_FP_FUSION="1")

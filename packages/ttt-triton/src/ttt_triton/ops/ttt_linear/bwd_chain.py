@@ -49,15 +49,17 @@ import triton
 import triton.language as tl
 
 from .common import (
+    chain_coords,
     dim_offsets,
     inner_grad_bwd,
     inner_grad_from_xhat,
     last_row_eta,
     load_norm_params,
+    load_state,
     mm,
     mm_acc,
+    row_bases,
     row_offsets,
-    seq_coords,
 )
 
 
@@ -113,20 +115,14 @@ def ttt_linear_bwd_chain_kernel(
     NEED_DB: tl.constexpr,
     FEED_GRADS: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
-                                             IS_VARLEN)
+    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
+                                                          G, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
-    if USE_DHT:
-        b_dW = tl.load(dht + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
-        b_dhb = tl.load(dhbt + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
-    else:
-        b_dW = tl.zeros([BD, BD], dtype=tl.float32)                        # [BD, BD]
-        b_dhb = tl.zeros([BD], dtype=tl.float32)                           # [BD]
+    b_dW, b_dhb = load_state(dht, dhbt, i_nh.to(tl.int64), D, BD, o_d, m_d, o_dd, m_dd,
+                             USE_DHT, USE_DHT)                             # [BD, BD], [BD]
     i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
     if FUSE_GRADS:
         m_jgei = o_t[:, None] <= o_t[None, :]                              # [BT, BT] j >= i
@@ -139,8 +135,7 @@ def ttt_linear_bwd_chain_kernel(
     elif FEED_GRADS:
         tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
-    p_base = (bos * H + i_h) * D
-    p_ebase = bos * H + i_h
+    p_base, p_ebase = row_bases(bos, i_h, H, D)
     if not FUSE_GRADS:
         r_q, r_k, r_v, r_xh, r_r, r_dop, r_dgl = _load_step(
             q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, (NC - 1) * BT, o_t, o_d,

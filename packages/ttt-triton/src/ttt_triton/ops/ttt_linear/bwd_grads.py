@@ -41,12 +41,15 @@ import triton.language as tl
 
 from .common import (
     block_rows,
+    dim_offsets,
     group_coords,
     inner_grad_bwd,
     inner_grad_from_xhat,
     key_scaled,
+    load_norm_params,
     mm,
     mm_acc,
+    row_bases,
     split_cols,
 )
 
@@ -96,15 +99,13 @@ def ttt_linear_bwd_grads_kernel(
     m_k = o_k < D
     i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
                                                    T, BT, G, IS_VARLEN)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
+    o_d, m_d, _, _ = dim_offsets(D, BD)
     o_c = o_s // BT                                                        # [BS] chunk in block
     m_same = (o_c[:, None] == o_c[None, :]) & (o_s[:, None] <= o_s[None, :])  # [BS, BS] j >= i
     m_later = o_c[:, None] < o_c[None, :]                                  # [BS, BS] c_j > c_i
     m_earlier = o_c[:, None] > o_c[None, :]                                # [BS, BS] c_j < c_i
 
-    b_w = tl.load(w + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
-    b_b = tl.load(b + i_h * D + o_d, mask=m_d, other=0.).to(tl.float32)   # [BD]
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     i_ck0 = slot * H + i_h
     i_ck = i_ck0 + H
     # W^T, so that dkh W^T needs no transpose of a computed tile (fewer registers)
@@ -118,8 +119,7 @@ def ttt_linear_bwd_grads_kernel(
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
 
-    p_base = (bos * H + i_h) * D
-    p_ebase = bos * H + i_h
+    p_base, p_ebase = row_bases(bos, i_h, H, D)
     r_beg = c0 * BT
     n_blk = tl.cdiv(tl.minimum((c0 + nc) * BT, seq_len) - r_beg, BS)
     for jr in range(0, n_blk):

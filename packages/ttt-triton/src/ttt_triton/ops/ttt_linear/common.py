@@ -175,6 +175,60 @@ def group_coords(gid, cu_seqlens, grp_offsets, grp_seq, T, BT: tl.constexpr,
 
 
 @triton.jit
+def chain_coords(cu_seqlens, grp_offsets, T, H: tl.constexpr, BT: tl.constexpr,
+                 G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(i_nh, i_h, bos, seq_len, NC, slot_base) of the chain of program ``i_nh = i_n * H +
+    i_h``, one per (sequence, head): :func:`seq_coords` of sequence ``i_n``."""
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
+                                             IS_VARLEN)
+    return i_nh, i_h, bos, seq_len, NC, slot_base
+
+
+@triton.jit
+def row_bases(bos, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Offsets of row 0 of one (sequence, head) in [rows, H, D] (rows ``H * D`` apart) and in
+    [rows, H] tensors (rows ``H`` apart)."""
+    return (bos * H + i_h) * D, bos * H + i_h
+
+
+@triton.jit
+def load_state(h, hb, i, D: tl.constexpr, BD: tl.constexpr, o_d, m_d, o_dd, m_dd,
+               HAS_W: tl.constexpr, HAS_HB: tl.constexpr):
+    """The state ``W`` [BD, BD] and bias ``hb`` [BD] (fp32) at index ``i`` of [N, H, D, D]
+    and [N, H, 1, D] tensors; zeros for a tensor not given (``HAS_W``, ``HAS_HB``)."""
+    if HAS_W:
+        b_W = tl.load(h + i * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)  # [BD, BD]
+    else:
+        b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
+    if HAS_HB:
+        b_hb = tl.load(hb + i * D + o_d, mask=m_d, other=0.).to(tl.float32)  # [BD]
+    else:
+        b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+    return b_W, b_hb
+
+
+@triton.jit
+def store_state(h, hb, i, b_W, b_hb, D: tl.constexpr, o_d, m_d, o_dd, m_dd):
+    """Stores ``W`` [BD, BD] and ``hb`` [BD] at index ``i`` of [slots or N, H, D, D] and
+    [slots or N, H, (1,) D] tensors."""
+    tl.store(h + i * D * D + o_dd, b_W, mask=m_dd)
+    tl.store(hb + i * D + o_d, b_hb, mask=m_d)
+
+
+@triton.jit
+def group_rows(bos, c0, nc, seq_len, i_h, H: tl.constexpr, D: tl.constexpr,
+               BT: tl.constexpr):
+    """(p_base, p_ebase, r_beg, r_end) of the group of chunks ``c0 .. c0 + nc - 1`` (of
+    :func:`group_coords`), head ``i_h``: the offsets of its sequence's row 0
+    (:func:`row_bases`) and its rows ``r_beg .. r_end - 1`` (from row 0)."""
+    p_base, p_ebase = row_bases(bos, i_h, H, D)
+    r_end = tl.minimum((c0 + nc) * BT, seq_len)
+    return p_base, p_ebase, c0 * BT, r_end
+
+
+@triton.jit
 def row_offsets(p_base, r0, o_t, o_d, seq_len, m_d, H: tl.constexpr, D: tl.constexpr):
     """Offsets [BT, BD] of the rows r0 .. r0 + BT - 1 of one (sequence, head) in a
     [rows, H, D] tensor whose row 0 is at ``p_base``, with the mask of valid rows/cols, and
@@ -236,15 +290,18 @@ def inner_grad_from_xhat(b_xh, b_rstd, b_k, b_v, b_w, b_b, m_2d, D: tl.constexpr
 
 
 @triton.jit
-def block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D: tl.constexpr):
-    """The raw k tile of a block and g of its rows from the stored xhat and r (row-local:
-    :func:`inner_grad_from_xhat`); zero outside ``m_2d``."""
+def block_qkg(q, k, v, xbuf, rbuf, eta_key, o_x, o_e, m_2d, m_t, b_w, b_b, D: tl.constexpr,
+              HAS_ETA_KEY: tl.constexpr):
+    """The raw q and k tiles of a block and g of its rows from the stored xhat and r
+    (row-local: :func:`inner_grad_from_xhat`), scaled by the per-key factor under
+    ``HAS_ETA_KEY`` (:func:`key_scaled`); zero outside ``m_2d``."""
+    r_q = tl.load(q + o_x, mask=m_2d, other=0.)                            # [BS, BD]
     r_k = tl.load(k + o_x, mask=m_2d, other=0.)                            # [BS, BD]
     b_v = tl.load(v + o_x, mask=m_2d, other=0.).to(tl.float32)             # [BS, BD]
     b_xh = tl.load(xbuf + o_x, mask=m_2d, other=0.)                        # [BS, BD]
     b_r = tl.load(rbuf + o_e, mask=m_t, other=0.)                          # [BS]
     b_g, _ = inner_grad_from_xhat(b_xh, b_r, r_k.to(tl.float32), b_v, b_w, b_b, m_2d, D)
-    return r_k, b_g
+    return r_q, r_k, key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)
 
 
 @triton.jit

@@ -37,15 +37,18 @@ import triton
 import triton.language as tl
 
 from .common import (
+    chain_coords,
     dim_offsets,
     inner_grad,
     last_row_eta,
     load_norm_params,
+    load_state,
     mm,
     output_form,
     qk_plus_one,
+    row_bases,
     row_offsets,
-    seq_coords,
+    store_state,
 )
 
 
@@ -78,28 +81,18 @@ def ttt_linear_fwd_chain_kernel(
     HAS_ETA_KEY: tl.constexpr,
     OUTPUT: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, seq_len, NC, slot_base = seq_coords(i_n, cu_seqlens, grp_offsets, T, BT, G,
-                                             IS_VARLEN)
-
+    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
+                                                          G, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
     m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     # (an initial state not given starts from zeros here, not from a zero-filled buffer)
-    if USE_INITIAL:
-        b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.).to(tl.float32)
-    else:
-        b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
-    if USE_INITIAL_BIAS:
-        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.).to(tl.float32)
-    else:
-        b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+    b_W, b_hb = load_state(h0, hb0, i_nh.to(tl.int64), D, BD, o_d, m_d, o_dd, m_dd,
+                           USE_INITIAL, USE_INITIAL_BIAS)                  # [BD, BD], [BD]
 
-    p_base = (bos * H + i_h) * D       # row 0 of this (sequence, head); rows H * D apart
-    p_ebase = bos * H + i_h            # the same for eta; rows H apart
+    p_base, p_ebase = row_bases(bos, i_h, H, D)
     # the first chunk's tiles; each step then loads the next chunk's before its math
     o_x0, m_2d0, o_e0, m_t0 = row_offsets(p_base, 0, o_t, o_d, seq_len, m_d, H, D)
     r_k = tl.load(k + o_x0, mask=m_2d0, other=0.)                          # [BT, BD]
@@ -112,9 +105,8 @@ def ttt_linear_fwd_chain_kernel(
         r_e = tl.load(eta + p_ebase + o_e0, mask=m_t0, other=0.)          # [BT]
     for i_c in range(0, NC):
         if SAVE and i_c % G == 0:
-            i_ck = (slot_base + i_c // G) * H + i_h
-            tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
-            tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
+            store_state(ck, ckb, (slot_base + i_c // G) * H + i_h, b_W, b_hb, D, o_d, m_d,
+                        o_dd, m_dd)
         b_k = r_k.to(tl.float32)                                           # [BT, BD]
         b_v = r_v.to(tl.float32)                                           # [BT, BD]
         b_el = r_el
@@ -150,9 +142,7 @@ def ttt_linear_fwd_chain_kernel(
         b_hb = b_hb - b_el * tl.sum(b_g, 0)
 
     if SAVE:
-        i_ck = (slot_base + tl.cdiv(NC, G)) * H + i_h
-        tl.store(ck + i_ck * D * D + o_dd, b_W, mask=m_dd)
-        tl.store(ckb + i_ck * D + o_d, b_hb, mask=m_d)
+        store_state(ck, ckb, (slot_base + tl.cdiv(NC, G)) * H + i_h, b_W, b_hb, D, o_d, m_d,
+                    o_dd, m_dd)
     if STORE_FINAL:
-        tl.store(ht + i_nh.to(tl.int64) * D * D + o_dd, b_W, mask=m_dd)
-        tl.store(hbt + i_nh.to(tl.int64) * D + o_d, b_hb, mask=m_d)
+        store_state(ht, hbt, i_nh.to(tl.int64), b_W, b_hb, D, o_d, m_d, o_dd, m_dd)

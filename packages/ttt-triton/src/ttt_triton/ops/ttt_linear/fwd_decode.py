@@ -24,7 +24,15 @@ passes its state through.
 import triton
 import triton.language as tl
 
-from .common import dim_offsets, inner_grad, load_norm_params, output_form, seq_coords
+from .common import (
+    chain_coords,
+    dim_offsets,
+    inner_grad,
+    load_norm_params,
+    load_state,
+    output_form,
+    store_state,
+)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -47,24 +55,17 @@ def ttt_linear_fwd_decode_kernel(
     HAS_ETA_KEY: tl.constexpr,
     OUTPUT: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
     # (no slots: cu_seqlens stands in for the group offsets, whose slot index goes unused)
     # (names of their own for the unused values: a name assigned here and in the loop would
     # be a loop-carried variable, whose type must not change)
-    bos, seq_len, _nc, _slot = seq_coords(i_n, cu_seqlens, cu_seqlens, T, 1, 1, IS_VARLEN)
+    i_nh, i_h, bos, seq_len, _nc, _slot = chain_coords(cu_seqlens, cu_seqlens, T, H, 1, 1,
+                                                       IS_VARLEN)
 
     o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
     m_row = m_d[None, :]                                                   # [1, BD]
 
-    if USE_INITIAL:
-        b_W = tl.load(h0 + i_nh.to(tl.int64) * D * D + o_dd, mask=m_dd, other=0.)
-    else:
-        b_W = tl.zeros([BD, BD], dtype=tl.float32)                         # [BD, BD]
-    if USE_INITIAL_BIAS:
-        b_hb = tl.load(hb0 + i_nh.to(tl.int64) * D + o_d, mask=m_d, other=0.)
-    else:
-        b_hb = tl.zeros([BD], dtype=tl.float32)                            # [BD]
+    b_W, b_hb = load_state(h0, hb0, i_nh.to(tl.int64), D, BD, o_d, m_d, o_dd, m_dd,
+                           USE_INITIAL, USE_INITIAL_BIAS)                  # [BD, BD], [BD]
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_A = tl.zeros([BD, BD], dtype=tl.float32)                             # [BD, BD] sum k^T g
     b_a = tl.zeros([1, BD], dtype=tl.float32)                              # [1, BD] sum g
@@ -95,5 +96,4 @@ def ttt_linear_fwd_decode_kernel(
         b_el = tl.load(eta + r_last * H + i_h).to(tl.float32)
         b_W = b_W - b_el * b_A                                             # [BD, BD]
         b_hb = b_hb - b_el * tl.sum(b_a, 0)                                # [BD]
-        tl.store(ht + i_nh.to(tl.int64) * D * D + o_dd, b_W, mask=m_dd)
-        tl.store(hbt + i_nh.to(tl.int64) * D + o_d, b_hb, mask=m_d)
+        store_state(ht, hbt, i_nh.to(tl.int64), b_W, b_hb, D, o_d, m_d, o_dd, m_dd)

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_g,
     block_masks,
+    block_qkg,
     block_rows,
     dim_offsets,
     group_coords,
-    key_scaled,
+    group_rows,
     load_norm_params,
     load_slot,
     mm,
@@ -74,16 +74,13 @@ def ttt_linear_fwd_out_kernel(
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
+    p_base, p_ebase, r_beg, r_end = group_rows(bos, c0, nc, seq_len, i_h, H, D, BT)
 
-    p_base = (bos * H + i_h) * D
-    p_ebase = bos * H + i_h
-    r_end = tl.minimum((c0 + nc) * BT, seq_len)
-    for r0 in range(c0 * BT, r_end, BS):
+    for r0 in range(r_beg, r_end, BS):
         o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
                                                        m_d, seq_len, H, D, BT)
-        r_q = tl.load(q + o_x, mask=m_2d, other=0.)                        # [BS, BD]
-        r_k, b_g = block_g(k, v, xbuf, rbuf, o_x, o_e, m_2d, m_t, b_w, b_b, D)  # [BS, BD]
-        b_g = key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)              # [BS, BD]
+        r_q, r_k, b_g = block_qkg(q, k, v, xbuf, rbuf, eta_key, o_x, o_e, m_2d, m_t, b_w, b_b,
+                                  D, HAS_ETA_KEY)                          # [BS, BD] each
 
         b_A = qk_plus_one(r_q, r_k, scale, HALF, PREC)                    # [BS, BS]
         b_P = tl.where(m_prev, b_el[None, :], tl.where(m_same, b_e[:, None], 0.))
