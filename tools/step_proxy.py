@@ -332,6 +332,17 @@ def row(task: tuple, r) -> str:
     return f"{head} {' | '.join(cells)} | {r['regs']} ({r['stack']}) |"
 
 
+def versions(backends) -> str:
+    import triton
+
+    line = f"sm_90 SASS; triton {triton.__version__} (nvdisasm, cuobjdump, ptxas)"
+    if "cupy" in backends:
+        from ttt_cupy.nvrtc import version
+
+        line += f"; NVRTC {version()}"
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,6 +358,7 @@ def main() -> None:
     tasks = [(be, k, dt, BD, BT) for be in args.backends for dt in args.dtypes
              for k in (TRITON_CHAINS if be == "triton" else CUPY_CHAINS)
              for BD in args.bd for BT in args.bt if args.all or picked(be, k, BD, BT)]
+    print(versions(args.backends))
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(pool.map(job, tasks))
     for task, r in results:
