@@ -324,6 +324,7 @@ def cell(pair: tuple[int, int]) -> str:
 
 def row(task: tuple, r) -> str:
     backend, kernel, dtype, BD, BT = task
+    kernel += "" if picked(backend, kernel, BD, BT) else " (not picked)"
     head = f"| {backend} | {kernel} | {dtype} | {BD} | {BT} |"
     if isinstance(r, str):
         return f"{head} FAILED {r} |"
