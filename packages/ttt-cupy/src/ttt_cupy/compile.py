@@ -1,17 +1,15 @@
 """The kernels' names and sources, and their lazy compilation (NVRTC through cuda-python).
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
-builds that pass's template instances (forward: fwd_chain, fwd_out; backward: bwd_local,
-bwd_chain, bwd_grads; a short generation step, ``"dec"``: fwd_decode), each as a program of
-its own, the programs compiled side by side (NVRTC runs outside the GIL) into the disk cache
-(:mod:`ttt_cupy.diskcache`, the one compile path) and loaded from there by CuPy. The
-*variant* (``eta_key`` given, the output form) picks the instances of the kernels it changes
-(template parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (no
-eta_key, ``norm_residual``) spells no such parameter, and the others are compiled only when a
-call needs them. For half inputs every kernel is its tensor-core (tf32 mma.sync) instance
-unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float inputs
-always run SIMT fp32, and so does fwd_decode. The same sources, names and options are
-compile-checked without a GPU by :mod:`ttt_cupy.nvrtc_check`.
+builds that pass's template instances, each as a program of its own, the programs compiled
+side by side (NVRTC runs outside the GIL) into the disk cache (:mod:`ttt_cupy.diskcache`, the
+one compile path) and loaded from there by CuPy. The *variant* (``eta_key`` given, the output
+form) picks the instances of the kernels it changes (:data:`VARIANT_KERNELS`); the default
+variant spells no such parameter, and the others are compiled only when a call needs them.
+For half inputs every kernel is its tensor-core (tf32 mma.sync) instance unless
+:class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float inputs always run
+SIMT fp32, and so does fwd_decode. :mod:`ttt_cupy.nvrtc_check` compiles the same sources,
+names and options without a GPU.
 """
 
 from __future__ import annotations

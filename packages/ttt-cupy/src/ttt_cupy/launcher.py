@@ -226,24 +226,31 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
     native = _native_params(p)
     key = _setup_key(p, device, save_for_backward, schedule, native)
     setup = _FORWARD_SETUPS.get(key)
-    if setup is None:
-        if row_step(p, save_for_backward, device.smem_limit, schedule):
-            setup = _decode_setup(p, device, native)
-        else:
-            setup = _chunked_setup(p, save_for_backward, schedule, device)
-        _keep(_FORWARD_SETUPS, key, setup)
+    if setup is not None:
+        return setup
+    dtype_name, dp, bt = _dtype_name(p.q), d_pad(p.D), p.chunk_size
+    if row_step(p, save_for_backward, device.smem_limit, schedule):
+        # fwd_decode: shared memory for the longest sequence's rows; one kernel at every chunk
+        # size and tensor-core setting
+        rows = decode_rows(max(p.seq_lens, default=0))
+        kern = device.kernels(DECODE_PASS, dtype_name, dp, bt, False, **_variant(p),
+                              native_params=native)
+        setup = _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp),
+                             decode_smem_bytes(dp, rows), rows, native)
+    else:
+        grp = ChunkGroups.of(p, CKPT_INTERVAL)
+        plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
+        mma = device.uses_mma(dtype_name, config().mma)
+        if save_for_backward:      # the backward's program compiles while the forward's does
+            device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
+        kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
+        chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
+                 smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
+        out = None if plan.fuse else (kern["fwd_out"], threads(dp),
+                                      smem_bytes("fwd_out", dp, bt, mma))
+        setup = _ForwardSetup(grp, plan, chain, out)
+    _keep(_FORWARD_SETUPS, key, setup)
     return setup
-
-
-def _decode_setup(p: Problem, device, native: bool) -> _DecodeSetup:
-    """fwd_decode's launch: shared memory for its longest sequence's rows (smem.decode_rows);
-    one kernel at every chunk size and tensor-core setting."""
-    dp = d_pad(p.D)
-    rows = decode_rows(max(p.seq_lens, default=0))
-    kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
-                          **_variant(p), native_params=native)
-    return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), decode_smem_bytes(dp, rows),
-                        rows, native)
 
 
 def _native_params(p: Problem) -> bool:
@@ -256,27 +263,11 @@ def _native_params(p: Problem) -> bool:
         t.dtype == dtype for t in (p.eta, p.w, p.b, p.eta_key) if t is not None)
 
 
-def _chunked_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
-                   device) -> _ForwardSetup:
-    dtype_name = _dtype_name(p.q)
-    dp, bt = d_pad(p.D), p.chunk_size
-    grp = ChunkGroups.of(p, CKPT_INTERVAL)
-    plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
-    mma = device.uses_mma(dtype_name, config().mma)
-    if save_for_backward:      # the backward's program compiles while the forward's does
-        device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
-    kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
-    chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
-             smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
-    out = None if plan.fuse else (kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma))
-    return _ForwardSetup(grp, plan, chain, out)
-
-
-def _final_states(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _final_states(p: Problem, H: int, D: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if not p.output_final_state:
         return None, None
     f = dict(dtype=torch.float32, device=p.q.device)
-    return torch.empty(p.N, p.H, p.D, p.D, **f), torch.empty(p.N, p.H, 1, p.D, **f)
+    return torch.empty(p.N, H, D, D, **f), torch.empty(p.N, H, 1, D, **f)
 
 
 def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = AUTO,
@@ -290,7 +281,7 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
     B, T, H, D = p.q.shape
     grp, plan = setup.grp, setup.plan
     f = dict(dtype=torch.float32, device=p.q.device)
-    ht, hbt = _final_states(p)
+    ht, hbt = _final_states(p, H, D)
     save = save_for_backward or not plan.fuse     # fwd_out reads the slots and xhat, r
     ck = torch.empty(grp.slots, H, D, D, **f) if save else None
     ckb = torch.empty(grp.slots, H, D, **f) if save else None
@@ -316,12 +307,12 @@ def _decode_step(p: Problem, setup: _DecodeSetup, device):
     """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
     launch only allocations (and casts of eta, w, b, eta_key unless ``setup.native``).
     Returns (o, ht, hbt, None)."""
-    ht, hbt = _final_states(p)
+    B, T, H, D = p.q.shape
+    ht, hbt = _final_states(p, H, D)
     o = torch.empty_like(p.q)
     eta, w, b, ekey = p.eta, p.w, p.b, p.eta_key     # (a Problem's tensors are contiguous)
     if not setup.native:
         eta, w, b, ekey = f32(eta), f32(w), f32(b), f32(ekey)
-    B, T, H, D = p.q.shape
     args = DecodeParams(q=p.q, k=p.k, v=p.v, eta=eta, lnw=w, lnb=b, ekey=ekey,
                         h0=f32(p.initial_state), hb0=f32(p.initial_state_bias), ht=ht, hbt=hbt,
                         o=o, cu_seqlens=p.cu_seqlens, T_len=T, smem_bytes=setup.smem,

@@ -1,5 +1,5 @@
-"""The buffers of each pass and its kernels' argument struct (:mod:`ttt_cupy.params`, packed
-once per pass)."""
+"""What the forward saves for the backward (:class:`Saved`), as the backend interface hands
+it over: a list of tensors of known shapes (:func:`saved_shapes`)."""
 
 from __future__ import annotations
 
