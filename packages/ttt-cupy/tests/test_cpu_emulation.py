@@ -106,7 +106,7 @@ def _run_kernels(emu, x, seqs, cu, scale, BT, DP, G, grads, init=True, mma=(), f
     groups per segment: each segment's chain, then its group kernels; the backward's segments
     in reverse. ``fuse_grads``: bwd_chain's fused instance (ttt_linear_bwd_chain_fused, MMA)
     writes dk, dv and per-group dw, db partials (where bwd_grads puts its), and bwd_grads
-    is skipped. ``overlap``: the overlapped passes (streams.run_overlapped, one sync buffer per
+    is skipped. ``overlap``: the overlapped passes (launcher._run_pass, one sync buffer per
     pass; the backward's bwd_local first): "chain first" runs the chain kernel, then the group
     kernel's tickets (kOverlap: every group is finished, none put back), then the cleanup
     launch (kCleanup: nothing to do); "out first" runs the group kernel's blocks before any

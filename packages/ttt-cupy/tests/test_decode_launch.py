@@ -205,7 +205,7 @@ def test_decode_with_backward_keeps_its_schedule(recording, case):
     p, _, _ = _problem(lens, H, 32, dense=dense, chunk=chunk)
     launcher.ttt_linear_fwd(p, save_for_backward=True, device=recording)
     names = [launch[0] for launch in recording.launches]
-    fused = len(lens) * H >= FUSED["forward_training"]
+    fused = len(lens) * H >= FUSED.forward_training
     assert any("fwd_out" in n for n in names) != fused
     assert not any(cc.DECODE_KERNEL in n for n in names)
 
@@ -218,7 +218,7 @@ def test_longer_sequences_keep_their_schedule(recording, lens, H, dense):
     p, _, _ = _problem(lens, H, 32, dense=dense)
     launcher.ttt_linear_fwd(p, save_for_backward=False, device=recording)
     names = [launch[0] for launch in recording.launches]
-    assert len(lens) * H < FUSED["forward_inference"]
+    assert len(lens) * H < FUSED.forward_inference
     assert any("fwd_out" in n for n in names) and not any("true>" in n for n in names[:1])
     plan = forward_plan(p, 1, False)
     assert not plan.fuse and not plan.overlap and plan.segments == [(0, 0)]

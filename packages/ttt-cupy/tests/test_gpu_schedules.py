@@ -64,7 +64,8 @@ def _run(x, cu, cot, schedule, output="norm_residual", needs=None):
 
     p = make_problem(**x, output_final_state=True, cu_seqlens=cu, output=output)
     o, ht, hbt, saved = launcher.ttt_linear_fwd(p, True, schedule=schedule)
-    grads = launcher.ttt_linear_bwd(p, saved, *cot, schedule=schedule, needs=needs)
+    got = launcher.ttt_linear_bwd(p, saved, *cot, schedule=schedule, needs=needs)
+    grads = [got.dq, got.dk, got.dv, got.dw, got.db, got.deta, got.dh0, got.dhb0, got.deta_key]
     if needs is None and "eta_key" not in x:
         grads = grads[:-1]
     return [o, ht, hbt, *grads]

@@ -72,9 +72,9 @@ def test_function_opts_in_once(fake_cupy):
 
 def test_fused_backward_rule():
     """placement.fused_backward: tensor-core kernels, D_PAD <= 64, the block within the
-    device's shared memory, at least FUSED["backward"] chains; Schedule.fuse_backward forces
+    device's shared memory, at least FUSED.backward chains; Schedule.fuse_backward forces
     it where it exists."""
-    many, h200, a100 = FUSED["backward"], 227 * 1024, 163 * 1024
+    many, h200, a100 = FUSED.backward, 227 * 1024, 163 * 1024
     on, off = Schedule(fuse_backward=True), Schedule(fuse_backward=False)
 
     def problem(N, H, D, chunk_size=16):

@@ -405,24 +405,25 @@ def test_fused_forward_rule():
     and Schedule.fuse_forward forcing it either way."""
     from types import SimpleNamespace
 
+    from ttt.schedule import FuseThresholds, generation_step
     from ttt_cupy.config import Schedule
-    from ttt_cupy.placement import FUSED, fused_forward, single_chunk
+    from ttt_cupy.placement import FUSED, fused_forward
 
     def problem(N, H, lens=None):
         return SimpleNamespace(N=N, H=H, seq_lens=lens or (64,) * N, chunk_size=16)
 
-    assert FUSED == {"forward_inference": 128, "forward_training": 256, "backward": 256}
+    assert FUSED == FuseThresholds(forward_inference=128, forward_training=256, backward=256)
     assert fused_forward(problem(8, 16), False)         # 128 chains, inference
     assert not fused_forward(problem(8, 12), False)
     assert not fused_forward(problem(8, 12), True)      # training: from 256
     assert fused_forward(problem(32, 16), True)
     # decode: every sequence within one chunk, no backward: fused at any number of chains
     for lens in ((1,), (16,), (0, 16, 3), (16,) * 8):
-        assert single_chunk(problem(len(lens), 1, lens))
+        assert generation_step(problem(len(lens), 1, lens), False)
         assert fused_forward(problem(len(lens), 1, lens), False)
         assert not fused_forward(problem(len(lens), 1, lens), True)   # training: the rule
     for lens in ((17,), (1, 17), (16, 16, 40)):
-        assert not single_chunk(problem(len(lens), 1, lens))
+        assert not generation_step(problem(len(lens), 1, lens), False)
         assert not fused_forward(problem(len(lens), 1, lens), False)
     for on in (True, False):
         forced = Schedule(fuse_forward=on)

@@ -116,17 +116,16 @@ class CupyBackend(Backend):
         return o, ht, hbt, [] if saved is None else saved.tensors(problem)
 
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        from .launcher import saved_shapes
+        from .layout import saved_shapes
 
         return saved_shapes(problem)
 
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
-        from .launcher import saved_of, ttt_linear_bwd
+        from .launcher import ttt_linear_bwd
+        from .layout import Saved
 
         # only what ``needs`` asks for (None elsewhere), bitwise as in the full backward
-        grads = ttt_linear_bwd(problem, saved_of(problem, saved), do, dht, dhbt, needs=needs,
-                               device=self.launch_device(problem))
-        return Gradients(**dict(zip(("dq", "dk", "dv", "dw", "db", "deta", "dh0", "dhb0",
-                                     "deta_key"), grads)))
+        return ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt, needs=needs,
+                              device=self.launch_device(problem))

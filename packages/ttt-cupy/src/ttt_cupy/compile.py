@@ -1,21 +1,15 @@
-"""Lazy compilation of the CUDA C++ kernels in ``csrc/`` (NVRTC through cuda-python).
+"""The kernels' names and sources, and their lazy compilation (NVRTC through cuda-python).
 
 Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
-builds that pass's template instances (forward: fwd_chain, fwd_out; backward: bwd_local,
-bwd_chain, bwd_grads; a short generation step, ``"dec"``: fwd_decode; through
-``name_expressions``), each as a program of its own, the programs compiled side by side
-(NVRTC runs outside the GIL), cached for the process and on
-disk (:mod:`ttt_cupy.diskcache`: a cubin per program, shared between processes, loaded by
-CuPy; the one compile path). The *variant*
-(``eta_key`` given, the output form) picks the instances of the kernels it changes (template
-parameters ``KEY`` and ``OUT``, :data:`VARIANT_KERNELS`); the default variant (no eta_key,
-``norm_residual``) names exactly the instances it always had, and the others are compiled
-only when a call needs them. For half inputs every kernel is its tensor-core (tf32 mma.sync)
-instance unless :class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float
-inputs always run SIMT fp32, and so does fwd_decode for every type (it has no chunk size and
-no tensor-core instance: :data:`DECODE_KERNEL`; it reads eta, w, b and eta_key in fp32 or,
-``native_params``, in the input type). The same sources, names and options are compile-checked
-without a GPU by :mod:`ttt_cupy.nvrtc_check`.
+builds that pass's template instances, each as a program of its own, the programs compiled
+side by side (NVRTC runs outside the GIL) into the disk cache (:mod:`ttt_cupy.diskcache`, the
+one compile path) and loaded from there by CuPy. The *variant* (``eta_key`` given, the output
+form) picks the instances of the kernels it changes (:data:`VARIANT_KERNELS`); the default
+variant spells no such parameter, and the others are compiled only when a call needs them.
+For half inputs every kernel is its tensor-core (tf32 mma.sync) instance unless
+:class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float inputs always run
+SIMT fp32, and so does fwd_decode. :mod:`ttt_cupy.nvrtc_check` compiles the same sources,
+names and options without a GPU.
 """
 
 from __future__ import annotations
@@ -39,21 +33,20 @@ PASSES = {
 }
 """The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
 template ``ttt_linear_x<T, D_PAD, BT, MMA, ...>`` (the chunked passes ``fwd`` and ``bwd``),
-or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>`` (``dec``: :data:`DECODE_KERNEL`). One
-program (a cubin) per instance."""
+or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>`` (``dec``). One program (a cubin) per
+instance."""
 
 DECODE_PASS = "dec"
 DECODE_KERNEL = "fwd_decode"
 """The kernel of a short generation step (placement.row_step): one block per (sequence, head)
 over all its rows, the state in registers; SIMT fp32 for every input type, so it has no chunk
-size and no ``MMA`` parameter, only the variant's ``KEY`` and ``OUT`` and ``P``, the type it
-reads eta, w, b and eta_key in: float, or T (``native_params``: a generation step whose
-parameters are all in the input type runs without casting them first) (:func:`decode_name`)."""
+size and no ``MMA`` parameter, only ``KEY``, ``OUT`` and ``P``, the type it reads eta, w, b
+and eta_key in: float, or T (``native_params``: no cast before a step whose parameters are
+all in the input type)."""
 
 KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
-"""The chunked passes' kernels, templates on T, D_PAD, BT, MMA, ...: ``bool MMA`` puts the
-tile products on tensor cores (tf32 mma.sync, fp32 accumulation); only the half types have
-MMA instances (fwd_decode has no such parameter)."""
+"""The chunked passes' kernels: ``bool MMA`` puts the tile products on tensor cores (tf32
+mma.sync, fp32 accumulation); only the half types have MMA instances."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """Their MMA instances keep the state in registers (one warp per 16 state columns)."""
@@ -75,16 +68,14 @@ MMA_MIN_ARCH = 80
 """mma.sync with tf32 operands needs sm_80 or newer."""
 
 OUT_FORMS = {"norm_residual": 0, "query_residual": 1, "raw": 2}
-"""Output form -> the kernels' ``OUT`` template argument (csrc/types.cuh: kOutNorm, kOutQuery,
-kOutRaw)."""
+"""Output form -> the kernels' ``OUT`` template argument (csrc/types.cuh)."""
 
 VARIANT_KERNELS = {"fwd_chain": ("KEY", "OUT"), "fwd_out": ("OUT",), "bwd_local": ("OUT",),
                    "bwd_chain": ("KEY",), "bwd_grads": ("KEY",)}
 """The variant's template parameters of each kernel, after ``MMA`` (and fwd_chain's ``FUSE``):
-the chains and bwd_grads take ``KEY`` (eta_key: g's rows scaled, its LayerNorm r saved apart,
-deta_key), the kernels that write the outputs or take their cotangent ``OUT``. fwd_out and
-bwd_local need no ``KEY``: they read g's factor l r from the saved r. fwd_chain's unfused
-instance writes no output (``OUT`` default)."""
+the chains and bwd_grads take ``KEY`` (eta_key), the kernels that write the outputs or take
+their cotangent ``OUT``. fwd_out and bwd_local read g's factor l r from the saved r, so need
+no ``KEY``; fwd_chain's unfused instance writes no output (``OUT`` default)."""
 
 D_PADS = (16, 32, 64, 128)
 BLOCK_TS = (16, 32, 64)
@@ -92,8 +83,8 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 """torch dtype name -> the C++ type of the kernels' template parameter T."""
 
 NVRTC_OPTIONS = ("-std=c++17",)
-"""Options for every compile (besides the include path and the arch, which the caller adds).
-No --use_fast_math: the fp32 arithmetic must stay IEEE (divisions, sqrt)."""
+"""Options for every compile (besides the include path and the arch). No --use_fast_math:
+the fp32 arithmetic must stay IEEE (divisions, sqrt)."""
 
 
 def d_pad(D: int) -> int:
@@ -104,28 +95,9 @@ def d_pad(D: int) -> int:
     raise ValueError(f"head dim: expected at most {D_PADS[-1]}, got {D}")
 
 
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS and kernel != DECODE_KERNEL:
-        raise ValueError(f"kernel: expected one of {(*KERNELS, DECODE_KERNEL)}, got {kernel!r}")
-
-
 def _check_pass(pass_: str) -> None:
     if pass_ not in PASSES:
         raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
-
-
-def use_mma(ctype: str, arch: str | int | None = None, requested: bool = True) -> bool:
-    """Whether the kernels run their tensor-core instances for C++ type ``ctype``: a half
-    type, ``requested`` (:attr:`ttt_cupy.config.CupyConfig.mma`), and (when given) a compute
-    capability of at least 8.0."""
-    if ctype == "float" or not requested:
-        return False
-    return arch is None or int(arch) >= MMA_MIN_ARCH
-
-
-def _check_fused(kernel: str, fused: bool) -> None:
-    if fused and kernel != FUSED_KERNEL:
-        raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
 
 
 def _check_variant(key: bool, out: str) -> None:
@@ -135,14 +107,25 @@ def _check_variant(key: bool, out: str) -> None:
         raise TypeError(f"key: expected a bool, got {key!r}")
 
 
-def _check_native(kernel: str, native_params: bool) -> None:
-    if native_params and kernel != DECODE_KERNEL:
-        raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
-                         f"type, not {kernel!r}")
+def use_mma(ctype: str, arch: str | int | None = None, requested: bool = True) -> bool:
+    """Whether the kernels run their tensor-core instances for C++ type ``ctype``: a half
+    type, ``requested`` (:attr:`CupyConfig.mma <ttt_cupy.config.CupyConfig>`), and (when
+    given) a compute capability of at least 8.0."""
+    if ctype == "float" or not requested:
+        return False
+    return arch is None or int(arch) >= MMA_MIN_ARCH
 
 
-def _cpp(x: bool | int) -> str:
+def _cpp(x: bool | int | str) -> str:
     return ("true" if x else "false") if isinstance(x, bool) else str(x)
+
+
+def _spell(kernel: str, targs: list, extra: list) -> str:
+    """``ttt_linear_<kernel><targs, extra>``, the trailing defaults of ``extra`` (False, 0,
+    "") left out, so that the default variant keeps its names."""
+    while extra and not extra[-1]:
+        extra = extra[:-1]
+    return f"ttt_linear_{kernel}<{', '.join(_cpp(x) for x in (*targs, *extra))}>"
 
 
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
@@ -150,14 +133,17 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
                 native_params: bool = False) -> str:
     """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``;
     ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance; ``key``
-    (eta_key) and ``out`` (the output form): the variant, spelled only where the kernel has
-    the parameter (:data:`VARIANT_KERNELS`; fwd_chain's ``OUT`` only in its FUSE instance)
-    and the trailing defaults left out, so that the default variant keeps its names;
-    ``native_params``: :data:`DECODE_KERNEL`'s instance reading eta, w, b in the input type."""
-    _check_kernel(kernel)
-    _check_fused(kernel, fused)
+    and ``out``: the variant, spelled only where the kernel has the parameter (fwd_chain's
+    ``OUT`` only in its FUSE instance); ``native_params``: :data:`DECODE_KERNEL`'s instance
+    reading eta, w, b in the input type."""
+    if kernel not in KERNELS and kernel != DECODE_KERNEL:
+        raise ValueError(f"kernel: expected one of {(*KERNELS, DECODE_KERNEL)}, got {kernel!r}")
+    if fused and kernel != FUSED_KERNEL:
+        raise ValueError(f"fused: only {FUSED_KERNEL} has fused instances, not {kernel!r}")
     _check_variant(key, out)
-    _check_native(kernel, native_params)
+    if native_params and kernel != DECODE_KERNEL:
+        raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
+                         f"type, not {kernel!r}")
     if kernel == DECODE_KERNEL:
         if mma:
             raise ValueError(f"{DECODE_KERNEL} has no MMA instance (SIMT fp32 for every type)")
@@ -169,47 +155,38 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
     values = {"KEY": key, "OUT": OUT_FORMS[out] if fused or kernel != FUSED_KERNEL else 0}
     extra = ([fused] if kernel == FUSED_KERNEL else []) + [values[p]
                                                             for p in VARIANT_KERNELS[kernel]]
-    while extra and not extra[-1]:          # (False, 0: the templates' defaults)
-        extra.pop()
-    targs = [ctype, str(dp), str(bt), _cpp(mma)] + [_cpp(x) for x in extra]
-    return f"ttt_linear_{kernel}<{', '.join(targs)}>"
+    return _spell(kernel, [ctype, dp, bt, mma], extra)
 
 
 def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> str:
-    """The name expression of a :data:`DECODE_KERNEL` instance, e.g.
-    ``ttt_linear_fwd_decode<float, 64>``: ``KEY`` and ``OUT`` as :func:`kernel_name` spells
-    them, then ``P`` (eta, w, b, eta_key's type): ``ctype`` with ``native_params``, else float;
-    trailing defaults left out (``ttt_linear_fwd_decode<__half, 64, false, 2>``,
-    ``ttt_linear_fwd_decode<__half, 64, false, 0, __half>``; float inputs: one name either
-    way, P = T = float)."""
+    """The name expression of a :data:`DECODE_KERNEL` instance: ``KEY`` and ``OUT`` as
+    :func:`kernel_name` spells them, then ``P``: ``ctype`` with ``native_params``, else float
+    (``ttt_linear_fwd_decode<float, 64>``, ``ttt_linear_fwd_decode<__half, 64, false, 0,
+    __half>``)."""
     _check_variant(key, out)
-    # "" for P = float (the default): dropped with the other trailing defaults
-    extra = [key, OUT_FORMS[out], ctype if native_params and ctype != "float" else ""]
-    while extra and not extra[-1]:
-        extra.pop()
-    return f"ttt_linear_{DECODE_KERNEL}<{', '.join([ctype, str(dp)] + [_cpp(x) for x in extra])}>"
+    p = ctype if native_params and ctype != "float" else ""    # float: the default
+    return _spell(DECODE_KERNEL, [ctype, dp], [key, OUT_FORMS[out], p])
 
 
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
                out: str = "norm_residual", native_params: bool = False) -> dict[str, str]:
-    """{kernel: name expression} of one pass as launched (``mma``: see :func:`use_mma`; ``key``,
-    ``out``: the variant, see :func:`kernel_name`); the forward also holds
-    :data:`FUSED_NAME`, the chain that writes the outputs. The ``dec`` pass: its one kernel,
-    whatever ``bt`` and ``mma``, reading eta, w, b, eta_key in the input type with
-    ``native_params`` (:func:`decode_name`; the chunked passes have no such instance)."""
+    """{kernel: name expression} of one pass as launched; the forward also holds
+    :data:`FUSED_NAME`, the backward :data:`FUSED_BWD_NAME` where it exists. The ``dec``
+    pass: its one kernel, whatever ``bt`` and ``mma``."""
     _check_pass(pass_)
     if pass_ == DECODE_PASS:
         return {DECODE_KERNEL: decode_name(ctype, dp, key, out, native_params)}
-    _check_native(PASSES[pass_][0], native_params)
+    if native_params:
+        raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
+                         f"type, not {PASSES[pass_][0]!r}")
     mma = mma and ctype != "float"
     v = dict(key=key, out=out)
     names = {k: kernel_name(k, ctype, dp, bt, mma, **v) for k in PASSES[pass_]}
     if FUSED_KERNEL in PASSES[pass_]:
         names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True, **v)
     if pass_ == "bwd" and mma and dp <= FUSED_BWD_MAX_D_PAD:
-        names[FUSED_BWD_NAME] = (f"ttt_linear_bwd_chain_fused<{ctype}, {dp}, {bt}, true"
-                                 + (", true>" if key else ">"))
+        names[FUSED_BWD_NAME] = _spell("bwd_chain_fused", [ctype, dp, bt, True], [key])
     return names
 
 
@@ -220,12 +197,11 @@ def variants() -> list[tuple[bool, str]]:
 
 def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
                   out: str = "norm_residual") -> list[str]:
-    """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant)
-    program: the pass's kernels (and the fused forward chain), plus their SIMT instances for
-    half types (the ``dec`` pass: its one instance, and for half types the one that reads
-    eta, w, b, eta_key in the input type too)."""
+    """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant):
+    the pass's kernels, plus for half types their SIMT instances (the ``dec`` pass: the
+    instance reading eta, w, b, eta_key in the input type)."""
     names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
-    if ctype != "float":    # (the dec pass: mma is ignored, native_params not)
+    if ctype != "float":
         native = pass_ == DECODE_PASS
         names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out, native).values()
                   if n not in names]
@@ -238,7 +214,7 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 def source(pass_: str) -> str:
     """The pass's .cu files with their csrc/ headers pasted in place of their first #include
     (later ones dropped): one self-contained string, so that the disk cache (keyed by source
-    and options, :mod:`ttt_cupy.diskcache`) sees header changes too."""
+    and options) sees header changes too."""
     _check_pass(pass_)
     seen: set[str] = set()
 
@@ -246,16 +222,13 @@ def source(pass_: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        return _LOCAL_INCLUDE.sub(lambda m: expand(m.group(1)), _read(name))
+        path = CSRC / name
+        if not path.is_file():
+            raise RuntimeError(f"the CUDA source {path} is missing from the ttt-cupy "
+                               f"installation")
+        return _LOCAL_INCLUDE.sub(lambda m: expand(m.group(1)), path.read_text())
 
     return "\n".join(f"// ---- {k}.cu ----\n{expand(f'{k}.cu')}" for k in PASSES[pass_])
-
-
-def _read(name: str) -> str:
-    path = CSRC / name
-    if not path.is_file():
-        raise RuntimeError(f"the CUDA source {path} is missing from the ttt-cupy installation")
-    return path.read_text()
 
 
 def cuda_include_dir() -> str | None:
@@ -274,19 +247,11 @@ def cuda_include_dir() -> str | None:
                 return str(found)
     except ImportError:
         pass
-    for entry in sys.path:
-        base = Path(entry) / "nvidia"
-        if not base.is_dir():
-            continue
-        for sub in ("cu13", "cuda_runtime", "cuda_nvrtc", "cu12"):
-            inc = base / sub / "include"
-            if (inc / "cuda_fp16.h").is_file():
-                return str(inc)
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(var)
-        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
-            return str(Path(root) / "include")
-    return None
+    candidates = [Path(entry) / "nvidia" / sub / "include" for entry in sys.path
+                  for sub in ("cu13", "cuda_runtime", "cuda_nvrtc", "cu12")]
+    candidates += [Path(os.environ[var]) / "include" for var in ("CUDA_HOME", "CUDA_PATH")
+                   if os.environ.get(var)]
+    return next((str(inc) for inc in candidates if (inc / "cuda_fp16.h").is_file()), None)
 
 
 def include_options() -> tuple[str, ...]:
@@ -296,8 +261,7 @@ def include_options() -> tuple[str, ...]:
 
 
 _PREFETCHES: dict[tuple, threading.Thread] = {}
-"""Passes whose programs are being compiled into the disk cache in the background, by their
-_modules key."""
+"""Background compiles of passes' programs under way, by their :func:`_modules` key."""
 _PREFETCHED: set[tuple] = set()
 _PREFETCH_LOCK = threading.Lock()
 
@@ -306,11 +270,9 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
              key: bool = False, out: str = "norm_residual") -> None:
     """Start compiling one pass's programs (the arguments of :func:`get_kernels`) into the
     disk cache in the background, once per process: a training forward asks for its
-    backward's, which then compile while the forward's compile and run. The threads call
-    NVRTC and write files, nothing of CUDA (a CUDA graph may be captured meanwhile); the
-    first :func:`get_kernels` of that pass waits for them, then loads. The threads are not
-    daemons: a process that ends first (a forward with gradients and no backward) waits for
-    them, since one stopped inside NVRTC at interpreter exit crashes the process."""
+    backward's. The threads call NVRTC and write files, nothing of CUDA (a CUDA graph may be
+    captured meanwhile); the first :func:`get_kernels` of that pass waits for them. They are
+    not daemons: a thread stopped inside NVRTC at interpreter exit crashes the process."""
     ctype = CTYPES[dtype_name]
     bt, mma = _pass_key(pass_, ctype, bt, mma)
     args = (pass_, ctype, dp, bt, device_arch(device_index), mma, key, out)
@@ -318,9 +280,8 @@ def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, m
         if args in _PREFETCHED:
             return
         _PREFETCHED.add(args)
-        thread = threading.Thread(target=_compile_into_cache, args=args,
-                                  name="ttt-cupy-prefetch")
-        _PREFETCHES[args] = thread
+        thread = _PREFETCHES[args] = threading.Thread(target=_compile_into_cache, args=args,
+                                                      name="ttt-cupy-prefetch")
     thread.start()
 
 
@@ -330,17 +291,15 @@ def _compile_into_cache(pass_, ctype, dp, bt, arch, mma, key, out) -> None:
 
 
 def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
-    """Compile each name expression of ``names`` as a program of its own into the disk cache
-    (those it lacks), all at once, a thread each: a pass's kernels then take about as long
-    as the slowest of them instead of their sum. NVRTC and files only, no CUDA call; any
-    failure is left for the load (:func:`_modules`) to meet again."""
+    """Compile each name expression as a program of its own into the disk cache (those it
+    lacks), a thread each: a pass then takes about as long as its slowest kernel. Any failure
+    is left for the load (:func:`_modules`) to meet again."""
     from .config import config
     from .diskcache import compile_into
 
-    directory, code = config().cache_dir, source(pass_)
+    args = (config().cache_dir, source(pass_))
     options = NVRTC_OPTIONS + include_options()
-    threads = [threading.Thread(target=compile_into, args=(directory, code, [name], options,
-                                                           arch),
+    threads = [threading.Thread(target=compile_into, args=(*args, [name], options, arch),
                                 name="ttt-cupy-compile") for name in names]
     for thread in threads:
         thread.start()
@@ -361,12 +320,10 @@ def _prefetched(args: tuple) -> bool:
 @functools.cache
 def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
              out: str = "norm_residual", native_params: bool = False) -> dict[str, Any]:
-    """{name expression: its module} of one (pass, C++ type, D_PAD, BT, arch, mma, variant):
-    each kernel its own program, loaded from the disk cache (:mod:`ttt_cupy.diskcache`) after
-    what the cache lacks compiled side by side (by a :func:`prefetch` under way, waited for,
-    or now). ``arch`` (the device's compute capability, e.g. "90") is part of the key: the
-    cubins are for the current device. RuntimeError when a program does not compile or load
-    (diskcache.load_or_compile)."""
+    """{name expression: its module} of one pass for ``arch`` (the device's compute
+    capability, e.g. "90"): each kernel its own program, loaded from the disk cache after
+    what it lacks is compiled (by a :func:`prefetch` under way, waited for, or now).
+    RuntimeError when a program does not compile or load."""
     from .config import config
     from .diskcache import load_or_compile
 
@@ -380,8 +337,7 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
 
 @functools.cache
 def device_arch(device_index: int) -> str:
-    """The compute capability of device ``device_index`` without a dot (e.g. "90"), asked
-    once per process."""
+    """The compute capability of device ``device_index`` without a dot (e.g. "90")."""
     import cupy
 
     return cupy.cuda.Device(device_index).compute_capability
@@ -392,12 +348,9 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
                 native_params: bool = False) -> Mapping[str, Any]:
     """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"``, ``"bwd"`` or ``"dec"``) for
     the inputs' dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if
-    ``mma`` (see :func:`use_mma`), of the variant ``key`` (eta_key) and ``out`` (the output
-    form); compiled on first use, then the same read-only table and kernel objects at every
-    call (CuPy's ``get_function`` builds a new RawKernel each time it is asked). The ``dec``
-    pass has one table whatever BT and ``mma`` (:func:`_pass_key`) and, with
-    ``native_params``, fwd_decode reading eta, w, b, eta_key in the input type (float inputs:
-    the same table either way)."""
+    ``mma``, of the variant ``key`` and ``out``; compiled on first use, then the same
+    read-only table and kernel objects at every call (CuPy's ``get_function`` builds a new
+    RawKernel each time)."""
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -415,8 +368,7 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
 
 def _pass_key(pass_: str, ctype: str, bt: int, mma: bool) -> tuple[int, bool]:
     """(BT, mma) as the caches key a pass's programs: float inputs have no tensor-core
-    instances, and the ``dec`` pass neither those nor a chunk size (0), so that every chunk
-    size and ``TTT_CUPY_MMA`` setting shares its program."""
+    instances, and the ``dec`` pass neither those nor a chunk size (0)."""
     if pass_ == DECODE_PASS:
         return 0, False
     return bt, mma and ctype != "float"

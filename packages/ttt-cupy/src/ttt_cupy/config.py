@@ -1,6 +1,6 @@
 """What may change how the cupy backend runs: the user's setting (:class:`CupyConfig`, read
-once from the environment) and a forced schedule (:class:`Schedule`, a parameter of
-:func:`ttt_cupy.launcher.ttt_linear_fwd` / ``ttt_linear_bwd`` for tests and A/B timing)."""
+once from the environment) and a forced schedule (:class:`Schedule`, a parameter of the
+launcher's passes for tests and A/B timing)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ wait (which orders the chain first) makes it never run out."""
 @dataclass(frozen=True)
 class CupyConfig:
     """``mma``: half inputs run their tile products on tensor cores (tf32 ``mma.sync``);
-    False (``TTT_CUPY_MMA=0``) runs them as SIMT fp32 (IEEE products, slower).
-    ``cache_dir``: where compiled programs are kept between processes
-    (:mod:`ttt_cupy.diskcache`; ``TTT_CUPY_CACHE_DIR``, default ``~/.cache/ttt/cupy``)."""
+    False (``TTT_CUPY_MMA=0``) runs them as SIMT fp32. ``cache_dir``: where compiled programs
+    are kept between processes (``TTT_CUPY_CACHE_DIR``, default ``~/.cache/ttt/cupy``)."""
 
     mma: bool = True
     cache_dir: Path = field(default_factory=lambda: DEFAULT_CACHE_DIR.expanduser())
@@ -39,9 +38,8 @@ class CupyConfig:
 
 
 def cache_dir_from(value: str | None) -> Path:
-    """The cache directory of a ``TTT_CUPY_CACHE_DIR`` value (None or empty: the default;
-    ``~`` expanded, made absolute); a value that cannot name a directory (a NUL character, an
-    existing file) is a ``ValueError`` naming the variable."""
+    """The cache directory of a ``TTT_CUPY_CACHE_DIR`` value (None or empty: the default),
+    absolute; a ``ValueError`` naming the variable for what cannot be a directory."""
     if value is None or not value.strip():
         return DEFAULT_CACHE_DIR.expanduser()
     if "\0" in value:
@@ -64,11 +62,10 @@ class Schedule:
     """Forces parts of a pass's schedule (``None``: :mod:`ttt_cupy.placement` decides).
 
     ``fuse_forward`` / ``fuse_backward``: the fused chains on or off (the fused backward only
-    where it exists: half inputs on tensor cores, D_PAD <= 64, within the device's shared
-    memory). ``overlap``: chain and group kernel at the same time, or not. ``segments``: K
-    segments per pass (1: one launch per kernel); a segmented pass is not overlapped, so it
-    needs ``overlap=False``. ``overlap_spins``: :data:`OVERLAP_WAIT_SPINS`; 0 drops the stream
-    wait, so that group blocks hand their tickets to the cleanup launch (its tests)."""
+    where it exists). ``overlap``: chain and group kernel at the same time, or not.
+    ``segments``: K segments per pass (1: one launch per kernel); a segmented pass is not
+    overlapped, so it needs ``overlap=False``. ``overlap_spins``: :data:`OVERLAP_WAIT_SPINS`;
+    0 drops the stream wait, so that group blocks hand their tickets to the cleanup launch."""
 
     fuse_forward: bool | None = None
     fuse_backward: bool | None = None
@@ -82,17 +79,19 @@ class Schedule:
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"Schedule.{name}: expected True, False or None, got {value!r}")
         if self.segments is not None:
-            if isinstance(self.segments, bool) or not isinstance(self.segments, int) \
-                    or self.segments < 1:
+            if not _count(self.segments) or self.segments < 1:
                 raise ValueError(f"Schedule.segments: expected a positive integer or None, "
                                  f"got {self.segments!r}")
             if self.overlap is not False:
                 raise ValueError(f"Schedule.segments: a segmented pass is not overlapped, "
                                  f"expected overlap=False, got overlap={self.overlap!r}")
-        if isinstance(self.overlap_spins, bool) or not isinstance(self.overlap_spins, int) \
-                or self.overlap_spins < 0:
+        if not _count(self.overlap_spins) or self.overlap_spins < 0:
             raise ValueError(f"Schedule.overlap_spins: expected a non-negative integer, "
                              f"got {self.overlap_spins!r}")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 AUTO = Schedule()

@@ -90,19 +90,17 @@ class CudaDevice:
         return int(runtime.deviceGetAttribute(attr, self.index))
 
     def uses_mma(self, dtype_name: str, requested: bool) -> bool:
-        """Whether this device runs the tensor-core instances for ``dtype_name``."""
         return use_mma(CTYPES[dtype_name], device_arch(self.index), requested)
 
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                 key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> Mapping[str, Any]:
-        """The pass's kernel table (``key``, ``out``: the variant, compile.kernel_name;
-        ``native_params``: fwd_decode reading eta, w, b, eta_key in the input type)."""
+        """compile.get_kernels on this device."""
         return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out, native_params)
 
     def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                  key: bool = False, out: str = "norm_residual") -> None:
-        """Start compiling the pass's program in the background (compile.prefetch)."""
+        """compile.prefetch on this device."""
         prefetch(pass_, dtype_name, dp, bt, self.index, mma, key, out)
 
     def active(self):

@@ -1,26 +1,22 @@
-"""Compiled programs on disk, shared between processes.
+"""Compiled programs on disk, shared between processes: the backend's one compile path.
 
 CuPy's own disk cache never serves a program compiled with ``name_expressions`` (every
 program of this backend), so without this each process compiles every program again. Here a
-program is compiled with NVRTC through cuda-python (:mod:`ttt_cupy.nvrtc`, as
-:mod:`ttt_cupy.nvrtc_check` does) to a cubin for the device's arch, with the lowered
-(mangled) names of its name expressions, and both are stored under
-:attr:`ttt_cupy.config.CupyConfig.cache_dir` (``TTT_CUPY_CACHE_DIR``, default
+program is compiled with NVRTC through cuda-python (:mod:`ttt_cupy.nvrtc`) to a cubin for the
+device's arch, and stored with the lowered (mangled) names of its name expressions under
+:attr:`CupyConfig.cache_dir <ttt_cupy.config.CupyConfig>` (``TTT_CUPY_CACHE_DIR``, default
 ``~/.cache/ttt/cupy``), keyed by a hash of the source, the name expressions, the options, the
 arch and the NVRTC version (:func:`cache_key`):
 
 - ``<key>-<sha256 of the cubin, 16 hex>.cubin``: the cubin, never changed once written;
-- ``<key>.json``: the name expressions' lowered names and the cubin's file name and full
-  hash, written last: a program is in the cache once its ``.json`` is.
+- ``<key>.json``: the lowered names and the cubin's file name and full hash, written last: a
+  program is in the cache once its ``.json`` is.
 
 Each file is written to a temporary file in the same directory and moved into place with
 ``os.replace``, so that no reader sees a partial file and concurrent writers leave one valid
-entry. A load reads the ``.json``, checks the cubin's hash and loads it with
-``cupy.RawModule(path=...)``. A missing or damaged entry (unreadable, for other names, a
-cubin whose hash differs) is compiled and stored again. This is the backend's one compile
-path: where the directory cannot be written, the compiled cubin loads from a temporary file
-(and the next process compiles it again); cuda-python missing, NVRTC failing or a cubin the
-driver does not load is a RuntimeError that says which (:func:`load_or_compile`).
+entry. A load checks the cubin's hash and loads it with ``cupy.RawModule(path=...)``; a
+missing or damaged entry is compiled and stored again. Where the directory cannot be written,
+the cubin loads from a temporary file (and the next process compiles it again).
 """
 
 from __future__ import annotations
@@ -34,32 +30,21 @@ from pathlib import Path
 from typing import Any
 
 from . import nvrtc
+from .nvrtc import cubin as compile_cubin  # (the seams the tests replace)
+from .nvrtc import version as nvrtc_version
 
 FORMAT = 1
 """The entries' format; part of the key, so that a new format never reads an old entry."""
 
 
-def nvrtc_version() -> str:
-    """cuda-python's NVRTC version, e.g. ``"13.5"`` (nvrtc.NvrtcError without cuda-python)."""
-    return nvrtc.version()
-
-
 def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str], arch: str,
               nvrtc: str) -> str:
-    """The entry's name: sha256 over the source, the name expressions (in order), the
-    options, the arch, the NVRTC version and :data:`FORMAT`."""
+    """sha256 over the source, the name expressions (in order), the options, the arch, the
+    NVRTC version and :data:`FORMAT`."""
     spec = json.dumps({"format": FORMAT, "code": code, "names": list(names),
                        "options": list(options), "arch": str(arch), "nvrtc": nvrtc},
                       sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()
-
-
-def compile_cubin(code: str, names: list[str], arch: str,
-                  options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
-    """(cubin for sm_``arch``, {name expression: lowered name}) compiled by NVRTC through
-    cuda-python (:func:`ttt_cupy.nvrtc.cubin`); raises nvrtc.NvrtcError with the log when
-    NVRTC fails."""
-    return nvrtc.cubin(code, names, arch, options)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -150,8 +135,7 @@ def compile_into(directory: Path, code: str, names: list[str], options: tuple[st
 
 def load_or_compile(directory: Path, code: str, names: list[str],
                     options: tuple[str, ...], arch: str) -> CachedModule:
-    """The program from the cache, compiled (:func:`compile_cubin`) and stored first if
-    missing; from a temporary file where the directory cannot be written. RuntimeError when
+    """The program from the cache, compiled and stored first if missing. RuntimeError when
     cuda-python is missing, NVRTC fails (its log) or the driver does not load the cubin."""
     try:
         key = cache_key(code, names, options, arch, nvrtc_version())

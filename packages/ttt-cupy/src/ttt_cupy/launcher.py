@@ -1,22 +1,19 @@
 """The forward and backward passes: buffers from torch, kernels launched through CuPy on
 torch's current stream (raw ``data_ptr()`` addresses, zero copy), in the schedule that
-:mod:`ttt_cupy.placement` picks.
+:mod:`ttt_cupy.placement` picks, on the side streams that schedule needs.
 
 Forward: fwd_chain (per (sequence, head): the state chain, the checkpoint slots, xhat and r),
 then fwd_out (per (group, head): the outputs); or fwd_chain's fused instance alone; or, for a
-generation step of a few rows per sequence (placement.row_step), fwd_decode alone. Backward:
-bwd_local (per group), bwd_chain (per sequence, reverse), bwd_grads (per group, reverse); or
-the fused backward chain instead of the last two. ``eta_key`` and the output form pick the
-kernels' variant (:func:`ttt_cupy.compile.kernel_name`), compiled when first needed. The
-backward computes only what ``needs`` asks for where the kernels allow: no bwd_grads without
-dk, dv, dw, db; no backward chain when only dq is needed; no dw, db reductions, dh0 / dhb0 or
-deta_key buffers that nobody asked for. Every tensor returned is a new one (no input, no view
-of another result).
+short generation step (placement.row_step), fwd_decode alone. Backward: bwd_local (per
+group), bwd_chain (per sequence, reverse), bwd_grads (per group, reverse); or the fused
+backward chain instead of the last two. The backward computes only what ``needs`` asks for
+where the kernels allow: no bwd_grads without dk, dv, dw, db; no backward chain when only dq
+is needed. Every tensor returned is a new one (no input, no view of another result).
 
 What a pass's launches take besides its tensors (the grouping, the plan, the kernels with
-their block and shared memory sizes, the scalar arguments) is kept per configuration of a
-dense batch (:func:`_forward_setup`, :func:`_backward_setup`): a call like one before it (a
-generation step, a training step) only allocates, takes addresses and launches.
+their block and shared memory sizes) is kept per configuration of a dense batch: a call like
+one before it (a generation step, a training step) only allocates, takes addresses and
+launches.
 
 ``device`` (default: the inputs' :class:`~ttt_cupy.device.CudaDevice`) is the one seam to
 the GPU: tests pass a stand-in that records the launches or runs them in the CPU emulation.
@@ -29,15 +26,15 @@ from typing import Any
 
 import torch
 
-from ttt import GradNeeds, Problem
+from ttt import Gradients, GradNeeds, Problem
 from ttt.chunking import ChunkGroups
 
-from . import layout
 from .compile import DECODE_KERNEL, DECODE_PASS, FUSED_BWD_NAME, FUSED_NAME, d_pad
 from .config import AUTO, Schedule, config
 from .device import cuda_device
-from .layout import BackwardBuffers, Kernel, Saved, f32, group_blocks
-from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan, row_step
+from .layout import Saved, f32
+from .params import BwdParams, DecodeParams, FwdParams, Params
+from .placement import CKPT_INTERVAL, Plan, backward_plan, forward_plan, row_step, sync_words
 from .smem import (
     bwd_chain_fused_smem_bytes,
     decode_rows,
@@ -47,9 +44,16 @@ from .smem import (
     smem_bytes,
     threads,
 )
-from .streams import WHOLE, Fork, overlap_sync, run_overlapped
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+Segment = tuple[int, int]
+"""Group range [g_lo, g_hi) of each sequence; (0, 0): every group of the batch."""
+
+WHOLE: Segment = (0, 0)
+
+MAX_SETUPS = 64
+"""Setups kept per pass (dense batches); past this many they are all made again."""
 
 
 def _dtype_name(q: torch.Tensor) -> str:
@@ -57,14 +61,6 @@ def _dtype_name(q: torch.Tensor) -> str:
         raise TypeError(f"q: expected float32, float16 or bfloat16 for the cupy kernels, "
                         f"got {q.dtype}")
     return _DTYPE_NAMES[q.dtype]
-
-
-def saved_shapes(p: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    return layout.saved_shapes(p, CKPT_INTERVAL)
-
-
-def saved_of(p: Problem, tensors: list[torch.Tensor]) -> Saved:
-    return Saved.of(p, tensors, CKPT_INTERVAL)
 
 
 def _variant(p: Problem) -> dict:
@@ -78,11 +74,122 @@ def _variant(p: Problem) -> dict:
     return v
 
 
+def _setup_key(p: Problem, device, *options) -> tuple | None:
+    """A dense batch's setups are kept by device, shape, dtype and options; a packed batch's
+    are made each call (its grouping has device tensors of its own)."""
+    return None if p.is_varlen else (
+        device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None, p.scale,
+        p.eps, *options, config().mma)
+
+
+def _keep(setups: dict, key: tuple | None, setup) -> None:
+    """Keep ``setup`` under ``key`` (None: not kept); all forgotten past MAX_SETUPS."""
+    if key is not None:
+        if len(setups) >= MAX_SETUPS:
+            setups.clear()
+        setups[key] = setup
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel of a pass with its block, shared memory and argument struct (packed once per
+    pass; each launch sets its segment and the overlapped pass's fields)."""
+
+    fn: Any
+    block: int
+    smem: int
+    params: Params
+
+    def launch(self, device, grid: int, segment: Segment, stream, **fields) -> None:
+        """``fields``: the overlapped pass's sync, mode, n_chains, wait_spins (else 0)."""
+        device.launch(self.fn, grid, self.block, self.smem,
+                      self.params.at(g_lo=segment[0], g_hi=segment[1], smem_bytes=self.smem,
+                                     **fields), stream)
+
+
+class Fork:
+    """The streams of a pass: the device's chain stream and ``segments`` group streams start
+    after the work queued so far on ``here`` (torch's current stream), and ``here`` goes on
+    only after all of theirs (:meth:`join`), so that every buffer used on them goes back to
+    torch's caching allocator ordered after that work."""
+
+    def __init__(self, device, here, segments: int):
+        self.here = here
+        self.chain = device.chain_stream
+        self.groups = device.group_streams[:segments]  # (no events on streams left idle)
+        start = here.record_event()
+        for stream in (self.chain, *self.groups):
+            stream.wait_event(start)
+
+    def group(self, i: int):
+        return self.groups[i % len(self.groups)]
+
+    def join(self) -> None:
+        for stream in (self.chain, *self.groups):
+            self.here.wait_event(stream.record_event())
+
+
+def _run_pass(device, p: Problem, grp: ChunkGroups, plan: Plan, segments: list[Segment],
+              spins: int, split: int, local: Kernel | None, chain: Kernel | None,
+              group: Kernel | None) -> None:
+    """A pass's launches on torch's current stream and the side streams ``plan`` needs:
+    ``local`` (bwd_local; None in the forward) over the groups the chain then takes, the chain
+    (None: not run), the group kernel after it (fwd_out, bwd_grads with ``split`` blocks per
+    group; None: fused or not run). Segmented (``segments`` in launch order: the backward's
+    last to first): every ``local`` at once, each on a group stream; the chain takes a
+    segment once its ``local`` is done, and its group kernel follows beside the chain's next
+    segment.
+
+    Overlapped (csrc/overlap.cuh): a zeroed sync buffer (before the fork, so that its zeroing
+    precedes both kernels), the chain kernel on the chain stream, the group kernel (mode
+    kOverlap, one block per ticket) beside it on a group stream, then the join and, on
+    torch's stream, the cleanup launch (kCleanup) running the tickets that group blocks handed
+    back. The group stream first waits until every chain block has started (``spins`` 0: not
+    at all), so that group blocks never take the places the chain needs; where the GPU placed
+    them first anyway, they hand their tickets back after ``spins`` naps."""
+    here, N, H = device.current_stream(), p.N, p.H
+
+    def blocks(seg: Segment) -> int:     # (group, head) blocks of a group kernel
+        return (grp.count if seg[1] <= seg[0] else N * (seg[1] - seg[0])) * H
+
+    with device.active():
+        if len(segments) == 1:
+            if local is not None:
+                local.launch(device, blocks(WHOLE), WHOLE, here)
+            if plan.overlap:
+                n, tickets = N * H, N * H * grp.groups_max * split
+                sync = torch.zeros(sync_words(n, tickets), dtype=torch.int32, device=p.q.device)
+                fork = Fork(device, here, 1)
+                chain.launch(device, n, WHOLE, fork.chain, sync=sync)
+                if spins > 0:
+                    device.wait_value(fork.group(0), sync.data_ptr(), n)  # overlap::kStarted
+                tail = dict(sync=sync, n_chains=n, wait_spins=spins)
+                group.launch(device, tickets, WHOLE, fork.group(0), mode=1, **tail)  # kOverlap
+                fork.join()
+                group.launch(device, tickets, WHOLE, here, mode=2, **tail)           # kCleanup
+                return
+            if chain is not None:
+                chain.launch(device, N * H, WHOLE, here)
+            if group is not None:
+                group.launch(device, blocks(WHOLE) * split, WHOLE, here)
+            return
+        fork = Fork(device, here, len(segments))
+        local_done = []
+        for i, seg in enumerate(segments if local is not None else ()):
+            local.launch(device, blocks(seg), seg, fork.group(i))
+            local_done.append(fork.group(i).record_event())
+        for i, seg in enumerate(segments):
+            if local is not None:
+                fork.chain.wait_event(local_done[i])
+            chain.launch(device, N * H, seg, fork.chain)
+            if group is not None:
+                fork.group(i).wait_event(fork.chain.record_event())
+                group.launch(device, blocks(seg) * split, seg, fork.group(i))
+        fork.join()
+
+
 @dataclass(frozen=True)
 class _ForwardSetup:
-    """What a forward's launches take besides its tensors: the grouping, the schedule, the
-    kernels with their block and shared memory sizes."""
-
     grp: ChunkGroups
     plan: Plan
     chain: tuple          # (kernel, block, smem)
@@ -91,8 +198,7 @@ class _ForwardSetup:
 
 @dataclass(frozen=True)
 class _DecodeSetup:
-    """A short generation step's launch (placement.row_step) besides its tensors: fwd_decode,
-    its block and shared memory, its rows, and whether it reads eta, w, b, eta_key as given
+    """fwd_decode's launch: its rows, and whether it reads eta, w, b, eta_key as given
     (:func:`_native_params`) or in fp32."""
 
     kernel: Any
@@ -102,159 +208,8 @@ class _DecodeSetup:
     native: bool = False
 
 
-MAX_SETUPS = 64
-"""Setups kept per pass (dense batches); past this many they are all made again."""
-
-_FORWARD_SETUPS: dict[tuple, _ForwardSetup] = {}
-_BACKWARD_SETUPS: dict[tuple, _BackwardSetup] = {}
-
-
-def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
-                   device) -> _ForwardSetup | _DecodeSetup:
-    """The setup of ``p``'s forward (a :class:`_DecodeSetup` for a short generation step,
-    placement.row_step); for a dense batch kept per (device, shape, dtype and options), so
-    that a call of a configuration seen before (a generation step) looks it up (a packed
-    batch's is made each call: its grouping has device tensors of its own)."""
-    native = _native_params(p)
-    key = None if p.is_varlen else (
-        device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None,
-        p.scale, p.eps, save_for_backward, schedule, config().mma, native)
-    setup = _FORWARD_SETUPS.get(key)
-    if setup is None:
-        if row_step(p, save_for_backward, device.smem_limit, schedule):
-            setup = _decode_setup(p, device, native)
-        else:
-            setup = _chunked_setup(p, save_for_backward, schedule, device)
-        _keep(_FORWARD_SETUPS, key, setup)
-    return setup
-
-
-def _decode_setup(p: Problem, device, native: bool) -> _DecodeSetup:
-    """fwd_decode's launch for ``p``: shared memory for its longest sequence's rows
-    (smem.decode_rows); the same kernel at every chunk size and tensor-core setting, its
-    instance reading eta, w, b, eta_key in the input type where ``native``
-    (:func:`_native_params`)."""
-    dp = d_pad(p.D)
-    rows = decode_rows(max(p.seq_lens, default=0))
-    smem = decode_smem_bytes(dp, rows)
-    kern = device.kernels(DECODE_PASS, _dtype_name(p.q), dp, p.chunk_size, False,
-                          **_variant(p), native_params=native)
-    return _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp), smem, rows, native)
-
-
-def _native_params(p: Problem) -> bool:
-    """Whether fwd_decode takes eta, w, b (and eta_key) as they are, in half inputs' dtype
-    (its P = T instance, which widens them on load): the usual generation call has every
-    tensor in the input dtype, and would otherwise cost a cast kernel each. Any other mix
-    (a float32 one among them) keeps the fp32 instance, the others cast (float32 inputs:
-    nothing to cast either way)."""
-    dtype = p.q.dtype
-    return dtype != torch.float32 and all(
-        t.dtype == dtype for t in (p.eta, p.w, p.b, p.eta_key) if t is not None)
-
-
-def _chunked_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
-                   device) -> _ForwardSetup:
-    """The setup of ``p``'s forward through the chunked kernels (fwd_chain, fwd_out)."""
-    dtype_name = _dtype_name(p.q)
-    dp, bt = d_pad(p.D), p.chunk_size
-    grp = ChunkGroups.of(p, CKPT_INTERVAL)
-    plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
-    mma = device.uses_mma(dtype_name, config().mma)
-    if save_for_backward:      # the backward's program compiles while the forward's does
-        device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
-    kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
-    chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
-             smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
-    out = None if plan.fuse else (kern["fwd_out"], threads(dp), smem_bytes("fwd_out", dp, bt, mma))
-    return _ForwardSetup(grp, plan, chain, out)
-
-
-def _keep(setups: dict, key: tuple | None, setup) -> None:
-    """Keep ``setup`` under ``key`` (None: not kept); all forgotten past MAX_SETUPS."""
-    if key is None:
-        return
-    if len(setups) >= MAX_SETUPS:
-        setups.clear()
-    setups[key] = setup
-
-
-def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = AUTO,
-                   device=None):
-    """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
-    save_for_backward."""
-    device = device or cuda_device(p.q.device)
-    B, T, H, D = p.q.shape
-    N = p.N
-    setup = _forward_setup(p, save_for_backward, schedule, device)
-    if isinstance(setup, _DecodeSetup):
-        return _decode_step(p, setup, device)
-    grp, plan = setup.grp, setup.plan
-    f = dict(dtype=torch.float32, device=p.q.device)
-    ht = torch.empty(N, H, D, D, **f) if p.output_final_state else None
-    hbt = torch.empty(N, H, 1, D, **f) if p.output_final_state else None
-    save = save_for_backward or not plan.fuse     # fwd_out reads the slots and xhat, r
-    ck = torch.empty(grp.slots, H, D, D, **f) if save else None
-    ckb = torch.empty(grp.slots, H, D, **f) if save else None
-    xbuf = torch.empty(p.q.shape, **f) if save else None    # xhat
-    rbuf = torch.empty(B, T, H, **f) if save else None      # r (with eta_key: l r)
-    key = p.eta_key is not None
-    rlbuf = torch.empty(B, T, H, **f) if save and key else None   # the LayerNorm's r
-    eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
-    h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
-    o = torch.empty_like(p.q)
-    params = layout.fwd_params(p, grp, eta, w, b, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf, o,
-                               ekey, rlbuf)
-    chain = Kernel(*setup.chain, params)
-    out = None if plan.fuse else Kernel(*setup.out, params)  # (fused: the chain writes o)
-    here = device.current_stream()
-    tickets = N * H * grp.groups_max               # (overlapped: an fwd_out block each)
-    with device.active():
-        if plan.overlap:
-            sync = overlap_sync(N * H, tickets, p.q.device)
-            run_overlapped(device, chain, out, sync, N * H, tickets, schedule.overlap_spins,
-                           Fork(device, here, 1))
-        elif len(plan.segments) == 1:
-            chain.launch(device, N * H, WHOLE, here)
-            if not plan.fuse:
-                out.launch(device, group_blocks(grp, N, WHOLE) * H, WHOLE, here)
-        else:  # each segment's outputs beside the chain's next segment
-            fork = Fork(device, here, len(plan.segments))
-            for i, seg in enumerate(plan.segments):
-                chain.launch(device, N * H, seg, fork.chain)
-                fork.group(i).wait_event(fork.chain.record_event())
-                out.launch(device, group_blocks(grp, N, seg) * H, seg, fork.group(i))
-            fork.join()
-    saved = (Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b), rlbuf, ekey) if save_for_backward
-             else None)
-    return o, ht, hbt, saved
-
-
-def _decode_step(p: Problem, setup: _DecodeSetup, device):
-    """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
-    launch only allocations: eta, w, b, eta_key go as they are (all in the input dtype: the
-    kernel's P = T instance, :func:`_native_params`), else those not in float32 are cast
-    first. Returns (o, ht, hbt, None)."""
-    B, T, H, D = p.q.shape
-    f = dict(dtype=torch.float32, device=p.q.device)
-    ht = torch.empty(p.N, H, D, D, **f) if p.output_final_state else None
-    hbt = torch.empty(p.N, H, 1, D, **f) if p.output_final_state else None
-    o = torch.empty_like(p.q)
-    params = (p.eta, p.w, p.b, p.eta_key)     # (a Problem's tensors are contiguous)
-    if not setup.native:
-        params = tuple(map(f32, params))
-    args = layout.decode_params(p, *params, f32(p.initial_state), f32(p.initial_state_bias),
-                                ht, hbt, o, setup.rows, setup.smem)
-    here = device.current_stream()
-    with device.active():
-        device.launch(setup.kernel, p.N * H, setup.block, setup.smem, args, here)
-    return o, ht, hbt, None
-
-
 @dataclass(frozen=True)
 class _BackwardSetup:
-    """What a backward's launches take besides its tensors (see :class:`_ForwardSetup`)."""
-
     plan: Plan
     split: int            # bwd_grads' blocks per group
     local: tuple          # (kernel, block, smem) of bwd_local, the chain, bwd_grads
@@ -262,13 +217,116 @@ class _BackwardSetup:
     grads: tuple
 
 
+_FORWARD_SETUPS: dict[tuple, _ForwardSetup | _DecodeSetup] = {}
+_BACKWARD_SETUPS: dict[tuple, _BackwardSetup] = {}
+
+
+def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
+                   device) -> _ForwardSetup | _DecodeSetup:
+    native = _native_params(p)
+    key = _setup_key(p, device, save_for_backward, schedule, native)
+    setup = _FORWARD_SETUPS.get(key)
+    if setup is not None:
+        return setup
+    dtype_name, dp, bt = _dtype_name(p.q), d_pad(p.D), p.chunk_size
+    if row_step(p, save_for_backward, device.smem_limit, schedule):
+        # fwd_decode: shared memory for the longest sequence's rows; one kernel at every chunk
+        # size and tensor-core setting
+        rows = decode_rows(max(p.seq_lens, default=0))
+        kern = device.kernels(DECODE_PASS, dtype_name, dp, bt, False, **_variant(p),
+                              native_params=native)
+        setup = _DecodeSetup(kern[DECODE_KERNEL], decode_threads(dp),
+                             decode_smem_bytes(dp, rows), rows, native)
+    else:
+        grp = ChunkGroups.of(p, CKPT_INTERVAL)
+        plan = forward_plan(p, grp.groups_max, save_for_backward, schedule)
+        mma = device.uses_mma(dtype_name, config().mma)
+        if save_for_backward:      # the backward's program compiles while the forward's does
+            device.prefetch("bwd", dtype_name, dp, bt, mma, **_variant(p))
+        kern = device.kernels("fwd", dtype_name, dp, bt, mma, **_variant(p))
+        chain = (kern[FUSED_NAME if plan.fuse else "fwd_chain"], threads(dp, "fwd_chain", mma),
+                 smem_bytes("fwd_chain", dp, bt, mma, plan.fuse))
+        out = None if plan.fuse else (kern["fwd_out"], threads(dp),
+                                      smem_bytes("fwd_out", dp, bt, mma))
+        setup = _ForwardSetup(grp, plan, chain, out)
+    _keep(_FORWARD_SETUPS, key, setup)
+    return setup
+
+
+def _native_params(p: Problem) -> bool:
+    """Whether fwd_decode takes eta, w, b (and eta_key) as they are, in half inputs' dtype
+    (its P = T instance, which widens them on load): the usual generation call has every
+    tensor in the input dtype, and would otherwise cost a cast kernel each. Any other mix
+    keeps the fp32 instance, the others cast."""
+    dtype = p.q.dtype
+    return dtype != torch.float32 and all(
+        t.dtype == dtype for t in (p.eta, p.w, p.b, p.eta_key) if t is not None)
+
+
+def _final_states(p: Problem, H: int, D: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not p.output_final_state:
+        return None, None
+    f = dict(dtype=torch.float32, device=p.q.device)
+    return torch.empty(p.N, H, D, D, **f), torch.empty(p.N, H, 1, D, **f)
+
+
+def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = AUTO,
+                   device=None):
+    """Returns (o, ht, hbt, saved); ht/hbt None unless output_final_state, saved None unless
+    save_for_backward."""
+    device = device or cuda_device(p.q.device)
+    setup = _forward_setup(p, save_for_backward, schedule, device)
+    if isinstance(setup, _DecodeSetup):
+        return _decode_step(p, setup, device)
+    B, T, H, D = p.q.shape
+    grp, plan = setup.grp, setup.plan
+    f = dict(dtype=torch.float32, device=p.q.device)
+    ht, hbt = _final_states(p, H, D)
+    save = save_for_backward or not plan.fuse     # fwd_out reads the slots and xhat, r
+    ck = torch.empty(grp.slots, H, D, D, **f) if save else None
+    ckb = torch.empty(grp.slots, H, D, **f) if save else None
+    xbuf = torch.empty(p.q.shape, **f) if save else None    # xhat
+    rbuf = torch.empty(B, T, H, **f) if save else None      # r (with eta_key: l r)
+    rlbuf = torch.empty(B, T, H, **f) if save and p.eta_key is not None else None
+    eta, w, b, ekey = f32(p.eta), f32(p.w), f32(p.b), f32(p.eta_key)
+    h0, hb0 = f32(p.initial_state), f32(p.initial_state_bias)
+    o = torch.empty_like(p.q)
+    params = FwdParams(q=p.q, k=p.k, v=p.v, eta=eta, lnw=w, lnb=b, h0=h0, hb0=hb0, ht=ht,
+                       hbt=hbt, ck=ck, ckb=ckb, xbuf=xbuf, rbuf=rbuf, o=o, ekey=ekey,
+                       rlbuf=rlbuf, cu_seqlens=p.cu_seqlens, grp_offsets=grp.offsets,
+                       grp_seq=grp.seq, T_len=T, scale=p.scale, eps=p.eps, H=H, D=D, G=grp.G)
+    out = None if plan.fuse else Kernel(*setup.out, params)  # (fused: the chain writes o)
+    _run_pass(device, p, grp, plan, plan.segments, schedule.overlap_spins, 1, None,
+              Kernel(*setup.chain, params), out)
+    saved = (Saved(ck, ckb, xbuf, rbuf, grp, (eta, w, b), rlbuf, ekey) if save_for_backward
+             else None)
+    return o, ht, hbt, saved
+
+
+def _decode_step(p: Problem, setup: _DecodeSetup, device):
+    """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
+    launch only allocations (and casts of eta, w, b, eta_key unless ``setup.native``).
+    Returns (o, ht, hbt, None)."""
+    B, T, H, D = p.q.shape
+    ht, hbt = _final_states(p, H, D)
+    o = torch.empty_like(p.q)
+    eta, w, b, ekey = p.eta, p.w, p.b, p.eta_key     # (a Problem's tensors are contiguous)
+    if not setup.native:
+        eta, w, b, ekey = f32(eta), f32(w), f32(b), f32(ekey)
+    args = DecodeParams(q=p.q, k=p.k, v=p.v, eta=eta, lnw=w, lnb=b, ekey=ekey,
+                        h0=f32(p.initial_state), hb0=f32(p.initial_state_bias), ht=ht, hbt=hbt,
+                        o=o, cu_seqlens=p.cu_seqlens, T_len=T, smem_bytes=setup.smem,
+                        scale=p.scale, eps=p.eps, H=H, D=D, rows=setup.rows)
+    with device.active():
+        device.launch(setup.kernel, p.N * H, setup.block, setup.smem, args,
+                      device.current_stream())
+    return o, ht, hbt, None
+
+
 def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Schedule,
                     device) -> _BackwardSetup:
-    """The setup of ``p``'s backward (``run_grads``: bwd_grads' work runs); kept as the
-    forward's is (:func:`_forward_setup`)."""
-    key = None if p.is_varlen else (
-        device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None, p.scale,
-        p.eps, run_grads, schedule, config().mma)
+    """``run_grads``: bwd_grads' work runs."""
+    key = _setup_key(p, device, run_grads, schedule)
     setup = _BACKWARD_SETUPS.get(key)
     if setup is not None:
         return setup
@@ -293,15 +351,13 @@ def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Sch
 
 def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds | None = None,
                    schedule: Schedule = AUTO, device=None):
-    """Returns (dq, dk, dv, dw, db, deta, dh0, dhb0, deta_key) (the field order of
-    ttt.Gradients); dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32; None for those
-    that ``needs`` (default: all) does not ask for, dh0/dhb0 without initial states, deta_key
-    without eta_key. The gradients computed are bitwise those of the full backward."""
+    """The :class:`ttt.Gradients`: dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32;
+    None for those that ``needs`` (default: all) does not ask for, dh0/dhb0 without initial
+    states, deta_key without eta_key. The gradients computed are bitwise those of the full backward."""
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
                            "with needs_backward=True")
     device = device or cuda_device(p.q.device)
-    H, N = p.H, p.N
     grp = saved.groups
     needs = needs or GradNeeds()
     want = dict(
@@ -315,54 +371,39 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
     setup = _backward_setup(p, grp, run_grads, schedule, device)
     plan, split = setup.plan, setup.split
     do, dht, dhbt = do.contiguous(), f32(dht), f32(dhbt)
-    g = BackwardBuffers.of(p, saved, want_dh0, run_grads, want["dkey"])
-    params = layout.bwd_params(p, saved, g, do, dht, dhbt)
-    local = Kernel(*setup.local, params)
-    chain = Kernel(*setup.chain, params)
-    grads = Kernel(*setup.grads, params)
-
-    def local_blocks(seg):
-        return group_blocks(grp, N, seg) * H
-
-    here = device.current_stream()
-    with device.active():
-        if not run_grads:
-            local.launch(device, local_blocks(WHOLE), WHOLE, here)
-            if run_chain:
-                chain.launch(device, N * H, WHOLE, here)
-        elif plan.overlap:  # bwd_local, then bwd_chain and bwd_grads at once
-            local.launch(device, local_blocks(WHOLE), WHOLE, here)
-            tickets = N * H * grp.groups_max * split
-            sync = overlap_sync(N * H, tickets, p.q.device)
-            run_overlapped(device, chain, grads, sync, N * H, tickets, schedule.overlap_spins,
-                           Fork(device, here, 1))
-        elif len(plan.segments) == 1:
-            local.launch(device, local_blocks(WHOLE), WHOLE, here)
-            chain.launch(device, N * H, WHOLE, here)
-            if not plan.fuse:
-                grads.launch(device, local_blocks(WHOLE) * split, WHOLE, here)
-        else:
-            # segments last to first: every bwd_local at once, each on a group stream; the
-            # chain takes a segment once its bwd_local is done, bwd_grads follows the chain
-            fork = Fork(device, here, len(plan.segments))
-            order = list(reversed(plan.segments))
-            local_done = []
-            for i, seg in enumerate(order):
-                local.launch(device, local_blocks(seg), seg, fork.group(i))
-                local_done.append(fork.group(i).record_event())
-            for i, seg in enumerate(order):
-                fork.chain.wait_event(local_done[i])
-                chain.launch(device, N * H, seg, fork.chain)
-                if not plan.fuse:
-                    fork.group(i).wait_event(fork.chain.record_event())
-                    grads.launch(device, local_blocks(seg) * split, seg, fork.group(i))
-            fork.join()
+    q = p.q
+    B, T, H, D = q.shape
+    # the outputs and work buffers (fp32 but dq, dk, dv; None: not computed)
+    f = dict(dtype=torch.float32, device=q.device)
+    dopbuf, dgbuf = torch.empty(q.shape, **f), torch.empty(q.shape, **f)  # do_pre; dg
+    dq = torch.empty_like(q)
+    deta = torch.empty(B, T, H, 1, **f)
+    dwbp = torch.empty(2, 2, grp.count, H, D, **f)  # dw, db partials: bwd_local, bwd_grads
+    dh0 = torch.empty(p.N, H, D, D, **f) if want_dh0 else None
+    dhb0 = torch.empty(p.N, H, 1, D, **f) if want_dh0 else None
+    dck, dckb = torch.empty_like(saved.ck), torch.empty_like(saved.ckb)   # the slots'
+    dk, dv = (torch.empty_like(q), torch.empty_like(q)) if run_grads else (None, None)
+    dkey = torch.empty(B, T, H, 1, **f) if want["dkey"] else None
+    eta, w, b = saved.f32
+    dwp, dbp = dwbp[0], dwbp[1]
+    params = BwdParams(q=q, k=p.k, v=p.v, dout=do, eta=eta, lnw=w, lnb=b, ck=saved.ck,
+                       ckb=saved.ckb, xbuf=saved.xbuf, rbuf=saved.rbuf, rlbuf=saved.rlbuf,
+                       dopbuf=dopbuf, dgbuf=dgbuf, dq=dq, dk=dk, dv=dv, deta=deta,
+                       dwp_local=dwp[0], dbp_local=dbp[0], dwp=dwp[1], dbp=dbp[1], dht=dht,
+                       dhbt=dhbt, dck=dck, dckb=dckb, dh0=dh0, dhb0=dhb0, dkey=dkey,
+                       cu_seqlens=p.cu_seqlens, grp_offsets=grp.offsets, grp_seq=grp.seq,
+                       T_len=T, scale=p.scale, eps=p.eps, H=H, D=D, G=grp.G)
+    # (not run_grads: a plain plan, bwd_local alone or with the unfused chain)
+    _run_pass(device, p, grp, plan, plan.segments[::-1], schedule.overlap_spins, split,
+              Kernel(*setup.local, params), Kernel(*setup.chain, params) if run_chain else None,
+              Kernel(*setup.grads, params) if run_grads and not plan.fuse else None)
     # [H, D]: each its own tensor (the custom op refuses returns that share storage), and
     # not reduced where not needed
-    dw = g.dwbp[0].sum((0, 1)) if want["dw"] else None
-    db = g.dwbp[1].sum((0, 1)) if want["db"] else None
-    kept = {name: t if want[name] else None
-            for name, t in (("dk", g.dk), ("dv", g.dv), ("deta", g.deta), ("dh0", g.dh0),
-                            ("dhb0", g.dhb0), ("dkey", g.dkey))}
-    return (g.dq if needs.q else None, kept["dk"], kept["dv"], dw, db, kept["deta"],
-            kept["dh0"], kept["dhb0"], kept["dkey"])
+    dw = dwbp[0].sum((0, 1)) if want["dw"] else None
+    db = dwbp[1].sum((0, 1)) if want["db"] else None
+    def kept(name, t):
+        return t if want[name] else None
+
+    return Gradients(dq=dq if needs.q else None, dk=kept("dk", dk), dv=kept("dv", dv), dw=dw,
+                     db=db, deta=kept("deta", deta), deta_key=kept("dkey", dkey),
+                     dh0=kept("dh0", dh0), dhb0=kept("dhb0", dhb0))

@@ -46,16 +46,19 @@ def check(result, what: str, nvrtc, prog=None) -> tuple:
     return result[1:]
 
 
-def out_buffer(size: int) -> bytearray:
-    """A fresh buffer NVRTC writes ``size`` bytes into. Never ``b" " * size``: for size 1
-    (an empty log: its NUL alone) that is CPython's shared one-byte ``b" "``, and NVRTC's
-    write turns every ``b" "`` of the process into ``b"\\x00"``."""
-    return bytearray(size)
+def output(nvrtc, prog, kind: str) -> bytearray:
+    """The compiled program's ``kind``: "CUBIN" or "PTX"."""
+    (size,) = check(getattr(nvrtc, f"nvrtcGet{kind}Size")(prog), f"nvrtcGet{kind}Size", nvrtc)
+    data = bytearray(size)
+    check(getattr(nvrtc, f"nvrtcGet{kind}")(prog, data), f"nvrtcGet{kind}", nvrtc)
+    return data
 
 
 def log(nvrtc, prog) -> str:
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = out_buffer(size)
+    # (a fresh buffer, never b" " * size: for size 1 that is CPython's shared one-byte b" ",
+    # and NVRTC's write would turn every b" " of the process into b"\x00")
+    buf = bytearray(size)
     nvrtc.nvrtcGetProgramLog(prog, buf)
     return buf.decode(errors="replace").rstrip("\x00").strip()
 
@@ -89,7 +92,4 @@ def cubin(code: str, names: list[str], arch: str,
           options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
     """(cubin for sm_``arch``, {name expression: lowered name}) of ``code``."""
     with program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
-        (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-        data = out_buffer(size)
-        check(nvrtc.nvrtcGetCUBIN(prog, data), "nvrtcGetCUBIN", nvrtc)
-        return bytes(data), lowered
+        return bytes(output(nvrtc, prog, "CUBIN")), lowered

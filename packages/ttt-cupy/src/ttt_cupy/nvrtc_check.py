@@ -2,15 +2,14 @@
 
 ``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT) holding
 every instance the backend compiles at run time (there each kernel is a program of its own,
-from the same source and options: an instance compiles to the same code either way), for
-each ``--arch`` (default sm_80 and sm_90): to cubins, or with
-``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel is
-compiled twice (tensor-core and SIMT instance), but the ``dec`` pass's fwd_decode (SIMT
-only, and no BT: one program per dtype and D_PAD, whatever ``--chunk``). It checks that the
-C++ traits equal the generated table the launcher reads, and that the PTX of a kernel holds
-tf32 ``mma.sync`` exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc``
-(``pip install './packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC
-log on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some
+from the same source and options), for each ``--arch`` (default sm_80 and sm_90): to cubins,
+or with ``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel
+is compiled twice (tensor-core and SIMT instance), but fwd_decode (the ``dec`` pass: SIMT
+only, no BT, one program per dtype and D_PAD whatever ``--chunk``). It checks that the C++
+traits equal the generated table the launcher reads, and that the PTX of a kernel holds tf32
+``mma.sync`` exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc``
+(``pip install './packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC log
+on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some
 programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
 """
 
@@ -39,11 +38,10 @@ from .compile import (
     program_names,
     source,
 )
-from .nvrtc import NvrtcError, bindings, check, log, out_buffer
+from .nvrtc import NvrtcError, bindings, log, output
 from .nvrtc import program as nvrtc_program
 
 DEFAULT_ARCHS = ("80", "90")
-
 
 CheckError = NvrtcError
 """A compile failed; the message holds the NVRTC log (or a check of its output failed)."""
@@ -73,17 +71,13 @@ def is_mma_instance(name: str) -> bool:
 def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
     """{name expression: tf32 mma.sync instructions in the PTX of its kernel (its .entry up to
     the next one)}."""
-    starts = sorted((m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx))
-    bodies = {}
-    for j, (pos, sym) in enumerate(starts):
-        end = starts[j + 1][0] if j + 1 < len(starts) else len(ptx)
-        bodies[sym] = ptx[pos:end]
-    out = {}
-    for name, low in lowered.items():
-        if low not in bodies:
-            raise CheckError(f"no .entry {low} ({name}) in the PTX")
-        out[name] = bodies[low].count(MMA_PTX)
-    return out
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx)]
+    ends = [pos for pos, _ in starts[1:]] + [len(ptx)]
+    bodies = {sym: ptx[pos:end] for (pos, sym), end in zip(starts, ends)}
+    missing = [f"{low} ({name})" for name, low in lowered.items() if low not in bodies]
+    if missing:
+        raise CheckError(f"no .entry {missing[0]} in the PTX")
+    return {name: bodies[low].count(MMA_PTX) for name, low in lowered.items()}
 
 
 def smem_asserts() -> str:
@@ -102,16 +96,11 @@ def compile_instance(code: str, names: list[str], arch: str, options: list[str],
     target = f"sm_{arch}" if cubin else f"compute_{arch}"
     verbose = ["--ptxas-options=-v"] if ptxas_verbose and cubin else []
     with nvrtc_program(code, names, [*options, *verbose], target) as (nvrtc, prog, lowered):
-        size = 0
-        if cubin:
-            (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", nvrtc)
-            if size <= 0:
-                raise CheckError(f"empty cubin for {names} on sm_{arch}")
-        (ptx_size,) = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize", nvrtc)
-        ptx = out_buffer(ptx_size)
-        check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", nvrtc)
-        mma = mma_counts(ptx.decode(errors="replace"), lowered)
-        return Compiled(arch, lowered, int(size), log(nvrtc, prog), mma)
+        size = len(output(nvrtc, prog, "CUBIN")) if cubin else 0
+        if cubin and size <= 0:
+            raise CheckError(f"empty cubin for {names} on sm_{arch}")
+        ptx = output(nvrtc, prog, "PTX").decode(errors="replace")
+        return Compiled(arch, lowered, size, log(nvrtc, prog), mma_counts(ptx, lowered))
 
 
 def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
@@ -140,11 +129,8 @@ def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
              skip_default: bool = False) -> list[tuple[tuple[str, str, int, int], list[str]]]:
     """((pass, C++ type, D_PAD, BT), name expressions) of each program that :func:`instances`
     selects with the keywords in ``only``: the instances of ``variants`` ((eta_key given, the
-    output form) pairs: :func:`ttt_cupy.compile.program_names`), each once where variants
-    share it (the backend builds each instance as a program of its own; an instance
-    compiles alike in any program). ``skip_default``: without the default variant's
-    instances (those a run of the default variant compiles); a program left with none is
-    left out."""
+    output form) pairs), each once where variants share it. ``skip_default``: without the
+    default variant's instances; a program left with none is left out."""
     result = []
     for program in instances(**(only or {})):
         default = set(program_names(*program)) if skip_default else set()
@@ -160,11 +146,8 @@ def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         out=sys.stdout, ptx_only=(), only: dict | None = None,
         variants=(DEFAULT_VARIANT,), skip_default: bool = False) -> dict[str, int]:
-    """Compile everything (to PTX only for the archs in ``ptx_only``), or the programs that
-    :func:`instances` selects with the keywords in ``only``, of the given variants (eta_key
-    given, the output form: :func:`ttt_cupy.compile.kernel_name`; default: the default
-    variant), every instance once (:func:`programs`, with ``skip_default``); returns {arch:
-    kernel instances compiled}. Raises CheckError."""
+    """Compile the programs of :func:`programs` (to PTX only for the archs in ``ptx_only``);
+    returns {arch: kernel instances compiled}. Raises CheckError."""
     nvrtc = bindings()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()

@@ -63,24 +63,6 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
     return traits(dp, bt)[traits_field(kernel, mma and kernel != "bwd_grads", fused)]
 
 
-def decode_threads(dp: int) -> int:
-    """Threads per block of fwd_decode (kDecThreads: DecodeTraits in csrc/traits.cuh)."""
-    return traits(dp, 16)["kDecThreads"]
-
-
-def decode_rows(longest: int) -> int:
-    """The rows of shared memory a fwd_decode launch holds for a step whose longest sequence
-    has ``longest`` rows: that rounded up to a power of two (at least 1), so that steps of
-    about the same length share one size (and one kept setup, one opt-in)."""
-    return 1 << max(0, longest - 1).bit_length()
-
-
-def decode_smem_bytes(dp: int, rows: int) -> int:
-    """Dynamic shared memory of a fwd_decode block holding ``rows`` rows (kDecRowBytes a
-    row: its k, q, v, kh / g and q W tiles, eta and eta_key)."""
-    return rows * traits(dp, 16)["kDecRowBytes"]
-
-
 def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
     """Dynamic shared memory of the fused backward chain (kBwdChainFusedTcBytes)."""
     if dp > FUSED_BWD_MAX_D_PAD:
@@ -89,14 +71,30 @@ def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
     return traits(dp, bt)["kBwdChainFusedTcBytes"]
 
 
+def decode_threads(dp: int) -> int:
+    """Threads per block of fwd_decode (kDecThreads)."""
+    return traits(dp, 16)["kDecThreads"]
+
+
+def decode_rows(longest: int) -> int:
+    """The rows of shared memory a fwd_decode launch holds for a step whose longest sequence
+    has ``longest`` rows: a power of two (at least 1), so that steps of about the same length
+    share one size (and one kept setup, one opt-in)."""
+    return 1 << max(0, longest - 1).bit_length()
+
+
+def decode_smem_bytes(dp: int, rows: int) -> int:
+    """Dynamic shared memory of a fwd_decode block holding ``rows`` rows (kDecRowBytes each)."""
+    return rows * traits(dp, 16)["kDecRowBytes"]
+
+
 def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
     """(kernel, bytes) of the pass's kernel that needs the most shared memory (any instance,
     the fused forward chain's included)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
-    return max(((k, max(smem_bytes(k, dp, bt, mma, fused)
-                        for mma in (False, True)
-                        for fused in ((False, True) if k == FUSED_KERNEL else (False,))))
+    return max(((k, max(smem_bytes(k, dp, bt, mma, fused) for mma in (False, True)
+                        for fused in {False, k == FUSED_KERNEL}))
                 for k in PASSES[pass_]), key=lambda kv: kv[1])
 
 
@@ -108,18 +106,15 @@ def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> s
         return None
     dp = d_pad(D)
     passes = ("fwd", "bwd") if backward else ("fwd",)
-
-    def fits(bt: int) -> bool:
-        return all(pass_smem(pass_, dp, bt)[1] <= limit for pass_ in passes)
-
     for pass_ in passes:
         kernel, need = pass_smem(pass_, dp, chunk_size)
         if need > limit:
-            what = "backward" if pass_ == "bwd" else "forward"
-            smaller = [bt for bt in BLOCK_TS if bt < chunk_size and fits(bt)]
+            smaller = [bt for bt in BLOCK_TS if bt < chunk_size
+                       and all(pass_smem(q, dp, bt)[1] <= limit for q in passes)]
             hint = (f"chunk_size {max(smaller)} fits" if smaller
                     else f"no chunk_size fits head dim {D} here")
-            return (f"the cupy {what} kernel {kernel} for head dim {D} (padded {dp}) and "
-                    f"chunk_size {chunk_size} needs {need // 1024} KiB of shared memory; this "
-                    f"device allows {limit // 1024} KiB per block ({hint})")
+            return (f"the cupy {'backward' if pass_ == 'bwd' else 'forward'} kernel {kernel} "
+                    f"for head dim {D} (padded {dp}) and chunk_size {chunk_size} needs "
+                    f"{need // 1024} KiB of shared memory; this device allows {limit // 1024} "
+                    f"KiB per block ({hint})")
     return None
