@@ -353,7 +353,8 @@ def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds 
                    schedule: Schedule = AUTO, device=None):
     """The :class:`ttt.Gradients`: dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32;
     None for those that ``needs`` (default: all) does not ask for, dh0/dhb0 without initial
-    states, deta_key without eta_key. The gradients computed are bitwise those of the full backward."""
+    states, deta_key without eta_key. The gradients computed are bitwise those of the full
+    backward."""
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
                            "with needs_backward=True")
