@@ -129,10 +129,10 @@ def _demo_device(requested: str | None) -> torch.device:
     return device
 
 
-def _require_runnable(name: str) -> None:
-    """CommandError unless backend ``name`` is installed and a device it runs on is here."""
-    status = backend_status(name)
-    if not status.available:
+def _require_runnable(name: str | None) -> None:
+    """CommandError unless backend ``name`` (None: any) is installed and can run here."""
+    status = None if name is None else backend_status(name)
+    if status is not None and not status.available:
         raise CommandError(f"backend {name!r} cannot run here: {status.reason}")
 
 
@@ -144,8 +144,7 @@ def cmd_demo(args) -> int:
     from .validation import make_problem
 
     device = _demo_device(args.device)
-    if args.backend is not None:
-        _require_runnable(args.backend)
+    _require_runnable(args.backend)
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     B, T, H, D, C = args.batch, args.seq_len, args.heads, args.head_dim, args.chunk_size
@@ -222,8 +221,7 @@ def cmd_warmup(args) -> int:
     from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
 
     device = _demo_device(args.device)
-    if args.backend is not None:
-        _require_runnable(args.backend)
+    _require_runnable(args.backend)
     report = warmup(args.backend,
                     dtypes=None if args.dtype is None else [DTYPES[d] for d in args.dtype],
                     head_dims=args.head_dim or DEFAULT_HEAD_DIMS,
@@ -243,24 +241,21 @@ def cmd_warmup(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(low: int, words: str):
+    """An argparse type: an int >= ``low``, else "expected a ``words`` integer"."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {text!r}")
+        return value
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "positive")
+_non_negative_int = _int_at_least(0, "non-negative")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -278,21 +273,23 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ttt", description=__doc__,
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backends, versions, device", formatter_class=HelpFormatter,
-                   description="ttt, torch and Python versions, the device, every backend "
-                               "and whether it runs here").set_defaults(func=cmd_info)
-    sub.add_parser("capabilities", help="the backends' declared capabilities, a markdown "
-                                        "table (docs/capabilities.md)",
-                   formatter_class=HelpFormatter,
-                   description="the backends' declared capabilities as a markdown table"
-                   ).set_defaults(func=cmd_capabilities)
-    demo = sub.add_parser("demo", help="forward + backward on the best backend, "
-                                       "checked against the float64 oracle",
-                          formatter_class=HelpFormatter,
-                          description="A TTT-linear forward + backward, timed (the median "
-                                      "of several calls after warm-up), checked against "
-                                      "the float64 oracle; exit status 1 if an error is "
-                                      "above its bound.")
+
+    def command(name, func, help, description):
+        command = sub.add_parser(name, help=help, description=description,
+                                 formatter_class=HelpFormatter)
+        command.set_defaults(func=func)
+        return command
+
+    command("info", cmd_info, "backends, versions, device",
+            "ttt, torch and Python versions, the device, every backend and whether it runs here")
+    command("capabilities", cmd_capabilities,
+            "the backends' declared capabilities, a markdown table (docs/capabilities.md)",
+            "the backends' declared capabilities as a markdown table")
+    demo = command("demo", cmd_demo,
+                   "forward + backward on the best backend, checked against the float64 oracle",
+                   "A TTT-linear forward + backward, timed (the median of several calls after "
+                   "warm-up), checked against the float64 oracle; exit status 1 if an error is "
+                   "above its bound.")
     demo.add_argument("--backend", default=None, help="backend name (default: the best here)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -307,16 +304,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="untimed calls first (compilation, autotuning, caches)")
     demo.add_argument("--repeat", type=_positive_int, default=10,
                       help="timed calls; their median is reported")
-    demo.set_defaults(func=cmd_demo)
-    warm = sub.add_parser("warmup", help="compile ahead of time the kernels of some "
-                                         "configurations (forward and backward)",
-                          formatter_class=HelpFormatter,
-                          description="Compile ahead of time the kernels of some "
-                                      "configurations, forward and backward.")
+    warm = command("warmup", cmd_warmup,
+                   "compile ahead of time the kernels of some configurations (forward and "
+                   "backward)",
+                   "Compile ahead of time the kernels of some configurations, forward and "
+                   "backward.")
     warm.add_argument("--backend", default=None,
                       help="backend name (default: the one each configuration's calls get)")
-    warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if "
-                                                     "present)")
+    warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
     warm.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                       help="input dtype, repeatable (default: bf16 and fp32, those the "
                            "backend takes)")
@@ -333,24 +328,19 @@ def _parser() -> argparse.ArgumentParser:
                            "kernels (default: one per CPU core, at most 12, on a GPU; 1 on "
                            "the CPU)")
     warm.add_argument("--quiet", action="store_true", help="no progress bar")
-    warm.set_defaults(func=cmd_warmup)
     return parser
-
-
-def _run_command(parser: argparse.ArgumentParser, args) -> int:
-    try:
-        return args.func(args)
-    except EXPECTED_ERRORS as exc:
-        message = " ".join(str(exc).split())
-        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
-        return 2
 
 
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        status = _run_command(parser, args)
+        try:
+            status = args.func(args)
+        except EXPECTED_ERRORS as exc:
+            message = " ".join(str(exc).split())
+            print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+            status = 2
         sys.stdout.flush()           # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError:
         # the reader went away (``python -m ttt info | head -2``): nothing more to say. Point
