@@ -23,6 +23,7 @@ import torch
 
 from .backend import WarmupShape
 from .ops import chunk_ttt_linear
+from .validation import dtype_name
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Config:
     heads: int
 
     def describe(self) -> str:
-        return f"{_dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} H={self.heads}"
+        return f"{dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} H={self.heads}"
 
 
 def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
@@ -197,16 +198,12 @@ def _start(calls: list[dict], device: torch.device, done: queue.Queue):
 
 
 def call_of(backend: str, config, layout, form, params, grad: bool) -> dict:
-    """One warm-up call (``ttt._warmup_calls.run_call``'s arguments) as JSON-able values."""
+    """One warm-up call (:func:`run_call`'s arguments) as JSON-able values."""
     return {"backend": backend,
-            "config": [_dtype_name(config.dtype), config.head_dim, config.chunk_size,
+            "config": [dtype_name(config.dtype), config.head_dim, config.chunk_size,
                        config.heads],
             "layout": [layout.sequences, layout.seq_len, layout.packed],
-            "form": form.name, "params": [_dtype_name(d) for d in params], "grad": grad}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+            "form": form.name, "params": [dtype_name(d) for d in params], "grad": grad}
 
 
 def _main() -> int:

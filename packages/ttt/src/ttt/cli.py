@@ -19,9 +19,15 @@ import torch
 
 from . import __version__
 from .backend import Capabilities
+from .choice import select_backend
 from .errors import BackendError, BackendNotInstalledError
+from .ops import chunk_ttt_linear
+from .oracle import oracle_chunk_ttt_linear
 from .registry import KNOWN_BACKENDS, declared_capabilities
 from .status import available_backends, backend_status
+from .tolerances import TOLERANCES
+from .validation import dtype_name, make_problem
+from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -57,7 +63,7 @@ def _dtype_names(dtypes) -> str:
     order = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     known = [d for d in order if d in dtypes]
     others = sorted(str(d) for d in dtypes if d not in order)
-    return ", ".join([str(d).replace("torch.", "") for d in known] + others)
+    return ", ".join([dtype_name(d) for d in known] + others)
 
 
 CAPABILITY_COLUMNS = {
@@ -77,8 +83,7 @@ CAPABILITY_COLUMNS = {
 
 
 def capabilities_table() -> str:
-    """The markdown page ``python -m ttt capabilities`` prints: one row per built-in backend,
-    from the capabilities its class declares (the GPU backends' as on a CUDA machine)."""
+    """The markdown page ``python -m ttt capabilities`` prints: one row per built-in backend."""
     lines = [
         "# Backend capabilities",
         "",
@@ -137,12 +142,6 @@ def _require_runnable(name: str | None) -> None:
 
 
 def cmd_demo(args) -> int:
-    from .choice import select_backend
-    from .ops import chunk_ttt_linear
-    from .oracle import oracle_chunk_ttt_linear
-    from .tolerances import TOLERANCES
-    from .validation import make_problem
-
     device = _demo_device(args.device)
     _require_runnable(args.backend)
     dtype = DTYPES[args.dtype] if args.dtype else (
@@ -166,42 +165,36 @@ def cmd_demo(args) -> int:
     backend = select_backend(problem, args.backend)
     print(f"ttt demo: TTT-linear forward + backward on backend {backend.name!r}")
     print(f"  device {device} ({_device_line()})")
-    print(f"  B={B} T={T} H={H} D={D} chunk={C} dtype={str(dtype).replace('torch.', '')}")
+    print(f"  B={B} T={T} H={H} D={D} chunk={C} dtype={dtype_name(dtype)}")
+
+    gc = torch.Generator()
+
+    def cotangents(*outs):          # the same ones for every call
+        gc.manual_seed(1)
+        return [torch.randn(x.shape, generator=gc, dtype=torch.float64).to(x) for x in outs]
 
     def step():
         o, ht, hbt = chunk_ttt_linear(**inputs, chunk_size=C, output_final_state=True,
                                       backend=backend.name)
         grads = torch.autograd.grad([o, ht, hbt], list(inputs.values()), cotangents(o, ht, hbt))
-        return (o, ht, hbt), grads
-
-    gc = torch.Generator().manual_seed(1)
-
-    def cotangents(*outs):
-        return [torch.randn(x.shape, generator=gc, dtype=torch.float64).to(x) for x in outs]
-
-    def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return (o, ht, hbt), grads
 
     for _ in range(args.warmup):         # compilation, autotuning, caches
-        gc.manual_seed(1)
         step()
-    sync()
-    times = []
+    times_ms = []
     for _ in range(args.repeat):
-        gc.manual_seed(1)
         start = time.perf_counter()
         (o, ht, hbt), grads = step()
-        sync()
-        times.append(time.perf_counter() - start)
-    times_ms = sorted(t * 1e3 for t in times)
+        times_ms.append((time.perf_counter() - start) * 1e3)
+    times_ms.sort()
     print(f"  forward + backward: {statistics.median(times_ms):.2f} ms median of "
           f"{args.repeat} calls (min {times_ms[0]:.2f}, max {times_ms[-1]:.2f}) after "
           f"{args.warmup} warm-up call(s)")
 
     ref_inputs = {n: t.detach().double().requires_grad_(True) for n, t in inputs.items()}
     ref = oracle_chunk_ttt_linear(**ref_inputs, chunk_size=C)
-    gc.manual_seed(1)
     ref_grads = torch.autograd.grad(list(ref), list(ref_inputs.values()), cotangents(*ref))
     out_tol, grad_tol = TOLERANCES[dtype]
     ok = True
@@ -218,8 +211,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
-
     device = _demo_device(args.device)
     _require_runnable(args.backend)
     report = warmup(args.backend,
@@ -294,16 +285,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                       help="input dtype (default: bf16 on cuda, fp32 on cpu)")
-    demo.add_argument("--batch", type=_positive_int, default=2, help="batch size B")
-    demo.add_argument("--seq-len", type=_positive_int, default=256, help="sequence length T")
-    demo.add_argument("--heads", type=_positive_int, default=4, help="heads H")
-    demo.add_argument("--head-dim", type=_positive_int, default=64, help="head dim D")
-    demo.add_argument("--chunk-size", type=_positive_int, default=16,
-                      help="tokens per inner mini-batch")
-    demo.add_argument("--warmup", type=_non_negative_int, default=2,
-                      help="untimed calls first (compilation, autotuning, caches)")
-    demo.add_argument("--repeat", type=_positive_int, default=10,
-                      help="timed calls; their median is reported")
+    for flag, default, help in (
+            ("--batch", 2, "batch size B"), ("--seq-len", 256, "sequence length T"),
+            ("--heads", 4, "heads H"), ("--head-dim", 64, "head dim D"),
+            ("--chunk-size", 16, "tokens per inner mini-batch"),
+            ("--warmup", 2, "untimed calls first (compilation, autotuning, caches)"),
+            ("--repeat", 10, "timed calls; their median is reported")):
+        kind = _non_negative_int if flag == "--warmup" else _positive_int
+        demo.add_argument(flag, type=kind, default=default, help=help)
     warm = command("warmup", cmd_warmup,
                    "compile ahead of time the kernels of some configurations (forward and "
                    "backward)",
@@ -315,13 +304,11 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                       help="input dtype, repeatable (default: bf16 and fp32, those the "
                            "backend takes)")
-    warm.add_argument("--head-dim", type=_positive_int, action="append",
-                      help="repeatable (default: 64 and 128)")
-    warm.add_argument("--chunk-size", type=_positive_int, action="append",
-                      help="repeatable (default: 16)")
-    warm.add_argument("--heads", type=_positive_int, action="append",
-                      help="number of heads, repeatable (default: 32; Triton compiles per "
-                           "number of heads)")
+    for flag, help in (("--head-dim", "repeatable (default: 64 and 128)"),
+                       ("--chunk-size", "repeatable (default: 16)"),
+                       ("--heads", "number of heads, repeatable (default: 32; Triton compiles "
+                                   "per number of heads)")):
+        warm.add_argument(flag, type=_positive_int, action="append", help=help)
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--workers", type=_positive_int, default=None,
                       help="processes compiling in parallel before this one loads their "

@@ -1,18 +1,16 @@
 r"""The float64 oracle: TTT-linear written from its definition, independent of every backend.
 
-It does not use the closed-form LayerNorm gradient the backends use. Per chunk it states
-the inner loss of each token and lets autograd differentiate it:
+Instead of the backends' closed-form LayerNorm gradient, it states each token's inner loss
+per chunk and lets autograd differentiate it:
 
 .. math::
 
     \ell_j(W, hb) = \tfrac12\, l_j \big\| \mathrm{LN}(k_j W + hb) \odot w + b - (v_j - k_j)
                     \big\|^2
 
-where LN normalises over the head dim (mean, biased variance, ``eps``) without affine and
-``l_j`` is token j's per-key factor ``eta_key`` (1 when None).
-Token ``i`` of a chunk reads the state after a gradient step over tokens ``j <= i`` of its
-chunk with its own learning rate; the state then moves by the step of the chunk's last
-(valid) token:
+with LN over the head dim (biased variance, ``eps``, no affine) and ``l_j`` token j's
+``eta_key`` (1 when None). Token ``i`` reads the state after a step over tokens ``j <= i``
+of its chunk with its own rate; the state then takes the chunk's last (valid) token's step:
 
 .. math::
 
@@ -22,15 +20,11 @@ chunk with its own learning rate; the state then moves by the step of the chunk'
 
     W \leftarrow W_{last}, \quad hb \leftarrow hb_{last}
 
-and the result, per head, is ``o + LN(o) * w + b`` (``output="norm_residual"``),
-``q + LN(o) * w + b`` with the unscaled q (``"query_residual"``) or ``o`` (``"raw"``).
-Each sequence is cut into chunks on its own (a packed batch restarts at every
-``cu_seqlens`` offset) and a partial last chunk holds only real tokens: positions past a
-sequence's end take no part. An empty sequence (``T == 0``, or two equal offsets) has no
-chunk: its final states are its initial states.
-
-Gradients of the oracle come from autograd through ``create_graph=True`` inner gradients.
-Everything runs in float64 on the inputs' device; it is slow and meant for tests.
+and the result is ``o + LN(o) * w + b`` (``"norm_residual"``), ``q + LN(o) * w + b`` with
+the unscaled q (``"query_residual"``) or ``o`` (``"raw"``). Each sequence is chunked on its
+own (packed ones restart at every offset); a partial last chunk holds only real tokens; an
+empty sequence has no chunk (final states = initial states). Gradients come from autograd
+through ``create_graph=True`` inner gradients. Float64, slow, meant for tests.
 """
 
 from __future__ import annotations
@@ -64,10 +58,8 @@ def _chunk(W, hb, q, k, v, eta, eta_key, w, b, eps):
         grad_W, grad_hb = torch.autograd.grad(loss, (W_tok, hb_tok),
                                               create_graph=outer)
     # grad_W[h, j] = d l_j / dW; cumulative sums over tokens j <= i
-    cum_W = grad_W.cumsum(dim=1)
-    cum_hb = grad_hb.cumsum(dim=1)
-    W_i = W.unsqueeze(1) - eta[:, :, None, None] * cum_W          # [H, L, D, D]
-    hb_i = hb.unsqueeze(1) - eta[:, :, None] * cum_hb             # [H, L, D]
+    W_i = W.unsqueeze(1) - eta[:, :, None, None] * grad_W.cumsum(dim=1)     # [H, L, D, D]
+    hb_i = hb.unsqueeze(1) - eta[:, :, None] * grad_hb.cumsum(dim=1)         # [H, L, D]
     o = torch.einsum("hld,hlde->hle", q, W_i) + hb_i
     return o, W_i[:, -1], hb_i[:, -1]
 
@@ -95,14 +87,10 @@ def _sequence(q, k, v, eta, eta_key, w, b, W, hb, scale, eps, chunk_size, output
 def oracle_chunk_ttt_linear(q, k, v, w, b, eta, scale=None, eps=1e-6, chunk_size=16,
                             initial_state=None, initial_state_bias=None,
                             cu_seqlens=None, *, eta_key=None, output="norm_residual"):
-    """float64 (o, final_state, final_state_bias) for float64 inputs (differentiable).
-
-    Shapes as in :func:`ttt.chunk_ttt_linear`; ``eta`` a [B, T, H, 1] tensor or a float,
-    ``eta_key`` a [B, T, H, 1] tensor or None. Final states are always returned.
-    """
+    """float64 (o, final_state, final_state_bias) for float64 inputs (differentiable),
+    arguments as :func:`ttt.chunk_ttt_linear`'s; final states are always returned."""
     B, T, H, D = q.shape
-    if scale is None:
-        scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
     if not isinstance(eta, torch.Tensor):
         eta = torch.full((B, T, H, 1), float(eta), dtype=q.dtype, device=q.device)
     eta = eta[..., 0]
@@ -129,8 +117,5 @@ def oracle_chunk_ttt_linear(q, k, v, w, b, eta, scale=None, eps=1e-6, chunk_size
         final_biases.append(hb.unsqueeze(1))
     if not spans:                   # an empty batch (B == 0)
         return q.new_zeros(q.shape), initial_state.clone(), initial_state_bias.clone()
-    if cu_seqlens is None:
-        o = torch.stack(outputs)
-    else:
-        o = torch.cat(outputs).unsqueeze(0)
+    o = torch.stack(outputs) if cu_seqlens is None else torch.cat(outputs).unsqueeze(0)
     return o, torch.stack(finals), torch.stack(final_biases)

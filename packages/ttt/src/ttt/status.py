@@ -15,9 +15,8 @@ from .registry import known_names, load_backend
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """Whether a backend runs here. ``available``: it loads, its engine imports and a device
-    it declares is present. ``reason`` (None when available) says why not, starting with
-    "not installed", "unavailable" or "installed, needs"."""
+    """Whether a backend runs here (it loads, its engine imports, a device it declares is
+    present); else ``reason``: "not installed...", "unavailable..." or "installed, needs..."."""
 
     name: str
     available: bool
@@ -42,8 +41,7 @@ def present_device_types() -> frozenset[str]:
 
 
 def missing_device_reason(backend: Backend) -> str | None:
-    """Why ``backend`` cannot run on this machine's devices (e.g. "installed, needs a CUDA
-    GPU"), or None when a device type it declares is present."""
+    """Why ``backend`` cannot run on this machine's devices, or None."""
     devices = backend.capabilities.devices
     if devices & present_device_types():
         return None
@@ -52,8 +50,7 @@ def missing_device_reason(backend: Backend) -> str | None:
 
 
 def backend_status(name: str) -> BackendStatus:
-    """Whether backend ``name`` runs here, and if not, why (see :class:`BackendStatus`);
-    :class:`UnknownBackendError` for a name ttt does not know."""
+    """Whether backend ``name`` runs here, and if not, why; UnknownBackendError if unknown."""
     try:
         backend = load_backend(name)
     except UnknownBackendError:

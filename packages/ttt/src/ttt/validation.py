@@ -23,7 +23,8 @@ _STATE_DTYPES = (torch.float32,)
 _STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)     # (for float64 inputs)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
     return str(dtype).replace("torch.", "")
 
 
@@ -48,8 +49,8 @@ def _type_error(name: str, value) -> TypeError:
 
 
 def _floating_error(name: str, t: Tensor) -> TypeError:
-    return TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
-                     f"got {_name(t.dtype)}")
+    return TypeError(f"{name}: expected a floating dtype {[dtype_name(d) for d in FLOAT_DTYPES]}, "
+                     f"got {dtype_name(t.dtype)}")
 
 
 def _rank_error(name: str, t: Tensor, rank: int) -> ValueError:
@@ -74,7 +75,7 @@ def _tensor_error(name: str, t, rule: str, shape: tuple[int, ...], meaning: str,
         return ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
                           f"got {tuple(t.shape)}")
     if rule == "dtype":
-        return TypeError(f"{name}: expected dtype {expected_dtype}, got {_name(t.dtype)}")
+        return TypeError(f"{name}: expected dtype {expected_dtype}, got {dtype_name(t.dtype)}")
     return _device_error(name, t, device)
 
 
@@ -88,7 +89,7 @@ def _key_value_error(name: str, t, rule: str, other, shape: torch.Size, dtype: t
         return ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
                           f"K = {K.shape[-1]} and V = {V.shape[-1]}")
     return _tensor_error(name, t, rule, shape, "[B, T, H, D] like q", device,
-                         f"{_name(dtype)} (the dtype of q)")
+                         f"{dtype_name(dtype)} (the dtype of q)")
 
 
 def _checked_tensors(q, k, v, w, b, eta, eta_key
@@ -182,6 +183,15 @@ def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
     return kept
 
 
+def positive_int(name: str, value) -> int:
+    """``value``, an int (not a bool) >= 1, else the error naming argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
 def _positive_float(name: str, value) -> float:
     """``value`` as a float: a positive finite real number (not a bool)."""
     if type(value) is not float:
@@ -218,7 +228,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, "
                         f"got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {_name(cu_seqlens.dtype)}")
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, "
+                        f"got {dtype_name(cu_seqlens.dtype)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
@@ -258,7 +269,7 @@ def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
         rule = None if state is None else _broken_rule(state, dtypes, shape, device)
         if rule is not None:
             raise _tensor_error(name, state, rule, shape, f"{meaning}, N = {N} {what_n}",
-                                device, str([_name(d) for d in dtypes]))
+                                device, str([dtype_name(d) for d in dtypes]))
 
 
 def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias

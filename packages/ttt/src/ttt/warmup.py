@@ -45,8 +45,6 @@ with your model's."""
 
 @dataclass(frozen=True)
 class WarmupEntry:
-    """One configuration warmed up: on which backend, how many calls, how long."""
-
     config: Config
     backend: str
     calls: int
@@ -66,8 +64,7 @@ class WarmupReport:
     workers: int = 1
 
 
-Progress = Callable[[int, int, str], None]
-"""``progress(done, total, label)``: called before each call and once at the end."""
+Progress = Callable[[int, int, str], None]     # (done, total, label): before each call, at the end
 
 
 def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None = None,
@@ -96,6 +93,10 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads)
+    if progress is None:
+        def progress(done: int, total: int, label: str) -> None:
+            pass
+
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
@@ -108,8 +109,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         def count(step=1):
             nonlocal done
             done += step
-            if progress is not None:
-                progress(done, total, f"compiling in {workers} processes")
+            progress(done, total, f"compiling in {workers} processes")
 
         count(0)
         for failure in _workers.run(groups, device, workers, count):
@@ -119,14 +119,12 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     for plan in plans:
         plan_start = time.perf_counter()
         for layout, form, params, grad in plan.calls:
-            if progress is not None:
-                progress(done, total, f"{plan.backend} {plan.config.describe()}")
+            progress(done, total, f"{plan.backend} {plan.config.describe()}")
             run_call(plan.backend, plan.config, layout, form, params, grad, device)
             done += 1
         entries.append(WarmupEntry(plan.config, plan.backend, len(plan.calls),
                                    time.perf_counter() - plan_start))
-    if progress is not None:
-        progress(done, total, "done")
+    progress(done, total, "done")
     return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
 
 
@@ -145,7 +143,7 @@ def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The calls of one configuration: (layout, form, parameter dtypes, with gradients)."""
+    """One configuration's calls: (layout, form, parameter dtypes, with gradients)."""
 
     config: Config
     backend: str
@@ -168,8 +166,12 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
             continue
         layouts = list(shapes) if shapes is not None else chosen.warmup_shapes(
             config.heads, config.head_dim, config.chunk_size, config.dtype)
-        _check_shapes(layouts)
-        forms = [f for f in FORMS if not f.layer or _takes_layer_form(chosen)]
+        if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
+            raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, "
+                            f"got {layouts!r}")
+        caps = chosen.capabilities
+        layer = caps.eta_key and "query_residual" in caps.outputs
+        forms = [f for f in FORMS if layer or not f.layer]
         grads = (False, True) if backward else (False,)
         calls = list(itertools.product(layouts, forms, param_dtypes(config.dtype), grads))
         plans.append(_Plan(config, chosen.name, calls))
@@ -222,17 +224,6 @@ def _configs(dtypes, head_dims, chunk_sizes, heads) -> list[Config]:
             for d in _positive_ints("head_dims", head_dims)
             for c in _positive_ints("chunk_sizes", chunk_sizes)
             for h in _positive_ints("heads", heads)]
-
-
-def _check_shapes(layouts) -> None:
-    if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
-        raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, got "
-                        f"{layouts!r}")
-
-
-def _takes_layer_form(backend: Backend) -> bool:
-    caps = backend.capabilities
-    return caps.eta_key and "query_residual" in caps.outputs
 
 
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
