@@ -57,10 +57,7 @@ def set_backend(name: str | None) -> Undo:
 
 def get_backend() -> str:
     """The active choice: a backend name, or ``"auto"`` (best backend for the inputs)."""
-    name = _CURRENT.get()
-    if name is None:
-        name = os.environ.get("TTT_BACKEND") or AUTO
-    return name
+    return _CURRENT.get() or os.environ.get("TTT_BACKEND") or AUTO     # (set: never "")
 
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:

@@ -1,6 +1,5 @@
 """Whether each backend runs here, and if not, why: :func:`available_backends` (what
-``python -m ttt info`` lists) and :func:`backend_status`, from the backends known to
-:mod:`ttt.registry`."""
+``python -m ttt info`` lists) and :func:`backend_status`."""
 
 from __future__ import annotations
 
@@ -31,12 +30,10 @@ DEVICE_WORDS = {"cuda": "a CUDA GPU", "mps": "an Apple GPU (mps)", "xpu": "an In
 def present_device_types() -> frozenset[str]:
     """The device types this machine can run tensors on (no CUDA context is created)."""
     present = {"cpu", "meta"}
-    if torch.cuda.is_available():
-        present.add("cuda")
-    if torch.backends.mps.is_available():
-        present.add("mps")
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        present.add("xpu")
+    for name, module in (("cuda", torch.cuda), ("mps", torch.backends.mps),
+                         ("xpu", getattr(torch, "xpu", None))):
+        if module is not None and module.is_available():
+            present.add(name)
     return frozenset(present)
 
 
