@@ -199,7 +199,7 @@ def header(device: str, backends: dict) -> str:
 
 def _backends(requested: list[str] | None, device: str) -> dict:
     import ttt
-    from ttt.registry import backend_status
+    from ttt.status import backend_status
 
     if requested:
         statuses = {name: backend_status(name) for name in requested}

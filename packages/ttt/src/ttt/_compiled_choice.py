@@ -1,9 +1,7 @@
-"""The backend's choice while torch.compile traces a call of ``chunk_ttt_linear``.
-
-Dynamo does not trace the choice (it lives in a ContextVar) nor backend code: the
-choice runs once per trace as a constant of the graph (``assume_constant_result``), from a
-signature of plain values. Imported only while compiling (the decorator imports dynamo).
-"""
+"""The backend's choice while torch.compile traces ``chunk_ttt_linear``: dynamo traces
+neither the ContextVar nor backend code, so the choice runs once per trace as a constant
+of the graph, from plain values. Imported only while compiling (the decorator imports
+dynamo)."""
 
 from __future__ import annotations
 
@@ -22,12 +20,9 @@ def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @torch.compiler.assume_constant_result
 def compiled_backend_name(signature: tuple, requested: str | None) -> str:
-    """The backend's choice while torch.compile traces: run once, kept by the graph. The
-    signature (``Problem.signature()``: plain values) rebuilds a Problem of stand-in tensors
-    with the call's head count and dim, dtypes, device, chunk size and options. Batch size
-    and length, which a compiled graph may keep dynamic, are not in it: a dense stand-in
-    holds one sequence of one chunk, a packed one the call's sequence lengths; scale and eps
-    are not either (the stand-in has ``D ** -0.5`` and ``1e-6``)."""
+    """The choice for a Problem of stand-in tensors rebuilt from ``Problem.signature()``.
+    Batch size and length (maybe dynamic), scale and eps are not in it: a dense stand-in
+    holds one chunk, a packed one the call's lengths; scale ``D ** -0.5``, eps ``1e-6``."""
     (H, D, dtypes, device, chunk_size, output_final_state, packed_lens, eta_is_tensor,
      requires_grad, output) = signature
     seq_lens = (chunk_size,) if packed_lens is None else tuple(packed_lens)

@@ -1,11 +1,9 @@
-"""Empty sequences, handled by the core for every backend: no backend ever sees one.
+"""Empty sequences, handled by the core: no backend ever sees one.
 
-- A call without tokens (``T == 0``, or ``B == 0``) computes nothing: ``o`` is empty, the
-  final states are the initial states (zeros when none are given), and its gradients are
-  zeros but for the initial states', which are the cotangents of the final states.
-- A packed batch whose ``cu_seqlens`` holds empty sequences (two equal offsets) goes to the
-  backend without them (their tokens are none, so ``o`` is the backend's); their final
-  states are their initial states, scattered back in place with differentiable ops.
+A call without tokens (``T == 0`` or ``B == 0``) computes nothing: ``o`` is empty, the final
+states are the initial states (or zeros), the gradients zeros but the initial states' (the
+final states' cotangents). A packed batch with empty sequences (equal offsets) goes to the
+backend without them; their final states (the initial ones) are scattered back in place.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from .problem import Problem
 
 
 def has_no_tokens(problem: Problem) -> bool:
-    """Whether ``T == 0`` or ``B == 0``: whether q is empty (a Problem has heads and a head
-    dim)."""
+    """Whether ``T == 0`` or ``B == 0`` (a Problem has heads and a head dim)."""
     return problem.q.numel() == 0
 
 
@@ -28,13 +25,11 @@ def has_empty_sequences(problem: Problem) -> bool:
     return problem.is_varlen and 0 in problem.seq_lens
 
 
-def _states_or_zeros(given: torch.Tensor | None, shape: tuple, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-    """The initial states in the state dtype, as a new tensor (never the input itself);
-    zeros when none are given."""
-    if given is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return given.to(dtype, copy=True)
+def _initial_states(h0, hb0, shapes: tuple[tuple, tuple], dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, ...]:
+    """New tensors (never the inputs themselves) of the initial states, or zeros."""
+    return tuple(torch.zeros(shape, dtype=dtype, device=device) if given is None
+                 else given.to(dtype, copy=True) for given, shape in zip((h0, hb0), shapes))
 
 
 def _state_shapes(problem: Problem) -> tuple[tuple, tuple]:
@@ -43,9 +38,7 @@ def _state_shapes(problem: Problem) -> tuple[tuple, tuple]:
 
 
 class _NoTokens(torch.autograd.Function):
-    """``(o, final_state, final_state_bias)`` of a call without tokens; its backward gives
-    zeros for q, k, v, w, b, eta, eta_key and the final states' cotangents for the initial
-    states (zeros when absent)."""
+    """``(o, final_state, final_state_bias)`` of a call without tokens, differentiable."""
 
     @staticmethod
     def forward(ctx, shapes, state_dtype, q, k, v, w, b, eta, eta_key, h0, hb0):
@@ -53,8 +46,7 @@ class _NoTokens(torch.autograd.Function):
         ctx.likes = [None if t is None else (t.shape, t.dtype)
                      for t in (q, k, v, w, b, eta, eta_key, h0, hb0)]
         ctx.device = q.device
-        return (torch.empty_like(q), _states_or_zeros(h0, shapes[0], state_dtype, q.device),
-                _states_or_zeros(hb0, shapes[1], state_dtype, q.device))
+        return (torch.empty_like(q), *_initial_states(h0, hb0, shapes, state_dtype, q.device))
 
     @staticmethod
     def backward(ctx, do, dht, dhbt):
@@ -78,14 +70,12 @@ def no_tokens(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     shapes = _state_shapes(p)
     if p.requires_grad:
         return _NoTokens.apply(shapes, p.state_dtype, *tensors)
-    return (torch.empty_like(p.q),
-            _states_or_zeros(p.initial_state, shapes[0], p.state_dtype, p.device),
-            _states_or_zeros(p.initial_state_bias, shapes[1], p.state_dtype, p.device))
+    return (torch.empty_like(p.q), *_initial_states(p.initial_state, p.initial_state_bias,
+                                                    shapes, p.state_dtype, p.device))
 
 
 def without_empty_sequences(problem: Problem) -> tuple[Problem, torch.Tensor]:
-    """The problem of the non-empty sequences alone (same tokens, fewer sequences), and the
-    indices of those sequences (int64, on the problem's device)."""
+    """The problem of the non-empty sequences alone, and their indices (int64)."""
     p = problem
     kept = [n for n, length in enumerate(p.seq_lens) if length]
     lengths = tuple(p.seq_lens[n] for n in kept)
@@ -101,10 +91,8 @@ def without_empty_sequences(problem: Problem) -> tuple[Problem, torch.Tensor]:
 
 def scatter_final_states(problem: Problem, index: torch.Tensor, ht: torch.Tensor,
                          hbt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final states of every sequence of ``problem``: those of the non-empty sequences
-    (``ht, hbt``, rows ``index``), the initial states (or zeros) for the empty ones."""
+    """Every sequence's final states: ``ht, hbt`` at rows ``index``, else the initial ones."""
     p = problem
-    shapes = _state_shapes(p)
-    base = _states_or_zeros(p.initial_state, shapes[0], p.state_dtype, p.device)
-    base_bias = _states_or_zeros(p.initial_state_bias, shapes[1], p.state_dtype, p.device)
+    base, base_bias = _initial_states(p.initial_state, p.initial_state_bias, _state_shapes(p),
+                                      p.state_dtype, p.device)
     return base.index_copy(0, index, ht), base_bias.index_copy(0, index, hbt)

@@ -1,14 +1,11 @@
-"""A warm-up's calls run in child processes, which compile in parallel.
+"""A warm-up's calls, and the child processes that run them to compile in parallel.
 
-Compiling is single-threaded work on the host (Triton's passes and ptxas, NVRTC); a warm-up
-compiles one kernel specialisation after another. Here the calls are dealt out to
-``workers`` child processes (``python -m ttt._warmup_workers``, each reading its calls as
-JSON on stdin), which run them on the same device and leave what they compiled in the
-on-disk caches (Triton's, the cupy backend's). The parent then runs every call itself and
-finds the kernels there, so it loads instead of compiling (``ttt.warmup``).
-
-A child that fails (a backend that exists only in this process is unknown in a new one, say)
-costs nothing but time: the parent's own pass compiles what is missing.
+Compiling is single-threaded host work (Triton's passes and ptxas, NVRTC). The calls are
+dealt out to ``workers`` child processes (``python -m ttt._warmup_workers``, reading their
+calls as JSON on stdin) that run them on the same device and leave what they compiled in
+the on-disk caches (Triton's, the cupy backend's); the parent (``ttt.warmup``) then runs
+every call itself and loads those kernels instead of compiling them. A child that fails (a
+backend that exists only in the parent, say) costs only time: the parent compiles the rest.
 """
 
 from __future__ import annotations
@@ -20,22 +17,106 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ._warmup_calls import FORMS_BY_NAME, Config, run_call
 from .backend import WarmupShape
+from .ops import chunk_ttt_linear
+from .validation import dtype_name
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """How a warm-up call passes the optional arguments (``ttt.warmup``'s doc): ``initial``
+    states, ``final`` states out, the ``layer``'s eta_key and output form."""
+
+    name: str
+    initial: bool
+    final: bool
+    layer: bool = False
+
+
+FORMS = (CallForm("plain", False, False), CallForm("initial", True, False),
+         CallForm("final", False, True), CallForm("states", True, True),
+         CallForm("layer", True, False, layer=True),
+         CallForm("layer_cache", True, True, layer=True))
+
+FORMS_BY_NAME = {form.name: form for form in FORMS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration a warm-up compiles for."""
+
+    dtype: torch.dtype
+    head_dim: int
+    chunk_size: int
+    heads: int
+
+    def describe(self) -> str:
+        return f"{dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} H={self.heads}"
+
+
+def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
+                params: tuple[torch.dtype, torch.dtype], device: torch.device,
+                grad: bool) -> dict:
+    """Random finite inputs of one call; ``params``: the dtypes of (w, b), (eta, eta_key)."""
+    N, T, H, D = layout.sequences, layout.seq_len, config.heads, config.head_dim
+    B, L = (1, N * T) if layout.packed else (N, T)
+    gen = torch.Generator(device).manual_seed(0)
+    dt, (affine, rates) = config.dtype, params
+    state_dt = torch.float64 if dt == torch.float64 else torch.float32
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    k = rand(B, L, H, D)
+    inputs = dict(q=rand(B, L, H, D), k=k / k.norm(dim=-1, keepdim=True), v=rand(B, L, H, D),
+                  w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
+                  eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
+                                        dtype=rates))
+    if form.initial:
+        inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
+                      initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
+    if form.layer:
+        inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
+                                             dtype=rates)
+    if grad:
+        for t in inputs.values():
+            t.requires_grad_(True)
+    if layout.packed:
+        inputs["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=device, dtype=torch.int64)
+    return inputs
+
+
+def run_call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
+             params: tuple[torch.dtype, torch.dtype], grad: bool, device: torch.device) -> None:
+    """One call: forward without gradients, or forward and backward."""
+    inputs = call_inputs(config, layout, form, params, device, grad)
+    kwargs = dict(chunk_size=config.chunk_size, output_final_state=form.final,
+                  backend=backend)
+    if form.layer:
+        kwargs.update(scale=1.0, output="query_residual")
+    with torch.set_grad_enabled(grad):
+        outputs = [t for t in chunk_ttt_linear(**inputs, **kwargs) if t is not None]
+        if grad:
+            leaves = [t for t in inputs.values() if t.requires_grad]
+            cotangents = [torch.randn_like(t) for t in outputs]
+            torch.autograd.grad(outputs, leaves, cotangents)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 DEFAULT_MAX_WORKERS = 12
 """A Triton warm-up of one half-dtype configuration has 8 call groups, 4 of them twice the
-calls of the others: split by initial states (:func:`split`), those make 12 parts of about
-equal compiling that share few kernels. Splitting these further, their halves would share
-most of their kernels."""
+others: split by initial states (:func:`split`), 12 parts of about equal compiling that
+share few kernels (split further, their halves would share most)."""
 
 
 def default_workers(device: torch.device, calls: int) -> int:
-    """Processes a warm-up of ``calls`` calls uses when not told: one per CPU core up
-    to DEFAULT_MAX_WORKERS on a GPU, none on the CPU (no kernel backend compiles there)."""
+    """Processes for ``calls`` calls when not told: one per CPU core up to
+    DEFAULT_MAX_WORKERS on a GPU, 1 on the CPU (no kernel backend compiles there)."""
     if device.type == "cpu":
         return 1
     return max(1, min(DEFAULT_MAX_WORKERS, os.cpu_count() or 1, calls))
@@ -43,10 +124,9 @@ def default_workers(device: torch.device, calls: int) -> int:
 
 def run(groups: Sequence[list[dict]], device: torch.device, workers: int,
         on_call: Callable[[], None]) -> list[str]:
-    """Run the call groups ``groups`` (each a list of JSON-able calls, see ``call_of``) in
-    ``workers`` child processes (:func:`deal`); ``on_call()`` after each finished call.
-    Returns one line per child that failed (its exit status and the last line it wrote to
-    stderr)."""
+    """Run ``groups`` (lists of :func:`call_of` calls) in ``workers`` child processes,
+    ``on_call()`` after each call. Returns one line per failed child (its exit status and
+    last line of stderr)."""
     shares = deal(groups, workers)
     done: queue.Queue = queue.Queue()
     children = [_start(share, device, done) for share in shares if share]
@@ -65,10 +145,9 @@ def run(groups: Sequence[list[dict]], device: torch.device, workers: int,
 
 
 def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
-    """The calls of ``groups`` in ``workers`` shares: each group whole in one share (the
-    share with the fewest calls so far, largest group first), so that calls that may need
-    the same kernels compile them in one process. While there are fewer groups than
-    workers, the largest is split in two (:func:`split`)."""
+    """The calls of ``groups`` in ``workers`` shares, each group whole in the share with
+    the fewest calls so far (largest first): calls that may need the same kernels compile
+    them in one process. While groups are fewer than workers, the largest is :func:`split`."""
     groups = sorted((list(g) for g in groups if g), key=len, reverse=True)
     while 0 < len(groups) < workers and len(groups[0]) > 1:
         groups += split(groups.pop(0))
@@ -80,13 +159,9 @@ def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
 
 
 def split(calls: list[dict]) -> list[list[dict]]:
-    """A group's calls (``call_of``) in two halves that need few kernels in common: by
-    whether they pass initial states, else by whether they return final states, else by
-    whether they take gradients, else taken in turn. Initial and final states are part of
-    the specialisation of most kernels a call launches (forward and backward), so either
-    half compiles little of the other's; split by gradients, the half with them would hold
-    most of the compiling (the backward's kernels), and calls that differ only in their
-    layout need mostly the same kernels."""
+    """A group's calls in two halves that need few kernels in common: by initial states,
+    else final states (both part of most kernels' specialisation), else gradients (that half
+    would hold most of the compiling), else in turn (layouts share most kernels)."""
     for differs in (lambda c: FORMS_BY_NAME[c["form"]].initial,
                     lambda c: FORMS_BY_NAME[c["form"]].final, lambda c: c["grad"]):
         first = [c for c in calls if differs(c)]
@@ -123,16 +198,12 @@ def _start(calls: list[dict], device: torch.device, done: queue.Queue):
 
 
 def call_of(backend: str, config, layout, form, params, grad: bool) -> dict:
-    """One warm-up call (``ttt._warmup_calls.run_call``'s arguments) as JSON-able values."""
+    """One warm-up call (:func:`run_call`'s arguments) as JSON-able values."""
     return {"backend": backend,
-            "config": [_dtype_name(config.dtype), config.head_dim, config.chunk_size,
+            "config": [dtype_name(config.dtype), config.head_dim, config.chunk_size,
                        config.heads],
             "layout": [layout.sequences, layout.seq_len, layout.packed],
-            "form": form.name, "params": [_dtype_name(d) for d in params], "grad": grad}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+            "form": form.name, "params": [dtype_name(d) for d in params], "grad": grad}
 
 
 def _main() -> int:

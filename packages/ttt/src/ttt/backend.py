@@ -3,31 +3,26 @@
 A backend is an object with a ``name``, a :class:`Capabilities` and three methods:
 
 ``forward(problem, needs_backward) -> (o, final_state, final_state_bias, saved)``
-    the whole operator (inner TTT recurrence *and* the output form). ``o`` has the input
-    dtype; the states are None unless ``problem.output_final_state``. ``saved`` is a list
-    (or tuple) of tensors the backend wants back in ``backward``: new tensors, none of them
-    an input or a view of one, with the shapes and dtypes ``saved_shapes`` declares (only
-    used when ``needs_backward``; anything, e.g. ``[]``, otherwise).
+    the whole operator (inner recurrence *and* output form). ``o`` in the input dtype; the
+    states None unless ``problem.output_final_state``. ``saved``: new tensors (no input or
+    view of one) for ``backward``, as ``saved_shapes`` declares (anything, e.g. ``[]``,
+    unless ``needs_backward``).
 
 ``saved_shapes(problem) -> [(shape, dtype), ...]``
-    what ``forward(problem, needs_backward=True)`` saves, on the problem's device, without
-    running it: the custom op's fake implementation (torch.compile) builds ``saved`` from
-    it. The default is ``[]`` (a backend that saves nothing).
+    what ``forward(problem, needs_backward=True)`` saves, without running it (the custom
+    op's fake implementation builds ``saved`` from it). Default ``[]``.
 
 ``warmup_shapes(heads, head_dim, chunk_size, dtype) -> [WarmupShape, ...]`` (optional)
-    the batch layouts whose calls, forward and backward, compile every kernel variant a
-    call of these heads, head dim, chunk size and dtype may use (``ttt.warmup`` runs them).
-    The default, :func:`generic_warmup_shapes`, spans few and many (sequence, head) chains,
-    short and long sequences, dense and packed batches.
+    batch layouts whose calls compile every kernel variant such calls may use
+    (``ttt.warmup``); default :func:`generic_warmup_shapes`.
 
 ``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
-    ``saved`` is the forward's list; ``do`` is the cotangent of ``o`` (contiguous, never
-    None); ``dht`` and ``dhbt`` those of the final states (None when they were not
-    requested or not used). ``needs`` is a :class:`GradNeeds`; gradients not needed may be
-    returned as None, needed ones may not.
+    ``do``: the cotangent of ``o`` (contiguous, never None); ``dht``, ``dhbt``: the final
+    states' (None when not requested or not used). ``needs`` is a :class:`GradNeeds`:
+    gradients not needed may be None, needed ones may not.
 
-The core (`ttt.ops`, `ttt._custom_op`) owns validation, the custom op and its autograd,
-autocast and dtype casts of gradients; nothing in the core special-cases a backend.
+The core (``ttt.ops``, ``ttt._custom_op``) owns validation, the custom op, its autograd,
+autocast and gradient dtype casts; nothing in it special-cases a backend.
 """
 
 from __future__ import annotations
@@ -40,14 +35,14 @@ import torch
 
 from .arguments import Gradients, GradNeeds
 from .problem import Problem
+from .validation import dtype_name, positive_int
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can take. ``max_head_dim`` None means any; ``chunk_sizes`` None any.
-    ``deterministic``: repeated identical calls give bitwise identical results (the suite
-    checks it when declared). ``eta_key``: takes the per-key learning-rate factor;
-    ``outputs``: the output forms it computes (``ttt.problem.OUTPUTS``)."""
+    """What a backend can take (``max_head_dim``, ``chunk_sizes`` None: any).
+    ``deterministic``: identical calls give bitwise identical results (the suite checks it).
+    ``eta_key``: takes the per-key factor; ``outputs``: forms of ``ttt.problem.OUTPUTS``."""
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
@@ -68,9 +63,8 @@ class Capabilities:
             why.append(f"device {problem.device.type!r} not supported "
                        f"(supports {sorted(self.devices)})")
         if problem.dtype not in self.dtypes:
-            names = sorted(str(d).replace("torch.", "") for d in self.dtypes)
-            why.append(f"dtype {str(problem.dtype).replace('torch.', '')} not supported "
-                       f"(supports {names})")
+            names = sorted(dtype_name(d) for d in self.dtypes)
+            why.append(f"dtype {dtype_name(problem.dtype)} not supported (supports {names})")
         if self.max_head_dim is not None and problem.D > self.max_head_dim:
             why.append(f"head dim {problem.D} above the maximum {self.max_head_dim}")
         if self.chunk_sizes is not None and problem.chunk_size not in self.chunk_sizes:
@@ -92,45 +86,33 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class WarmupShape:
-    """The batch layout of one warm-up call: ``sequences`` sequences of ``seq_len`` tokens
-    each, as a dense ``[sequences, seq_len]`` batch or, when ``packed``, one packed batch
-    (``cu_seqlens``)."""
+    """One warm-up call's batch: ``sequences`` of ``seq_len`` tokens, dense or ``packed``."""
 
     sequences: int
     seq_len: int
     packed: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("sequences", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"WarmupShape.{name}: expected an int, got "
-                                f"{type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"WarmupShape.{name}: expected a positive int, got {value}")
+        positive_int("WarmupShape.sequences", self.sequences)
+        positive_int("WarmupShape.seq_len", self.seq_len)
 
 
 WARMUP_CHAINS = (32, 64, 128, 256, 1024)
-"""(sequence, head) chain counts of the generic warm-up shapes: kernel backends choose other
-kernels (fused chains, longer checkpoint groups, overlapped or segmented schedules) by the
-number of chains and their length, at thresholds within this range."""
+"""(sequence, head) chain counts of the generic warm-up shapes: kernel backends switch
+kernels (fused chains, checkpoint groups, overlapped or segmented schedules) by the number
+and length of chains at thresholds within this range."""
 
-WARMUP_LONG_CHAIN_CHUNKS = 2**15
-"""Chunks over all chains of each long generic warm-up shape."""
+WARMUP_LONG_CHAIN_CHUNKS = 2**15        # chunks over all chains of each long shape
 
 WARMUP_TWO_GROUP_CHUNKS = 16
-"""Whole chunks of the generic warm-up's second one-sequence shape (one more, partial, comes
-after them): past 16 in all, so that its few chains span two checkpoint groups, as a long
-sequence's do (the cupy backend overlaps only such chains; the 2.5-chunk shape's one group
-runs plain)."""
+"""Whole chunks (and one partial) of the second one-sequence shape: past 16, its few chains
+span two checkpoint groups as a long sequence's do (cupy overlaps only such chains)."""
 
 
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
-    """The default warm-up shapes for ``heads`` heads and ``chunk_size``: one sequence of
-    2.5 chunks and one of :data:`WARMUP_TWO_GROUP_CHUNKS` and a half; for each of
-    :data:`WARMUP_CHAINS` (at least that many chains), sequences of one token (a generation
-    step), short ones (1.5 chunks) and long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` chunks in
-    all); each as a dense and as a packed batch."""
+    """One sequence of 2.5 chunks, one of :data:`WARMUP_TWO_GROUP_CHUNKS` and a half; for
+    each of :data:`WARMUP_CHAINS`, sequences of one token (a generation step), 1.5 chunks and
+    long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` in all); each dense and packed."""
     shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2),
               WarmupShape(1, WARMUP_TWO_GROUP_CHUNKS * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
@@ -157,12 +139,8 @@ class Backend:
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Why this backend cannot take ``problem``; empty when it can."""
-        why = []
         unavailable = self.unavailable_reason()
-        if unavailable:
-            why.append(unavailable)
-        why.extend(self.capabilities.reasons(problem))
-        return why
+        return ([unavailable] if unavailable else []) + self.capabilities.reasons(problem)
 
     def forward(self, problem: Problem, needs_backward: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
@@ -175,8 +153,7 @@ class Backend:
 
     def warmup_shapes(self, heads: int, head_dim: int, chunk_size: int,
                       dtype: torch.dtype) -> list[WarmupShape]:
-        """Batch layouts whose forward and backward compile every kernel variant that calls
-        with these heads, head dim, chunk size and dtype may use (see ``ttt.warmup``)."""
+        """Batch layouts whose calls compile every kernel variant such calls may use."""
         return generic_warmup_shapes(heads, chunk_size)
 
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,

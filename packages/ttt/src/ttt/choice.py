@@ -1,15 +1,11 @@
-"""Which backend a call runs on: the choice of the current context, and the automatic choice.
+"""Which backend a call runs on.
 
-The active choice lives in a ``ContextVar`` (thread- and task-safe). Precedence for a call:
-``backend=`` argument > :func:`set_backend` in the current context > ``TTT_BACKEND`` >
-automatic: the first backend by priority (:mod:`ttt.registry`) that takes the inputs.
-
-The backend chosen is kept per name asked for (or the automatic choice) and problem
-signature, a named backend only where it takes the problem (one that refuses it is asked
-again, and raises, every time); the automatic choice also keeps the backends it found not
-installed (passed over without importing them again) and the warnings it gave. They are
-kept in the registry's state, which drops them whenever what is registered or loaded changes
-and on ``ttt.registry.clear_cache()``; :func:`set_backend` drops them too.
+Precedence: ``backend=`` argument > :func:`set_backend` in the current context (a
+``ContextVar``) > ``TTT_BACKEND`` > automatic: the first backend by priority that takes
+the inputs. The choice is kept per name asked for and problem signature (a named backend
+only where it takes the problem); the automatic choice also keeps the backends found not
+installed and the warnings given. All of it lives in the registry's state (dropped on any
+registry change, ``clear_cache()`` and :func:`set_backend`).
 """
 
 from __future__ import annotations
@@ -28,37 +24,25 @@ from .errors import (
     UnknownBackendError,
 )
 from .problem import Problem
-from .registry import AUTO, _forget_choices, _priority, _state, known_names, load_backend
+from .registry import (
+    AUTO,
+    Undo,
+    _forget_choices,
+    _priority,
+    _state,
+    known_names,
+    load_backend,
+)
 
-MAX_KEPT_CHOICES = 1024
-"""The choices kept at most (packed batches of new lengths are new signatures)."""
+MAX_KEPT_CHOICES = 1024     # (packed batches of new lengths are new signatures)
 
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ttt_backend", default=None)
 
 
-class _BackendChoice:
-    """Returned by :func:`set_backend`; a context manager restoring the previous choice."""
-
-    def __init__(self, token: contextvars.Token, name: str):
-        self._token = token
-        self.name = name
-
-    def __enter__(self) -> _BackendChoice:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _CURRENT.reset(self._token)
-
-    def __repr__(self) -> str:
-        return f"<ttt backend choice {self.name!r}>"
-
-
-def set_backend(name: str | None) -> _BackendChoice:
-    """Choose the backend for the current context (``None`` or ``"auto"``: automatic).
-
-    Works as a plain call and as ``with ttt.set_backend("triton"): ...``, which restores
-    the previous choice on exit. Raises ImportError with the pip command if not installed.
-    """
+def set_backend(name: str | None) -> Undo:
+    """Choose the backend for the current context (``None`` or ``"auto"``: automatic); as
+    ``with ttt.set_backend("triton"): ...`` restores the previous choice on exit. Raises
+    ImportError with the pip command if not installed."""
     if name is None:
         name = AUTO
     if not isinstance(name, str):
@@ -67,21 +51,17 @@ def set_backend(name: str | None) -> _BackendChoice:
     if name != AUTO:
         load_backend(name)
     _forget_choices()
-    return _BackendChoice(_CURRENT.set(name), name)
+    token = _CURRENT.set(name)
+    return Undo("choice", name, lambda: _CURRENT.reset(token))
 
 
 def get_backend() -> str:
     """The active choice: a backend name, or ``"auto"`` (best backend for the inputs)."""
-    name = _CURRENT.get()
-    if name is None:
-        name = os.environ.get("TTT_BACKEND") or AUTO
-    return name
+    return _CURRENT.get() or os.environ.get("TTT_BACKEND") or AUTO     # (set: never "")
 
 
 def select_backend(problem: Problem, requested: str | None = None) -> Backend:
-    """The backend for one call: the requested or active one, else the best that fits
-    (the automatic choice); kept per name and problem signature until the choices are
-    dropped (see the module's doc), a named backend where it takes the problem only."""
+    """The backend for one call: the requested or active one, else the best that fits."""
     name = requested if requested is not None else get_backend()
     key = (name, _choice_key(problem))
     backend = _state.kept.get(key)
@@ -93,22 +73,18 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
 
 
 def _choice_key(problem: Problem) -> tuple:
-    """Everything of ``problem`` but its tensors' values (``problem.signature()`` and the
-    batch size, length, scale and eps): the choices are kept by it."""
+    """Everything of ``problem`` but its tensors' values: the choices are kept by it."""
     return (problem.q.shape, problem.scale, problem.eps, problem.signature())
 
 
 def _keep_choice(key: tuple, backend: Backend) -> None:
-    """Keeps ``backend`` as the choice for ``key`` (all forgotten once MAX_KEPT_CHOICES are
-    kept)."""
     if len(_state.kept) >= MAX_KEPT_CHOICES:
         _state.kept.clear()
     _state.kept[key] = backend
 
 
 def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:
-    """Backend ``name`` (``requested``, else the active choice) where it takes ``problem``;
-    else the error that says why."""
+    """Backend ``name`` where it takes ``problem``; else the error that says why."""
     try:
         backend = load_backend(name)
     except UnknownBackendError as exc:
@@ -126,8 +102,7 @@ def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend
 
 
 def _load_for_automatic_choice(name: str) -> Backend:
-    """:func:`~ttt.registry.load_backend`, where a backend found not installed since the
-    choices were last dropped raises its BackendNotInstalledError again at once."""
+    """``load_backend``, raising at once for a backend found not installed before."""
     reason = _state.not_installed.get(name)
     if reason is not None:
         raise BackendNotInstalledError(name, reason)
@@ -143,8 +118,7 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 
 
 def _automatic_choice(problem: Problem) -> Backend:
-    """The first backend by priority that takes ``problem``; else the error with every
-    backend's reasons."""
+    """The first backend by priority that takes ``problem``, else every backend's reasons."""
     skipped: dict[str, list[str]] = {}
     for candidate in sorted(known_names(), key=_priority):
         try:
@@ -163,9 +137,8 @@ def _automatic_choice(problem: Problem) -> Backend:
 
 def _warn_once_of_passed_over(chosen: str, skipped: dict[str, list[str]],
                               device: torch.device) -> None:
-    """Warns where installed backends were passed over for ``chosen`` on a device other
-    than the CPU (or meta: nothing runs); once per backend chosen and reasons, until the
-    choices are dropped."""
+    """Warns, once per choice and reasons, of installed backends passed over for ``chosen``
+    off the CPU (and meta)."""
     passed_over = {n: r for n, r in skipped.items() if n in _state.loaded}
     if not passed_over or device.type in ("cpu", "meta"):
         return

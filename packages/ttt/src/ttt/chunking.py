@@ -1,9 +1,5 @@
-"""How a batch splits into groups of chunks: bookkeeping shared by the kernel backends.
-
-Kernels that keep one fp32 state checkpoint per group of ``G`` chunks need, per sequence,
-where its groups start over the batch. Not part of the backend interface; backends that
-walk groups import it.
-"""
+"""How a batch splits into groups of chunks (one fp32 state checkpoint per group of ``G``
+chunks): bookkeeping shared by the kernel backends, not part of the backend interface."""
 
 from __future__ import annotations
 
@@ -15,9 +11,7 @@ from .problem import Problem
 
 
 def group_offsets(p: Problem, chunks_per_group: int) -> list[int]:
-    """``[N + 1]`` offsets of each sequence's first group of ``chunks_per_group`` chunks,
-    counted over the batch: where kernels that keep one checkpoint per group put a
-    sequence's checkpoints."""
+    """``[N + 1]`` offsets over the batch of each sequence's first group."""
     offsets = [0]
     for chunks in p.chunk_counts():
         offsets.append(offsets[-1] - (-chunks // chunks_per_group))
@@ -25,8 +19,7 @@ def group_offsets(p: Problem, chunks_per_group: int) -> list[int]:
 
 
 def _dense_groups(p: Problem, chunks_per_group: int) -> int | None:
-    """Groups of ``chunks_per_group`` chunks in each sequence of a dense batch (all T long);
-    None for a packed batch."""
+    """Groups in each sequence of a dense batch; None for a packed batch."""
     if p.is_varlen:
         return None
     chunks = -(-p.T // p.chunk_size)
@@ -34,8 +27,7 @@ def _dense_groups(p: Problem, chunks_per_group: int) -> int | None:
 
 
 def group_count(p: Problem, chunks_per_group: int) -> int:
-    """Groups of ``chunks_per_group`` chunks over the batch (``group_offsets(...)[-1]``,
-    without a loop over the sequences of a dense batch)."""
+    """``group_offsets(...)[-1]``, without a loop over a dense batch's sequences."""
     per_sequence = _dense_groups(p, chunks_per_group)
     if per_sequence is not None:
         return p.B * per_sequence
@@ -44,9 +36,8 @@ def group_count(p: Problem, chunks_per_group: int) -> int:
 
 @dataclass
 class ChunkGroups:
-    """How a batch splits into groups of ``G`` chunks: every sequence owns NG + 1 slots
-    (NG = its groups); slot s < NG holds the state before chunk s * G, slot NG the final
-    state."""
+    """Every sequence owns NG + 1 slots (NG: its groups of ``G`` chunks): slot s < NG the
+    state before chunk s * G, slot NG the final state."""
 
     G: int
     count: int                          # groups over the batch
@@ -58,9 +49,8 @@ class ChunkGroups:
     @classmethod
     def of(cls, p: Problem, G: int,
            device_maps: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChunkGroups:
-        """The grouping of ``p``; for varlen, offsets and the group -> sequence map go to
-        ``p``'s device (non-blocking copies), unless ``device_maps`` holds them already
-        (``offsets``, ``seq`` of an earlier grouping of ``p``)."""
+        """The grouping of ``p``; for varlen, offsets and the group -> sequence map copied to
+        ``p``'s device (non-blocking), unless ``device_maps`` holds them already."""
         per_sequence = _dense_groups(p, G)
         if per_sequence is not None:        # (no per-sequence bookkeeping to build)
             count = p.B * per_sequence

@@ -19,9 +19,15 @@ import torch
 
 from . import __version__
 from .backend import Capabilities
+from .choice import select_backend
 from .errors import BackendError, BackendNotInstalledError
+from .ops import chunk_ttt_linear
+from .oracle import oracle_chunk_ttt_linear
 from .registry import KNOWN_BACKENDS, declared_capabilities
 from .status import available_backends, backend_status
+from .tolerances import TOLERANCES
+from .validation import dtype_name, make_problem
+from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -57,7 +63,7 @@ def _dtype_names(dtypes) -> str:
     order = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     known = [d for d in order if d in dtypes]
     others = sorted(str(d) for d in dtypes if d not in order)
-    return ", ".join([str(d).replace("torch.", "") for d in known] + others)
+    return ", ".join([dtype_name(d) for d in known] + others)
 
 
 CAPABILITY_COLUMNS = {
@@ -77,8 +83,7 @@ CAPABILITY_COLUMNS = {
 
 
 def capabilities_table() -> str:
-    """The markdown page ``python -m ttt capabilities`` prints: one row per built-in backend,
-    from the capabilities its class declares (the GPU backends' as on a CUDA machine)."""
+    """The markdown page ``python -m ttt capabilities`` prints: one row per built-in backend."""
     lines = [
         "# Backend capabilities",
         "",
@@ -129,23 +134,16 @@ def _demo_device(requested: str | None) -> torch.device:
     return device
 
 
-def _require_runnable(name: str) -> None:
-    """CommandError unless backend ``name`` is installed and a device it runs on is here."""
-    status = backend_status(name)
-    if not status.available:
+def _require_runnable(name: str | None) -> None:
+    """CommandError unless backend ``name`` (None: any) is installed and can run here."""
+    status = None if name is None else backend_status(name)
+    if status is not None and not status.available:
         raise CommandError(f"backend {name!r} cannot run here: {status.reason}")
 
 
 def cmd_demo(args) -> int:
-    from .choice import select_backend
-    from .ops import chunk_ttt_linear
-    from .oracle import oracle_chunk_ttt_linear
-    from .tolerances import TOLERANCES
-    from .validation import make_problem
-
     device = _demo_device(args.device)
-    if args.backend is not None:
-        _require_runnable(args.backend)
+    _require_runnable(args.backend)
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     B, T, H, D, C = args.batch, args.seq_len, args.heads, args.head_dim, args.chunk_size
@@ -167,42 +165,36 @@ def cmd_demo(args) -> int:
     backend = select_backend(problem, args.backend)
     print(f"ttt demo: TTT-linear forward + backward on backend {backend.name!r}")
     print(f"  device {device} ({_device_line()})")
-    print(f"  B={B} T={T} H={H} D={D} chunk={C} dtype={str(dtype).replace('torch.', '')}")
+    print(f"  B={B} T={T} H={H} D={D} chunk={C} dtype={dtype_name(dtype)}")
+
+    gc = torch.Generator()
+
+    def cotangents(*outs):          # the same ones for every call
+        gc.manual_seed(1)
+        return [torch.randn(x.shape, generator=gc, dtype=torch.float64).to(x) for x in outs]
 
     def step():
         o, ht, hbt = chunk_ttt_linear(**inputs, chunk_size=C, output_final_state=True,
                                       backend=backend.name)
         grads = torch.autograd.grad([o, ht, hbt], list(inputs.values()), cotangents(o, ht, hbt))
-        return (o, ht, hbt), grads
-
-    gc = torch.Generator().manual_seed(1)
-
-    def cotangents(*outs):
-        return [torch.randn(x.shape, generator=gc, dtype=torch.float64).to(x) for x in outs]
-
-    def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return (o, ht, hbt), grads
 
     for _ in range(args.warmup):         # compilation, autotuning, caches
-        gc.manual_seed(1)
         step()
-    sync()
-    times = []
+    times_ms = []
     for _ in range(args.repeat):
-        gc.manual_seed(1)
         start = time.perf_counter()
         (o, ht, hbt), grads = step()
-        sync()
-        times.append(time.perf_counter() - start)
-    times_ms = sorted(t * 1e3 for t in times)
+        times_ms.append((time.perf_counter() - start) * 1e3)
+    times_ms.sort()
     print(f"  forward + backward: {statistics.median(times_ms):.2f} ms median of "
           f"{args.repeat} calls (min {times_ms[0]:.2f}, max {times_ms[-1]:.2f}) after "
           f"{args.warmup} warm-up call(s)")
 
     ref_inputs = {n: t.detach().double().requires_grad_(True) for n, t in inputs.items()}
     ref = oracle_chunk_ttt_linear(**ref_inputs, chunk_size=C)
-    gc.manual_seed(1)
     ref_grads = torch.autograd.grad(list(ref), list(ref_inputs.values()), cotangents(*ref))
     out_tol, grad_tol = TOLERANCES[dtype]
     ok = True
@@ -219,11 +211,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
-
     device = _demo_device(args.device)
-    if args.backend is not None:
-        _require_runnable(args.backend)
+    _require_runnable(args.backend)
     report = warmup(args.backend,
                     dtypes=None if args.dtype is None else [DTYPES[d] for d in args.dtype],
                     head_dims=args.head_dim or DEFAULT_HEAD_DIMS,
@@ -243,24 +232,21 @@ def cmd_warmup(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(low: int, words: str):
+    """An argparse type: an int >= ``low``, else "expected a ``words`` integer"."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {text!r}")
+        return value
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "positive")
+_non_negative_int = _int_at_least(0, "non-negative")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -278,79 +264,70 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ttt", description=__doc__,
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backends, versions, device", formatter_class=HelpFormatter,
-                   description="ttt, torch and Python versions, the device, every backend "
-                               "and whether it runs here").set_defaults(func=cmd_info)
-    sub.add_parser("capabilities", help="the backends' declared capabilities, a markdown "
-                                        "table (docs/capabilities.md)",
-                   formatter_class=HelpFormatter,
-                   description="the backends' declared capabilities as a markdown table"
-                   ).set_defaults(func=cmd_capabilities)
-    demo = sub.add_parser("demo", help="forward + backward on the best backend, "
-                                       "checked against the float64 oracle",
-                          formatter_class=HelpFormatter,
-                          description="A TTT-linear forward + backward, timed (the median "
-                                      "of several calls after warm-up), checked against "
-                                      "the float64 oracle; exit status 1 if an error is "
-                                      "above its bound.")
+
+    def command(name, func, help, description):
+        command = sub.add_parser(name, help=help, description=description,
+                                 formatter_class=HelpFormatter)
+        command.set_defaults(func=func)
+        return command
+
+    command("info", cmd_info, "backends, versions, device",
+            "ttt, torch and Python versions, the device, every backend and whether it runs here")
+    command("capabilities", cmd_capabilities,
+            "the backends' declared capabilities, a markdown table (docs/capabilities.md)",
+            "the backends' declared capabilities as a markdown table")
+    demo = command("demo", cmd_demo,
+                   "forward + backward on the best backend, checked against the float64 oracle",
+                   "A TTT-linear forward + backward, timed (the median of several calls after "
+                   "warm-up), checked against the float64 oracle; exit status 1 if an error is "
+                   "above its bound.")
     demo.add_argument("--backend", default=None, help="backend name (default: the best here)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                       help="input dtype (default: bf16 on cuda, fp32 on cpu)")
-    demo.add_argument("--batch", type=_positive_int, default=2, help="batch size B")
-    demo.add_argument("--seq-len", type=_positive_int, default=256, help="sequence length T")
-    demo.add_argument("--heads", type=_positive_int, default=4, help="heads H")
-    demo.add_argument("--head-dim", type=_positive_int, default=64, help="head dim D")
-    demo.add_argument("--chunk-size", type=_positive_int, default=16,
-                      help="tokens per inner mini-batch")
-    demo.add_argument("--warmup", type=_non_negative_int, default=2,
-                      help="untimed calls first (compilation, autotuning, caches)")
-    demo.add_argument("--repeat", type=_positive_int, default=10,
-                      help="timed calls; their median is reported")
-    demo.set_defaults(func=cmd_demo)
-    warm = sub.add_parser("warmup", help="compile ahead of time the kernels of some "
-                                         "configurations (forward and backward)",
-                          formatter_class=HelpFormatter,
-                          description="Compile ahead of time the kernels of some "
-                                      "configurations, forward and backward.")
+    for flag, default, help in (
+            ("--batch", 2, "batch size B"), ("--seq-len", 256, "sequence length T"),
+            ("--heads", 4, "heads H"), ("--head-dim", 64, "head dim D"),
+            ("--chunk-size", 16, "tokens per inner mini-batch"),
+            ("--warmup", 2, "untimed calls first (compilation, autotuning, caches)"),
+            ("--repeat", 10, "timed calls; their median is reported")):
+        kind = _non_negative_int if flag == "--warmup" else _positive_int
+        demo.add_argument(flag, type=kind, default=default, help=help)
+    warm = command("warmup", cmd_warmup,
+                   "compile ahead of time the kernels of some configurations (forward and "
+                   "backward)",
+                   "Compile ahead of time the kernels of some configurations, forward and "
+                   "backward.")
     warm.add_argument("--backend", default=None,
                       help="backend name (default: the one each configuration's calls get)")
-    warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if "
-                                                     "present)")
+    warm.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
     warm.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                       help="input dtype, repeatable (default: bf16 and fp32, those the "
                            "backend takes)")
-    warm.add_argument("--head-dim", type=_positive_int, action="append",
-                      help="repeatable (default: 64 and 128)")
-    warm.add_argument("--chunk-size", type=_positive_int, action="append",
-                      help="repeatable (default: 16)")
-    warm.add_argument("--heads", type=_positive_int, action="append",
-                      help="number of heads, repeatable (default: 32; Triton compiles per "
-                           "number of heads)")
+    for flag, help in (("--head-dim", "repeatable (default: 64 and 128)"),
+                       ("--chunk-size", "repeatable (default: 16)"),
+                       ("--heads", "number of heads, repeatable (default: 32; Triton compiles "
+                                   "per number of heads)")):
+        warm.add_argument(flag, type=_positive_int, action="append", help=help)
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--workers", type=_positive_int, default=None,
                       help="processes compiling in parallel before this one loads their "
                            "kernels (default: one per CPU core, at most 12, on a GPU; 1 on "
                            "the CPU)")
     warm.add_argument("--quiet", action="store_true", help="no progress bar")
-    warm.set_defaults(func=cmd_warmup)
     return parser
-
-
-def _run_command(parser: argparse.ArgumentParser, args) -> int:
-    try:
-        return args.func(args)
-    except EXPECTED_ERRORS as exc:
-        message = " ".join(str(exc).split())
-        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
-        return 2
 
 
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        status = _run_command(parser, args)
+        try:
+            status = args.func(args)
+        except EXPECTED_ERRORS as exc:
+            message = " ".join(str(exc).split())
+            print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+            status = 2
         sys.stdout.flush()           # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError:
         # the reader went away (``python -m ttt info | head -2``): nothing more to say. Point

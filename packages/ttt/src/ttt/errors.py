@@ -7,9 +7,8 @@ from collections.abc import Mapping
 
 
 class BackendError(Exception):
-    """No backend here for this call: the base of every backend error, so one
-    ``except ttt.BackendError`` catches an unknown name, a backend that is not installed,
-    one that cannot run on this machine and one that cannot take the inputs."""
+    """No backend here for this call: the base of every backend error (unknown, not
+    installed, cannot run here, cannot take the inputs)."""
 
 
 class UnknownBackendError(BackendError, ValueError):
@@ -17,8 +16,7 @@ class UnknownBackendError(BackendError, ValueError):
 
 
 class BackendNotInstalledError(BackendError, ImportError):
-    """A known backend whose module cannot be imported; ``reason`` names the missing module
-    and how to install it."""
+    """A known backend whose module cannot be imported; ``reason`` says what to install."""
 
     def __init__(self, name: str, reason: str):
         super().__init__(f"ttt backend {name!r} is not installed: {reason}")
@@ -31,14 +29,12 @@ class BackendNotSupportedError(BackendError, ValueError):
 
 
 class BackendUnavailableError(BackendNotSupportedError):
-    """A backend asked for by name is installed but cannot run on this machine (its engine
-    or a device it needs is missing); says why. A :class:`BackendNotSupportedError`, as
-    such a call raised before this class existed."""
+    """A backend asked for by name is installed but cannot run on this machine; says why.
+    (A :class:`BackendNotSupportedError`, as such a call raised before this class existed.)"""
 
 
 def import_failure_reason(err: ImportError, hints: Mapping[str, str]) -> str:
-    """Why an import failed: the module that could not be imported (``err.name``: the
-    package asked for, or one of its dependencies) and how to install it,
+    """Why an import failed: the module (``err.name``) and how to install it,
     ``hints[its top-level name]`` or else ``pip install <top-level name>``."""
     if not err.name:
         return f"an import failed ({err})"

@@ -4,6 +4,7 @@ custom op ``ttt::chunk_ttt_linear_fwd`` (``ttt._custom_op``) every backend goes 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from . import _custom_op, _empty
 from .choice import select_backend
@@ -12,8 +13,7 @@ from .validation import make_problem
 
 
 def _autocast_enabled(device_type: str) -> bool:
-    """Whether an autocast region is on for ``device_type``; False for a device type autocast
-    does not know (meta: ``torch.is_autocast_enabled("meta")`` raises)."""
+    """Whether autocast is on for ``device_type`` (False where it raises: meta)."""
     if device_type in ("cpu", "cuda"):
         return torch.is_autocast_enabled(device_type)
     try:
@@ -24,14 +24,12 @@ def _autocast_enabled(device_type: str) -> bool:
 
 
 def _in_autocast_region(q) -> bool:
-    """Whether ``q`` is a tensor and an autocast region is on for its device type."""
     return isinstance(q, torch.Tensor) and _autocast_enabled(_custom_op.device_type(q))
 
 
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Inside an autocast region for q's device type, q, k, v in its dtype, as a matmul
-    takes them (float64 is left alone); nothing else is cast (nothing where k or v is no
-    tensor: ``make_problem`` says what is wrong)."""
+    """q, k, v in the autocast dtype, as a matmul takes them (not float64); as given where k
+    or v is no tensor (``make_problem`` says what is wrong)."""
     if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return q, k, v
     dtype = torch.get_autocast_dtype(_custom_op.device_type(q))
@@ -44,8 +42,8 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _backend_name(problem: Problem, requested: str | None) -> str:
-    """The chosen backend's name; eager: from the problem, while compiling: once per trace
-    (dynamo does not trace the choice, which lives in a ContextVar)."""
+    """The chosen backend's name; while compiling, once per trace (dynamo does not trace the
+    choice, which lives in a ContextVar)."""
     if not torch.compiler.is_compiling():
         return select_backend(problem, requested).name
     from ._compiled_choice import compiled_backend_name  # (imports torch._dynamo)
@@ -54,24 +52,12 @@ def _backend_name(problem: Problem, requested: str | None) -> str:
 
 
 def chunk_ttt_linear(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor,
-    eta: torch.Tensor | float,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    chunk_size: int = 16,
-    initial_state: torch.Tensor | None = None,
-    initial_state_bias: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    *,
-    eta_key: torch.Tensor | None = None,
-    output: str = "norm_residual",
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor | float,
+    scale: float | None = None, eps: float = 1e-6, chunk_size: int = 16,
+    initial_state: Tensor | None = None, initial_state_bias: Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: Tensor | None = None, *,
+    eta_key: Tensor | None = None, output: str = "norm_residual", backend: str | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     r"""Chunked TTT-linear: a linear inner model trained by one gradient step per chunk.
 
     Args:
@@ -99,19 +85,16 @@ def chunk_ttt_linear(
         ``(o, final_state, final_state_bias)``: ``o`` ``[B, T, H, D]`` in q's dtype; the
         states float32 (float64 for float64 inputs), or None unless requested.
 
-    Positions past a sequence's end (in its last, partial chunk) take no part in any
-    update. Inputs are never modified. An empty sequence (``T == 0``, or two equal offsets
-    in ``cu_seqlens``) computes nothing, on every backend: its outputs are empty, its final
-    states are its initial states (zeros when none are given), and its gradients are zeros,
-    those of its initial states being the final states' cotangents. See docs/math.md for
-    the exact definition.
+    Positions past a sequence's end take no part in any update; inputs are never modified.
+    An empty sequence (``T == 0``, or equal offsets) computes nothing on every backend: empty
+    outputs, final states = initial states (or zeros), zero gradients but the initial
+    states' (the final states' cotangents). docs/math.md defines the operator.
 
-    Inside an autocast region, q, k and v are cast to its dtype for their device type (as
-    a matmul takes them), nothing else. The work is one custom op,
-    ``torch.ops.ttt.chunk_ttt_linear_fwd`` (its backward ``ttt::chunk_ttt_linear_bwd``):
-    ``torch.compile(fullgraph=True)`` traces a dense call without a graph break; a tensor
-    ``cu_seqlens`` is read on the host, where dynamo breaks the graph. Under torch.compile
-    the backend is chosen when the call is traced and kept by the compiled graph.
+    Under autocast, q, k and v are cast to its dtype (as a matmul takes them), nothing else.
+    The work is one custom op, ``torch.ops.ttt.chunk_ttt_linear_fwd`` (backward
+    ``ttt::chunk_ttt_linear_bwd``): ``torch.compile(fullgraph=True)`` traces a dense call
+    without a graph break (a tensor ``cu_seqlens`` is read on the host: a break); the
+    backend is chosen when the call is traced and kept by the compiled graph.
     """
     autocast = _in_autocast_region(q)
     if autocast:

@@ -13,11 +13,9 @@ states, else zero), each chunk of ``L <= chunk_size`` *valid* rows (q scaled by 
     W &\leftarrow W - \eta_{last}\, k^\top g, \qquad
     hb \leftarrow hb - \eta_{last} \textstyle\sum_i g_i
 
-with ``l`` the per-key factor ``eta_key`` (no factor when None), then per head the output
-form: ``z + LN(z) * w + b``, ``q + LN(z) * w + b`` (q unscaled) or ``z``. Positions past a
-sequence's end take no part (the padding rule). Half inputs compute in float32, float64 in
-float64; the backward recomputes the forward under autograd (memory light, and the fallback
-is not where speed matters).
+with ``l`` the per-key factor ``eta_key`` (1 when None), then the output form:
+``z + LN(z) * w + b``, ``q + LN(z) * w + b`` (q unscaled) or ``z``. Half inputs compute in
+float32; the backward recomputes the forward under autograd (memory light).
 """
 
 from __future__ import annotations
@@ -37,17 +35,15 @@ def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.
 
 
 def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_size):
-    """One group of equal-length sequences. q, k, v: [B, H, T, D]; eta and eta_key (or None)
-    [B, H, T, 1]; w, b: [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns z
-    [B, H, T, D] and the states."""
+    """Equal-length sequences: q, k, v [B, H, T, D]; eta, eta_key (or None) [B, H, T, 1];
+    w, b [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns z and the states."""
     T = q.shape[2]
     state, state_bias = h0, hb0
     outputs = []
     for start in range(0, T, chunk_size):
         stop = min(start + chunk_size, T)
-        b_q = q[:, :, start:stop] * scale                    # [B, H, L, D]
-        b_k = k[:, :, start:stop]                            # [B, H, L, D]
-        b_v = v[:, :, start:stop]                            # [B, H, L, D]
+        b_q = q[:, :, start:stop] * scale                    # [B, H, L, D], as k and v
+        b_k, b_v = k[:, :, start:stop], v[:, :, start:stop]
         b_e = eta[:, :, start:stop]                          # [B, H, L, 1]
         length = stop - start
 
@@ -85,35 +81,26 @@ def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0, eta_key=None):
     cdt = problem.state_dtype
     B, T, H, D = q.shape
     N = problem.N
-    to = dict(dtype=cdt)
-    q, k, v = (t.to(**to).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-    eta = eta.to(**to).transpose(1, 2)                          # [B, H, T, 1]
+    q, k, v, eta = (t.to(cdt).transpose(1, 2) for t in (q, k, v, eta))   # [B, H, T, D or 1]
     if eta_key is not None:
-        eta_key = eta_key.to(**to).transpose(1, 2)              # [B, H, T, 1]
-    w4 = w.to(**to).reshape(1, H, 1, D)
-    b4 = b.to(**to).reshape(1, H, 1, D)
-    if h0 is None:
-        h0 = q.new_zeros(N, H, D, D)
-    if hb0 is None:
-        hb0 = q.new_zeros(N, H, 1, D)
-    h0, hb0 = h0.to(**to), hb0.to(**to)
+        eta_key = eta_key.to(cdt).transpose(1, 2)              # [B, H, T, 1]
+    w4, b4 = (t.to(cdt).reshape(1, H, 1, D) for t in (w, b))
+    h0 = q.new_zeros(N, H, D, D) if h0 is None else h0.to(cdt)
+    hb0 = q.new_zeros(N, H, 1, D) if hb0 is None else hb0.to(cdt)
     args = (problem.scale, problem.eps, problem.chunk_size)
 
     if problem.cu_seqlens is None:
         o, ht, hbt = _sequence_forward(q, k, v, eta, eta_key, w4, b4, h0, hb0, *args)
     else:
-        pieces, states, biases = [], [], []
-        start = 0
+        results, start = [], 0
         for n, length in enumerate(problem.seq_lens):
             sl = slice(start, start + length)
-            o_n, ht_n, hbt_n = _sequence_forward(
+            results.append(_sequence_forward(
                 q[:, :, sl], k[:, :, sl], v[:, :, sl], eta[:, :, sl],
                 None if eta_key is None else eta_key[:, :, sl], w4, b4,
-                h0[n:n + 1], hb0[n:n + 1], *args)
-            pieces.append(o_n)
-            states.append(ht_n)
-            biases.append(hbt_n)
+                h0[n:n + 1], hb0[n:n + 1], *args))
             start += length
+        pieces, states, biases = zip(*results)
         o, ht, hbt = torch.cat(pieces, 2), torch.cat(states), torch.cat(biases)
 
     o = _output_form(problem.output, o, q, w4, b4, problem.eps)
@@ -153,10 +140,9 @@ class ReferenceBackend(Backend):
                  needs: GradNeeds):
         names = ("q", "k", "v", "w", "b", "eta", "initial_state", "initial_state_bias",
                  "eta_key")
-        given = (problem.q, problem.k, problem.v, problem.w, problem.b, problem.eta,
-                 problem.initial_state, problem.initial_state_bias, problem.eta_key)
         leaves = {}
-        for name, tensor in zip(names, given):
+        for name in names:
+            tensor = getattr(problem, name)
             want = getattr(needs, name) and tensor is not None
             if name == "eta":
                 want = want and problem.eta_is_tensor

@@ -1,19 +1,17 @@
 """Backend registry: the backends ttt knows of, and how each is loaded.
 
 A name is looked up among the backends registered in this process (:func:`register_backend`),
-then the built-in ``KNOWN_BACKENDS`` (each with its pip command), then the entry points of
-the group ``ttt.backends`` (read on first need, never at ``import ttt``); a backend is loaded
-(imported and made) once, on first use. What the choice (:mod:`ttt.choice`) keeps lives here
-and is dropped in one place, :func:`_forget_choices`: by ``set_backend``, by registering or
-unregistering a backend, when the entry points are read again, and by :func:`clear_cache`
-(call it after installing a backend package in a running process). Nothing expires by time.
+the built-in ``KNOWN_BACKENDS``, then the entry points of group ``ttt.backends`` (read on
+first need, never at ``import ttt``); a backend is loaded once, on first use. What the
+choice (:mod:`ttt.choice`) keeps lives here, dropped only by :func:`_forget_choices`: on
+``set_backend``, (un)registering, reading the entry points again, and :func:`clear_cache`.
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
@@ -29,11 +27,10 @@ from .errors import (  # noqa: F401 - also ttt.registry's names, as the backends
 )
 
 ENTRY_POINT_GROUP = "ttt.backends"
-AUTO = "auto"
-"""The name of the automatic choice (no backend may take it)."""
+AUTO = "auto"                  # the automatic choice's name (no backend may take it)
 PLUGIN_PRIORITY = 500
-"""The automatic choice's place (lower first) of an entry point, and of a registered backend
-by default: after the built-in GPU backends, before ``reference``."""
+"""The automatic choice's place (lower first) of entry points and, by default, registered
+backends: after the built-in GPU backends, before ``reference``."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +56,6 @@ KNOWN_BACKENDS: Mapping[str, KnownBackend] = MappingProxyType({
 
 @dataclass
 class _State:
-    """Everything the registry holds besides the built-in table."""
-
     registered: dict[str, KnownBackend] = field(default_factory=dict)
     entry_points: dict[str, KnownBackend] | None = None     # None: not read yet
     loaded: dict[str, Backend] = field(default_factory=dict)
@@ -73,18 +68,16 @@ _state = _State()
 
 
 def _forget_choices() -> None:
-    """The one place that drops what the choice keeps: the choices, the backends found not
-    installed, the warnings given."""
+    """Drops what the choice keeps: choices, backends found not installed, warnings given."""
     _state.kept.clear()
     _state.not_installed.clear()
     _state.warned.clear()
 
 
 def clear_cache() -> None:
-    """Forgets what the choice keeps (see the module's doc), the entry points read and the
-    backends loaded from them: the next call imports and asks the backends again. Call it
-    after installing (or removing) a backend package in a running process. Thread-safe as
-    the choice is: a call running meanwhile may keep its choice once more."""
+    """Forgets what the choice keeps, the entry points and the backends loaded from them:
+    call it after installing or removing a backend package in a running process. (A call
+    running meanwhile may keep its choice once more.)"""
     for name in set(_state.entry_points or ()) - set(_state.registered):
         _state.loaded.pop(name, None)
     _state.entry_points = None
@@ -93,8 +86,8 @@ def clear_cache() -> None:
 
 
 def _read_entry_points() -> dict[str, KnownBackend]:
-    """The group's entry points by name; one that takes a built-in name is passed over (with
-    a warning unless it names the built-in's own target)."""
+    """The group's entry points by name; one with a built-in name is passed over (with a
+    warning unless it names the built-in's own target)."""
     found: dict[str, KnownBackend] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in KNOWN_BACKENDS:
@@ -114,7 +107,6 @@ def _read_entry_points() -> dict[str, KnownBackend]:
 
 
 def _entry_points() -> dict[str, KnownBackend]:
-    """The entry points' backends, read on first need."""
     if _state.entry_points is None:
         _state.entry_points = _read_entry_points()
         _forget_choices()                   # (entry points read again: maybe others)
@@ -127,8 +119,7 @@ def known_names() -> list[str]:
 
 
 def _known(name: str) -> KnownBackend:
-    """How to load backend ``name``: its registration, else its built-in entry, else its
-    entry point; :class:`UnknownBackendError` if none."""
+    """How to load backend ``name`` (registered, built in, else an entry point)."""
     known = (_state.registered.get(name) or KNOWN_BACKENDS.get(name)
              or _entry_points().get(name))
     if known is None:
@@ -143,8 +134,7 @@ def _priority(name: str) -> int:
 
 
 def _factory(name: str):
-    """What backend ``name``'s target names (a Backend subclass, a zero-argument factory or
-    an instance), imported; the errors of :func:`load_backend`."""
+    """What backend ``name``'s target names (a factory or a Backend), imported."""
     known = _known(name)
     if not isinstance(known.target, str):
         return known.target
@@ -162,8 +152,8 @@ def _factory(name: str):
 
 def load_backend(name: str) -> Backend:
     """The backend object for ``name``. Raises :class:`UnknownBackendError` (a ValueError)
-    for a name ttt does not know and :class:`BackendNotInstalledError` (an ImportError,
-    naming the missing module and the pip command) for one that is not installed."""
+    for an unknown name, :class:`BackendNotInstalledError` (an ImportError naming the
+    missing module and the pip command) for one not installed."""
     backend = _state.loaded.get(name)
     if backend is None:
         factory = _factory(name)
@@ -175,29 +165,28 @@ def load_backend(name: str) -> Backend:
     return backend
 
 
-class _Registration:
-    """Returned by :func:`register_backend`; as a context manager, undoes the registration
-    on exit (the registration it replaced, if any, comes back)."""
+class Undo:
+    """What :func:`register_backend` and ``set_backend`` return: a context manager that
+    undoes the call on exit."""
 
-    def __init__(self, name: str, known: KnownBackend, previous: KnownBackend | None):
+    def __init__(self, what: str, name: str, undo: Callable[[], None]):
         self.name = name
-        self._known = known
-        self._previous = previous
+        self._what = what
+        self._undo = undo
 
-    def __enter__(self) -> _Registration:
+    def __enter__(self) -> Undo:
         return self
 
     def __exit__(self, *exc) -> None:
-        if _state.registered.get(self.name) is self._known:
-            _set_registration(self.name, self._previous)
+        self._undo()
 
     def __repr__(self) -> str:
-        return f"<ttt backend registration {self.name!r}>"
+        return f"<ttt backend {self._what} {self.name!r}>"
 
 
 def _set_registration(name: str, known: KnownBackend | None) -> None:
-    """Registers ``known`` as backend ``name`` (None: removes its registration); the
-    backend loaded under that name and the choices kept are dropped."""
+    """Registers ``known`` as ``name`` (None: unregisters); drops its loaded backend and the
+    choices."""
     if known is None:
         _state.registered.pop(name, None)
     else:
@@ -207,7 +196,6 @@ def _set_registration(name: str, known: KnownBackend | None) -> None:
 
 
 def _check_registration(name, backend, priority, install_hint) -> None:
-    """The errors of :func:`register_backend`'s arguments, each naming its argument."""
     if not isinstance(name, str) or name in ("", AUTO):
         raise ValueError(f"register_backend: name must be a non-empty str other than "
                          f"{AUTO!r}, got {name!r}")
@@ -225,16 +213,13 @@ def _check_registration(name, backend, priority, install_hint) -> None:
 
 
 def register_backend(name: str, backend, *, priority: int = PLUGIN_PRIORITY,
-                     install_hint: str | None = None, replace: bool = False) -> _Registration:
-    """Registers ``backend`` under ``name`` in this process (every thread): a
-    :class:`~ttt.Backend` instance, a zero-argument factory (a Backend subclass works) or a
-    ``"module:attribute"`` str naming one, imported on first use (``install_hint``: the
-    command that installs it, shown when that import fails). ``priority`` places it in the
-    automatic choice (lower first: triton 10, cupy 20, ``reference`` 1000).
-
-    A name ttt knows already (built in, registered, or an entry point) raises ValueError
-    unless ``replace=True``, or unless it is the same registration again. Returns a
-    context manager that undoes the registration on exit (``with ttt.register_backend(...):``);
+                     install_hint: str | None = None, replace: bool = False) -> Undo:
+    """Registers ``backend`` under ``name`` in this process: a :class:`~ttt.Backend`, a
+    zero-argument factory (a Backend subclass works) or a ``"module:attribute"`` str naming
+    one, imported on first use (``install_hint``: shown when that import fails).
+    ``priority`` places it in the automatic choice (lower first: triton 10, cupy 20,
+    ``reference`` 1000). A name ttt knows already raises ValueError unless ``replace=True``
+    or it is the same registration again. Returns a context manager that undoes it on exit;
     :func:`unregister_backend` removes one. The choices kept are dropped."""
     _check_registration(name, backend, priority, install_hint)
     hint = install_hint or f"reinstall the package that provides {name!r}"
@@ -245,12 +230,17 @@ def register_backend(name: str, backend, *, priority: int = PLUGIN_PRIORITY,
         raise ValueError(f"register_backend: backend {name!r} exists already ({taken.target!r});"
                          f" pass replace=True to replace it")
     _set_registration(name, known)
-    return _Registration(name, known, previous)
+
+    def undo() -> None:         # (the registration it replaced comes back)
+        if _state.registered.get(name) is known:
+            _set_registration(name, previous)
+
+    return Undo("registration", name, undo)
 
 
 def unregister_backend(name: str) -> None:
-    """Removes the registration of ``name`` made by :func:`register_backend` (a built-in or
-    entry-point backend it replaced comes back); ValueError for a name not registered so."""
+    """Removes ``name``'s :func:`register_backend` registration (a backend it replaced comes
+    back); ValueError for a name not registered so."""
     if name not in _state.registered:
         raise ValueError(f"unregister_backend: {name!r} was not registered with "
                          f"register_backend (registered: {sorted(_state.registered)})")
@@ -258,10 +248,9 @@ def unregister_backend(name: str) -> None:
 
 
 def declared_capabilities(name: str) -> Capabilities:
-    """The capabilities backend ``name`` declares for the machine it is made for: those of
-    its class, read without importing its engine (triton, cupy). A loaded instance may
-    widen them for the machine it runs on (the Triton backend adds cpu under Triton's
-    interpreter); a backend whose class declares none is loaded and asked."""
+    """The capabilities of backend ``name``'s class, read without importing its engine (an
+    instance may widen them: Triton's adds cpu under its interpreter); a backend whose class
+    declares none is loaded and asked."""
     capabilities = getattr(_factory(name), "capabilities", None)
     if isinstance(capabilities, Capabilities):
         return capabilities

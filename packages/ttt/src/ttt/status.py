@@ -1,6 +1,5 @@
 """Whether each backend runs here, and if not, why: :func:`available_backends` (what
-``python -m ttt info`` lists) and :func:`backend_status`, from the backends known to
-:mod:`ttt.registry`."""
+``python -m ttt info`` lists) and :func:`backend_status`."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from .registry import known_names, load_backend
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """Whether a backend runs here. ``available``: it loads, its engine imports and a device
-    it declares is present. ``reason`` (None when available) says why not, starting with
-    "not installed", "unavailable" or "installed, needs"."""
+    """Whether a backend runs here (it loads, its engine imports, a device it declares is
+    present); else ``reason``: "not installed...", "unavailable..." or "installed, needs..."."""
 
     name: str
     available: bool
@@ -32,18 +30,15 @@ DEVICE_WORDS = {"cuda": "a CUDA GPU", "mps": "an Apple GPU (mps)", "xpu": "an In
 def present_device_types() -> frozenset[str]:
     """The device types this machine can run tensors on (no CUDA context is created)."""
     present = {"cpu", "meta"}
-    if torch.cuda.is_available():
-        present.add("cuda")
-    if torch.backends.mps.is_available():
-        present.add("mps")
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        present.add("xpu")
+    for name, module in (("cuda", torch.cuda), ("mps", torch.backends.mps),
+                         ("xpu", getattr(torch, "xpu", None))):
+        if module is not None and module.is_available():
+            present.add(name)
     return frozenset(present)
 
 
 def missing_device_reason(backend: Backend) -> str | None:
-    """Why ``backend`` cannot run on this machine's devices (e.g. "installed, needs a CUDA
-    GPU"), or None when a device type it declares is present."""
+    """Why ``backend`` cannot run on this machine's devices, or None."""
     devices = backend.capabilities.devices
     if devices & present_device_types():
         return None
@@ -52,8 +47,7 @@ def missing_device_reason(backend: Backend) -> str | None:
 
 
 def backend_status(name: str) -> BackendStatus:
-    """Whether backend ``name`` runs here, and if not, why (see :class:`BackendStatus`);
-    :class:`UnknownBackendError` for a name ttt does not know."""
+    """Whether backend ``name`` runs here, and if not, why; UnknownBackendError if unknown."""
     try:
         backend = load_backend(name)
     except UnknownBackendError:

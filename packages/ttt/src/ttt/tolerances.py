@@ -1,12 +1,9 @@
 """Bounds on the error against the float64 oracle, per input dtype.
 
-``TOLERANCES[dtype] = (outputs and final states, gradients)``: bounds on the whole tensor's
-relative error ``||x - ref|| / ||ref||``. The conformance suite and ``python -m ttt demo``
-both judge by this one table.
-
-``SEGMENT_FACTOR``: the suite also bounds every sequence's and every chunk's RMS error
-against the whole tensor's RMS (``ttt.testing.compare``) by ``SEGMENT_FACTOR`` times the
-same tolerance.
+``TOLERANCES[dtype] = (outputs and final states, gradients)``: bounds on the relative error
+``||x - ref|| / ||ref||`` of whole tensors, for the conformance suite and ``python -m ttt
+demo``; each sequence's and chunk's RMS error against the tensor's RMS is bounded by
+``SEGMENT_FACTOR`` times that (``ttt.testing.compare``).
 """
 
 from __future__ import annotations

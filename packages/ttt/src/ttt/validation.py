@@ -1,12 +1,10 @@
-"""Input checks for ``chunk_ttt_linear``: one place, run once per call, before any backend.
+"""Input checks for ``chunk_ttt_linear``: run once per call, before any backend.
 
-Every failure raises ``TypeError`` (wrong kind of object, wrong dtype) or ``ValueError``
-(wrong shape, value or device), naming the argument, what was expected and what came.
-The arguments are checked one after the other: q, k, v, w, b, eta, eta_key, then output,
-scale, eps, chunk_size, output_final_state, cu_seqlens and the initial states, each against
-its rules in turn, so that the error raised is the first broken rule of the first bad
-argument. A valid call runs the same checks, each of them passing; an error message is
-made only where a rule breaks.
+A failure raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
+shape, value or device) naming the argument, what was expected and what came: the first
+broken rule of the first bad argument, in the order q, k, v, w, b, eta, eta_key, output,
+scale, eps, chunk_size, output_final_state, cu_seqlens, initial states. Messages are made
+only where a rule breaks.
 """
 
 from __future__ import annotations
@@ -22,19 +20,17 @@ from .problem import OUTPUTS, Problem
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 _STATE_DTYPES = (torch.float32,)
-_STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)
-"""The initial states' dtypes: float32, or with float64 inputs float32 or float64."""
+_STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)     # (for float64 inputs)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
     return str(dtype).replace("torch.", "")
 
 
 def _broken_rule(t, dtypes, shape: tuple[int, ...], device: torch.device) -> str | None:
-    """The first rule of a tensor argument that ``t`` breaks, or None, in this order:
-    ``"type"`` (a torch.Tensor), ``"floating"`` (a floating dtype) and ``"dtype"`` (one of
-    ``dtypes``, floating dtypes), ``"rank"`` (as many dims as ``shape``) and ``"shape"``
-    (``shape``), ``"device"`` (``device``: q's)."""
+    """The first rule ``t`` breaks, or None: ``"type"`` (a tensor), ``"floating"`` then
+    ``"dtype"`` (one of ``dtypes``), ``"rank"`` then ``"shape"``, ``"device"`` (q's)."""
     if not isinstance(t, Tensor):
         return "type"
     t_dtype = t.dtype
@@ -53,8 +49,8 @@ def _type_error(name: str, value) -> TypeError:
 
 
 def _floating_error(name: str, t: Tensor) -> TypeError:
-    return TypeError(f"{name}: expected a floating dtype {[_name(d) for d in FLOAT_DTYPES]}, "
-                     f"got {_name(t.dtype)}")
+    return TypeError(f"{name}: expected a floating dtype {[dtype_name(d) for d in FLOAT_DTYPES]}, "
+                     f"got {dtype_name(t.dtype)}")
 
 
 def _rank_error(name: str, t: Tensor, rank: int) -> ValueError:
@@ -68,9 +64,7 @@ def _device_error(name: str, t: Tensor, device: torch.device) -> ValueError:
 
 def _tensor_error(name: str, t, rule: str, shape: tuple[int, ...], meaning: str,
                   device: torch.device, expected_dtype: str = "") -> Exception:
-    """The error of argument ``name`` (``t``) that breaks ``rule`` (:func:`_broken_rule`,
-    given ``shape``, ``device`` and the dtypes ``expected_dtype`` names): ``meaning`` says
-    what ``shape`` is."""
+    """The error of argument ``name`` breaking ``rule``; ``meaning`` says what ``shape`` is."""
     if rule == "type":
         return _type_error(name, t)
     if rule == "floating":
@@ -81,34 +75,29 @@ def _tensor_error(name: str, t, rule: str, shape: tuple[int, ...], meaning: str,
         return ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
                           f"got {tuple(t.shape)}")
     if rule == "dtype":
-        return TypeError(f"{name}: expected dtype {expected_dtype}, got {_name(t.dtype)}")
+        return TypeError(f"{name}: expected dtype {expected_dtype}, got {dtype_name(t.dtype)}")
     return _device_error(name, t, device)
 
 
 def _key_value_error(name: str, t, rule: str, other, shape: torch.Size, dtype: torch.dtype,
                      device: torch.device) -> Exception:
-    """The error of k or v (``name``, ``t``; ``other`` the other one) that breaks ``rule``:
-    a wrong shape whose last dim differs from the other's (a 4-d tensor's) is a key dim
-    other than the value dim."""
+    """The error of k or v (``other``: the other one): a wrong shape whose last dim differs
+    from a 4-d ``other``'s is a key dim other than the value dim."""
     if (rule == "shape" and isinstance(other, Tensor) and other.dim() == 4
             and other.shape[-1] != t.shape[-1]):
         K, V = (t, other) if name == "k" else (other, t)
         return ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
                           f"K = {K.shape[-1]} and V = {V.shape[-1]}")
     return _tensor_error(name, t, rule, shape, "[B, T, H, D] like q", device,
-                         f"{_name(dtype)} (the dtype of q)")
+                         f"{dtype_name(dtype)} (the dtype of q)")
 
 
 def _checked_tensors(q, k, v, w, b, eta, eta_key
                      ) -> tuple[torch.Size, torch.dtype, torch.device, Tensor]:
-    """q's shape, dtype and device and eta as a tensor, once the tensor arguments pass their
-    checks, in this order: q a tensor of a floating dtype, 4-d ``[B, T, H, D]`` with H >= 1
-    heads and a head dim D >= 1 (B and T may be 0); k and v of q's dtype and shape, on q's
-    device; w and b ``[H, D]``, of any floating dtype, on q's device; eta a ``[B, T, H, 1]``
-    floating tensor on q's device, or a finite float (any real number but a bool: its
-    constant tensor, :func:`_eta_of_float`); eta_key None or a tensor as eta's. The rules of
-    each tensor but q, in their order: :func:`_broken_rule`. (One function, not one per
-    argument: a call costs about as much as a tensor's checks.)"""
+    """q's shape, dtype and device and eta as a tensor, once q (floating, ``[B, T, H, D]``,
+    H, D >= 1), k and v (q's dtype and shape), w and b (``[H, D]``), eta (a ``[B, T, H, 1]``
+    tensor or a finite float) and eta_key (None or as eta) pass, all on q's device. (One
+    function, not one per argument: a call costs about as much as a tensor's checks.)"""
     if not isinstance(q, Tensor):
         raise _type_error("q", q)
     dtype = q.dtype
@@ -141,8 +130,9 @@ def _checked_tensors(q, k, v, w, b, eta, eta_key
         rule = _broken_rule(eta, _FLOAT_DTYPE_SET, eta_shape, device)
         if rule is not None:
             raise _tensor_error("eta", eta, rule, eta_shape, "[B, T, H, 1]", device)
-    else:
-        eta = _eta_of_float(_finite_float_eta(eta), shape, dtype, device)
+    else:       # float32 (float64 for float64 inputs) keeps the constant exact
+        eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        eta = _constant_eta(float(_finite_float_eta(eta)), eta_shape, eta_dtype, device)
     if eta_key is not None:
         rule = _broken_rule(eta_key, _FLOAT_DTYPE_SET, eta_shape, device)
         if rule is not None:
@@ -162,36 +152,24 @@ def _finite_float_eta(eta) -> float:
 
 def _eta_key_error(eta_key, rule: str, eta_shape: tuple[int, ...],
                    device: torch.device) -> Exception:
-    """eta_key's error that breaks ``rule``: eta's, but for its type (a tensor or None)."""
+    """eta_key's error: eta's, but for its type (a tensor or None)."""
     if rule == "type":
         return TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
                          f"got {type(eta_key).__name__}")
     return _tensor_error("eta_key", eta_key, rule, eta_shape, "[B, T, H, 1] like eta", device)
 
 
-def _eta_of_float(value, shape: torch.Size, dtype: torch.dtype,
-                  device: torch.device) -> Tensor:
-    """The constant eta tensor of a (finite) float ``value``, for q of ``shape``, ``dtype``
-    and ``device``: float32 (float64 for float64 inputs) keeps the constant exact to float32
-    precision."""
-    B, T, H, _ = shape
-    eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return _constant_eta(float(value), (B, T, H, 1), eta_dtype, device)
-
-
-MAX_CONSTANT_ETAS = 4
-"""The constant ``eta`` tensors kept at most (CPU only, see :func:`_constant_eta`)."""
+MAX_CONSTANT_ETAS = 4          # constant eta tensors kept at most (CPU only)
 _CONSTANT_ETAS: dict[tuple, Tensor] = {}
 
 
 def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> Tensor:
-    """``torch.full(shape, value)``: on the CPU one tensor per value, shape and dtype, kept
-    while nothing wrote to it (its version counter stays 0), not made again per call; made
-    outside inference mode (an inference tensor has no version counter, and autograd cannot
-    save one). On other devices a new tensor each call: one kept there would be read by
-    kernels of other streams and CUDA graphs, unordered with the kernel that filled it;
-    under torch.compile too (the graph makes its own)."""
+    """``torch.full(shape, value)``. On the CPU one kept per value, shape and dtype while
+    nothing wrote to it (version 0), made outside inference mode (an inference tensor has no
+    version counter and autograd cannot save one). Elsewhere a new one each call: one kept
+    there would be read by other streams and CUDA graphs unordered with the kernel that
+    filled it; under torch.compile too (the graph makes its own)."""
     if device.type != "cpu" or value == 0 or torch.compiler.is_compiling():   # (0.0, -0.0)
         return torch.full(shape, value, dtype=dtype, device=device)
     key = (value, shape, dtype)
@@ -203,6 +181,15 @@ def _constant_eta(value: float, shape: tuple[int, ...], dtype: torch.dtype,
             kept = torch.full(shape, value, dtype=dtype, device=device)
         _CONSTANT_ETAS[key] = kept
     return kept
+
+
+def positive_int(name: str, value) -> int:
+    """``value``, an int (not a bool) >= 1, else the error naming argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
 
 
 def _positive_float(name: str, value) -> float:
@@ -218,9 +205,8 @@ def _positive_float(name: str, value) -> float:
 
 def _checked_options(scale, eps, chunk_size, output_final_state, output, D: int
                      ) -> tuple[float, float, int]:
-    """``(scale, eps, chunk_size)`` as a float (``D ** -0.5`` for None), a float and an int,
-    once ``output``, ``scale``, ``eps``, ``chunk_size`` and ``output_final_state`` pass
-    their checks, in this order."""
+    """``(scale, eps, chunk_size)`` (scale None: ``D ** -0.5``) once ``output``, ``scale``,
+    ``eps``, ``chunk_size`` and ``output_final_state`` pass, in this order."""
     if not isinstance(output, str) or output not in OUTPUTS:
         raise ValueError(f"output: expected one of {list(OUTPUTS)}, got {output!r}")
     scale = D ** -0.5 if scale is None else _positive_float("scale", scale)
@@ -242,7 +228,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, "
                         f"got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {_name(cu_seqlens.dtype)}")
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, "
+                        f"got {dtype_name(cu_seqlens.dtype)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
@@ -270,33 +257,19 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     return lengths
 
 
-def _state_error(name: str, state, rule: str, dtypes: tuple, shape: tuple[int, ...],
-                 meaning: str, device: torch.device, what_n: str) -> Exception:
-    """An initial state's error that breaks ``rule``: ``meaning`` says what ``shape`` is,
-    ``what_n`` what its N (``shape[0]``) counts."""
-    return _tensor_error(name, state, rule, shape, f"{meaning}, N = {shape[0]} {what_n}",
-                         device, str([_name(d) for d in dtypes]))
-
-
 def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
                   dtype: torch.dtype, device: torch.device, what_n: str) -> None:
     """The initial states given (either may be None): float32 (or float64 with float64
-    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N sequences (``what_n``), on q's
-    device."""
+    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N counting ``what_n``, on q's device."""
     N, H, D = NHD
     dtypes = _STATE_DTYPES_OF_FLOAT64 if dtype == torch.float64 else _STATE_DTYPES
-    if initial_state is not None:
-        shape = (N, H, D, D)
-        rule = _broken_rule(initial_state, dtypes, shape, device)
+    for name, state, shape, meaning in (
+            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
+            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
+        rule = None if state is None else _broken_rule(state, dtypes, shape, device)
         if rule is not None:
-            raise _state_error("initial_state", initial_state, rule, dtypes, shape,
-                               "[N, H, D, D]", device, what_n)
-    if initial_state_bias is not None:
-        shape = (N, H, 1, D)
-        rule = _broken_rule(initial_state_bias, dtypes, shape, device)
-        if rule is not None:
-            raise _state_error("initial_state_bias", initial_state_bias, rule, dtypes, shape,
-                               "[N, H, 1, D]", device, what_n)
+            raise _tensor_error(name, state, rule, shape, f"{meaning}, N = {N} {what_n}",
+                                device, str([dtype_name(d) for d in dtypes]))
 
 
 def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias
@@ -312,10 +285,9 @@ def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
                  initial_state=None, initial_state_bias=None, output_final_state=False,
                  cu_seqlens=None, eta_key=None, output="norm_residual") -> Problem:
-    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names, same defaults; in
-    the order the module docstring gives, the first broken rule raising) and return the
-    contiguous :class:`Problem` backends receive. Public: a backend's tests (or the
-    conformance suite) ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
+    """Check every argument of :func:`ttt.chunk_ttt_linear` (same names and defaults; the
+    order: the module's doc) and return the contiguous :class:`Problem` backends receive.
+    Public: tests ask ``backend.not_supported_reasons(ttt.make_problem(...))``."""
     eta_is_tensor = isinstance(eta, Tensor)
     shape, dtype, device, eta = _checked_tensors(q, k, v, w, b, eta, eta_key)
     B, T, H, D = shape

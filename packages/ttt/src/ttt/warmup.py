@@ -1,24 +1,19 @@
 """Ahead-of-time compilation: ``ttt.warmup(...)`` and ``python -m ttt warmup``.
 
-A kernel backend compiles on first use (Triton JITs each kernel specialisation, the cupy
-backend runs NVRTC once per program), so the first forward and backward of a process, and
-of each new shape class, is slow. ``warmup`` runs the op forward and backward on small
-inputs for each configuration (dtype, head dim, chunk size, heads), in each batch layout
-the backend's :meth:`~ttt.Backend.warmup_shapes` names and each call form real calls use:
+Kernel backends compile on first use (Triton per kernel specialisation, cupy's NVRTC per
+program), so a process's first call of each shape class is slow. ``warmup`` runs the op on
+small inputs for each configuration (dtype, head dim, chunk size, heads), in each batch
+layout of the backend's :meth:`~ttt.Backend.warmup_shapes` and each call form:
 
-- with and without initial states, with and without final states (whose cotangents the
-  backward then gets): ``plain``, ``initial``, ``final``, ``states``;
+- with and without initial and final states: ``plain``, ``initial``, ``final``, ``states``;
 - ``layer`` and ``layer_cache``: what ``ttt.nn.TTTLinear`` passes in training and with a
-  generation cache (initial states, ``eta_key``, the ``query_residual`` output; final states
-  with the cache), when the backend declares ``eta_key`` and that output.
+  generation cache (initial states, ``eta_key``, ``query_residual``; final states with the
+  cache), when the backend declares ``eta_key`` and that output.
 
-Each form runs with ``w``, ``b``, ``eta`` and ``eta_key`` all in the input dtype and, for
-half inputs, all in float32 (float32 parameters with half activations under autocast, an
-``eta`` given as a float; :func:`param_dtypes`): kernels are compiled per dtype of every
-tensor, and a call mixing the two compiles on its first use. Each
-of these runs once without gradients (inference) and, unless ``backward=False``, once more
-forward and backward. The compiled kernels stay in the process, and Triton's and cupy's also
-in their on-disk caches (docs/warmup.md), so later processes start warm too.
+Each form runs with w, b, eta and eta_key in the input dtype and, for half inputs, in
+float32 (:func:`param_dtypes`; kernels compile per dtype of every tensor), once without
+gradients and, unless ``backward=False``, once forward and backward. The kernels stay in
+the process and in Triton's and cupy's on-disk caches (docs/warmup.md).
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _warmup_workers as _workers
-from ._warmup_calls import FORMS, CallForm, Config, call_inputs, run_call
+from ._warmup_workers import FORMS, CallForm, Config, call_inputs, run_call
 from .backend import Backend, WarmupShape
 from .choice import select_backend
 from .errors import BackendNotSupportedError
@@ -42,17 +37,14 @@ from .validation import make_problem
 
 DEFAULT_DTYPES = (torch.bfloat16, torch.float32)
 DEFAULT_HEAD_DIMS = (64, 128)
-DEFAULT_CHUNK_SIZES = (16,)
-"""The official TTT-Linear layer uses head dim 64 and mini-batch (chunk) 16."""
+DEFAULT_CHUNK_SIZES = (16,)     # the official TTT-Linear layer's mini-batch
 DEFAULT_HEADS = (32,)
-"""Heads of the official TTT-Linear 1B configuration (32 heads of dim 64). Triton
-specialises its kernels on the number of heads: warm up with the heads of your model."""
+"""The official TTT-Linear 1B's heads. Triton specialises on the number of heads: warm up
+with your model's."""
 
 
 @dataclass(frozen=True)
 class WarmupEntry:
-    """One configuration warmed up: on which backend, how many calls, how long."""
-
     config: Config
     backend: str
     calls: int
@@ -61,10 +53,9 @@ class WarmupEntry:
 
 @dataclass(frozen=True)
 class WarmupReport:
-    """What :func:`warmup` compiled (``entries``), what it left out and why (``skipped``:
-    configurations of the default dtypes that the backend cannot take), the total time and
-    the processes that compiled (``workers``; the entries' times are this process's own
-    calls, after the workers')."""
+    """What :func:`warmup` compiled, what it ``skipped`` and why (default-dtype configurations
+    the backend cannot take), the total time and the compiling processes (the entries' times
+    are this process's own calls, after the workers')."""
 
     device: torch.device
     entries: list[WarmupEntry]
@@ -73,8 +64,7 @@ class WarmupReport:
     workers: int = 1
 
 
-Progress = Callable[[int, int, str], None]
-"""``progress(done, total, label)``: called before each call and once at the end."""
+Progress = Callable[[int, int, str], None]     # (done, total, label): before each call, at the end
 
 
 def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None = None,
@@ -86,25 +76,27 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
            progress: Progress | None = None, workers: int | None = None) -> WarmupReport:
     """Compile ahead of time the kernels calls of these configurations will use.
 
-    ``backend``: a backend name, or None for the backend each configuration's calls would
-    get (``ttt.set_backend``, ``TTT_BACKEND``, else the best that fits). ``dtypes``: input
-    dtypes (None: bfloat16 and float32, those of them the backend takes). ``device``:
-    default cuda when present, else cpu. ``shapes``: the batch layouts to run instead of the
-    backend's :meth:`~ttt.Backend.warmup_shapes`. ``workers``: child processes that run the
-    calls first, compiling in parallel, before this process runs them and loads what they
-    compiled from the disk caches (None: one per CPU core, at most 12, on a GPU; 1 on the
-    CPU; 1: no child processes). Raises ``BackendNotSupportedError`` when the backend
-    cannot take a configuration asked for explicitly."""
+    ``backend``: a name, or None for the one each configuration's calls would get.
+    ``dtypes``: input dtypes (None: bfloat16 and float32, those the backend takes).
+    ``device``: default cuda when present, else cpu. ``shapes``: batch layouts instead of
+    the backend's :meth:`~ttt.Backend.warmup_shapes`. ``workers``: child processes that run
+    the calls first, compiling in parallel, before this process loads their kernels from
+    the disk caches (None: one per CPU core, at most 12, on a GPU; 1 on the CPU; 1: none).
+    Raises ``BackendNotSupportedError`` for a configuration asked for explicitly that the
+    backend cannot take."""
     device = _device(device)
     if not isinstance(backward, bool):
         raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
-        raise TypeError(f"workers: expected a positive int or None, got "
-                        f"{type(workers).__name__}")
+        raise TypeError(f"workers: expected a positive int or None, got {type(workers).__name__}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads)
+    if progress is None:
+        def progress(done: int, total: int, label: str) -> None:
+            pass
+
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
@@ -114,14 +106,12 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     workers = min(workers, calls)
     total, done, entries = calls * (2 if workers > 1 else 1), 0, []
     if workers > 1:
-        def count():
+        def count(step=1):
             nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, total, f"compiling in {workers} processes")
-
-        if progress is not None:
+            done += step
             progress(done, total, f"compiling in {workers} processes")
+
+        count(0)
         for failure in _workers.run(groups, device, workers, count):
             warnings.warn(f"ttt.warmup: a worker process failed ({failure}); this process "
                           f"compiles what it left", RuntimeWarning, stacklevel=2)
@@ -129,23 +119,19 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     for plan in plans:
         plan_start = time.perf_counter()
         for layout, form, params, grad in plan.calls:
-            if progress is not None:
-                progress(done, total, f"{plan.backend} {plan.config.describe()}")
+            progress(done, total, f"{plan.backend} {plan.config.describe()}")
             run_call(plan.backend, plan.config, layout, form, params, grad, device)
             done += 1
         entries.append(WarmupEntry(plan.config, plan.backend, len(plan.calls),
                                    time.perf_counter() - plan_start))
-    if progress is not None:
-        progress(done, total, "done")
+    progress(done, total, "done")
     return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
 
 
 def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
-    """The calls as JSON for worker processes, in groups that need no kernel in common: one
-    per backend, configuration, parameter dtypes, dense or packed layout and plain or layer
-    form. Each of these is part of every kernel's specialisation (Triton's: the dtypes of its
-    tensor arguments, ``cu_seqlens`` present or not, ``eta_key`` present or not), so a kernel
-    is compiled by the one process its group goes to, not by several side by side."""
+    """The calls as JSON for the workers, grouped by what is part of every kernel's
+    specialisation (backend, configuration, parameter dtypes, packed or not, layer form or
+    not): groups need no kernel in common, so each kernel compiles in one process only."""
     groups: dict[tuple, list[dict]] = {}
     for plan in plans:
         for layout, form, params, grad in plan.calls:
@@ -157,7 +143,7 @@ def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The calls of one configuration: (layout, form, parameter dtypes, with gradients)."""
+    """One configuration's calls: (layout, form, parameter dtypes, with gradients)."""
 
     config: Config
     backend: str
@@ -167,8 +153,8 @@ class _Plan:
 def _plans(configs: list[Config], backend: str | None, device: torch.device,
            shapes: Sequence[WarmupShape] | None, backward: bool,
            strict: bool) -> tuple[list[_Plan], list[tuple[Config, str]]]:
-    """Each configuration's calls on its backend, and the configurations it cannot take
-    (an error when ``strict``, or when none is left)."""
+    """Each configuration's calls on its backend, and those it cannot take (an error when
+    ``strict``, or when none is left)."""
     plans, skipped = [], []
     for config in configs:
         try:
@@ -180,8 +166,12 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
             continue
         layouts = list(shapes) if shapes is not None else chosen.warmup_shapes(
             config.heads, config.head_dim, config.chunk_size, config.dtype)
-        _check_shapes(layouts)
-        forms = [f for f in FORMS if not f.layer or _takes_layer_form(chosen)]
+        if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
+            raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, "
+                            f"got {layouts!r}")
+        caps = chosen.capabilities
+        layer = caps.eta_key and "query_residual" in caps.outputs
+        forms = [f for f in FORMS if layer or not f.layer]
         grads = (False, True) if backward else (False,)
         calls = list(itertools.product(layouts, forms, param_dtypes(config.dtype), grads))
         plans.append(_Plan(config, chosen.name, calls))
@@ -192,10 +182,9 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
 
 
 def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
-    """(dtype of ``w`` and ``b``, dtype of ``eta`` and ``eta_key``) of the warm-up calls of
-    inputs of ``dtype``: both the input dtype (a model cast to it) and, for half inputs, both
-    float32 (float32 parameters, activations in the half dtype under autocast): the two
-    setups of ``ttt.nn.TTTLinear``. Other pairings compile on their first call."""
+    """(dtype of w and b, of eta and eta_key) of the calls of ``dtype`` inputs: the input
+    dtype (a model cast to it) and, for half inputs, float32 (float32 parameters under
+    autocast): ``ttt.nn.TTTLinear``'s two setups. Other pairings compile on first call."""
     pairs = [(dtype, dtype)]
     if dtype not in (torch.float32, torch.float64):
         pairs.append((torch.float32, torch.float32))
@@ -237,17 +226,6 @@ def _configs(dtypes, head_dims, chunk_sizes, heads) -> list[Config]:
             for h in _positive_ints("heads", heads)]
 
 
-def _check_shapes(layouts) -> None:
-    if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
-        raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, got "
-                        f"{layouts!r}")
-
-
-def _takes_layer_form(backend: Backend) -> bool:
-    caps = backend.capabilities
-    return caps.eta_key and "query_residual" in caps.outputs
-
-
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
     inputs = call_inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
@@ -259,8 +237,8 @@ def _backend_for(config: Config, name: str | None, device: torch.device) -> Back
 
 
 class ProgressBar:
-    """A one-line progress bar on ``stream`` (stderr), redrawn in place; silent when the
-    stream is not a terminal or ``quiet``."""
+    """A one-line progress bar on ``stream`` (stderr), redrawn in place; silent unless the
+    stream is a terminal and not ``quiet``."""
 
     WIDTH = 30
 

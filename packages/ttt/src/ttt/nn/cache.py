@@ -1,18 +1,12 @@
 """Generation cache for TTT-Linear layers: committed inner states plus the open mini-batch.
 
-The inner model of a TTT-Linear layer takes one gradient step per full mini-batch. Within a
-mini-batch, token ``i`` reads the state the mini-batch started from, stepped by the tokens
-``j <= i`` of the same mini-batch. So generation keeps, per layer:
-
-- the **committed** state ``W [B, H, D, D]``, ``b [B, H, 1, D]``: the inner model after the
-  last full mini-batch (float32; float64 for a float64 layer);
-- the **pending** tokens of the open mini-batch (fewer than ``mini_batch_size``): their
-  rotated ``q, k``, ``v`` and key learning-rate factor, which is all a later step needs;
-- the number of tokens seen, which places the next token in its mini-batch (rotary
-  position and ``token_idx``).
-
-A step recomputes only the pending tokens and the new ones from the committed state; when a
-mini-batch fills up, its final state becomes the committed one.
+The inner model steps once per full mini-batch; token ``i`` reads the mini-batch's starting
+state stepped by its tokens ``j <= i``. So generation keeps, per layer, the **committed**
+state ``W [B, H, D, D]``, ``b [B, H, 1, D]`` after the last full mini-batch (float32;
+float64 for a float64 layer), the **pending** tokens of the open mini-batch (rotated q, k,
+v and key learning-rate factor) and the tokens seen (the next token's place in its
+mini-batch). A step recomputes the pending and new tokens from the committed state; a
+mini-batch that fills up commits its final state.
 """
 
 from __future__ import annotations
@@ -21,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..validation import dtype_name
 
 
 @dataclass
@@ -39,23 +35,20 @@ class LayerState:
     def batch_size(self) -> int:
         return self.state.shape[0]
 
-
-def _detached(entry: LayerState) -> LayerState:
-    return LayerState(entry.state.detach(), entry.state_bias.detach(), entry.q.detach(),
-                      entry.k.detach(), entry.v.detach(), entry.eta_key.detach(), entry.seen)
+    def _map(self, fn) -> LayerState:
+        """This entry with ``fn`` applied to each tensor."""
+        tensors = (self.state, self.state_bias, self.q, self.k, self.v, self.eta_key)
+        return LayerState(*map(fn, tensors), seen=self.seen)
 
 
 class TTTCache:
     """Cache for generation through a stack of :class:`ttt.nn.TTTLinear` layers.
 
-    One object serves a whole model: pass the same cache to every layer
-    (``layer(x, cache=cache)``); each layer keeps its own :class:`LayerState`, keyed by the
-    layer module. An empty cache starts every layer from its learned ``W1, b1``.
-
-    Generation is meant to run under ``torch.no_grad()`` (or ``torch.inference_mode()``).
-    Whatever the grad mode, the cache stores its tensors detached, so that it never keeps
-    the autograd graph of earlier steps alive; ``requires_grad=True`` keeps their history
-    instead, for a loss that backpropagates through the cache across calls (the graph
+    One object serves a whole model (``layer(x, cache=cache)`` for every layer), keeping a
+    :class:`LayerState` per layer module; an empty cache starts each from its ``W1, b1``.
+    Generation is meant to run under ``torch.no_grad()``. Whatever the grad mode, stored
+    tensors are detached, never keeping earlier steps' graphs alive; ``requires_grad=True``
+    keeps their history instead, to backpropagate through the cache across calls (the graph
     then grows with every call until the cache is reset or dropped).
 
     Args:
@@ -74,20 +67,17 @@ class TTTCache:
 
     def put(self, layer: nn.Module, entry: LayerState) -> None:
         """Store the layer's entry (detached unless the cache has ``requires_grad``)."""
-        self._layers[layer] = entry if self.requires_grad else _detached(entry)
+        self._layers[layer] = entry if self.requires_grad else entry._map(torch.Tensor.detach)
 
     @property
     def batch_size(self) -> int | None:
         """The batch size of the stored states (None when empty)."""
-        for entry in self._layers.values():
-            return entry.batch_size
-        return None
+        return next((entry.batch_size for entry in self._layers.values()), None)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Reorder the batch dimension of every stored state (beam search): row ``i`` of
-        the cache becomes what row ``beam_idx[i]`` was. ``beam_idx`` is a 1-d integer
-        tensor (or a sequence of ints) of indices into the current batch; its length is
-        the new batch size (repeat an index to expand a row into several beams)."""
+        """Reorder the batch of every stored state (beam search): row ``i`` becomes row
+        ``beam_idx[i]`` (a 1-d integer tensor or sequence of ints; its length is the new
+        batch size: repeat an index to expand a row into several beams)."""
         if not isinstance(beam_idx, torch.Tensor):
             if isinstance(beam_idx, (str, bytes)) or not hasattr(beam_idx, "__len__"):
                 raise TypeError(f"beam_idx: expected a 1-d integer tensor or a sequence of "
@@ -96,10 +86,9 @@ class TTTCache:
                 raise TypeError("beam_idx: expected a 1-d integer tensor or a sequence of "
                                 "ints, got a sequence with other items")
             beam_idx = torch.tensor(list(beam_idx), dtype=torch.int64)
-        if beam_idx.dtype.is_floating_point or beam_idx.dtype.is_complex or \
-                beam_idx.dtype == torch.bool:
-            raise TypeError(f"beam_idx: expected an integer dtype, got "
-                            f"{str(beam_idx.dtype).replace('torch.', '')}")
+        dtype = beam_idx.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"beam_idx: expected an integer dtype, got {dtype_name(dtype)}")
         if beam_idx.dim() != 1 or beam_idx.numel() == 0:
             raise ValueError(f"beam_idx: expected a non-empty 1-d tensor, got shape "
                              f"{tuple(beam_idx.shape)}")
@@ -113,10 +102,7 @@ class TTTCache:
                                  f"batch size), got values from {low} to {high}")
         for layer, entry in self._layers.items():
             index = beam_idx.to(device=entry.state.device, dtype=torch.int64)
-            self._layers[layer] = LayerState(
-                *(t.index_select(0, index) for t in (entry.state, entry.state_bias, entry.q,
-                                                     entry.k, entry.v, entry.eta_key)),
-                seen=entry.seen)
+            self._layers[layer] = entry._map(lambda t, index=index: t.index_select(0, index))
 
     @property
     def seen_tokens(self) -> int:

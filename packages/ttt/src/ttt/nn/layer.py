@@ -17,9 +17,9 @@ input ``x [B, T, width]`` with ``H`` heads of ``D = width / H`` features:
     y &= \mathrm{o\_proj}\big(\mathrm{post\_norm}(q + \mathrm{LN}(z) \cdot w + b)
         \ [\odot\ \mathrm{gelu_{tanh}}(\mathrm{g\_proj}(x))]\big)
 
-with ``w, b = ttt_norm_weight, ttt_norm_bias``. The inner steps run in
-:func:`ttt.chunk_ttt_linear` (``scale = 1``, ``eta_key = l``, ``output="query_residual"``)
-on the backend the registry picks. docs/nn.md maps every piece to the official code.
+with ``w, b = ttt_norm_weight, ttt_norm_bias``, the inner steps in
+:func:`ttt.chunk_ttt_linear` (``scale = 1``, ``eta_key = l``, ``output="query_residual"``).
+docs/nn.md maps every piece to the official code.
 """
 
 from __future__ import annotations
@@ -29,20 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import chunk_ttt_linear
+from ..validation import positive_int
 from .cache import LayerState, TTTCache
 from .positions import sequence_positions
 from .rotary import apply_rotary, rotary_cos_sin
 
-INNER_EPS = 1e-6
-"""LayerNorm epsilon of the inner loss and of the output norm (the official value)."""
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
-    return value
+INNER_EPS = 1e-6        # LayerNorm eps of the inner loss and the output norm (official)
 
 
 def _positive_float(name: str, value) -> float:
@@ -58,25 +50,22 @@ class TTTLinear(nn.Module):
 
     Args:
         width: model width (``hidden_size``); input and output features.
-        num_heads: heads; ``width`` must be a multiple, and the head dim ``width / num_heads``
-            even (rotary pairs).
-        mini_batch_size: tokens per inner gradient step (the operator's ``chunk_size``);
-            also the period of the rotary positions and the length of ``token_idx``.
+        num_heads: heads; the head dim ``width / num_heads`` must be an even integer.
+        mini_batch_size: tokens per inner gradient step (the op's ``chunk_size``), the
+            period of the rotary positions and the length of ``token_idx``.
         rope_theta: rotary base.
-        ttt_base_lr: base inner learning rate (the ``ttt_base_lr`` of the official config).
-        use_gate: multiply by ``gelu_tanh(g_proj(x))`` before ``o_proj`` (official
-            ``use_gate``).
-        backend: ttt backend name for every call of this layer; None lets the registry
-            choose (``ttt.set_backend``, ``TTT_BACKEND``, or the best for the inputs).
-        device, dtype: for the parameters, as in ``torch.nn`` layers.
+        ttt_base_lr: base inner learning rate.
+        use_gate: multiply by ``gelu_tanh(g_proj(x))`` before ``o_proj``.
+        backend: ttt backend name for every call; None lets the registry choose.
+        device, dtype: for the parameters.
     """
 
     def __init__(self, width: int, num_heads: int, mini_batch_size: int = 16, *,
                  rope_theta: float = 10000.0, ttt_base_lr: float = 1.0, use_gate: bool = False,
                  backend: str | None = None, device=None, dtype=None) -> None:
         super().__init__()
-        width = _positive_int("width", width)
-        num_heads = _positive_int("num_heads", num_heads)
+        width = positive_int("width", width)
+        num_heads = positive_int("num_heads", num_heads)
         if width % num_heads:
             raise ValueError(f"num_heads: expected a divisor of width = {width}, got {num_heads}")
         if (width // num_heads) % 2:
@@ -87,7 +76,7 @@ class TTTLinear(nn.Module):
                             f"got {type(backend).__name__}")
         self.width, self.num_heads = width, num_heads
         self.head_dim = width // num_heads
-        self.mini_batch_size = _positive_int("mini_batch_size", mini_batch_size)
+        self.mini_batch_size = positive_int("mini_batch_size", mini_batch_size)
         self.rope_theta = _positive_float("rope_theta", rope_theta)
         self.ttt_base_lr = _positive_float("ttt_base_lr", ttt_base_lr)
         self.use_gate = bool(use_gate)
@@ -116,12 +105,9 @@ class TTTLinear(nn.Module):
         self.b1 = nn.Parameter(torch.empty(H, 1, D, **factory))
 
     def reset_parameters(self) -> None:
-        """The official initialisation (projections keep ``nn.Linear``'s own)."""
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            linear.reset_parameters()
-        if self.use_gate:
-            self.g_proj.reset_parameters()
-        self.post_norm.reset_parameters()
+        """The official initialisation (the projections and post_norm keep their own)."""
+        for module in self.children():      # q, k, v, o, g projections, post_norm
+            module.reset_parameters()
         with torch.no_grad():
             # the fixed token_idx buffer too (not in the state dict): a layer built on the
             # meta device and materialised by to_empty() gets it here
@@ -144,15 +130,9 @@ class TTTLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 cache: TTTCache | None = None) -> torch.Tensor:
-        """``x [B, T, width]`` -> ``[B, T, width]``.
-
-        Args:
-            x: the layer input.
-            cu_seqlens: ``[N + 1]`` offsets of packed sequences along T (``B == 1``); each
-                sequence starts from ``W1, b1`` at position 0.
-            cache: a :class:`TTTCache` to continue from and update (prefill of any length,
-                decode of one token or more); not with ``cu_seqlens``.
-        """
+        """``x [B, T, width]`` -> ``[B, T, width]``. ``cu_seqlens``: ``[N + 1]`` offsets of
+        packed sequences along T (``B == 1``), each from ``W1, b1`` at position 0. ``cache``:
+        a :class:`TTTCache` to continue from and update (not with ``cu_seqlens``)."""
         self._check_input(x, cu_seqlens, cache)
         if cache is not None:
             return self._forward_cached(x, cache)
@@ -193,9 +173,7 @@ class TTTLinear(nn.Module):
     def _project(self, x: torch.Tensor, chunk_positions: torch.Tensor):
         """Rotated ``q, k`` and ``v`` ``[B, T, H, D]``, key learning rates ``[B, T, H, 1]``."""
         heads = (self.num_heads, self.head_dim)
-        q = self.q_proj(x).unflatten(-1, heads)
-        k = self.k_proj(x).unflatten(-1, heads)
-        v = self.v_proj(x).unflatten(-1, heads)
+        q, k, v = (proj(x).unflatten(-1, heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rotary_cos_sin(chunk_positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gate = torch.einsum("btc,hdc->bthd", x, self.learnable_ttt_lr_weight)
@@ -211,9 +189,7 @@ class TTTLinear(nn.Module):
     def _initial_states(self, count: int, q_dtype: torch.dtype):
         """``W1, b1`` expanded over ``count`` sequences, in the operator's state dtype."""
         dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
-        state = self.W1.to(dtype).unsqueeze(0).expand(count, -1, -1, -1)
-        state_bias = self.b1.to(dtype).unsqueeze(0).expand(count, -1, -1, -1)
-        return state, state_bias
+        return tuple(t.to(dtype).expand(count, -1, -1, -1) for t in (self.W1, self.b1))
 
     def _inner(self, q, k, v, eta_key, chunk_positions, state, state_bias, *,
                cu_seqlens=None, output_final_state=False):
@@ -232,7 +208,7 @@ class TTTLinear(nn.Module):
         return self.o_proj(y)
 
     def _forward_cached(self, x: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-        """Continue the cached sequences by ``x``: the pending tokens and ``x`` run from the
+        """Continue the cached sequences by ``x``: pending tokens and ``x`` run from the
         committed state; full mini-batches are committed, the rest stays pending."""
         entry = cache.get(self)
         seen = 0 if entry is None else entry.seen
@@ -250,9 +226,8 @@ class TTTLinear(nn.Module):
         return self._readout(z[:, entry.q.shape[1]:], x)
 
     def _run_open_mini_batches(self, rows, state, state_bias):
-        """``rows = [q, k, v, eta_key]`` of tokens that start a mini-batch, from the committed
-        state: the outputs ``[B, P + T, H, D]``, then the state after the ``full`` tokens of
-        the complete mini-batches (committed) and ``full``."""
+        """``rows = [q, k, v, eta_key]`` starting a mini-batch, run from the committed state:
+        the outputs, the state after the ``full`` tokens of complete mini-batches, ``full``."""
         total = rows[0].shape[1]
         full = total // self.mini_batch_size * self.mini_batch_size
         chunk_positions = torch.arange(total, device=rows[0].device) % self.mini_batch_size

@@ -1,10 +1,6 @@
-"""Token positions inside a TTT mini-batch.
-
-The official TTT-Linear layer feeds two things the position of a token *within its
-mini-batch* (``position % mini_batch_size``): the rotary embedding of q and k, and the
-per-position inner learning-rate factor ``token_idx``. A position counts from the start of
-its sequence (packed sequences restart at 0) plus the tokens a generation cache has seen.
-"""
+"""Token positions: the layer's rotary embedding and ``token_idx`` read a token's position
+within its mini-batch (``position % mini_batch_size``), counted from its sequence's start
+(packed sequences restart at 0) plus the tokens a generation cache has seen."""
 
 from __future__ import annotations
 
@@ -13,12 +9,8 @@ import torch
 
 def sequence_positions(num_tokens: int, device: torch.device, *, offset: int = 0,
                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Position of each token in its sequence, ``[T]`` int64.
-
-    Without ``cu_seqlens``: ``offset, offset + 1, ...`` (``offset``: tokens already seen).
-    With ``cu_seqlens`` (``[N + 1]`` offsets of packed sequences): each restarts at 0.
-    Computed on the device, without a host sync.
-    """
+    """Position of each token in its sequence, ``[T]`` int64, without a host sync: from
+    ``offset`` (tokens already seen), or restarting at 0 at each ``cu_seqlens`` offset."""
     steps = torch.arange(num_tokens, device=device)                  # [T]
     if cu_seqlens is None:
         return steps + offset
