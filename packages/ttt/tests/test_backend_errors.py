@@ -89,3 +89,17 @@ def test_the_automatic_choice_with_nothing_fitting_is_a_backend_error(register):
     register("reference", _Narrow(), priority=1000, replace=True)
     with pytest.raises(ttt.BackendNotSupportedError, match="no ttt backend"):
         ttt.chunk_ttt_linear(**_inputs())
+
+
+class _Engines(ReferenceBackend):
+    name = "engines"
+    engines = {"torch": "pip install torch",
+               "ttt_engine_not_installed.core": "pip install ttt-engine"}
+
+
+def test_engines_give_the_unavailable_reason_and_versions():
+    backend = _Engines()
+    reason = backend.unavailable_reason()
+    assert "'ttt_engine_not_installed'" in reason and "pip install ttt-engine" in reason
+    assert backend.versions() == {"torch": torch.__version__}
+    assert ttt.Backend().unavailable_reason() is None and ttt.Backend().versions() == {}

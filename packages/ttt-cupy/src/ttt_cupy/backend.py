@@ -20,7 +20,6 @@ import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 from ttt.problem import OUTPUTS
-from ttt.registry import import_failure_reason
 
 MAX_HEAD_DIM = 128
 INSTALL_HINT = "pip install './packages/ttt-cupy[cuda13]' (or [cuda12])"
@@ -35,6 +34,7 @@ class CupyBackend(Backend):
     deterministic."""
 
     name = "cupy"
+    engines = {"cupy": INSTALL_HINT}
     capabilities = Capabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
@@ -74,20 +74,6 @@ class CupyBackend(Backend):
             "dv, dw, db; no backward chain for dq alone)",
         ),
     )
-
-    def unavailable_reason(self) -> str | None:
-        try:
-            import cupy  # noqa: F401
-        except ImportError as err:
-            return import_failure_reason(err, {"cupy": INSTALL_HINT})
-        return None
-
-    def versions(self) -> dict[str, str]:
-        try:
-            import cupy
-        except ImportError:
-            return {}                       # the unavailable reason says why, once
-        return {"cupy": cupy.__version__}
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         why = super().not_supported_reasons(problem)

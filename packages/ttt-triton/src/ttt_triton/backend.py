@@ -12,7 +12,6 @@ import torch
 
 from ttt import Backend, Capabilities, Gradients, GradNeeds, Problem
 from ttt.problem import OUTPUTS
-from ttt.registry import import_failure_reason
 
 from ._env import interpreting
 
@@ -66,25 +65,16 @@ class TritonBackend(Backend):
 
     name = "triton"
     capabilities = CAPABILITIES
+    engines = {"triton": TRITON_INSTALL_HINT}
 
     def __init__(self) -> None:
         if interpreting():    # Triton's interpreter runs the kernels on CPU tensors (tests)
             self.capabilities = replace(CAPABILITIES,
                                         devices=CAPABILITIES.devices | {"cpu"})
 
-    def unavailable_reason(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as err:
-            return import_failure_reason(err, {"triton": TRITON_INSTALL_HINT})
-        return None
-
     def versions(self) -> dict[str, str]:
-        try:
-            import triton
-        except ImportError:
-            return {}                 # unavailable_reason says why
-        return {"triton": triton.__version__, "interpreter": str(interpreting())}
+        found = super().versions()
+        return {**found, "interpreter": str(interpreting())} if found else found
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         why = super().not_supported_reasons(problem)

@@ -27,13 +27,16 @@ autocast and gradient dtype casts; nothing in it special-cases a backend.
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
 from .arguments import Gradients, GradNeeds
+from .errors import import_failure_reason
 from .problem import Problem
 from .validation import dtype_name, positive_int
 
@@ -124,18 +127,35 @@ def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
 
 
 class Backend:
-    """Base class for backends. Subclasses set ``name`` and ``capabilities``."""
+    """Base class for backends. Subclasses set ``name`` and ``capabilities``, and
+    ``engines`` when they run on modules that may be missing."""
 
     name: str = "?"
     capabilities: Capabilities
+    engines: Mapping[str, str] = MappingProxyType({})
+    """The modules the backend runs on, each with how to install it (``{"triton": "pip
+    install triton"}``): the default ``unavailable_reason`` names the first that does not
+    import, the default ``versions`` reports their ``__version__``."""
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run at all on this machine (None: it can)."""
+        for module, hint in self.engines.items():
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                return import_failure_reason(err, {module.partition(".")[0]: hint})
         return None
 
     def versions(self) -> dict[str, str]:
-        """Versions of the engine(s) the backend uses, for reports."""
-        return {}
+        """Versions of the engine(s) the backend uses, for reports (those that import: the
+        unavailable reason says why the others do not)."""
+        found = {}
+        for module in self.engines:
+            try:
+                found[module] = importlib.import_module(module).__version__
+            except ImportError:
+                pass
+        return found
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Why this backend cannot take ``problem``; empty when it can."""
