@@ -1,11 +1,6 @@
-// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>. No backward,
-// and every sequence within `rows` rows (placement.row_step routes steps of a few rows here;
-// longer ones run fwd_chain's fused instance): no product padded to a chunk, the state read
-// once and written once.
-//
-// One block per (sequence, head), all L rows of the sequence at once against the state W, hb
-// before them (notation in ttt_common.cuh; q~ = scale q, e_i row i's eta, l_i its eta_key with
-// KEY, else 1):
+// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>. No
+// backward; one block per (sequence, head), all L <= `rows` rows at once against the state
+// W, hb before them (ttt_common.cuh; q~ = scale q, e_i row i's eta, l_i its eta_key or 1):
 //
 //   kh_i = k_i W + hb  ->  xh_i, r_i  ->  g_i = l_i r_i (y_i - mean(y_i) - xh_i mean(y_i xh_i))
 //   o_pre_i = q~_i W + hb - e_i sum_{j <= i} (q~_i . k_j + 1) g_j
@@ -15,14 +10,9 @@
 //
 // The state stays in registers (DecodeTraits): thread (warp w, lane l) holds column
 // c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (p = l % R its part, s < E / V, j < V;
-// R parts, E entries, V = kVec). A row times W is E multiply-adds per thread and a sum over the
-// R lanes of a column (shuffles); the update k^T g is E per row. The rows' k, q, v, kh (then g)
-// and q~ W + hb sit in shared memory as [rows, D_PAD] fp32 tiles; the LayerNorm, g and the
-// output form run one warp a row (rows.cuh). Three barriers: the rows loaded, the products,
-// g. All arithmetic fp32; o in the input type T. eta, the LayerNorm's w, b and eta_key are
-// read in their type P (float, or T when the caller has them all in the input type: no cast
-// kernels before a generation step) and widened to fp32 on load, which is exact, so both
-// instances compute the same.
+// R parts, E entries, V = kVec). The rows' k, q, v, kh (then g) and q~ W + hb sit in shared
+// memory as [rows, D_PAD] fp32 tiles; the row passes run one warp a row. eta, w, b and
+// eta_key are read in their type P (float, or T) and widened to fp32 on load (exact).
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -206,21 +196,12 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 // P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
 template <typename T, int D_PAD, bool KEY, int OUT, typename P>
 __device__ __forceinline__ void fwd_decode_kernel(
-    const T* __restrict__ q,         // [B, T, H, D]
-    const T* __restrict__ k, const T* __restrict__ v,
-    const P* __restrict__ eta,       // [B, T, H]
-    const P* __restrict__ lnw,       // [H, D]
-    const P* __restrict__ lnb,       // [H, D]
-    const P* __restrict__ ekey,      // [B, T, H] eta_key (KEY) or null
-    const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
-    const float* __restrict__ hb0,   // [N, H, D] fp32 or null
-    float* __restrict__ ht,          // [N, H, D, D] or null
-    float* __restrict__ hbt,         // [N, H, D] or null (with ht)
-    T* __restrict__ o,               // [B, T, H, D]
-    const long long* __restrict__ cu_seqlens,  // [N + 1] or null
-    float scale, float eps, long long T_len, int H, int D,
-    int rows,  // the most rows of a sequence: shared memory for that many
-    unsigned long long smem_bytes) {
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const P* __restrict__ eta, const P* __restrict__ lnw, const P* __restrict__ lnb,
+    const P* __restrict__ ekey, const float* __restrict__ h0, const float* __restrict__ hb0,
+    float* __restrict__ ht, float* __restrict__ hbt, T* __restrict__ o,
+    const long long* __restrict__ cu_seqlens, float scale, float eps, long long T_len, int H,
+    int D, int rows, unsigned long long smem_bytes) {
     using namespace ttt;
     using Tr = DecodeTraits<D_PAD>;
     constexpr int NW = Tr::kWarps, R = Tr::kParts;

@@ -29,6 +29,14 @@ __device__ __forceinline__ void load_row(float (&x)[(D_PAD + LPR - 1) / LPR], co
     }
 }
 
+// The LayerNorm weight and bias of head i_h (lnw, lnb [H, D]) in this lane's row elements.
+template <int D_PAD, int LPR = 32, int P>
+__device__ __forceinline__ void load_ln_rows(float (&w)[P], float (&b)[P], const float* lnw,
+                                             const float* lnb, int i_h, int D) {
+    load_row<D_PAD, LPR>(w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD, LPR>(b, lnb + (long long)i_h * D, D, 1.f);
+}
+
 // dst[d] = x[e] for d < D.
 template <int D_PAD, int LPR = 32, typename S>
 __device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
@@ -61,6 +69,15 @@ __device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD +
         const int d = row_col<LPR>(e);
         if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
     }
+}
+
+// store_row of the columns [a0, d1) (WHOLE: a0 = 0, d1 = D; bwd_grads' split blocks' part).
+template <int D_PAD, int LPR, bool WHOLE, typename S, int P>
+__device__ __forceinline__ void store_row_cols(S* dst, const float (&x)[P], int a0, int d1) {
+    if constexpr (WHOLE)
+        store_row<D_PAD, LPR>(dst, x, d1);
+    else
+        store_row_part<D_PAD, LPR>(dst, x, a0, d1);
 }
 
 // A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
@@ -107,24 +124,6 @@ __device__ __forceinline__ void row_times_state(float (&out)[(D_PAD + 31) / 32],
         if (d < D_PAD) {
 #pragma unroll 8
             for (int a = 0; a < D_PAD; ++a) acc += arow[a] * sM[a * LD + d];
-        }
-        out[e] = acc;
-    }
-}
-
-// out[d] = sum_c arow[c] M[d, c]   (the row times M^T)
-template <int D_PAD>
-__device__ __forceinline__ void row_times_state_t(float (&out)[(D_PAD + 31) / 32],
-                                                  const float* arow, const float* sM) {
-    constexpr int LD = D_PAD + 1;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
-        float acc = 0.f;
-        if (d < D_PAD) {
-#pragma unroll 8
-            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[d * LD + c];
         }
         out[e] = acc;
     }

@@ -34,8 +34,6 @@ __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
-
 // ---------------------------------------------------------------- coordinates
 struct Seq {
     long long bos;        // first row (over the batch's B * T rows)
