@@ -668,10 +668,8 @@ ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
 //   dv = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
 //
 // dk, dv are final; dw, db go into per-group partials dwp, dbp [groups, H, D] (bwd_grads'),
-// written at each group's first chunk, so that segmented and one launch sum alike. The full dg is not stored (nothing reads it); the slot
-// cotangents are (a segment starts from them). Shared memory: the MMA instance's, then g, dkh,
-// do_pre (later dk - dy w) tiles, dW and W as [D_PAD, D_PAD + 1], S, eta
-// (Traits::kBwdChainFusedTcBytes).
+// written at each group's first chunk, so that segmented and one launch sum alike. The full
+// dg is not stored (nothing reads it); the slot cotangents are (a segment starts from them).
 template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
 ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {

@@ -430,16 +430,10 @@ __device__ __forceinline__ void fwd_chain_simt(
         __syncthreads();
 
         // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g); FUSE: A = tril(q k^T) + tril(1) too
-        if constexpr (FUSE) {
-            tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-            inner_grad_rows<D_PAD, BT, NW, true, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                      p_ebase, row0, row_stride, L, H, D, eps,
-                                                      save ? xbuf : nullptr, rbuf, ekey, rlbuf);
-        } else {
-            inner_grad_rows<D_PAD, BT, NW, false, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                       p_ebase, row0, row_stride, L, H, D, eps,
-                                                       xbuf, rbuf, ekey, rlbuf);
-        }
+        if constexpr (FUSE) tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        inner_grad_rows<D_PAD, BT, NW, FUSE, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                  p_ebase, row0, row_stride, L, H, D, eps,
+                                                  save ? xbuf : nullptr, rbuf, ekey, rlbuf);
         __syncthreads();
 
         if constexpr (FUSE) {

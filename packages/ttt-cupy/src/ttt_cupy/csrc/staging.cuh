@@ -57,13 +57,19 @@ struct StagedRows {
     static constexpr int kChunks = (BT * kPieces + NT - 1) / NT;
     static_assert(D_PAD % kVec == 0, "StagedRows: whole pieces per row");
 
-    __device__ __forceinline__ static void copy(S* s, const S* __restrict__ src, int rs, int L,
-                                                int n, bool vec) {
+    // f(i, c0) for this thread's pieces (row i, columns c0 .. c0 + kVec - 1)
+    template <typename F>
+    __device__ __forceinline__ static void for_each_piece(F f) {
 #pragma unroll
         for (int u = 0; u < kChunks; ++u) {
             const int idx = threadIdx.x + NT * u;
             if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
-            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+            f(idx / kPieces, idx % kPieces * kVec);
+        }
+    }
+    __device__ __forceinline__ static void copy(S* s, const S* __restrict__ src, int rs, int L,
+                                                int n, bool vec) {
+        for_each_piece([&](int i, int c0) {
             S* d = s + i * kLd + c0;
             if (vec) {
                 const bool ok = i < L && c0 < n;
@@ -78,20 +84,15 @@ struct StagedRows {
                         d[j] = ok ? src[i * rs + c0 + j] : from_f32<S>(0.f);
                 }
             }
-        }
+        });
     }
     // out[i, c] = mult * s[i, c] for this thread's pieces, into a [BT, D_PAD + 1] fp32 tile
     __device__ __forceinline__ static void to_tile(float* out, const S* s, float mult) {
-        constexpr int LD = D_PAD + 1;
-#pragma unroll
-        for (int u = 0; u < kChunks; ++u) {
-            const int idx = threadIdx.x + NT * u;
-            if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
-            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+        for_each_piece([&](int i, int c0) {
 #pragma unroll
             for (int j = 0; j < kVec; ++j)
-                out[i * LD + c0 + j] = to_f32(s[i * kLd + c0 + j]) * mult;
-        }
+                out[i * (D_PAD + 1) + c0 + j] = to_f32(s[i * kLd + c0 + j]) * mult;
+        });
     }
 };
 
