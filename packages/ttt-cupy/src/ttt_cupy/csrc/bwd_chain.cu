@@ -33,13 +33,12 @@ namespace ttt {
 // (kStage: filled by the step before, zero past L rows and D columns) or device memory.
 template <typename T, int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void bwd_tc_rows(
-    float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4],
-    float (&dg)[BT / 8][4], float (&r)[BT / 8][2], float (&rl)[BT / 8][2], const float* s_xh,
-    const T* s_v, const float* s_dop, const float* s_dg, const float* s_r,
-    const float* __restrict__ xbuf, const T* __restrict__ v, const float* __restrict__ dopbuf,
-    const float* __restrict__ dgbuf, const float* __restrict__ rbuf,
-    const float* __restrict__ rlbuf, long long o_rows, long long p_ebase, long long row0, int rs,
-    int L, int H, int D, int tq) {
+    float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4], float (&dg)[BT / 8][4],
+    float (&r)[BT / 8][2], float (&rl)[BT / 8][2], const float* s_xh, const T* s_v,
+    const float* s_dop, const float* s_dg, const float* s_r, const float* __restrict__ xbuf,
+    const T* __restrict__ v, const float* __restrict__ dopbuf, const float* __restrict__ dgbuf,
+    const float* __restrict__ rbuf, const float* __restrict__ rlbuf, long long o_rows,
+    long long p_ebase, long long row0, int rs, int L, int H, int D, int tq) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NR = BT / 8, NT = Tr::kTcThreads;
     constexpr bool kStage = Tr::kBwdChainStage;
@@ -87,11 +86,10 @@ __device__ __forceinline__ void bwd_tc_fused_tiles(
 
 // u += dhb; y = (xh w + b - v + k) w; round 1's row sums of y, y xh.
 template <int NR, int LD>
-__device__ __forceinline__ void bwd_tc_y(float (&u)[NR][4], float (&y)[NR][4],
-                                         float (&s1)[NR][2][2], const float (&xh)[NR][4],
-                                         const float (&vv)[NR][4], const bool (&col_ok)[2],
-                                         const float (&dhb)[2], const float (&lw)[2],
-                                         const float (&lb)[2], const float* skt, int tq, int n0) {
+__device__ __forceinline__ void bwd_tc_y(
+    float (&u)[NR][4], float (&y)[NR][4], float (&s1)[NR][2][2], const float (&xh)[NR][4],
+    const float (&vv)[NR][4], const bool (&col_ok)[2], const float (&dhb)[2], const float (&lw)[2],
+    const float (&lb)[2], const float* skt, int tq, int n0) {
     for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
         s1[i][e][0] = s1[i][e][1] = 0.f;
 #pragma unroll
@@ -110,13 +108,11 @@ __device__ __forceinline__ void bwd_tc_y(float (&u)[NR][4], float (&y)[NR][4],
 // g (FUSE: into s_g); dg = dg_loc - eta_l u; round 2's row sums of dg, dg xh, dg g, u g (KEY:
 // dg g / l, g / l = r_ln (y - ..), which is deta_key).
 template <int NR, int LD, bool FUSE, bool KEY>
-__device__ __forceinline__ void bwd_tc_dg(float (&gg)[NR][4], float (&dg)[NR][4],
-                                          float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
-                                          const float (&u)[NR][4], const float (&y)[NR][4],
-                                          const float (&xh)[NR][4], const float (&r)[NR][2],
-                                          const float (&rl)[NR][2], const bool (&col_ok)[2],
-                                          float e_l, float inv_d, int L, float* s_g, int tq,
-                                          int n0) {
+__device__ __forceinline__ void bwd_tc_dg(
+    float (&gg)[NR][4], float (&dg)[NR][4], float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
+    const float (&u)[NR][4], const float (&y)[NR][4], const float (&xh)[NR][4],
+    const float (&r)[NR][2], const float (&rl)[NR][2], const bool (&col_ok)[2], float e_l,
+    float inv_d, int L, float* s_g, int tq, int n0) {
     for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
         const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
         s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
@@ -233,10 +229,9 @@ __device__ __forceinline__ void bwd_tc_fused_dk(
 }
 
 // The fused chain's dw, db partials of a group: sums over a column's lanes, at ``i_p``.
-__device__ __forceinline__ void bwd_tc_group_partials(float (&dwa)[2], float (&dba)[2],
-                                                      float* __restrict__ dwp,
-                                                      float* __restrict__ dbp, long long i_p,
-                                                      const bool (&col_ok)[2], int tq, int n0) {
+__device__ __forceinline__ void bwd_tc_group_partials(
+    float (&dwa)[2], float (&dba)[2], float* __restrict__ dwp, float* __restrict__ dbp,
+    long long i_p, const bool (&col_ok)[2], int tq, int n0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -506,9 +501,8 @@ __device__ __forceinline__ void bwd_chain_simt(
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
     const float* __restrict__ rlbuf, float* __restrict__ dkey,
-    const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G, long long g_lo, long long g_hi, int* sync) {
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
+    float scale, long long T_len, int H, int D, int G, long long g_lo, long long g_hi, int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk

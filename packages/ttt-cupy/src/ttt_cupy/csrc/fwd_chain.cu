@@ -66,8 +66,7 @@ __device__ __forceinline__ void fwd_tc_layernorm(
     float (&x)[BT / 8][4], float (&r)[BT / 8][2], const FloatK<2>* stat,
     const float (&cols)[Traits<D_PAD, BT>::kTcWarps], const bool (&col_ok)[2], float inv_d,
     float eps, const float* __restrict__ ekey_rows, float* __restrict__ x_rows,
-    float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq,
-    int n0) {
+    float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq, int n0) {
     const bool first = (threadIdx.x >> 5) == 0 && ((threadIdx.x & 31) >> 2) == 0;  // r once
     const bool save = x_rows != nullptr;
     for_each_frag_row<BT / 8>(tq, [&](int i, int e, int t) {
@@ -93,10 +92,9 @@ __device__ __forceinline__ void fwd_tc_layernorm(
 // slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower); then the per-warp
 // statistics of o_pre's rows (mean, M2 over the warp's columns) into s_ost.
 template <int D_PAD, int BT>
-__device__ __forceinline__ void fwd_tc_out_pre(float (&ob)[BT / 8][4],
-                                               const float (&y)[BT / 8][4], const float* s_A,
-                                               float* s_ost, const bool (&col_ok)[2],
-                                               float inv_cols, int tq, int n0) {
+__device__ __forceinline__ void fwd_tc_out_pre(
+    float (&ob)[BT / 8][4], const float (&y)[BT / 8][4], const float* s_A, float* s_ost,
+    const bool (&col_ok)[2], float inv_cols, int tq, int n0) {
     constexpr int NR = BT / 8, LA = Traits<D_PAD, BT>::kLdA;
     const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     FloatK<2>* ost = reinterpret_cast<FloatK<2>*>(s_ost);
@@ -120,12 +118,11 @@ __device__ __forceinline__ void fwd_tc_out_pre(float (&ob)[BT / 8][4],
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,
-    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
-    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
-    float* __restrict__ rlbuf,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
@@ -352,12 +349,11 @@ __device__ __forceinline__ void fwd_chain_tc(
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_simt(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,
-    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
-    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
-    float* __restrict__ rlbuf,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {

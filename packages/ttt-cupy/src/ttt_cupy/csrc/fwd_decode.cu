@@ -39,10 +39,9 @@ __device__ __forceinline__ int decode_row(int p, int s, int j) {
 // W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or for a null
 // source. src / bsrc: the state [D, D] and its bias [D] in fp32, or null.
 template <int D_PAD>
-__device__ __forceinline__ void load_state_slot(float (&W)[DecodeTraits<D_PAD>::kEntries],
-                                                float& hb, const float* __restrict__ src,
-                                                const float* __restrict__ bsrc, DecodeSlot t,
-                                                int D) {
+__device__ __forceinline__ void load_state_slot(
+    float (&W)[DecodeTraits<D_PAD>::kEntries], float& hb, const float* __restrict__ src,
+    const float* __restrict__ bsrc, DecodeSlot t, int D) {
     constexpr int V = DecodeTraits<D_PAD>::kVec;
 #pragma unroll
     for (int s = 0; s < DecodeTraits<D_PAD>::kEntries / V; ++s)
@@ -56,10 +55,9 @@ __device__ __forceinline__ void load_state_slot(float (&W)[DecodeTraits<D_PAD>::
 
 // dst[a D + c] = W[V s + j], bdst[c] = hb (part 0) inside D x D.
 template <int D_PAD>
-__device__ __forceinline__ void store_state_slot(float* __restrict__ dst,
-                                                 float* __restrict__ bdst,
-                                                 const float (&W)[DecodeTraits<D_PAD>::kEntries],
-                                                 float hb, DecodeSlot t, int D) {
+__device__ __forceinline__ void store_state_slot(
+    float* __restrict__ dst, float* __restrict__ bdst,
+    const float (&W)[DecodeTraits<D_PAD>::kEntries], float hb, DecodeSlot t, int D) {
     constexpr int V = DecodeTraits<D_PAD>::kVec;
     if (t.c >= D) return;
 #pragma unroll
@@ -93,14 +91,11 @@ __device__ __forceinline__ float row_times_slot(const float* xrow,
 // eta and (KEY) eta_key [L] (fp32, from their type S). Row i of q, k, v at p_base + i row_stride,
 // of eta at p_ebase + i H.
 template <int D_PAD, bool KEY, typename T, typename S>
-__device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* s_v, float* s_e,
-                                                 float* s_l, const T* __restrict__ q,
-                                                 const T* __restrict__ k,
-                                                 const T* __restrict__ v,
-                                                 const S* __restrict__ eta,
-                                                 const S* __restrict__ ekey,
-                                                 long long p_base, long long p_ebase,
-                                                 long long row_stride, int L, int H, int D) {
+__device__ __forceinline__ void load_decode_rows(
+    float* s_k, float* s_q, float* s_v, float* s_e, float* s_l, const T* __restrict__ q,
+    const T* __restrict__ k, const T* __restrict__ v, const S* __restrict__ eta,
+    const S* __restrict__ ekey, long long p_base, long long p_ebase, long long row_stride, int L,
+    int H, int D) {
     constexpr int NT = DecodeTraits<D_PAD>::kThreads;
     for (int idx = threadIdx.x; idx < L * D_PAD; idx += NT) {
         const int i = idx / D_PAD, d = idx % D_PAD;
@@ -119,10 +114,9 @@ __device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* 
 // g of row i (one warp) over its kh in s_x: the LayerNorm of kh, then g = l r (y - ..) with
 // l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D] (in their type S).
 template <int D_PAD, bool KEY, typename S>
-__device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, const float* s_v,
-                                                const float* s_l, int i,
-                                                const S* __restrict__ lnw,
-                                                const S* __restrict__ lnb, int D, float eps) {
+__device__ __forceinline__ void decode_grad_row(
+    float* s_x, const float* s_k, const float* s_v, const float* s_l, int i,
+    const S* __restrict__ lnw, const S* __restrict__ lnb, int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float x[P], kr[P], vr[P], g[P], y[P], b_w[P], b_b[P];
     load_row<D_PAD>(b_w, lnw, D, 1.f);
@@ -139,12 +133,10 @@ __device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, co
 // o of row i (one warp): o_pre = (q~ W + hb)_i - e_i sum_{j <= i} (q~_i . k_j + 1) g_j, then the
 // output form (lnw, lnb as in decode_grad_row), stored to orow.
 template <int D_PAD, int OUT, typename T, typename S>
-__device__ __forceinline__ void decode_out_row(T* __restrict__ orow, const float* s_q,
-                                               const float* s_k, const float* s_g,
-                                               const float* s_o, const float* s_e, int i,
-                                               const S* __restrict__ lnw,
-                                               const S* __restrict__ lnb, float scale, int D,
-                                               float eps) {
+__device__ __forceinline__ void decode_out_row(
+    T* __restrict__ orow, const float* s_q, const float* s_k, const float* s_g, const float* s_o,
+    const float* s_e, int i, const S* __restrict__ lnw, const S* __restrict__ lnb, float scale,
+    int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float qs[P], acc[P], o[P], b_w[P], b_b[P];
     load_row<D_PAD>(qs, s_q + i * D_PAD, D, scale);
