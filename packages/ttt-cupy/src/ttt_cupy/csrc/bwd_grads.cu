@@ -196,9 +196,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
         __syncthreads();
         const float e_l = s_e[L - 1];
 
-        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials. Pass u
-        // gives lane group `sub` row warp + NW (sub + RPP u); rows >= L run on zeros (every
-        // lane takes part in the row sums): r = 0 makes g, dkh and dy zero there
+        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials
         float b_dyw[NPASS][PL];                                      // [passes, D] per lane
         bwd_grads_rows<T, D_PAD, BT, MMA, KEY>(b_dyw, b_dw, b_db, s_g, s_dkh, s_k, xbuf, k, v,
                                                dgbuf, rbuf, rlbuf, dv, b_w, b_b, p_base, p_ebase,
