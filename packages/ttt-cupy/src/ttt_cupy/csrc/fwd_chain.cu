@@ -67,7 +67,7 @@ __device__ __forceinline__ void fwd_tc_layernorm(
     const float (&cols)[Traits<D_PAD, BT>::kTcWarps], const bool (&col_ok)[2], float inv_d,
     float eps, const float* __restrict__ ekey_rows, float* __restrict__ x_rows,
     float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq, int n0) {
-    const bool first = (threadIdx.x >> 5) == 0 && ((threadIdx.x & 31) >> 2) == 0;  // r once
+    const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;  // (warp 0, g = 0: r once)
     const bool save = x_rows != nullptr;
     for_each_frag_row<BT / 8>(tq, [&](int i, int e, int t) {
         float m2;
@@ -77,13 +77,13 @@ __device__ __forceinline__ void fwd_tc_layernorm(
         x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
         if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
             const float rk = t < L ? r[i][e] * ekey_rows[t * H] : 0.f;
-            if (save && t < L && first) rl_rows[t * H] = r[i][e];
+            if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
             r[i][e] = rk;
         }
         if (save && t < L) {  // the saved activations: xh, and r once
             if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
             if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
-            if (first) r_rows[t * H] = r[i][e];
+            if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
         }
     });
 }
