@@ -1,65 +1,24 @@
-// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA, KEY>. Carries the state's
-// cotangent back through the chunks.
-//
-// One block per (sequence, head), chunks in reverse, with dW = dL/dW' and dhb = dL/dhb' the
-// cotangents of the state *after* the chunk. g comes back from the stored xhat and r
-// (row-local); dg_loc and do_pre were stored by bwd_local.cu (notation in ttt_common.cuh):
+// Backward, sequential part: ttt_linear_bwd_chain<T, D_PAD, BT, MMA, KEY>. One block per
+// (sequence, head) carries the state's cotangent back through the chunks, with dW, dhb the
+// cotangents of the state *after* the chunk; g from the saved xh, r', dg_loc and do_pre from
+// bwd_local.cu (ttt_common.cuh):
 //
 //   u   = k dW + dhb,      dg = dg_loc - eta_l u   ->  dkh (inner_grad_bwd_row)
 //   dW <- dW + q^T do_pre + k^T dkh,     dhb <- dhb + sum_i do_pre_i + sum_i dkh_i
+//   deta_last += -sum_i <u_i, g_i>       (added where bwd_local.cu left the rest)
 //
-// The full dg replaces dg_loc in its buffer, and the last-row term of deta,
+// The full dg replaces dg_loc; KEY also writes deta_key dl = sum_i dg_i (g_i / l_i) to dkey
+// (when given). Slot s's cotangent goes to dck (dckb) for bwd_grads.cu, slot 0's to dh0 / dhb0
+// when given. Segments run chunks [g_lo G, g_hi G) in reverse, from dht (the sequence's last
+// segment) or the slot cotangent the next segment stored. Overlapped (sync given): each
+// finished group is published for bwd_grads (overlap.cuh).
 //
-//   deta_last += -sum_i <u_i, g_i>,
-//
-// is added where bwd_local.cu left the rest. KEY (eta_key): g = l r (..) comes from the saved
-// r' = l r, dkh takes the LayerNorm's r (rlbuf), and the row's deta_key
-//
-//   dl = sum_i dg_i (g_i / l_i) = r sum_i dg_i (y_i - mean(y) - xh_i mean(y xh))
-//
-// goes to dkey (null: not needed). The cotangent of checkpoint slot s (the state
-// before chunk s * G; the last slot is the final state) goes to dck for bwd_grads.cu, and
-// slot 0's to dh0 / dhb0 when given. Per chunk: a row pass (u, g, dg, dkh) and a tile pass
-// (the dW step); each step asks for the previous chunk's rows early (below) and reads
-// deta's last row early, so that no load from device memory waits on the chain.
-// Shared memory (SIMT): dW, dhb, Q, K, DOP, DKH, row sums (Traits::kBwdChainBytes).
-//
-// Segments (g_lo < g_hi; placement.segment_plan, launched last to first): the block runs only
-// chunks [g_lo G, g_hi G) of its sequence, in reverse. The segment with the sequence's end
-// starts from dht / dhbt (and stores them as the final slot's cotangent); one before it from
-// the slot cotangent its successor stored last, dck and dckb (the cotangent of hb, kept for
-// this only). dh0 / dhb0 only in the first segment. g_hi <= g_lo: the whole sequence.
-//
-// Overlapped (sync not null; the unfused instances, one launch; ttt_common.cuh's overlapped
-// passes): the block counts itself started and, after the barrier that ends each group's
-// first chunk (the last one it runs), publishes how many groups it finished from the
-// sequence's end, so that bwd_grads' blocks run beside it.
-//
-// MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kBwdChainBytes):
-// bwd_chain_simt below, every product SIMT fp32, the cotangent in shared memory.
-//
-// MMA = true (default for __half / __nv_bfloat16; Traits::kTcThreads threads, a warp per 16
-// state columns, kBwdChainTcBytes): bwd_chain_tc below. dW stays in registers as mma
-// accumulators ("register-resident chain state" in ttt_common.cuh); k dW and q^T do_pre +
-// k^T dkh run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation), as the
-// Triton backend does for half inputs. u comes out of k dW in the accumulator layout, so the
-// row pass works on each lane's entries (xhat, v, do_pre, dg_loc are read in that layout)
-// and its row sums take three rounds of warp shuffles plus per-warp partials through shared
-// memory (frag_row_sums): {y, y xh}, {dg, dg xh, dg g, u g}, {dxh, dxh xh}. q and k go
-// into double-buffered fp32 tiles; q stays unscaled there (its mma operands, like k's, are
-// tf32 values already: tf32_operand) and scale goes to do_pre.
-//
-// The previous chunk's rows come in during a step, off the chain. With Traits::kBwdChainStage
-// (the block within the A100's 163 KiB: chunk 16 at every head dim, all but (64, 64),
-// (128, 32), (128, 64)) they are staged in shared memory through cp.async (StagedRows):
-// q and k raw at the step's start, converted into the other tile half by the threads that
-// copied them after cp.async.wait_all at its end; xh, do_pre, dg_loc, v and r once round 1's
-// barrier has passed (every thread has read this chunk's stage by then), read at the next
-// step's start in the accumulator layout (rows D_PAD + 4 floats apart: no bank conflicts).
-// No register holds them and nothing waits on them before the step's end. Elsewhere q and k
-// are loaded into
-// registers a step early (16-byte pieces kept raw until used, StagedTile) and the other rows
-// are asked into L1 (prefetch_spans), then read from there at the step's start.
+// SIMT (MMA = false): every product SIMT fp32, dW in shared memory, the previous chunk's rows
+// asked into L1. MMA (half inputs): dW in registers as mma accumulators (mma.cuh); k dW and
+// q^T do_pre + k^T dkh on tensor cores; the row pass works on each lane's accumulator entries
+// with three rounds of row sums (frag_row_sums). The previous chunk's rows come in during a
+// step: by cp.async into a stage (Traits::kBwdChainStage) or q, k through registers
+// (StagedTile) and the rest asked into L1.
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -74,13 +33,12 @@ namespace ttt {
 // (kStage: filled by the step before, zero past L rows and D columns) or device memory.
 template <typename T, int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void bwd_tc_rows(
-    float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4],
-    float (&dg)[BT / 8][4], float (&r)[BT / 8][2], float (&rl)[BT / 8][2], const float* s_xh,
-    const T* s_v, const float* s_dop, const float* s_dg, const float* s_r,
-    const float* __restrict__ xbuf, const T* __restrict__ v, const float* __restrict__ dopbuf,
-    const float* __restrict__ dgbuf, const float* __restrict__ rbuf,
-    const float* __restrict__ rlbuf, long long o_rows, long long p_ebase, long long row0, int rs,
-    int L, int H, int D, int tq) {
+    float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4], float (&dg)[BT / 8][4],
+    float (&r)[BT / 8][2], float (&rl)[BT / 8][2], const float* s_xh, const T* s_v,
+    const float* s_dop, const float* s_dg, const float* s_r, const float* __restrict__ xbuf,
+    const T* __restrict__ v, const float* __restrict__ dopbuf, const float* __restrict__ dgbuf,
+    const float* __restrict__ rbuf, const float* __restrict__ rlbuf, long long o_rows,
+    long long p_ebase, long long row0, int rs, int L, int H, int D, int tq) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NR = BT / 8, NT = Tr::kTcThreads;
     constexpr bool kStage = Tr::kBwdChainStage;
@@ -91,32 +49,21 @@ __device__ __forceinline__ void bwd_tc_rows(
         frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);
         frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);
         frag_rows_from_smem<BT, RowsF::kLd>(dg, s_dg);
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) r[i][e] = s_r[8 * i + 2 * tq + e];
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) { r[i][e] = s_r[t]; });
     } else {
         load_frag_rows<BT>(xh, xbuf + o_rows, rs, L, D);
         load_frag_rows<BT>(vv, v + o_rows, rs, L, D);
         load_frag_rows<BT>(dop, dopbuf + o_rows, rs, L, D);
         load_frag_rows<BT>(dg, dgbuf + o_rows, rs, L, D);
         const float* r_rows = rbuf + p_ebase + row0 * H;
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                r[i][e] = t < L ? r_rows[t * H] : 0.f;
-            }
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+            r[i][e] = t < L ? r_rows[t * H] : 0.f;
+        });
     }
     if constexpr (KEY) {  // the LayerNorm's r (r: g's factor l r)
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                rl[i][e] = t < L ? rlbuf[p_ebase + (row0 + t) * H] : 0.f;
-            }
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+            rl[i][e] = t < L ? rlbuf[p_ebase + (row0 + t) * H] : 0.f;
+        });
     }
 }
 
@@ -126,16 +73,12 @@ template <int D_PAD, int BT>
 __device__ __forceinline__ void bwd_tc_fused_tiles(
     float* s_dWs, float* s_out, float* s_e, float* s_W, const float (&dW)[D_PAD / 8][4],
     const float (&dop)[BT / 8][4], const float* __restrict__ eta, long long p_ebase,
-    long long row0, int L, int H, const float* __restrict__ slot, int D, int tq, int n0) {
+    long long row0, int L, int H, const float* __restrict__ slot, int D) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     for_each_state_entry<D_PAD>(
         [&](int J, int c, int a, int n) { s_dWs[a * LD + n] = dW[J][c]; });
-#pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            s_out[(8 * i + 2 * tq + (c & 1)) * LD + n0 + 8 * (c >> 1)] = dop[i][c];
+    for_each_frag_entry<NR>([&](int i, int c, int t, int n) { s_out[t * LD + n] = dop[i][c]; });
     for (int j = threadIdx.x; j < BT; j += NT)
         s_e[j] = j < L ? eta[p_ebase + (row0 + j) * H] : 0.f;
     if (slot != nullptr) load_state_rows<D_PAD, D_PAD, NT>(s_W, slot, D, D);
@@ -143,64 +86,53 @@ __device__ __forceinline__ void bwd_tc_fused_tiles(
 
 // u += dhb; y = (xh w + b - v + k) w; round 1's row sums of y, y xh.
 template <int NR, int LD>
-__device__ __forceinline__ void bwd_tc_y(float (&u)[NR][4], float (&y)[NR][4],
-                                         float (&s1)[NR][2][2], const float (&xh)[NR][4],
-                                         const float (&vv)[NR][4], const bool (&col_ok)[2],
-                                         const float (&dhb)[2], const float (&lw)[2],
-                                         const float (&lb)[2], const float* skt, int tq, int n0) {
+__device__ __forceinline__ void bwd_tc_y(
+    float (&u)[NR][4], float (&y)[NR][4], float (&s1)[NR][2][2], const float (&xh)[NR][4],
+    const float (&vv)[NR][4], const bool (&col_ok)[2], const float (&dhb)[2], const float (&lw)[2],
+    const float (&lb)[2], const float* skt, int tq, int n0) {
+    for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+        s1[i][e][0] = s1[i][e][1] = 0.f;
 #pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            s1[i][e][0] = s1[i][e][1] = 0.f;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int c = e + 2 * h;
-                u[i][c] = col_ok[h] ? u[i][c] + dhb[h] : 0.f;
-                y[i][c] = col_ok[h] ? (xh[i][c] * lw[h] + lb[h] - vv[i][c] +
-                                       skt[t * LD + n0 + 8 * h]) * lw[h]
-                                    : 0.f;
-                s1[i][e][0] += y[i][c];
-                s1[i][e][1] += y[i][c] * xh[i][c];
-            }
+        for (int h = 0; h < 2; ++h) {
+            const int c = e + 2 * h;
+            u[i][c] = col_ok[h] ? u[i][c] + dhb[h] : 0.f;
+            y[i][c] = col_ok[h] ? (xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                   skt[t * LD + n0 + 8 * h]) * lw[h]
+                                : 0.f;
+            s1[i][e][0] += y[i][c];
+            s1[i][e][1] += y[i][c] * xh[i][c];
         }
+    });
 }
 
 // g (FUSE: into s_g); dg = dg_loc - eta_l u; round 2's row sums of dg, dg xh, dg g, u g (KEY:
 // dg g / l, g / l = r_ln (y - ..), which is deta_key).
 template <int NR, int LD, bool FUSE, bool KEY>
-__device__ __forceinline__ void bwd_tc_dg(float (&gg)[NR][4], float (&dg)[NR][4],
-                                          float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
-                                          const float (&u)[NR][4], const float (&y)[NR][4],
-                                          const float (&xh)[NR][4], const float (&r)[NR][2],
-                                          const float (&rl)[NR][2], const bool (&col_ok)[2],
-                                          float e_l, float inv_d, int L, float* s_g, int tq,
-                                          int n0) {
+__device__ __forceinline__ void bwd_tc_dg(
+    float (&gg)[NR][4], float (&dg)[NR][4], float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
+    const float (&u)[NR][4], const float (&y)[NR][4], const float (&xh)[NR][4],
+    const float (&r)[NR][2], const float (&rl)[NR][2], const bool (&col_ok)[2], float e_l,
+    float inv_d, int L, float* s_g, int tq, int n0) {
+    for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+        const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
+        s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
 #pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            const float ym = s1[i][e][0] * inv_d, yx = s1[i][e][1] * inv_d;
-            s2[i][e][0] = s2[i][e][1] = s2[i][e][2] = s2[i][e][3] = 0.f;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int c = e + 2 * h;
-                const bool ok = col_ok[h] && t < L;
-                gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
-                if constexpr (FUSE) s_g[t * LD + n0 + 8 * h] = gg[i][c];
-                dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
-                s2[i][e][0] += dg[i][c];
-                s2[i][e][1] += dg[i][c] * xh[i][c];
-                if constexpr (KEY)
-                    s2[i][e][2] +=
-                        dg[i][c] * (ok ? rl[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f);
-                else
-                    s2[i][e][2] += dg[i][c] * gg[i][c];
-                s2[i][e][3] += u[i][c] * gg[i][c];
-            }
+        for (int h = 0; h < 2; ++h) {
+            const int c = e + 2 * h;
+            const bool ok = col_ok[h] && t < L;
+            gg[i][c] = ok ? r[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f;
+            if constexpr (FUSE) s_g[t * LD + n0 + 8 * h] = gg[i][c];
+            dg[i][c] = ok ? dg[i][c] - e_l * u[i][c] : 0.f;
+            s2[i][e][0] += dg[i][c];
+            s2[i][e][1] += dg[i][c] * xh[i][c];
+            if constexpr (KEY)
+                s2[i][e][2] +=
+                    dg[i][c] * (ok ? rl[i][e] * (y[i][c] - ym - xh[i][c] * yx) : 0.f);
+            else
+                s2[i][e][2] += dg[i][c] * gg[i][c];
+            s2[i][e][3] += u[i][c] * gg[i][c];
         }
+    });
 }
 
 // dy, dxh (inner_grad_bwd_row); round 3's row sums of dxh, dxh xh. FUSE: dy w (kept for
@@ -213,34 +145,30 @@ __device__ __forceinline__ void bwd_tc_dxh(
     const float (&r)[NR][2], const float (&vv)[NR][4], const bool (&col_ok)[2],
     const float (&lw)[2], const float (&lb)[2], const float* skt, T* __restrict__ dv,
     long long o_rows, int rs, int L, float inv_d, int tq, int n0) {
+    for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+        const float a1 = s2[i][e][0] * inv_d, a2 = s2[i][e][1] * inv_d;
+        const float a3 = s1[i][e][1] * inv_d;
+        s3[i][e][0] = s3[i][e][1] = 0.f;
 #pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            const float a1 = s2[i][e][0] * inv_d, a2 = s2[i][e][1] * inv_d;
-            const float a3 = s1[i][e][1] * inv_d;
-            s3[i][e][0] = s3[i][e][1] = 0.f;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int c = e + 2 * h;
-                const bool ok = col_ok[h] && t < L;
-                const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
-                if constexpr (FUSE) {
-                    const int n = n0 + 8 * h;
-                    dyw[i][c] = dy * lw[h];
-                    if (ok) dv[o_rows + t * rs + n] = from_f32<T>(-dyw[i][c]);
-                    dwa[h] += dy * (2.f * xh[i][c] * lw[h] + lb[h] - vv[i][c] +
-                                    skt[t * LD + n]);
-                    dba[h] += dyw[i][c];
-                }
-                dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
-                                     dy * (lw[h] * lw[h])
-                               : 0.f;
-                s3[i][e][0] += dxh[i][c];
-                s3[i][e][1] += dxh[i][c] * xh[i][c];
+        for (int h = 0; h < 2; ++h) {
+            const int c = e + 2 * h;
+            const bool ok = col_ok[h] && t < L;
+            const float dy = ok ? r[i][e] * (dg[i][c] - a1 - xh[i][c] * a2) : 0.f;
+            if constexpr (FUSE) {
+                const int n = n0 + 8 * h;
+                dyw[i][c] = dy * lw[h];
+                if (ok) dv[o_rows + t * rs + n] = from_f32<T>(-dyw[i][c]);
+                dwa[h] += dy * (2.f * xh[i][c] * lw[h] + lb[h] - vv[i][c] +
+                                skt[t * LD + n]);
+                dba[h] += dyw[i][c];
             }
+            dxh[i][c] = ok ? -r[i][e] * (dg[i][c] * a3 + y[i][c] * a2) +
+                                 dy * (lw[h] * lw[h])
+                           : 0.f;
+            s3[i][e][0] += dxh[i][c];
+            s3[i][e][1] += dxh[i][c] * xh[i][c];
         }
+    });
 }
 
 // dkh (into u; FUSE: into s_dkh too); the full dg out (unfused); us += the rows' u g sums
@@ -251,27 +179,23 @@ __device__ __forceinline__ void bwd_tc_dkh(
     const float (&dxh)[NR][4], const float (&xh)[NR][4], const float (&r)[NR][2],
     const float (&rl)[NR][2], const float (&dg)[NR][4], const bool (&col_ok)[2], float inv_d,
     int L, float* s_dkh, float* __restrict__ dgbuf, long long o_rows, int rs, int tq, int n0) {
+    for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+        const float c1 = s3[i][e][0] * inv_d, c2 = s3[i][e][1] * inv_d;
+        const float dr = s2[i][e][2] * r[i][e] * inv_d;  // dr r^2 / D
+        if (t < L) us += s2[i][e][3];
 #pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            const float c1 = s3[i][e][0] * inv_d, c2 = s3[i][e][1] * inv_d;
-            const float dr = s2[i][e][2] * r[i][e] * inv_d;  // dr r^2 / D
-            if (t < L) us += s2[i][e][3];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int c = e + 2 * h;
-                const bool ok = col_ok[h] && t < L;
-                u[i][c] = ok ? (KEY ? rl[i][e] : r[i][e]) * (dxh[i][c] - c1 - xh[i][c] * c2) -
-                                   dr * xh[i][c]
-                             : 0.f;
-                if constexpr (FUSE)
-                    s_dkh[t * LD + n0 + 8 * h] = u[i][c];
-                else if (ok)
-                    dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
-            }
+        for (int h = 0; h < 2; ++h) {
+            const int c = e + 2 * h;
+            const bool ok = col_ok[h] && t < L;
+            u[i][c] = ok ? (KEY ? rl[i][e] : r[i][e]) * (dxh[i][c] - c1 - xh[i][c] * c2) -
+                               dr * xh[i][c]
+                         : 0.f;
+            if constexpr (FUSE)
+                s_dkh[t * LD + n0 + 8 * h] = u[i][c];
+            else if (ok)
+                dgbuf[o_rows + t * rs + n0 + 8 * h] = dg[i][c];
         }
+    });
 }
 
 // The fused chain's dk: W before the chunk (W + eta_l k^T g, unless it came from its slot),
@@ -281,11 +205,9 @@ __device__ __forceinline__ void bwd_tc_fused_dk(
     float* s_W, float* s_out, const float* s_S, const float* s_g, const float* s_dkh,
     const float* s_dWs, const float* sqt, const float* skt, const float (&dyw)[BT / 8][4],
     const bool (&col_ok)[2], float e_l, int in_group, T* __restrict__ dk, long long o_rows,
-    int rs, int L, int D, int tq, int n0) {
+    int rs, int L, int D) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, LD = Tr::kLd, LA = Tr::kLdA, NR = BT / 8;
-    // W before the chunk: W + eta_l k^T g, unless it came from its slot; then
-    // dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads)
     if (in_group != 0)
         state_update_mma<D_PAD, BT, NW>(s_W, e_l, skt, s_g, nullptr, nullptr, D);
     __syncthreads();
@@ -300,21 +222,16 @@ __device__ __forceinline__ void bwd_tc_fused_dk(
         },
         [&](float (&acc)[4], int m0, int n1) { store_acc_tile<LD>(s_out, acc, m0, n1); });
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int t = 8 * i + 2 * tq + (c & 1), n = n0 + 8 * (c >> 1);
-            if (t < L && col_ok[c >> 1])
-                dk[o_rows + t * rs + n] = from_f32<T>(s_out[t * LD + n] + dyw[i][c]);
-        }
+    for_each_frag_entry<NR>([&](int i, int c, int t, int n) {
+        if (t < L && col_ok[c >> 1])
+            dk[o_rows + t * rs + n] = from_f32<T>(s_out[t * LD + n] + dyw[i][c]);
+    });
 }
 
 // The fused chain's dw, db partials of a group: sums over a column's lanes, at ``i_p``.
-__device__ __forceinline__ void bwd_tc_group_partials(float (&dwa)[2], float (&dba)[2],
-                                                      float* __restrict__ dwp,
-                                                      float* __restrict__ dbp, long long i_p,
-                                                      const bool (&col_ok)[2], int tq, int n0) {
+__device__ __forceinline__ void bwd_tc_group_partials(
+    float (&dwa)[2], float (&dba)[2], float* __restrict__ dwp, float* __restrict__ dbp,
+    long long i_p, const bool (&col_ok)[2], int tq, int n0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -482,8 +399,7 @@ __device__ __forceinline__ void bwd_chain_tc(
         if constexpr (FUSE)  // (the step before ended with a barrier: these tiles are free)
             bwd_tc_fused_tiles<D_PAD, BT>(
                 s_dWs, s_out, s_e, s_W, dW, dop, eta, p_ebase, row0, L, H,
-                in_group == 0 ? ck + ((sq.slot_base + i_c / G) * H + i_h) * DD : nullptr, D, tq,
-                n0);
+                in_group == 0 ? ck + ((sq.slot_base + i_c / G) * H + i_h) * DD : nullptr, D);
 
         // u = k dW + dhb; y = (xh w + b - v + k) w; round 1: sums of y, y xh
         float u[NR][4], y[NR][4], s1[NR][2][2];
@@ -501,13 +417,9 @@ __device__ __forceinline__ void bwd_chain_tc(
         frag_row_sums<NW, BT, 4>(s2, s_red + 4 * NW * BT);
         if constexpr (KEY) {  // deta_key = sum(dg g / l), once a row (warp 0, g = 0)
             if (dkey != nullptr && wid == 0 && (lane >> 2) == 0) {  // (null: not needed)
-#pragma unroll
-                for (int i = 0; i < NR; ++i)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int t = 8 * i + 2 * tq + e;
-                        if (t < L) dkey[p_ebase + (row0 + t) * H] = s2[i][e][2];
-                    }
+                for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+                    if (t < L) dkey[p_ebase + (row0 + t) * H] = s2[i][e][2];
+                });
             }
         }
         if constexpr (FUSE)  // (g, do_pre, eta are in: round 2's barrier)
@@ -527,7 +439,7 @@ __device__ __forceinline__ void bwd_chain_tc(
 
         if constexpr (FUSE) {
             bwd_tc_fused_dk<T, D_PAD, BT>(s_W, s_out, s_S, s_g, s_dkh, s_dWs, sqt, skt, dyw, col_ok,
-                                          e_l, in_group, dk, o_rows, rs, L, D, tq, n0);
+                                          e_l, in_group, dk, o_rows, rs, L, D);
         }
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i (do_pre_i + dkh_i)
@@ -589,9 +501,8 @@ __device__ __forceinline__ void bwd_chain_simt(
     const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
     float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
     const float* __restrict__ rlbuf, float* __restrict__ dkey,
-    const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G, long long g_lo, long long g_hi, int* sync) {
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
+    float scale, long long T_len, int H, int D, int G, long long g_lo, long long g_hi, int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
@@ -617,8 +528,7 @@ __device__ __forceinline__ void bwd_chain_simt(
     const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     if (c_hi < sq.nc) {
         load_state<D_PAD, NT>(s_dW, s_dhb, dck + i_end * DD, dckb + i_end * D, D);
         __syncthreads();
@@ -694,7 +604,7 @@ __device__ __forceinline__ void bwd_chain_simt(
         __syncthreads();
 
         // dW += q^T do_pre + k^T dkh; dhb += sum_i do_pre_i + sum_i dkh_i; deta's last row
-        state_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D);
+        state_rows_add2<D_PAD, BT, NT>(s_dW, s_q, s_dop, s_k, s_dkh, D, D);
         for (int d = tid; d < D; d += NT) {
             float acc = 0.f;
             for (int i = 0; i < L; ++i) acc += s_dop[i * LD + d] + s_dkh[i * LD + d];
@@ -752,10 +662,8 @@ ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
 //   dv = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
 //
 // dk, dv are final; dw, db go into per-group partials dwp, dbp [groups, H, D] (bwd_grads'),
-// written at each group's first chunk, so that segmented and one launch sum alike. The full dg is not stored (nothing reads it); the slot
-// cotangents are (a segment starts from them). Shared memory: the MMA instance's, then g, dkh,
-// do_pre (later dk - dy w) tiles, dW and W as [D_PAD, D_PAD + 1], S, eta
-// (Traits::kBwdChainFusedTcBytes).
+// written at each group's first chunk, so that segmented and one launch sum alike. The full
+// dg is not stored (nothing reads it); the slot cotangents are (a segment starts from them).
 template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
 ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {

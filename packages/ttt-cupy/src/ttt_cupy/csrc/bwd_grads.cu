@@ -1,47 +1,22 @@
 // Backward, parallel part 2: ttt_linear_bwd_grads<T, D_PAD, BT, MMA, KEY>. dk, dv and the
 // inner-loss part of dw, db; one block per (group of G chunks, head), walking its group in
-// reverse (a segmented launch: the groups g_lo .. g_hi - 1 of every sequence, as fwd_out.cu).
-//
-// bwd_chain.cu stored every row's full dg (the cotangent of g), so dkh and dy are row-local
-// (inner_grad_bwd_row; KEY, eta_key given: g from the saved r' = l r, dkh from the LayerNorm's r,
-// rlbuf) and the rest is linear in stored tiles. Per chunk, with W the state
-// before the chunk, dW the cotangent of the state after it, e the per-row eta and eta_l the
-// eta of the chunk's last valid row (notation in ttt_common.cuh):
+// reverse from the slots at its end (state from fwd_chain.cu, cotangent from bwd_chain.cu).
+// With the full dg stored, dkh and dy are row-local; per chunk (ttt_common.cuh):
 //
 //   S_ij = g_i . do_pre_j   (j >= i)
 //   dk_i = dy_i w - sum_{j >= i} e_j S_ij q_j + dkh_i W^T - eta_l g_i dW^T
 //   dv   = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
 //
-// (the first sum is dP^T q of the forward's intra-chunk term). Between chunks:
+// and between chunks
 //
 //   W  <- W + eta_l k^T g          (undoing the chunk's update: the state before it)
 //   dW <- dW + q^T do_pre + k^T dkh
 //
-// starting from the slots at the group's end (state from fwd_chain.cu, cotangent from
-// bwd_chain.cu). The group's FIRST chunk takes its state from its own exact slot: stepping the
-// state back all the way to a zero initial state is ill-conditioned in fp32 (LayerNorm's r is
-// eps^-1/2 there). dy w stays in registers between the two row passes (each lane group keeps
-// its rows: LPR lanes a row, Traits::kRowLanes in the MMA instance). Each step asks for the
-// next chunk's rows (of the reverse walk) into L1 in one pass (prefetch_spans), so that its
-// tile and row loads hit L1. Shared memory: W, dW, Q, K, DOP, G, DKH, S, eta
-// (Traits::kBwdGradsBytes).
-//
-// Split state rows (Traits::kGradsSplit: 2 at D_PAD 128 with BT 64, else 1). Everything above
-// is row-local in the state: row a of W and of dW gives column a of dk and needs column a of q
-// and k only, while g, dkh and dy come from stored rows without the state. So SPLIT blocks
-// share a (group, head): block b takes (group, head) b / SPLIT and the DA = D_PAD / SPLIT
-// state rows from a0 = (b % SPLIT) DA, holds W[a0 : a0 + DA, :], dW[a0 : a0 + DA, :] and
-// q, k[:, a0 : a0 + DA], repeats the row pass and S (whole rows; k then from global memory)
-// and writes dk, dv, dw, db of its columns a0 .. a0 + DA - 1 only. That takes the block from
-// 307 to 210 KiB at D_PAD 128, BT 64; with SPLIT = 1 (a0 = 0, DA = D_PAD) it is the whole
-// state.
-//
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): the state steps
-// (k^T g, q^T do_pre + k^T dkh), S = g do_pre^T (stored as -e_j S_ij) and the dk products
-// -(e S) q + dkh W^T - eta_l g dW^T (one tile pass whose result replaces g in its tile; the
-// row pass then adds dy w) run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32
-// accumulation; ttt_common.cuh). With MMA = false (float inputs, or TTT_CUPY_MMA=0) every
-// product is SIMT fp32.
+// The group's first chunk takes its state from its own slot (stepping back to a zero state
+// is ill-conditioned). Traits::kGradsSplit blocks may share a (group, head), each holding
+// DA = D_PAD / SPLIT rows of W, dW and those columns of q, k (row-local in the state), and
+// writing dk, dv, dw, db of its columns only. MMA (half inputs): the state steps, S and the
+// dk products on tensor cores.
 #include "ttt_common.cuh"
 
 // bwd_grads' row pass over a chunk: g (s_g), dkh (s_dkh), dy w (b_dyw), dv, and this lane's
@@ -94,41 +69,23 @@ __device__ __forceinline__ void bwd_grads_rows(
             b_db[e] += b_dyw[u][e];
             b_dy[e] = -b_dyw[u][e];
         }
-        if (!ok) continue;
-        if constexpr (SPLIT == 1)
-            ttt::store_row<D_PAD, LPR>(dv + o_r, b_dy, D);
-        else
-            ttt::store_row_part<D_PAD, LPR>(dv + o_r, b_dy, a0, d1);
+        if (ok) ttt::store_row_cols<D_PAD, LPR, SPLIT == 1>(dv + o_r, b_dy, a0, d1);
     }
 }
 
 template <typename T, int D_PAD, int BT, bool MMA, bool KEY>
 __device__ __forceinline__ void bwd_grads_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,     // [B, T, H] fp32
-    const float* __restrict__ lnw,     // [H, D] fp32
-    const float* __restrict__ lnb,     // [H, D] fp32
-    const float* __restrict__ ck,      // [slots, H, D, D] state slots
-    // written by bwd_chain, running beside this kernel when overlapped: not
-    // __restrict__, so that they are not read through the read-only path
-    const float* dck,                  // [slots, H, D, D] slot cotangents
-    const float* __restrict__ xbuf,    // [B, T, H, D] fp32 xhat
-    const float* __restrict__ rbuf,    // [B, T, H] fp32 r
-    const float* __restrict__ dopbuf,  // [B, T, H, D] fp32 do_pre
-    const float* dgbuf,                // [B, T, H, D] fp32 full dg
-    T* __restrict__ dk, T* __restrict__ dv,   // [B, T, H, D]
-    float* __restrict__ dwp,           // [groups, H, D] partials of dw
-    float* __restrict__ dbp,           // [groups, H, D] partials of db
-    const float* __restrict__ rlbuf,   // [B, T, H] fp32 LayerNorm r (KEY)
-    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-    float scale, long long T_len, int H, int D, int G,
-    long long g_lo, long long g_hi,
-    int* sync,           // null (kPlain) or the overlapped backward's buffer
-    int mode,            // overlap::kPlain / kOverlap / kCleanup
-    long long n_chains,  // N H (kOverlap, kCleanup)
-    int wait_spins,      // naps to wait for the chain blocks to start (kOverlap)
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ ck,
+    // written by bwd_chain, running beside this kernel when overlapped: not __restrict__, so
+    // that they are not read through the read-only path
+    const float* dck, const float* __restrict__ xbuf, const float* __restrict__ rbuf,
+    const float* __restrict__ dopbuf, const float* dgbuf, T* __restrict__ dk, T* __restrict__ dv,
+    float* __restrict__ dwp, float* __restrict__ dbp, const float* __restrict__ rlbuf,
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
+    const int* __restrict__ grp_seq, float scale, long long T_len, int H, int D, int G,
+    long long g_lo, long long g_hi, int* sync, int mode, long long n_chains, int wait_spins,
     unsigned long long smem_bytes) {
     static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
@@ -172,8 +129,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
     const long long DD = (long long)D * D;
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
-    ttt::load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    ttt::load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
     float b_dw[PL], b_db[PL];                                        // this lane's partials
 #pragma unroll
     for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
@@ -240,9 +196,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
         __syncthreads();
         const float e_l = s_e[L - 1];
 
-        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials. Pass u
-        // gives lane group `sub` row warp + NW (sub + RPP u); rows >= L run on zeros (every
-        // lane takes part in the row sums): r = 0 makes g, dkh and dy zero there
+        // row pass: g (s_g), dkh (s_dkh), dy w (registers), dv, dw / db partials
         float b_dyw[NPASS][PL];                                      // [passes, D] per lane
         bwd_grads_rows<T, D_PAD, BT, MMA, KEY>(b_dyw, b_dw, b_db, s_g, s_dkh, s_k, xbuf, k, v,
                                                dgbuf, rbuf, rlbuf, dv, b_w, b_b, p_base, p_ebase,
@@ -262,7 +216,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
 
             // dk - dy w = -(e S) q + dkh W^T - eta_l g dW^T -> s_g (after every warp's
             // products: they read g)
-            ttt::mma_tiles_synced<BT, DA, NW>(  // [BT, DA]: dk's columns a0 ..
+            ttt::mma_tiles<BT, DA, NW, true>(  // [BT, DA]: dk's columns a0 ..
                 [&](float (&acc)[4], int m0, int n0) {
                     float acc2[4] = {0.f, 0.f, 0.f, 0.f};
                     ttt::mma_tile_acc(acc, s_S, LA, 1, s_q, LDH, 1, m0, n0, m0, BT);
@@ -288,11 +242,8 @@ __device__ __forceinline__ void bwd_grads_kernel(
                     ttt::load_row_part<D_PAD, DA, LPR>(b_a, s_g + i * LD, a0);
 #pragma unroll
                 for (int e = 0; e < PL; ++e) b_a[e] += b_dyw[u][e];
-                if constexpr (SPLIT == 1)
-                    ttt::store_row<D_PAD, LPR>(dk + p_base + (row0 + i) * row_stride, b_a, D);
-                else
-                    ttt::store_row_part<D_PAD, LPR>(dk + p_base + (row0 + i) * row_stride, b_a,
-                                                    a0, d1);
+                ttt::store_row_cols<D_PAD, LPR, SPLIT == 1>(
+                    dk + p_base + (row0 + i) * row_stride, b_a, a0, d1);
             }
             ttt::state_rows_update_mma<D_PAD, BT, NW, DA, LDH>(s_dW, 1.f, s_q, s_dop, s_k,
                                                                s_dkh, rows, D);
@@ -325,11 +276,8 @@ __device__ __forceinline__ void bwd_grads_kernel(
                     }
                     b_a[e] += b_dyw[ii][e] - acc - e_l * b_c[e];
                 }
-                if constexpr (SPLIT == 1)
-                    ttt::store_row<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, D);
-                else
-                    ttt::store_row_part<D_PAD>(dk + p_base + (row0 + i) * row_stride, b_a, a0,
-                                               d1);
+                ttt::store_row_cols<D_PAD, 32, SPLIT == 1>(
+                    dk + p_base + (row0 + i) * row_stride, b_a, a0, d1);
             }
             __syncthreads();
 

@@ -1,7 +1,6 @@
 // Backward, parallel part 1: ttt_linear_bwd_local<T, D_PAD, BT, MMA, OUT>. Everything that needs
-// the forward state but not the state's cotangent; one block per (group of G chunks, head),
-// replaying its group from its checkpoint slot (a segmented launch: the groups g_lo .. g_hi - 1
-// of every sequence, as fwd_out.cu; notation in ttt_common.cuh):
+// the forward state but not its cotangent; one block per (group of G chunks, head), replayed
+// from its slot as in fwd_out.cu (ttt_common.cuh):
 //
 //   y = (xh w + b - v + k) w,  g = r (y - mean(y) - xh mean(y xh))   (xh, r from fwd_chain.cu)
 //   o_pre = q W + hb - e (A g)
@@ -11,38 +10,19 @@
 //   dg_loc = -A^T (e do_pre)
 //   dw += sum_i do oh,  db += sum_i do              (post norm-residual part)
 //
-// for the output form OUT = kOutNorm; kOutQuery (o = q / scale + LN(o_pre) w + b): do_pre
-// without the leading do, and dq += do; kOutRaw (o = o_pre): do_pre = do, no dw / db part.
-// eta_key needs no instance here: g's factor l r comes saved as r' (ttt_common.cuh).
+// for OUT = kOutNorm; kOutQuery: do_pre without the leading do, and dq += do; kOutRaw: do_pre
+// = do, no dw / db part. The dw / db partials go per block to [groups, H, D].
 //
-// g is row-local in the xh and r that fwd_chain.cu saved (inner_grad_rows_saved, in the phase
-// of q k^T): no k W product, no LayerNorm statistics. The state W still walks the group (q W,
-// do_pre W^T and the step W <- W - eta_l k^T g). It writes dq (final), deta (final except the
-// last-row term), the dw / db partials of the block ([groups, H, D]: deterministic, summed in
-// torch), and for the later kernels do_pre and dg_loc (fp32; bwd_chain.cu and bwd_grads.cu
-// read xh, r from fwd_chain.cu too). Shared memory: W, hb, Q, K, DO, G, A, dS/dP, eta
-// (Traits::kBwdLocalBytes).
-//
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): bwd_local_tc
-// below. It walks the group in blocks of R = Traits::kOutRows rows (several chunks, as
-// fwd_out.cu's MMA instance; R = BT at D_PAD 128), with M, W0, hb0 as there:
+// MMA (half inputs): blocks of R = Traits::kOutRows rows as fwd_out.cu's, with M, W0, hb0 as
+// there:
 //
 //   o_pre = q W0 + hb0 - M g,    dS = do_pre g^T (every j <= t of the block)
 //   dP'[t, j] = -(e_t dS_tj) in t's chunk, -(eta_l(chunk of j) dS_tj) for earlier chunks
 //   dq = scale (do_pre W0^T + dP' k)  (the earlier chunks' state steps folded into dP')
 //   deta_t = -sum_{j <= t in t's chunk} A_tj dS_tj,  dg_loc = -(e A)^T do_pre within chunks
 //
-// so dq, deta, dg_loc, do_pre and the dw / db partials are those of the chunk-by-chunk
-// definition above. q k^T (A and M in one pass), q W0 - M g, dS, do_pre W0^T + dP' k,
-// (e A)^T do_pre and the state step (on g rows scaled by their chunk's eta_l) run on tensor
-// cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation; ttt_common.cuh): the same
-// barriers per block as the SIMT instance has per chunk. Shared memory: W, hb, Q, K, DO, G,
-// A, M / dS / dP', eta (Traits::kBwdLocalTcBytes). At D_PAD <= 64 (Traits::kLocalStage) the
-// next block's q, k, do and eta come by cp.async into a stage in shared memory, a block ahead,
-// and at D_PAD 64 (kLocalStageSaved) the g row pass's stored xh, v and r too, issued once the
-// pass has read this block's (as fwd_out.cu's). Rows that come by no stage are asked for into
-// L1 a block ahead (prefetch_spans). With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk.
+// on tensor cores; the next block's q, k, do, eta (Traits::kLocalStage; kLocalStageSaved: xh,
+// v, r too) come by cp.async into a stage, other rows are asked into L1 a block ahead.
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -105,8 +85,7 @@ __device__ __forceinline__ void bwd_local_tc(
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
-    load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
     float b_dw[PL], b_db[PL];                                        // this lane's partials
 #pragma unroll
     for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
@@ -285,25 +264,13 @@ __device__ __forceinline__ void bwd_local_tc(
 template <typename T, int D_PAD, int BT, int OUT>
 __device__ __forceinline__ void bwd_local_simt(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,    // [B, T, H] fp32
-    const float* __restrict__ lnw,    // [H, D] fp32
-    const float* __restrict__ lnb,    // [H, D] fp32
-    const T* __restrict__ dout,       // [B, T, H, D] cotangent of o
-    const float* __restrict__ ck,     // [slots, H, D, D] state slots
-    const float* __restrict__ ckb,    // [slots, H, D]
-    const float* __restrict__ xbuf,   // [B, T, H, D] fp32 xhat (fwd_chain)
-    const float* __restrict__ rbuf,   // [B, T, H] fp32 r (fwd_chain)
-    float* __restrict__ dopbuf,       // [B, T, H, D] fp32 do_pre
-    float* __restrict__ dgbuf,        // [B, T, H, D] fp32 dg_loc
-    T* __restrict__ dq,               // [B, T, H, D]
-    float* __restrict__ deta,         // [B, T, H] fp32
-    float* __restrict__ dwp,          // [groups, H, D] partials of dw
-    float* __restrict__ dbp,          // [groups, H, D] partials of db
-    const long long* __restrict__ cu_seqlens,   // [N + 1] or null
-    const long long* __restrict__ grp_offsets,  // [N + 1] or null (varlen)
-    const int* __restrict__ grp_seq,            // [groups] or null (varlen)
-    float scale, float eps, long long T_len, int H, int D, int G,
-    long long g_lo, long long g_hi) {
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const T* __restrict__ dout, const float* __restrict__ ck, const float* __restrict__ ckb,
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf, float* __restrict__ dopbuf,
+    float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,
+    float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
+    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
@@ -326,8 +293,7 @@ __device__ __forceinline__ void bwd_local_simt(
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    ttt::load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     float b_dw[P], b_db[P];                                          // this warp's partials
 #pragma unroll
     for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;

@@ -1,81 +1,33 @@
-// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE, KEY, OUT>. Carries
-// the state through the chunks (and, with FUSE, writes the outputs on the way).
-//
-// One block per (sequence, head), chunks in order (notation in ttt_common.cuh):
+// Forward, sequential part: ttt_linear_fwd_chain<T, D_PAD, BT, MMA, FUSE, KEY, OUT>. One block
+// per (sequence, head) carries the state through the chunks in order (ttt_common.cuh):
 //
 //   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g = l r (y - mean(y) - xh mean(y xh))
 //   W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
 //
-// KEY (eta_key given, ekey [B, T, H] fp32): l is the row's eta_key, rbuf takes l r (what the
-// group kernels derive g from) and rlbuf the LayerNorm's r (for the backward's dkh); without
-// KEY, l = 1 and rlbuf is unused. OUT (FUSE only): the output form of o (ttt_common.cuh).
+// It saves xh and r' = l r of every valid row (KEY: rlbuf the LayerNorm's r), the state
+// before every group in its slot and the final state (the last slot; ht / hbt when given).
+// FUSE (many chains, placement.FUSED) also writes o (fwd_out.cu's math, from the state
+// before each chunk) and fwd_out is not launched; with ck null (no backward) it saves
+// nothing but o and ht / hbt.
 //
-// The block writes xh ([B, T, H, D] fp32) and r ([B, T, H] fp32) of every valid row, the fp32
-// state into checkpoint slot s before chunk s * G, and the final state into the sequence's
-// last slot (and into ht / hbt when given). The outputs (which need q) are left to the
-// group-parallel fwd_out.cu, unless FUSE (below). xh and r are the saved activations (as in
-// the Triton backend): fwd_out.cu and bwd_local.cu derive g from them row-locally (y = (xh w +
-// b - v + k) w, then g; no k W, no LayerNorm statistics), bwd_chain.cu and bwd_grads.cu read
-// them for g and dkh.
+// SIMT (MMA = false): the state in shared memory; a row pass (kh, LayerNorm, g) then a tile
+// pass for the state step; the next chunk's rows are asked into L1. MMA (half inputs): the
+// state stays in registers as mma accumulators (mma.cuh); k W and k^T g on tensor cores,
+// the row statistics by warp shuffles plus per-warp partials (Chan's formula), three
+// barriers per chunk; the next chunk's k, v (FUSE: q, eta) load into registers a step early
+// (StagedTile). FUSE's o_pre comes out of the same register state; its row statistics cross
+// the step's last barrier, so o is finished at the start of the next step.
 //
-// MMA = false (float inputs, or TTT_CUPY_MMA=0; Traits::kThreads threads, kFwdChainBytes): the
-// state lives in shared memory; per chunk a row pass (one warp a row: kh = k_i W + hb,
-// LayerNorm (xh, r -> xbuf, rbuf), g) then a SIMT tile pass for the state step. Each step asks
-// for the next chunk's rows of k, v and eta into L1 (prefetch_rows).
-//
-// MMA = true (default for __half / __nv_bfloat16; Traits::kTcThreads threads, one warp per 16
-// state columns, kFwdChainTcBytes): fwd_chain_tc below. The state stays in registers as mma
-// accumulators ("register-resident chain state" in ttt_common.cuh); both products, k W and
-// k^T g, run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation), as the
-// Triton backend does for half inputs. kh comes out of k W in the accumulator layout (each
-// lane: 2 columns x BT / 4 rows), so the LayerNorm's and g's row sums are warp shuffles plus
-// one exchange of per-warp partials through shared memory (Chan's formula for the variance):
-// three barriers per chunk. xh and r go to xbuf, rbuf from that layout (r by warp 0's lanes
-// g = 0). The next chunk's k and v are loaded into registers at the start of a step (16-byte
-// pieces kept raw until used, StagedTile) and stored into the other half of the
-// double-buffered tiles at its end; the chunk after it is asked into L1 (prefetch_rows), so
-// those loads hit L1. k's mma operands skip the tf32 rounding (bf16 / fp16 values are tf32
-// values already: tf32_operand).
-//
-// Segments (g_lo < g_hi; placement.segment_plan): the block runs only chunks [g_lo G, g_hi G)
-// of its sequence (clamped to its end); a segment after the first starts from the slot the
-// previous one stored last (its state before chunk g_lo G, not stored again), and the state
-// after the segment goes into the slot before chunk g_hi G (the final slot and ht / hbt only
-// in the segment with the sequence's end). Sequences that ended before g_lo G return at once.
-// g_hi <= g_lo: the whole sequence. The launcher never segments the FUSE instance.
-//
-// Overlapped (sync not null; the unfused instances, one launch; ttt_common.cuh's overlapped
-// forward): the block counts itself started and, after the barrier that ends each group's last
-// step, publishes the number of groups it finished, so that fwd_out's blocks run beside it.
-//
-// FUSE = true (the launcher's choice with many (sequence, head) chains, placement.FUSED; as the
-// Triton backend's FUSE_OUT): the block also writes each chunk's outputs from the state
-// before the chunk (q pre-scaled, e the per-row eta; the math of fwd_out.cu), and fwd_out is
-// not launched:
-//
-//   A = tril(q k^T) + tril(1),   o_pre = q W + hb - e (A g),   o = o_pre + LN(o_pre) w + b
-//
-// (or o = q / scale + LN(o_pre) w + b, or o = o_pre: OUT). With ck null (a forward without
-// backward) it stores no slots, xh or r (only o and ht / hbt); else it stores them as the
-// unfused instance does, for the backward. SIMT instance: fwd_out's
-// tiles (Q, A, eta besides W, hb, K, G; Traits::kFwdChainFusedBytes) and its passes: A with g
-// in one phase, then a row pass for o_pre and the post norm, then the state step (four
-// barriers per chunk). MMA instance (Traits::kFwdChainFusedTcBytes): q (and the per-row eta)
-// double-buffered beside k, v; in the first phase q W + hb comes out of the same register
-// state as k W (o_pre's accumulators, the layout of kh) and A (scaled by -e per row) goes to
-// shared memory on tensor cores; after g, the accumulators take (-e A) g on tensor cores (A
-// operand: g's accumulators, as in the state step). The post norm's per-warp row statistics
-// cross the step's last barrier, so o is finished (Chan's formula) and stored at the start
-// of the next step (or after the last one): no barrier of its own, three per chunk as without
-// FUSE.
+// Segments (g_lo < g_hi): chunks [g_lo G, g_hi G) only, from the slot the previous segment
+// stored last, ending in the slot before chunk g_hi G. Overlapped (sync given): the block
+// publishes each finished group for fwd_out (overlap.cuh).
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// The MMA instance of the forward chain (see the top of this file); arguments as the kernel's.
-// The tensor-core forward chain's steps over a lane's fragment entries: row t = 8 i + 2 tq + e
-// (e < 2), column n0 + 8 h (h < 2), entry c = e + 2 h of x[i][c] (mma.sync's accumulator
-// layout); col_ok[h]: column n0 + 8 h within D; cols[w]: the valid columns of warp w.
+// The MMA instance's steps over a lane's accumulator entries (for_each_frag_row): row t,
+// column n0 + 8 h of entry x[i][e + 2 h]; col_ok[h]: that column within D; cols[w]: the valid
+// columns of warp w.
 
 // o <- o_pre + LN(o_pre) w + b (OUT: the output form) for a chunk's o_pre in ``ob`` (rows
 // ``o_rows`` .., L_o of them), from the per-warp statistics of its rows in s_ost.
@@ -85,99 +37,64 @@ __device__ __forceinline__ void fwd_tc_finish_out(
     const float* s_ost, const float (&cols)[Traits<D_PAD, BT>::kTcWarps],
     const bool (&col_ok)[2], const float (&lw)[2], const float (&lb)[2], int L_o, float inv_d,
     float eps, int rs, int tq, int n0) {
-    constexpr int NW = Traits<D_PAD, BT>::kTcWarps, NR = BT / 8;
     const FloatK<2>* ost = reinterpret_cast<const FloatK<2>*>(s_ost);
+    for_each_frag_row<BT / 8>(tq, [&](int i, int e, int t) {
+        float m2;
+        const float mean = chan_mean<Traits<D_PAD, BT>::kTcWarps, BT>(ost, cols, t, inv_d, m2);
+        const float ro = 1.f / sqrtf(m2 * inv_d + eps);
 #pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            float mean = 0.f;
-#pragma unroll
-            for (int w2 = 0; w2 < NW; ++w2) mean += cols[w2] * ost[w2 * BT + t].v[0];
-            mean *= inv_d;
-            float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
-#pragma unroll
-            for (int w2 = 0; w2 < NW; ++w2) {
-                const FloatK<2> st = ost[w2 * BT + t];
-                const float dm = st.v[0] - mean;
-                m2 += st.v[1] + cols[w2] * dm * dm;
-            }
-            const float ro = 1.f / sqrtf(m2 * inv_d + eps);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float x = ob[i][e + 2 * h];
-                if (col_ok[h] && t < L_o) {
-                    const int ix = t * rs + n0 + 8 * h;
-                    if constexpr (OUT == kOutNorm)
-                        o_rows[ix] = from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
-                    else if constexpr (OUT == kOutQuery)
-                        o_rows[ix] = from_f32<T>(to_f32(q_rows[ix]) + (x - mean) * ro * lw[h] +
-                                                 lb[h]);
-                    else
-                        o_rows[ix] = from_f32<T>(x);
-                }
+        for (int h = 0; h < 2; ++h) {
+            const float x = ob[i][e + 2 * h];
+            if (col_ok[h] && t < L_o) {
+                const int ix = t * rs + n0 + 8 * h;
+                if constexpr (OUT == kOutNorm)
+                    o_rows[ix] = from_f32<T>(x + (x - mean) * ro * lw[h] + lb[h]);
+                else if constexpr (OUT == kOutQuery)
+                    o_rows[ix] = from_f32<T>(to_f32(q_rows[ix]) + (x - mean) * ro * lw[h] + lb[h]);
+                else
+                    o_rows[ix] = from_f32<T>(x);
             }
         }
+    });
 }
 
-// kh (in x, its per-warp statistics in ``stat``) -> xh (in x) and r, combining the warps'
-// statistics by Chan's formula; with KEY r becomes g's factor l r. Stores xh (x_rows given: a
-// forward with a backward), r and (KEY) the LayerNorm's r of valid rows.
+// kh (in x, its per-warp statistics in ``stat``) -> xh (in x) and r; with KEY r becomes g's
+// factor l r. Stores xh (x_rows given: a forward with a backward), r and (KEY) the
+// LayerNorm's r of valid rows.
 template <int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void fwd_tc_layernorm(
     float (&x)[BT / 8][4], float (&r)[BT / 8][2], const FloatK<2>* stat,
     const float (&cols)[Traits<D_PAD, BT>::kTcWarps], const bool (&col_ok)[2], float inv_d,
     float eps, const float* __restrict__ ekey_rows, float* __restrict__ x_rows,
-    float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq,
-    int n0) {
-    constexpr int NW = Traits<D_PAD, BT>::kTcWarps, NR = BT / 8;
-    const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    float* __restrict__ r_rows, float* __restrict__ rl_rows, int L, int H, int rs, int tq, int n0) {
+    const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;  // (warp 0, g = 0: r once)
     const bool save = x_rows != nullptr;
-#pragma unroll
-    for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = 8 * i + 2 * tq + e;
-            FloatK<2> st[NW];
-            float mean = 0.f;
-#pragma unroll
-            for (int w2 = 0; w2 < NW; ++w2) {
-                st[w2] = stat[w2 * BT + t];
-                mean += cols[w2] * st[w2].v[0];
-            }
-            mean *= inv_d;
-            float m2 = 0.f;  // sum_w M2_w + n_w (mean_w - mean)^2
-#pragma unroll
-            for (int w2 = 0; w2 < NW; ++w2) {
-                const float dm = st[w2].v[0] - mean;
-                m2 += st[w2].v[1] + cols[w2] * dm * dm;
-            }
-            r[i][e] = rsqrtf(m2 * inv_d + eps);
-            x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
-            x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
-            if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
-                const float rk = t < L ? r[i][e] * ekey_rows[t * H] : 0.f;
-                if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
-                r[i][e] = rk;
-            }
-            if (save && t < L) {  // the saved activations: xh, and r once (warp 0, g = 0)
-                if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
-                if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
-                if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
-            }
+    for_each_frag_row<BT / 8>(tq, [&](int i, int e, int t) {
+        float m2;
+        const float mean = chan_mean<Traits<D_PAD, BT>::kTcWarps, BT>(stat, cols, t, inv_d, m2);
+        r[i][e] = rsqrtf(m2 * inv_d + eps);
+        x[i][e] = col_ok[0] ? (x[i][e] - mean) * r[i][e] : 0.f;          // xh
+        x[i][e + 2] = col_ok[1] ? (x[i][e + 2] - mean) * r[i][e] : 0.f;
+        if constexpr (KEY) {  // g's factor l r (rbuf), the LayerNorm's r (rlbuf)
+            const float rk = t < L ? r[i][e] * ekey_rows[t * H] : 0.f;
+            if (save && t < L && wid == 0 && g == 0) rl_rows[t * H] = r[i][e];
+            r[i][e] = rk;
         }
-
+        if (save && t < L) {  // the saved activations: xh, and r once
+            if (col_ok[0]) x_rows[t * rs + n0] = x[i][e];
+            if (col_ok[1]) x_rows[t * rs + n0 + 8] = x[i][e + 2];
+            if (wid == 0 && g == 0) r_rows[t * H] = r[i][e];
+        }
+    });
 }
 
 // o_pre += (-e A) g: M = n (this warp's columns), K = j (g's accumulators as the A operand:
 // slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower); then the per-warp
 // statistics of o_pre's rows (mean, M2 over the warp's columns) into s_ost.
 template <int D_PAD, int BT>
-__device__ __forceinline__ void fwd_tc_out_pre(float (&ob)[BT / 8][4],
-                                               const float (&y)[BT / 8][4], const float* s_A,
-                                               float* s_ost, const bool (&col_ok)[2],
-                                               float inv_cols, int tq, int n0) {
+__device__ __forceinline__ void fwd_tc_out_pre(
+    float (&ob)[BT / 8][4], const float (&y)[BT / 8][4], const float* s_A, float* s_ost,
+    const bool (&col_ok)[2], float inv_cols, int tq, int n0) {
     constexpr int NR = BT / 8, LA = Traits<D_PAD, BT>::kLdA;
     const int wid = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     FloatK<2>* ost = reinterpret_cast<FloatK<2>*>(s_ost);
@@ -192,25 +109,20 @@ __device__ __forceinline__ void fwd_tc_out_pre(float (&ob)[BT / 8][4],
             mma_m16n8k8_tf32(ob[I], a, b);
         }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const float x0 = ob[I][e], x1 = ob[I][e + 2];  // zero in padded columns
-            const float m = frag_col_sum(x0, x1) * inv_cols;
-            const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
-            const float m2 = frag_col_sum(d0 * d0, d1 * d1);
-            if (g == 0) ost[wid * BT + 8 * I + 2 * tq + e] = FloatK<2>{{m, m2}};
-        }
+        for (int e = 0; e < 2; ++e)  // (zero in padded columns)
+            warp_row_stats(ost, wid * BT + 8 * I + 2 * tq + e, ob[I][e], ob[I][e + 2], col_ok,
+                           inv_cols);
     }
 }
 
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_tc(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,
-    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
-    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
-    float* __restrict__ rlbuf,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
@@ -348,28 +260,19 @@ __device__ __forceinline__ void fwd_chain_tc(
             if (i_c > c_lo) finish_out();
             const float* sqt = s_q + buf * Tr::kTile;
             tile_times_state_frag<D_PAD, BT>(ob, W, sqt);
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) ob[i][c] = col_ok[c >> 1] ? ob[i][c] + hb[c >> 1] : 0.f;
+            for_each_frag_entry<NR>([&](int i, int c, int, int) {
+                ob[i][c] = col_ok[c >> 1] ? ob[i][c] + hb[c >> 1] : 0.f;
+            });
             tri_dots_mma<D_PAD, BT, NW, true, true>(s_A, sqt, sk, L, 1.f, s_e + buf * BT, -1.f);
             row0_o = row0;
             L_o = L;
         }
         FloatK<2>* stat = reinterpret_cast<FloatK<2>*>(s_red);
-#pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x0 = x[i][e];
-                float& x1 = x[i][e + 2];
-                x0 = col_ok[0] ? x0 + hb[0] : 0.f;
-                x1 = col_ok[1] ? x1 + hb[1] : 0.f;
-                const float m = frag_col_sum(x0, x1) * inv_cols;
-                const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
-                const float m2 = frag_col_sum(d0 * d0, d1 * d1);
-                if (g == 0) stat[wid * BT + 8 * i + 2 * tq + e] = FloatK<2>{{m, m2}};
-            }
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+            x[i][e] = col_ok[0] ? x[i][e] + hb[0] : 0.f;
+            x[i][e + 2] = col_ok[1] ? x[i][e + 2] + hb[1] : 0.f;
+            warp_row_stats(stat, wid * BT + t, x[i][e], x[i][e + 2], col_ok, inv_cols);
+        });
         __syncthreads();
         float r[NR][2];
         fwd_tc_layernorm<D_PAD, BT, KEY>(
@@ -379,39 +282,31 @@ __device__ __forceinline__ void fwd_chain_tc(
 
         // y = (xh w + b - v + k) w; g = r (y - mean(y) - xh mean(y xh))
         float y[NR][4], sums[NR][2][2];
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+            sums[i][e][0] = sums[i][e][1] = 0.f;
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                sums[i][e][0] = sums[i][e][1] = 0.f;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h, n = n0 + 8 * h;
-                    y[i][c] = col_ok[h] ? (x[i][c] * lw[h] + lb[h] - sv[t * LD + n] +
-                                           sk[t * LD + n]) * lw[h]
-                                        : 0.f;
-                    sums[i][e][0] += y[i][c];
-                    sums[i][e][1] += y[i][c] * x[i][c];
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h, n = n0 + 8 * h;
+                y[i][c] = col_ok[h] ? (x[i][c] * lw[h] + lb[h] - sv[t * LD + n] +
+                                       sk[t * LD + n]) * lw[h]
+                                    : 0.f;
+                sums[i][e][0] += y[i][c];
+                sums[i][e][1] += y[i][c] * x[i][c];
             }
+        });
         frag_row_sums<NW, BT, 2>(sums, s_red + 2 * NW * BT);
         float hs[2] = {0.f, 0.f};
+        for_each_frag_row<NR>(tq, [&](int i, int e, int t) {
+            const float ym = sums[i][e][0] * inv_d, yx = sums[i][e][1] * inv_d;
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int t = 8 * i + 2 * tq + e;
-                const float ym = sums[i][e][0] * inv_d, yx = sums[i][e][1] * inv_d;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = e + 2 * h;
-                    const bool ok = col_ok[h] && t < L;
-                    const float gv = ok ? r[i][e] * (y[i][c] - ym - x[i][c] * yx) : 0.f;
-                    y[i][c] = gv;                        // y now holds g
-                    hs[h] += gv;
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int c = e + 2 * h;
+                const bool ok = col_ok[h] && t < L;
+                const float gv = ok ? r[i][e] * (y[i][c] - ym - x[i][c] * yx) : 0.f;
+                y[i][c] = gv;  // y now holds g
+                hs[h] += gv;
             }
+        });
 
         if constexpr (FUSE)  // o_pre += (-e A) g, then the statistics of o_pre's rows
             fwd_tc_out_pre<D_PAD, BT>(ob, y, s_A, s_ost, col_ok, inv_cols, tq, n0);
@@ -454,12 +349,11 @@ __device__ __forceinline__ void fwd_chain_tc(
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
 __device__ __forceinline__ void fwd_chain_simt(
     float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta,
-    const float* __restrict__ lnw, const float* __restrict__ lnb, const float* __restrict__ h0,
-    const float* __restrict__ hb0, float* __restrict__ ht, float* __restrict__ hbt,
-    float* __restrict__ ck, float* __restrict__ ckb, float* __restrict__ xbuf,
-    float* __restrict__ rbuf, T* __restrict__ o, const float* __restrict__ ekey,
-    float* __restrict__ rlbuf,
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,
     const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
     float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
     int* sync) {
@@ -490,8 +384,7 @@ __device__ __forceinline__ void fwd_chain_simt(
     const long long c_lo = cr.lo, c_hi = cr.hi;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     if (c_lo > 0) {
         const long long i_ck = (sq.slot_base + c_lo / G) * H + i_h;
         load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
@@ -533,16 +426,10 @@ __device__ __forceinline__ void fwd_chain_simt(
         __syncthreads();
 
         // row pass: kh -> xh, r (xbuf, rbuf) -> g (s_g); FUSE: A = tril(q k^T) + tril(1) too
-        if constexpr (FUSE) {
-            tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-            inner_grad_rows<D_PAD, BT, NW, true, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                      p_ebase, row0, row_stride, L, H, D, eps,
-                                                      save ? xbuf : nullptr, rbuf, ekey, rlbuf);
-        } else {
-            inner_grad_rows<D_PAD, BT, NW, false, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
-                                                       p_ebase, row0, row_stride, L, H, D, eps,
-                                                       xbuf, rbuf, ekey, rlbuf);
-        }
+        if constexpr (FUSE) tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        inner_grad_rows<D_PAD, BT, NW, FUSE, KEY>(s_g, s_k, s_W, s_hb, v, b_w, b_b, p_base,
+                                                  p_ebase, row0, row_stride, L, H, D, eps,
+                                                  save ? xbuf : nullptr, rbuf, ekey, rlbuf);
         __syncthreads();
 
         if constexpr (FUSE) {

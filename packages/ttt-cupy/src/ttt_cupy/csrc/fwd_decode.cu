@@ -1,11 +1,6 @@
-// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>. No backward,
-// and every sequence within `rows` rows (placement.row_step routes steps of a few rows here;
-// longer ones run fwd_chain's fused instance): no product padded to a chunk, the state read
-// once and written once.
-//
-// One block per (sequence, head), all L rows of the sequence at once against the state W, hb
-// before them (notation in ttt_common.cuh; q~ = scale q, e_i row i's eta, l_i its eta_key with
-// KEY, else 1):
+// Forward of a short generation step: ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>. No
+// backward; one block per (sequence, head), all L <= `rows` rows at once against the state
+// W, hb before them (ttt_common.cuh; q~ = scale q, e_i row i's eta, l_i its eta_key or 1):
 //
 //   kh_i = k_i W + hb  ->  xh_i, r_i  ->  g_i = l_i r_i (y_i - mean(y_i) - xh_i mean(y_i xh_i))
 //   o_pre_i = q~_i W + hb - e_i sum_{j <= i} (q~_i . k_j + 1) g_j
@@ -15,14 +10,9 @@
 //
 // The state stays in registers (DecodeTraits): thread (warp w, lane l) holds column
 // c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (p = l % R its part, s < E / V, j < V;
-// R parts, E entries, V = kVec). A row times W is E multiply-adds per thread and a sum over the
-// R lanes of a column (shuffles); the update k^T g is E per row. The rows' k, q, v, kh (then g)
-// and q~ W + hb sit in shared memory as [rows, D_PAD] fp32 tiles; the LayerNorm, g and the
-// output form run one warp a row (rows.cuh). Three barriers: the rows loaded, the products,
-// g. All arithmetic fp32; o in the input type T. eta, the LayerNorm's w, b and eta_key are
-// read in their type P (float, or T when the caller has them all in the input type: no cast
-// kernels before a generation step) and widened to fp32 on load, which is exact, so both
-// instances compute the same.
+// R parts, E entries, V = kVec). The rows' k, q, v, kh (then g) and q~ W + hb sit in shared
+// memory as [rows, D_PAD] fp32 tiles; the row passes run one warp a row. eta, w, b and
+// eta_key are read in their type P (float, or T) and widened to fp32 on load (exact).
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -49,10 +39,9 @@ __device__ __forceinline__ int decode_row(int p, int s, int j) {
 // W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or for a null
 // source. src / bsrc: the state [D, D] and its bias [D] in fp32, or null.
 template <int D_PAD>
-__device__ __forceinline__ void load_state_slot(float (&W)[DecodeTraits<D_PAD>::kEntries],
-                                                float& hb, const float* __restrict__ src,
-                                                const float* __restrict__ bsrc, DecodeSlot t,
-                                                int D) {
+__device__ __forceinline__ void load_state_slot(
+    float (&W)[DecodeTraits<D_PAD>::kEntries], float& hb, const float* __restrict__ src,
+    const float* __restrict__ bsrc, DecodeSlot t, int D) {
     constexpr int V = DecodeTraits<D_PAD>::kVec;
 #pragma unroll
     for (int s = 0; s < DecodeTraits<D_PAD>::kEntries / V; ++s)
@@ -66,10 +55,9 @@ __device__ __forceinline__ void load_state_slot(float (&W)[DecodeTraits<D_PAD>::
 
 // dst[a D + c] = W[V s + j], bdst[c] = hb (part 0) inside D x D.
 template <int D_PAD>
-__device__ __forceinline__ void store_state_slot(float* __restrict__ dst,
-                                                 float* __restrict__ bdst,
-                                                 const float (&W)[DecodeTraits<D_PAD>::kEntries],
-                                                 float hb, DecodeSlot t, int D) {
+__device__ __forceinline__ void store_state_slot(
+    float* __restrict__ dst, float* __restrict__ bdst,
+    const float (&W)[DecodeTraits<D_PAD>::kEntries], float hb, DecodeSlot t, int D) {
     constexpr int V = DecodeTraits<D_PAD>::kVec;
     if (t.c >= D) return;
 #pragma unroll
@@ -103,14 +91,11 @@ __device__ __forceinline__ float row_times_slot(const float* xrow,
 // eta and (KEY) eta_key [L] (fp32, from their type S). Row i of q, k, v at p_base + i row_stride,
 // of eta at p_ebase + i H.
 template <int D_PAD, bool KEY, typename T, typename S>
-__device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* s_v, float* s_e,
-                                                 float* s_l, const T* __restrict__ q,
-                                                 const T* __restrict__ k,
-                                                 const T* __restrict__ v,
-                                                 const S* __restrict__ eta,
-                                                 const S* __restrict__ ekey,
-                                                 long long p_base, long long p_ebase,
-                                                 long long row_stride, int L, int H, int D) {
+__device__ __forceinline__ void load_decode_rows(
+    float* s_k, float* s_q, float* s_v, float* s_e, float* s_l, const T* __restrict__ q,
+    const T* __restrict__ k, const T* __restrict__ v, const S* __restrict__ eta,
+    const S* __restrict__ ekey, long long p_base, long long p_ebase, long long row_stride, int L,
+    int H, int D) {
     constexpr int NT = DecodeTraits<D_PAD>::kThreads;
     for (int idx = threadIdx.x; idx < L * D_PAD; idx += NT) {
         const int i = idx / D_PAD, d = idx % D_PAD;
@@ -129,10 +114,9 @@ __device__ __forceinline__ void load_decode_rows(float* s_k, float* s_q, float* 
 // g of row i (one warp) over its kh in s_x: the LayerNorm of kh, then g = l r (y - ..) with
 // l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D] (in their type S).
 template <int D_PAD, bool KEY, typename S>
-__device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, const float* s_v,
-                                                const float* s_l, int i,
-                                                const S* __restrict__ lnw,
-                                                const S* __restrict__ lnb, int D, float eps) {
+__device__ __forceinline__ void decode_grad_row(
+    float* s_x, const float* s_k, const float* s_v, const float* s_l, int i,
+    const S* __restrict__ lnw, const S* __restrict__ lnb, int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float x[P], kr[P], vr[P], g[P], y[P], b_w[P], b_b[P];
     load_row<D_PAD>(b_w, lnw, D, 1.f);
@@ -149,12 +133,10 @@ __device__ __forceinline__ void decode_grad_row(float* s_x, const float* s_k, co
 // o of row i (one warp): o_pre = (q~ W + hb)_i - e_i sum_{j <= i} (q~_i . k_j + 1) g_j, then the
 // output form (lnw, lnb as in decode_grad_row), stored to orow.
 template <int D_PAD, int OUT, typename T, typename S>
-__device__ __forceinline__ void decode_out_row(T* __restrict__ orow, const float* s_q,
-                                               const float* s_k, const float* s_g,
-                                               const float* s_o, const float* s_e, int i,
-                                               const S* __restrict__ lnw,
-                                               const S* __restrict__ lnb, float scale, int D,
-                                               float eps) {
+__device__ __forceinline__ void decode_out_row(
+    T* __restrict__ orow, const float* s_q, const float* s_k, const float* s_g, const float* s_o,
+    const float* s_e, int i, const S* __restrict__ lnw, const S* __restrict__ lnb, float scale,
+    int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
     float qs[P], acc[P], o[P], b_w[P], b_b[P];
     load_row<D_PAD>(qs, s_q + i * D_PAD, D, scale);
@@ -206,21 +188,12 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 // P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
 template <typename T, int D_PAD, bool KEY, int OUT, typename P>
 __device__ __forceinline__ void fwd_decode_kernel(
-    const T* __restrict__ q,         // [B, T, H, D]
-    const T* __restrict__ k, const T* __restrict__ v,
-    const P* __restrict__ eta,       // [B, T, H]
-    const P* __restrict__ lnw,       // [H, D]
-    const P* __restrict__ lnb,       // [H, D]
-    const P* __restrict__ ekey,      // [B, T, H] eta_key (KEY) or null
-    const float* __restrict__ h0,    // [N, H, D, D] fp32 or null
-    const float* __restrict__ hb0,   // [N, H, D] fp32 or null
-    float* __restrict__ ht,          // [N, H, D, D] or null
-    float* __restrict__ hbt,         // [N, H, D] or null (with ht)
-    T* __restrict__ o,               // [B, T, H, D]
-    const long long* __restrict__ cu_seqlens,  // [N + 1] or null
-    float scale, float eps, long long T_len, int H, int D,
-    int rows,  // the most rows of a sequence: shared memory for that many
-    unsigned long long smem_bytes) {
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const P* __restrict__ eta, const P* __restrict__ lnw, const P* __restrict__ lnb,
+    const P* __restrict__ ekey, const float* __restrict__ h0, const float* __restrict__ hb0,
+    float* __restrict__ ht, float* __restrict__ hbt, T* __restrict__ o,
+    const long long* __restrict__ cu_seqlens, float scale, float eps, long long T_len, int H,
+    int D, int rows, unsigned long long smem_bytes) {
     using namespace ttt;
     using Tr = DecodeTraits<D_PAD>;
     constexpr int NW = Tr::kWarps, R = Tr::kParts;

@@ -1,55 +1,23 @@
 // Forward, parallel part: ttt_linear_fwd_out<T, D_PAD, BT, MMA, OUT>. The outputs, one block
-// per (group of G chunks, head).
+// per (group of G chunks, head), replayed from the group's slot; g comes back row-locally
+// from the saved xh, r' (ttt_common.cuh):
 //
-// fwd_chain.cu stored xh and r of every row and the state before every group, so a group
-// replays its chunks from its slot without recomputing k W or the LayerNorm: g comes back
-// row-locally from xh, r, k, v (inner_grad_rows_saved; notation in ttt_common.cuh):
-//
-//   y     = (xh w + b - v + k) w,     g = r' (y - mean(y) - xh mean(y xh))   (r' = l r, saved)
+//   y     = (xh w + b - v + k) w,     g = r' (y - mean(y) - xh mean(y xh))
 //   A     = tril(q k^T) + tril(1)                                  [BT, BT]
-//   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b   (fused post norm-residual)
+//   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b  (or OUT's form)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
 //
-// OUT (the output form, output_row): o = o_pre + LN(o_pre) w + b (kOutNorm), q + LN(o_pre) w +
-// b with q as given (kOutQuery: its row read again, unscaled), o_pre (kOutRaw). eta_key needs
-// no instance here: fwd_chain saved g's factor l r as r'.
-//
-// Groups are independent, so this kernel fills the GPU however few (sequence, head) pairs there
-// are. A segmented launch (g_lo < g_hi; placement.segment_plan) has a block per (sequence, group
-// g_lo .. g_hi - 1, head) instead of one per group of the batch (group_coords); blocks past their
-// sequence's end return at once. Overlapped (mode kOverlap; ttt_common.cuh): the block takes
-// a group-major item instead and waits until fwd_chain, running at the same time, has finished
-// that group (or puts the item back for the cleanup launch, mode kCleanup). The SIMT instance walks chunk by chunk (blocks of BT rows): in
-// SIMT arithmetic that is the cheapest block (per row 2 D^2 + BT D multiply-adds); larger row
-// blocks only pay with tensor cores (the MMA instance below). The g row pass shares its phase with
-// q k^T (no barrier of its own). Shared memory: W, hb, Q, K, G, A, eta (Traits::kFwdOutBytes).
-//
-// MMA (default: true for __half / __nv_bfloat16, must be false for float): fwd_out_tc below.
-// It walks the group in blocks of R = Traits::kOutRows rows (R / BT chunks; R = BT at D_PAD
-// 128), as the Triton backend's fwd_out does: with W0, hb0 the state before the block and
-// c(t) the chunk of row t, the state before row t's chunk is W0 - sum_{c < c(t)} eta_l(c)
-// k_c^T g_c, so
+// Blocks come from group_block (overlap.cuh: plain, segmented or overlapped). SIMT: chunk by
+// chunk. MMA (half inputs): blocks of R = Traits::kOutRows rows (several chunks), with W0, hb0
+// the state before the block and c(t) the chunk of row t:
 //
 //   M[t, j] = (q_t . k_j + 1) e_t          j <= t in the same chunk
 //           = (q_t . k_j + 1) eta_l(c(j))  j in an earlier chunk of the block,  else 0
 //   o_pre   = q W0 + hb0 - M g
 //   W0     <- W0 - k^T (eta_l g),  hb0 <- hb0 - sum_j eta_l(c(j)) g_j     (rows scaled)
 //
-// q k^T (M), q W0 - M g (one tile pass whose result replaces q in its tile) and the state
-// step run on tensor cores (mma.sync m16n8k8, tf32 operands, fp32 accumulation;
-// ttt_common.cuh), with K = D_PAD or R (R >= 32: the bank-conflict-free k order); four
-// barriers per block instead of per chunk. Shared memory: W, hb, Q, K, G, M, eta
-// (Traits::kFwdOutTcBytes). The row pass then only adds hb0, does the post
-// norm and scales g's rows by their chunk's eta_l. At D_PAD <= 64 (Traits::kOutStage) a
-// block's rows come by cp.async into a stage in shared memory, a block ahead: q, k and eta
-// once each thread has turned its own staged pieces of this block into the tiles, the stored
-// xh, v and r once the g row pass has read this block's, so that neither the tiles nor the g
-// row pass wait for device memory (the group's first block before the state load). Elsewhere
-// each block asks for the next block's rows into L1 (prefetch hints), and its tile loads and
-// the g row pass read device memory. (Loading them into registers instead takes 78-80
-// registers with spills at D_PAD 64, BT 16, against 62; the SIMT instance keeps the plain
-// loads: the prefetch costs it 8-16 registers.) With MMA = false (float inputs, or
-// TTT_CUPY_MMA=0) every product is SIMT fp32, chunk by chunk.
+// on tensor cores; at D_PAD <= 64 (Traits::kOutStage) the next block's rows come by cp.async
+// into a stage, else they are asked into L1 a block ahead.
 #include "ttt_common.cuh"
 
 namespace ttt {
@@ -99,8 +67,7 @@ __device__ __forceinline__ void fwd_out_tc(
     static_assert(R % (NW * RPP) == 0, "fwd_out: whole row passes");
     const int sub = lane / LPR;
     float b_w[PL], b_b[PL];                                          // [D] per lane
-    load_row<D_PAD, LPR>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    load_row<D_PAD, LPR>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
     // unstaged: a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q,
     // k) and the g row pass's (xh, v, r); the first block's before the state load, each next
     // block's a whole block early
@@ -238,8 +205,7 @@ __device__ __forceinline__ void fwd_out_simt(
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_row<D_PAD>(b_w, lnw + (long long)i_h * D, D, 1.f);
-    ttt::load_row<D_PAD>(b_b, lnb + (long long)i_h * D, D, 1.f);
+    ttt::load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     const long long i_ck = gr.slot * H + i_h;
     ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 

@@ -61,50 +61,21 @@ __device__ __forceinline__ unsigned tf32_operand(float x) {
     }
 }
 
-// The warp tile of every mma pass: acc += sum_k X(m, k) Y(k, n) over k in [kbeg, kend) (a
-// multiple of 16 long) for the 16 x 8 output tile at (m0, n0), with X(m, k) = x[m * xm + k * xk]
-// and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its transpose). Every lane of
-// the warp must call it. The k order is permuted, the same way in A and B (the sum does not
+// The warp tiles of every mma pass: acc[j] += sum_k X(m, k) Y(k, n) over k in [kbeg, kend)
+// (a multiple of 16 long) for the NB 16 x 8 output tiles at (m0, n0 + 8 j), with X(m, k) =
+// x[m * xm + k * xk] and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its
+// transpose). Every lane of the warp must call it; each k step reads the A fragment once for
+// the NB products. The k order is permuted, the same way in A and B (the sum does not
 // change): per block of KB = 32 (or 16) columns, mma step j gives slot t column (KB/4) t + j
 // and slot t + 4 column (KB/4) t + KB/8 + j. With row strides = 1 mod 32 (D_PAD + 1, BT + 1
 // for D_PAD, BT >= 32) lane (g, t) then reads bank g + 8 t + j: no bank conflicts in a 32
 // block (2-way in a 16 block), where the plain order (slot t = column t) has 4-way conflicts.
-template <int KB>
-__device__ __forceinline__ void mma_kblock(float (&acc)[4], const float* x0, int xm, int xk,
-                                           const float* y0, int yk) {
+template <int KB, int NB>
+__device__ __forceinline__ void mma_kblock(float (&acc)[NB][4], const float* x0, int xm, int xk,
+                                           const float* y0, int yk, int ystep) {
 #pragma unroll
     for (int j = 0; j < KB / 8; ++j) {
         const int ka = j, kb = KB / 8 + j;  // columns of slots t and t + 4, less (KB/4) t
-        const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
-                               to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
-        const unsigned b[2] = {to_tf32(y0[ka * yk]), to_tf32(y0[kb * yk])};
-        mma_m16n8k8_tf32(acc, a, b);
-    }
-}
-
-__device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, int xm, int xk,
-                                             const float* y, int yk, int yn, int m0, int n0,
-                                             int kbeg, int kend) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* xr = x + (m0 + g) * xm;  // A[g][slot t] = X(m0 + g, column of slot t)
-    const float* yc = y + (n0 + g) * yn;  // B[slot t][g] = Y(column of slot t, n0 + g)
-    int k = kbeg;
-#pragma unroll 2
-    for (; k + 32 <= kend; k += 32)
-        mma_kblock<32>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk);
-    if (k < kend)  // kend - k == 16
-        mma_kblock<16>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk);
-}
-
-// mma_tile_acc for NB tiles side by side: acc[j] += the 16 x 8 output tile at (m0, n0 + 8 j),
-// j < NB. Each k step reads the A fragment once for the NB products (NB times fewer A reads
-// from shared memory than NB mma_tile_acc calls). Same k order as mma_kblock.
-template <int KB, int NB>
-__device__ __forceinline__ void mma_kblock_n(float (&acc)[NB][4], const float* x0, int xm,
-                                             int xk, const float* y0, int yk, int ystep) {
-#pragma unroll
-    for (int j = 0; j < KB / 8; ++j) {
-        const int ka = j, kb = KB / 8 + j;
         const unsigned a[4] = {to_tf32(x0[ka * xk]), to_tf32(x0[8 * xm + ka * xk]),
                                to_tf32(x0[kb * xk]), to_tf32(x0[8 * xm + kb * xk])};
 #pragma unroll
@@ -116,21 +87,29 @@ __device__ __forceinline__ void mma_kblock_n(float (&acc)[NB][4], const float* x
     }
 }
 
-template <int NB>
+template <int NB, int UNROLL = 1>
 __device__ __forceinline__ void mma_tiles_acc(float (&acc)[NB][4], const float* x, int xm,
                                               int xk, const float* y, int yk, int yn, int m0,
                                               int n0, int kbeg, int kend) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* xr = x + (m0 + g) * xm;
-    const float* yc = y + (n0 + g) * yn;
+    const float* xr = x + (m0 + g) * xm;  // A[g][slot t] = X(m0 + g, column of slot t)
+    const float* yc = y + (n0 + g) * yn;  // B[slot t][g] = Y(column of slot t, n0 + g)
     int k = kbeg;
-#pragma unroll 1
+#pragma unroll UNROLL
     for (; k + 32 <= kend; k += 32)
-        mma_kblock_n<32, NB>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk,
-                             8 * yn);
+        mma_kblock<32, NB>(acc, xr + (k + 8 * t) * xk, xm, xk, yc + (k + 8 * t) * yk, yk,
+                           8 * yn);
     if (k < kend)  // kend - k == 16
-        mma_kblock_n<16, NB>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk,
-                             8 * yn);
+        mma_kblock<16, NB>(acc, xr + (k + 4 * t) * xk, xm, xk, yc + (k + 4 * t) * yk, yk,
+                           8 * yn);
+}
+
+// mma_tiles_acc of one tile.
+__device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, int xm, int xk,
+                                             const float* y, int yk, int yn, int m0, int n0,
+                                             int kbeg, int kend) {
+    mma_tiles_acc<1, 2>(reinterpret_cast<float (&)[1][4]>(acc), x, xm, xk, y, yk, yn, m0, n0,
+                        kbeg, kend);
 }
 
 // Four 16 x 8 accumulators side by side (a 16 x 32 block, acc[j] at columns 8 j ..) regrouped
@@ -178,47 +157,13 @@ __device__ __forceinline__ void store_acc_tile(float* s, const float (&acc)[4], 
     out[8 * LD + 1] = acc[3];
 }
 
-// The [M, N] output of an mma pass in 16 x 8 tiles, tile u to warp u % NW: for
-// each of its tiles a warp zeroes acc, runs body(acc, m0, n0) (mma_tile_acc calls) and then
-// epi(acc, m0, n0), where lane (g, t) holds acc[r] = out[m0 + g + 8 (r >> 1), n0 + 2 t + (r & 1)].
-template <int M, int N, int NW, typename Body, typename Epi>
-__device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
-    constexpr int NTN = N / 8, TILES = (M / 16) * NTN;
-    for (int u = threadIdx.x >> 5; u < TILES; u += NW) {
-        const int m0 = (u / NTN) * 16, n0 = (u % NTN) * 8;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        body(acc, m0, n0);
-        epi(acc, m0, n0);
-    }
-}
-
-// mma_tiles whose epilogues run after a __syncthreads (every thread must call it): the output
-// may overwrite an operand of the products. A warp holds its (at most ceil(TILES / NW))
-// tiles' accumulators in registers meanwhile.
-template <int M, int N, int NW, typename Body, typename Epi>
-__device__ __forceinline__ void mma_tiles_synced(Body body, Epi epi) {
-    constexpr int NTN = N / 8, TILES = (M / 16) * NTN, TPW = (TILES + NW - 1) / NW;
-    const int warp = threadIdx.x >> 5;
-    float acc[TPW][4];
-#pragma unroll
-    for (int v = 0; v < TPW; ++v) {
-        const int u = warp + v * NW;
-        acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
-        if (u < TILES) body(acc[v], (u / NTN) * 16, (u % NTN) * 8);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int v = 0; v < TPW; ++v) {
-        const int u = warp + v * NW;
-        if (u < TILES) epi(acc[v], (u / NTN) * 16, (u % NTN) * 8);
-    }
-}
-
-// mma_tiles over blocks of NB tiles side by side: block u (16 x 8 NB at (m0, n0)) to warp
-// u % NW; body(acc, m0, n0) fills acc[j], the tile at (m0, n0 + 8 j) (mma_tiles_acc calls:
-// one A fragment read per k step for the NB products), then epi(acc[j], m0, n0 + 8 j) per tile.
-// SYNCED: the epilogues run after a __syncthreads (every thread must call it), as in
-// mma_tiles_synced.
+// The [M, N] output of an mma pass over blocks of NB 16 x 8 tiles side by side: block u
+// (16 x 8 NB at (m0, n0)) to warp u % NW. For each of its blocks a warp zeroes acc, runs
+// body(acc, m0, n0) (mma_tiles_acc calls: acc[j] is the tile at (m0, n0 + 8 j); one A
+// fragment read per k step for the NB products), then epi(acc[j], m0, n0 + 8 j) per tile,
+// where lane (g, t) holds acc[j][r] = out[m0 + g + 8 (r >> 1), n0 + 8 j + 2 t + (r & 1)].
+// SYNCED: the epilogues run after a __syncthreads (every thread must call it), so the output
+// may overwrite an operand of the products; a warp holds its blocks' accumulators meanwhile.
 template <int M, int N, int NW, int NB, bool SYNCED = false, typename Body, typename Epi>
 __device__ __forceinline__ void mma_blocks(Body body, Epi epi) {
     static_assert(N % (8 * NB) == 0, "mma_blocks: whole blocks");
@@ -249,6 +194,13 @@ __device__ __forceinline__ void mma_blocks(Body body, Epi epi) {
             for (int j = 0; j < NB; ++j) epi(acc[j], m0, n0 + 8 * j);
         }
     }
+}
+
+// mma_blocks of single tiles: body(acc, m0, n0) with acc the 16 x 8 tile (mma_tile_acc calls).
+template <int M, int N, int NW, bool SYNCED = false, typename Body, typename Epi>
+__device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
+    mma_blocks<M, N, NW, 1, SYNCED>(
+        [&](float (&acc)[1][4], int m0, int n0) { body(acc[0], m0, n0); }, epi);
 }
 
 // sOut[i, j] = sign (X_i . Y_j + add) for i, j < L and j <= i (LOWER) or j >= i (upper),
@@ -378,7 +330,7 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
 // sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
 // [BT, D_PAD] q tile (pre-scaled), sW the state, sA [BT, BT + 1] the masked A = tril(q k^T +
 // 1), sG the g tile, sE [BT] the per-row eta. The products finish in every warp before the
-// result overwrites q (mma_tiles_synced; every thread must call it).
+// result overwrites q (SYNCED mma_blocks; every thread must call it).
 //
 // ROW_SCALE false: sA already holds e (and any other per-entry factor): sQ <- q W - A g, sE
 // unused.
@@ -665,34 +617,35 @@ __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* r
         }
 }
 
+// f(i, c, t, n) for every entry x[i][c] of this lane in the accumulator layout of a
+// [BT, D_PAD] tile: row t = 8 i + 2 t' + (c & 1), column n = 16 w + g + 8 (c >> 1).
+template <int NR, typename F>
+__device__ __forceinline__ void for_each_frag_entry(F f) {
+    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
+    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) f(i, c, 8 * i + t0 + (c & 1), n0 + 8 * (c >> 1));
+}
+
 // x[i][c] = rows[t * rs + n] at this lane's entries of a [BT, D_PAD] tile in the accumulator
 // layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero for t >= L or n >= D;
 // rows: the chunk's first row, rs: the row stride (32-bit: a chunk spans < 2^31 elements).
 template <int BT, typename S>
 __device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ rows,
                                                int rs, int L, int D) {
-    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
-    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
-#pragma unroll
-    for (int i = 0; i < BT / 8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int t = 8 * i + t0 + (c & 1), n = n0 + 8 * (c >> 1);
-            x[i][c] = (t < L && n < D) ? to_f32(rows[t * rs + n]) : 0.f;
-        }
+    for_each_frag_entry<BT / 8>([&](int i, int c, int t, int n) {
+        x[i][c] = (t < L && n < D) ? to_f32(rows[t * rs + n]) : 0.f;
+    });
 }
 
 // load_frag_rows from a tile staged in shared memory (StagedRows: [BT, LDS], zero past the
 // rows and columns it was given): x[i][c] = s[t * LDS + n] at this lane's entries.
 template <int BT, int LDS, typename S>
 __device__ __forceinline__ void frag_rows_from_smem(float (&x)[BT / 8][4], const S* s) {
-    const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
-    const int n0 = 16 * (threadIdx.x >> 5) + (lane >> 2);
-#pragma unroll
-    for (int i = 0; i < BT / 8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            x[i][c] = to_f32(s[(8 * i + t0 + (c & 1)) * LDS + n0 + 8 * (c >> 1)]);
+    for_each_frag_entry<BT / 8>(
+        [&](int i, int c, int t, int n) { x[i][c] = to_f32(s[t * LDS + n]); });
 }
 
 // Sum over this warp's 16 state columns (the lanes sharing t) of x0 + x1.
@@ -702,6 +655,48 @@ __device__ __forceinline__ float frag_col_sum(float x0, float x1) {
     s += __shfl_xor_sync(0xffffffffu, s, 8);
     s += __shfl_xor_sync(0xffffffffu, s, 16);
     return s;
+}
+
+// f(i, e, t) for this lane's accumulator rows t = 8 i + 2 tq + e (i < NR, e < 2): entries
+// x[i][e] and x[i][e + 2] of a [BT, D_PAD] tile in the accumulator layout.
+template <int NR, typename F>
+__device__ __forceinline__ void for_each_frag_row(int tq, F f) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) f(i, e, 8 * i + 2 * tq + e);
+}
+
+// The mean and M2 over this warp's valid columns of a row whose lane entries are x0, x1
+// (col_ok: whether they are valid columns), into stat[slot] (lanes g = 0 store it).
+__device__ __forceinline__ void warp_row_stats(FloatK<2>* stat, int slot, float x0, float x1,
+                                               const bool (&col_ok)[2], float inv_cols) {
+    const float m = frag_col_sum(x0, x1) * inv_cols;
+    const float d0 = col_ok[0] ? x0 - m : 0.f, d1 = col_ok[1] ? x1 - m : 0.f;
+    const float m2 = frag_col_sum(d0 * d0, d1 * d1);
+    if (((threadIdx.x & 31) >> 2) == 0) stat[slot] = FloatK<2>{{m, m2}};
+}
+
+// Row t's mean over all D columns and its M2 (Chan's formula: sum_w M2_w + n_w (mean_w -
+// mean)^2) from the warps' warp_row_stats in stat ([NW][BT]); cols[w]: warp w's valid columns.
+template <int NW, int BT>
+__device__ __forceinline__ float chan_mean(const FloatK<2>* stat, const float (&cols)[NW], int t,
+                                           float inv_d, float& m2) {
+    FloatK<2> st[NW];
+    float mean = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+        st[w] = stat[w * BT + t];
+        mean += cols[w] * st[w].v[0];
+    }
+    mean *= inv_d;
+    m2 = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+        const float dm = st[w].v[0] - mean;
+        m2 += st[w].v[1] + cols[w] * dm * dm;
+    }
+    return mean;
 }
 
 }  // namespace ttt

@@ -7,28 +7,22 @@ namespace ttt {
 
 // ---------------------------------------------------------------- overlapped passes
 // The overlapped passes (placement.overlapped): a chain kernel and the group kernel that reads
-// it run at the same time, on two streams, and a group block starts on its group as soon as
-// the chain has finished that group, not after the whole chain: fwd_chain -> fwd_out (groups
-// in order) and bwd_chain -> bwd_grads (groups from each sequence's end). They share one
-// zeroed int32 buffer `sync`:
+// it (fwd_chain -> fwd_out, groups in order; bwd_chain -> bwd_grads, groups from each
+// sequence's end) run at once on two streams, sharing one zeroed int32 buffer `sync`:
 //
 //   sync[kStarted]      chain blocks started        sync[kTicket]    group blocks started
 //   sync[kOverflow]     tickets put back (below)    sync[kProgress + c] groups chain c finished
 //   sync[kProgress + n_chains + i]  the tickets put back, in any order
 //
-// A chain block counts itself started first thing and, after each group (everything the
-// group block reads stored; a barrier, then a release by thread 0), publishes how many
-// groups it has finished. A group block takes the next ticket (group-major: the k-th group
-// the chains finish is item k / n_chains of chain k % n_chains, so the earliest finished
-// groups go first; bwd_grads: kGradsSplit tickets per item) and waits with an acquire for its
-// group. It waits only for chain blocks that have started, i.e. hold a place on the GPU and
-// will finish without anyone's help: if not all chain blocks have started after `wait_spins`
-// naps (the group blocks came first and may be holding the places the chain needs), it puts
-// its ticket back and ends. The launcher's cleanup launch (mode kCleanup, after both kernels)
-// runs the tickets put back. So no wait depends on a block that is not running: no deadlock,
-// whatever order the GPU places the blocks in (the launcher also holds the group kernel's
-// stream until every chain block has started). The arithmetic of every block is that of the
-// plain launches (bitwise; the group kernels read these buffers without the read-only path).
+// A chain block counts itself started, and after each group (a barrier, then a release by
+// thread 0) publishes how many groups it has finished. A group block takes the next ticket
+// (group-major: the k-th finished group is item k / n_chains of chain k % n_chains; bwd_grads:
+// kGradsSplit tickets per item) and waits with an acquire for its group, but only once every
+// chain block has started (holds a place on the GPU): after `wait_spins` naps without that it
+// puts its ticket back and ends, and the launcher's cleanup launch (kCleanup) runs the tickets
+// put back. So no wait depends on a block that is not running. The arithmetic of every block
+// is that of the plain launches (bitwise; the group kernels read these buffers without the
+// read-only path).
 namespace overlap {
 constexpr int kStarted = 0, kTicket = 1, kOverflow = 2, kProgress = 3;
 constexpr int kPlain = 0, kOverlap = 1, kCleanup = 2;  // fwd_out's modes

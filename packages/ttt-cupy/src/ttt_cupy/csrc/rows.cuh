@@ -29,6 +29,14 @@ __device__ __forceinline__ void load_row(float (&x)[(D_PAD + LPR - 1) / LPR], co
     }
 }
 
+// The LayerNorm weight and bias of head i_h (lnw, lnb [H, D]) in this lane's row elements.
+template <int D_PAD, int LPR = 32, int P>
+__device__ __forceinline__ void load_ln_rows(float (&w)[P], float (&b)[P], const float* lnw,
+                                             const float* lnb, int i_h, int D) {
+    load_row<D_PAD, LPR>(w, lnw + (long long)i_h * D, D, 1.f);
+    load_row<D_PAD, LPR>(b, lnb + (long long)i_h * D, D, 1.f);
+}
+
 // dst[d] = x[e] for d < D.
 template <int D_PAD, int LPR = 32, typename S>
 __device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
@@ -61,6 +69,15 @@ __device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD +
         const int d = row_col<LPR>(e);
         if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
     }
+}
+
+// store_row of the columns [a0, d1) (WHOLE: a0 = 0, d1 = D; bwd_grads' split blocks' part).
+template <int D_PAD, int LPR, bool WHOLE, typename S, int P>
+__device__ __forceinline__ void store_row_cols(S* dst, const float (&x)[P], int a0, int d1) {
+    if constexpr (WHOLE)
+        store_row<D_PAD, LPR>(dst, x, d1);
+    else
+        store_row_part<D_PAD, LPR>(dst, x, a0, d1);
 }
 
 // A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
@@ -107,24 +124,6 @@ __device__ __forceinline__ void row_times_state(float (&out)[(D_PAD + 31) / 32],
         if (d < D_PAD) {
 #pragma unroll 8
             for (int a = 0; a < D_PAD; ++a) acc += arow[a] * sM[a * LD + d];
-        }
-        out[e] = acc;
-    }
-}
-
-// out[d] = sum_c arow[c] M[d, c]   (the row times M^T)
-template <int D_PAD>
-__device__ __forceinline__ void row_times_state_t(float (&out)[(D_PAD + 31) / 32],
-                                                  const float* arow, const float* sM) {
-    constexpr int LD = D_PAD + 1;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int e = 0; e < (D_PAD + 31) / 32; ++e) {
-        const int d = lane + 32 * e;
-        float acc = 0.f;
-        if (d < D_PAD) {
-#pragma unroll 8
-            for (int c = 0; c < D_PAD; ++c) acc += arow[c] * sM[d * LD + c];
         }
         out[e] = acc;
     }
@@ -192,15 +191,12 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
 // per lane.
 template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, bool KEY = false, typename T,
           int P>
-__device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, const float* sW,
-                                                const float* sHb, const T* __restrict__ v,
-                                                const float (&b_w)[P], const float (&b_b)[P],
-                                                long long p_base, long long p_ebase,
-                                                long long row0, long long row_stride, int L,
-                                                int H, int D, float eps, float* __restrict__ xbuf,
-                                                float* __restrict__ rbuf,
-                                                const float* __restrict__ ekey = nullptr,
-                                                float* __restrict__ rlbuf = nullptr) {
+__device__ __forceinline__ void inner_grad_rows(
+    float* sG, const float* sK, const float* sW, const float* sHb, const T* __restrict__ v,
+    const float (&b_w)[P], const float (&b_b)[P], long long p_base, long long p_ebase,
+    long long row0, long long row_stride, int L, int H, int D, float eps, float* __restrict__ xbuf,
+    float* __restrict__ rbuf, const float* __restrict__ ekey = nullptr,
+    float* __restrict__ rlbuf = nullptr) {
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BT; i += NW) {
@@ -241,10 +237,9 @@ __device__ __forceinline__ void inner_grad_rows(float* sG, const float* sK, cons
 // that all their loads are in flight together, made ptxas spill more in bwd_local's and
 // fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
 template <int D_PAD, int BT, int NW, int LPR, int P, typename Src>
-__device__ __forceinline__ void inner_grad_rows_from(float* sG, const float* sK,
-                                                     const float (&b_w)[P],
-                                                     const float (&b_b)[P], int L, int D,
-                                                     Src src) {
+__device__ __forceinline__ void inner_grad_rows_from(
+    float* sG, const float* sK, const float (&b_w)[P], const float (&b_b)[P], int L, int D,
+    Src src) {
     constexpr int LD = D_PAD + 1, RPP = 32 / LPR;  // rows per warp pass
     static_assert(BT % (NW * RPP) == 0, "inner_grad_rows_from: whole passes");
     const int sub = (threadIdx.x & 31) / LPR;
@@ -262,14 +257,10 @@ __device__ __forceinline__ void inner_grad_rows_from(float* sG, const float* sK,
 // inner_grad_rows_from with xh, v, r from device memory: fwd_chain's xbuf, rbuf and v at
 // block rows row0 + i.
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
-__device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK,
-                                                      const T* __restrict__ v,
-                                                      const float* xbuf, const float* rbuf,
-                                                      const float (&b_w)[P],
-                                                      const float (&b_b)[P], long long p_base,
-                                                      long long p_ebase, long long row0,
-                                                      long long row_stride, int L, int H,
-                                                      int D) {
+__device__ __forceinline__ void inner_grad_rows_saved(
+    float* sG, const float* sK, const T* __restrict__ v, const float* xbuf, const float* rbuf,
+    const float (&b_w)[P], const float (&b_b)[P], long long p_base, long long p_ebase,
+    long long row0, long long row_stride, int L, int H, int D) {
     inner_grad_rows_from<D_PAD, BT, NW, LPR>(
         sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
             const long long o_r = p_base + (row0 + (ok ? i : 0)) * row_stride;
@@ -282,10 +273,9 @@ __device__ __forceinline__ void inner_grad_rows_saved(float* sG, const float* sK
 // inner_grad_rows_from with xh, v, r staged in shared memory (StagedRows): row i of v at
 // sV + i * ldv, of xh at sX + i * ldx, r at sR[i].
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
-__device__ __forceinline__ void inner_grad_rows_staged(float* sG, const float* sK, const T* sV,
-                                                       int ldv, const float* sX, int ldx,
-                                                       const float* sR, const float (&b_w)[P],
-                                                       const float (&b_b)[P], int L, int D) {
+__device__ __forceinline__ void inner_grad_rows_staged(
+    float* sG, const float* sK, const T* sV, int ldv, const float* sX, int ldx, const float* sR,
+    const float (&b_w)[P], const float (&b_b)[P], int L, int D) {
     inner_grad_rows_from<D_PAD, BT, NW, LPR>(
         sG, sK, b_w, b_b, L, D, [&](int i, bool ok, float (&b_x)[P], float (&b_v)[P]) {
             load_row<D_PAD, LPR>(b_x, sX + i * ldx, ok ? D : 0, 1.f);
@@ -390,11 +380,9 @@ __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P
 // r_ln the LayerNorm's r, g the row's r_ln P (g without l); returns sum(dg g), which is then
 // deta_key. Without: r_ln = r and g = r P (the same arithmetic as before eta_key).
 template <int LPR = 32, int P>
-__device__ __forceinline__ float inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
-                                                    const float (&dg)[P], const float (&xh)[P],
-                                                    float r, const float (&y)[P],
-                                                    const float (&g)[P], const float (&w)[P],
-                                                    int D, float r_ln) {
+__device__ __forceinline__ float inner_grad_bwd_row(
+    float (&dkh)[P], float (&dy)[P], const float (&dg)[P], const float (&xh)[P], float r,
+    const float (&y)[P], const float (&g)[P], const float (&w)[P], int D, float r_ln) {
     const float inv_d = 1.f / (float)D;
     const float a1 = row_sum<LPR>(dg) * inv_d;
     const float a2 = row_dot<LPR>(dg, xh) * inv_d;
@@ -417,11 +405,9 @@ __device__ __forceinline__ float inner_grad_bwd_row(float (&dkh)[P], float (&dy)
 }
 
 template <int LPR = 32, int P>
-__device__ __forceinline__ void inner_grad_bwd_row(float (&dkh)[P], float (&dy)[P],
-                                                   const float (&dg)[P], const float (&xh)[P],
-                                                   float r, const float (&y)[P],
-                                                   const float (&g)[P], const float (&w)[P],
-                                                   int D) {
+__device__ __forceinline__ void inner_grad_bwd_row(
+    float (&dkh)[P], float (&dy)[P], const float (&dg)[P], const float (&xh)[P], float r,
+    const float (&y)[P], const float (&g)[P], const float (&w)[P], int D) {
     inner_grad_bwd_row<LPR>(dkh, dy, dg, xh, r, y, g, w, D, r);
 }
 

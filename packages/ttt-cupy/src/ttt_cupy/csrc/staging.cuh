@@ -57,13 +57,19 @@ struct StagedRows {
     static constexpr int kChunks = (BT * kPieces + NT - 1) / NT;
     static_assert(D_PAD % kVec == 0, "StagedRows: whole pieces per row");
 
-    __device__ __forceinline__ static void copy(S* s, const S* __restrict__ src, int rs, int L,
-                                                int n, bool vec) {
+    // f(i, c0) for this thread's pieces (row i, columns c0 .. c0 + kVec - 1)
+    template <typename F>
+    __device__ __forceinline__ static void for_each_piece(F f) {
 #pragma unroll
         for (int u = 0; u < kChunks; ++u) {
             const int idx = threadIdx.x + NT * u;
             if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
-            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+            f(idx / kPieces, idx % kPieces * kVec);
+        }
+    }
+    __device__ __forceinline__ static void copy(S* s, const S* __restrict__ src, int rs, int L,
+                                                int n, bool vec) {
+        for_each_piece([&](int i, int c0) {
             S* d = s + i * kLd + c0;
             if (vec) {
                 const bool ok = i < L && c0 < n;
@@ -78,20 +84,15 @@ struct StagedRows {
                         d[j] = ok ? src[i * rs + c0 + j] : from_f32<S>(0.f);
                 }
             }
-        }
+        });
     }
     // out[i, c] = mult * s[i, c] for this thread's pieces, into a [BT, D_PAD + 1] fp32 tile
     __device__ __forceinline__ static void to_tile(float* out, const S* s, float mult) {
-        constexpr int LD = D_PAD + 1;
-#pragma unroll
-        for (int u = 0; u < kChunks; ++u) {
-            const int idx = threadIdx.x + NT * u;
-            if ((BT * kPieces) % NT != 0 && idx >= BT * kPieces) break;
-            const int i = idx / kPieces, c0 = idx % kPieces * kVec;
+        for_each_piece([&](int i, int c0) {
 #pragma unroll
             for (int j = 0; j < kVec; ++j)
-                out[i * LD + c0 + j] = to_f32(s[i * kLd + c0 + j]) * mult;
-        }
+                out[i * (D_PAD + 1) + c0 + j] = to_f32(s[i * kLd + c0 + j]) * mult;
+        });
     }
 };
 
@@ -141,21 +142,29 @@ __device__ __forceinline__ void store_state(float* dst, float* dstb, const float
     }
 }
 
-// M rows of W += c X^T Y: sW[a, d] += c sum_i X[i, a] Y[i, d] for a < rows, d < D; sW
-// [M, D_PAD + 1], X [BT, M] (row stride LDX), Y [BT, D_PAD] tiles, zero past the valid rows.
-template <int D_PAD, int BT, int NT, int M = D_PAD, int LDX = D_PAD + 1>
-__device__ __forceinline__ void state_rows_axpy(float* sW, float c, const float* sX,
-                                                const float* sY, int rows, int D) {
+// M rows of W += c sum_i term(i, a, d): sW[a, d] for a < rows, d < D (sW [M, D_PAD + 1]).
+template <int D_PAD, int BT, int NT, int M, typename Term>
+__device__ __forceinline__ void state_rows_step(float* sW, float c, int rows, int D, Term term) {
     constexpr int LD = D_PAD + 1;
     for (int idx = threadIdx.x; idx < M * D_PAD; idx += NT) {
         const int a = idx / D_PAD, d = idx % D_PAD;
         if (a < rows && d < D) {
             float acc = 0.f;
 #pragma unroll 8
-            for (int i = 0; i < BT; ++i) acc += sX[i * LDX + a] * sY[i * LD + d];
+            for (int i = 0; i < BT; ++i) acc += term(i, a, d);
             sW[a * LD + d] += c * acc;
         }
     }
+}
+
+// M rows of W += c X^T Y: X [BT, M] (row stride LDX), Y [BT, D_PAD] tiles, zero past the
+// valid rows.
+template <int D_PAD, int BT, int NT, int M = D_PAD, int LDX = D_PAD + 1>
+__device__ __forceinline__ void state_rows_axpy(float* sW, float c, const float* sX,
+                                                const float* sY, int rows, int D) {
+    state_rows_step<D_PAD, BT, NT, M>(sW, c, rows, D, [&](int i, int a, int d) {
+        return sX[i * LDX + a] * sY[i * (D_PAD + 1) + d];
+    });
 }
 
 // W += c X^T Y (X, Y [BT, D_PAD] tiles, zero past the valid rows); hb += c sum_i Y_i when
@@ -174,31 +183,15 @@ __device__ __forceinline__ void state_axpy(float* sW, float* sHb, float c, const
     }
 }
 
-// M rows of W += X1^T Y1 + X2^T Y2 (the cotangent step): sW[a, d] for a < rows, d < D; sW
-// [M, D_PAD + 1], X1, X2 [BT, M] (row stride LDX), Y1, Y2 [BT, D_PAD] tiles, zero past the
-// valid rows.
+// M rows of W += X1^T Y1 + X2^T Y2 (the cotangent step; tiles as state_rows_axpy's).
 template <int D_PAD, int BT, int NT, int M = D_PAD, int LDX = D_PAD + 1>
 __device__ __forceinline__ void state_rows_add2(float* sW, const float* sX1, const float* sY1,
                                                 const float* sX2, const float* sY2, int rows,
                                                 int D) {
     constexpr int LD = D_PAD + 1;
-    for (int idx = threadIdx.x; idx < M * D_PAD; idx += NT) {
-        const int a = idx / D_PAD, d = idx % D_PAD;
-        if (a < rows && d < D) {
-            float acc = 0.f;
-#pragma unroll 8
-            for (int i = 0; i < BT; ++i)
-                acc += sX1[i * LDX + a] * sY1[i * LD + d] + sX2[i * LDX + a] * sY2[i * LD + d];
-            sW[a * LD + d] += acc;
-        }
-    }
-}
-
-// W += X1^T Y1 + X2^T Y2 (the cotangent step; [BT, D_PAD] tiles, zero past the valid rows).
-template <int D_PAD, int BT, int NT>
-__device__ __forceinline__ void state_add2(float* sW, const float* sX1, const float* sY1,
-                                           const float* sX2, const float* sY2, int D) {
-    state_rows_add2<D_PAD, BT, NT>(sW, sX1, sY1, sX2, sY2, D, D);
+    state_rows_step<D_PAD, BT, NT, M>(sW, 1.f, rows, D, [&](int i, int a, int d) {
+        return sX1[i * LDX + a] * sY1[i * LD + d] + sX2[i * LDX + a] * sY2[i * LD + d];
+    });
 }
 
 // sOut[i, j] = X_i . Y_j + add for the (i, j) with i, j < L and j <= i (LOWER) or j >= i

@@ -34,8 +34,6 @@ __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
-
 // ---------------------------------------------------------------- coordinates
 struct Seq {
     long long bos;        // first row (over the batch's B * T rows)
@@ -107,11 +105,10 @@ __device__ __forceinline__ Group group_at(long long i_n, long long j, long long 
 // group (g_hi <= g_lo): x is the group's index over the batch. A segment [g_lo, g_hi): x =
 // i_n (g_hi - g_lo) + (j - g_lo) for group j of sequence i_n, and nc = 0 where the sequence
 // has no group j.
-__device__ __forceinline__ Group group_coords(long long x, long long T_len, int BT, int G,
-                                              const long long* __restrict__ cu_seqlens,
-                                              const long long* __restrict__ grp_offsets,
-                                              const int* __restrict__ grp_seq, long long g_lo,
-                                              long long g_hi) {
+__device__ __forceinline__ Group group_coords(
+    long long x, long long T_len, int BT, int G, const long long* __restrict__ cu_seqlens,
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
+    long long g_hi) {
     long long i_n, j;
     const long long ng_fixed = ((T_len + BT - 1) / BT + G - 1) / G;  // (not varlen)
     if (g_hi > g_lo) {
