@@ -16,6 +16,7 @@ every pointer is null or inside a tensor the launcher handed to the device.
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 
@@ -74,22 +75,41 @@ def test_struct_layouts_match_the_cuda_headers(tmp_path):
             assert got[name, field] == want, f"{name}.{field}: C++ {got[name, field]}, {want}"
 
 
-def test_struct_layouts_match_through_nvrtc():
-    """The same layouts in device code: static_asserts of every offset, width and size,
-    compiled by NVRTC for sm_90 (PTX only)."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python's NVRTC")
-    from ttt_cupy import nvrtc_check
-
-    asserts = [f"using {name} = {cpp};" for name, cpp in CPP_TYPES.items()]
+def _layout_kernel() -> tuple[str, list[int]]:
+    """A kernel writing every struct's size and each field's offset and width into ``out``
+    (pointer differences, which NVRTC folds to constants: ``offsetof`` and
+    ``__builtin_offsetof`` are not in every NVRTC), and the values ctypes gives, in order."""
+    lines, want = [f"using {name} = {cpp};" for name, cpp in CPP_TYPES.items()], []
+    lines.append('extern "C" __global__ void layout(unsigned long long* out) {')
     for name, cls in STRUCTS.items():
-        asserts.append(f"static_assert(sizeof({name}) == {ctypes.sizeof(cls)}, \"{name}\");")
+        lines.append(f"  {{ {name} s{{}}; const char* base = (const char*)&s;")
+        lines.append(f"    out[{len(want)}] = sizeof({name});")
+        want.append(ctypes.sizeof(cls))
         for field, kind in cls._fields_:
-            asserts.append(
-                f"static_assert(__builtin_offsetof({name}, {field}) == "
-                f"{getattr(cls, field).offset} && sizeof((({name}*)nullptr)->{field}) == "
-                f"{ctypes.sizeof(kind)}, \"{name}.{field}\");")
-    code = (cc.CSRC / "params.cuh").read_text() + "\n".join(asserts) + "\n"
-    nvrtc_check.compile_instance(code, [], "90", list(cc.NVRTC_OPTIONS), cubin=False)
+            lines.append(f"    out[{len(want)}] = (const char*)&s.{field} - base; "
+                         f"out[{len(want) + 1}] = sizeof(s.{field});")
+            want += [getattr(cls, field).offset, ctypes.sizeof(kind)]
+        lines.append("  }")
+    return "\n".join([*lines, "}"]) + "\n", want
+
+
+def test_struct_layouts_match_through_nvrtc():
+    """The same layouts in device code: NVRTC (compute_90 PTX) folds each offset, width and
+    size into a constant stored by a kernel; the stores' constants match ctypes'."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python's NVRTC")
+    from ttt_cupy import nvrtc
+
+    kernel, want = _layout_kernel()
+    code = (cc.CSRC / "params.cuh").read_text() + kernel
+    with nvrtc.program(code, [], list(cc.NVRTC_OPTIONS), "compute_90") as (nv, prog, _):
+        ptx = nvrtc.output(nv, prog, "PTX").decode(errors="replace")
+    constants = dict(re.findall(r"mov\.[ub]64\s+(%rd\d+),\s*(\d+);", ptx))
+    got = {}
+    for offset, value in re.findall(r"st\.global\.[ub]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%?\w+);",
+                                    ptx):
+        assert value in constants or value.isdigit(), f"store of a non-constant {value}"
+        got[int(offset or 0) // 8] = int(constants.get(value, value))
+    assert [got.get(i) for i in range(len(want))] == want
 
 
 def test_struct_layout_check_fails_on_a_difference(tmp_path, monkeypatch):
