@@ -2,7 +2,8 @@
 copies, inner gradients by autograd) against the official layer's dual form, rebuilt here
 from its math: closed-form LayerNorm-L2 and GELU-tanh backward, the ``tril`` attention
 matrices, the ``b_bar`` and ``Z_bar`` updates and the last token's step. Outputs, final
-states and every gradient (both differentiable in float64) agree to rounding."""
+states and every gradient (both differentiable in float64) agree to rounding. Then the
+PyTorch implementation ``ttt.reference_mlp`` against the oracle."""
 
 from __future__ import annotations
 
@@ -137,3 +138,48 @@ def test_packed_batch_equals_each_sequence_alone():
     # the empty sequence keeps its initial state
     for got, initial in zip(finals, packed_state):
         torch.testing.assert_close(got[1], initial[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("output", ["norm_residual", "query_residual", "raw"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_reference_matches_the_oracle(output, packed):
+    """ttt.reference_mlp (the dual form in PyTorch) against the oracle in float64: outputs,
+    final states and every gradient, dense and packed (an empty sequence among them)."""
+    from ttt.reference_mlp import chunk_ttt_mlp
+
+    t, state = _inputs(1 if packed else 2, 37, 2, 8, 32, seed=11)
+    cu = torch.tensor([0, 14, 14, 37]) if packed else None
+    if packed:
+        state = [torch.cat([s, 0.5 * s, s.flip(-1)]).detach().requires_grad_() for s in state]
+    args = (t["q"], t["k"], t["v"], t["w"], t["b"], t["eta"], state, 0.5, 1e-6, 16, cu)
+    o, finals = chunk_ttt_mlp(*args, eta_key=t["eta_key"], output=output)
+    o_ref, finals_ref = oracle_chunk_ttt_mlp(*args, eta_key=t["eta_key"], output=output)
+    torch.testing.assert_close(o, o_ref, rtol=1e-11, atol=1e-11)
+    for got, want in zip(finals, finals_ref):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    g = torch.Generator().manual_seed(5)
+    cot = [torch.randn(x.shape, generator=g, dtype=F64) for x in (o, *finals)]
+    leaves = [*t.values(), *state]
+    grads = torch.autograd.grad([o, *finals], leaves, cot)
+    grads_ref = torch.autograd.grad([o_ref, *finals_ref], leaves, cot)
+    for name, got, want in zip([*t, "W1", "b1", "W2", "b2"], grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_reference_in_float32_with_half_inputs():
+    """bf16 inputs compute in float32: close to the float64 oracle of the rounded inputs."""
+    from ttt.reference_mlp import chunk_ttt_mlp
+
+    t, state = _inputs(1, 40, 2, 16, 64, seed=21)
+    half = {n: x.detach().to(torch.bfloat16) for n, x in t.items()}
+    f64 = {n: x.double() for n, x in half.items()}
+    state = [s.detach().float() for s in state]
+    o, finals = chunk_ttt_mlp(*(half[n] for n in ("q", "k", "v", "w", "b", "eta")), state,
+                              eta_key=half["eta_key"])
+    o_ref, finals_ref = oracle_chunk_ttt_mlp(*(f64[n] for n in ("q", "k", "v", "w", "b", "eta")),
+                                             [s.double() for s in state],
+                                             eta_key=f64["eta_key"])
+    assert o.dtype == torch.bfloat16 and all(f.dtype == torch.float32 for f in finals)
+    torch.testing.assert_close(o.double(), o_ref, rtol=2e-2, atol=2e-2)
+    for got, want in zip(finals, finals_ref):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
