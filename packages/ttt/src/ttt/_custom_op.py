@@ -14,6 +14,7 @@ Autocast is off inside both ops: the inputs arrive in the dtypes the wrapper cho
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -22,7 +23,7 @@ from .problem import Problem
 from .registry import load_backend
 
 _NAMES = (*TENSORS, *OPTIONS)
-_SEQ_LENS = _NAMES.index("seq_lens")
+_SEQ_LENS = OPTIONS.index("seq_lens")
 _TENSOR_ARGS = len(TENSORS)
 _ETA_IS_TENSOR = OPTIONS.index("eta_is_tensor")
 
@@ -41,13 +42,33 @@ def problem_of(args, requires_grad: bool) -> Problem:
     return Problem._of_fields(fields)
 
 
+_TENSORS_OF = operator.attrgetter(*TENSORS)
+_OPTIONS_OF = operator.attrgetter(*OPTIONS[:-1])     # (backend: no Problem field)
+
+
+def _fields(problem: Problem, getter: operator.attrgetter, names) -> tuple:
+    """``problem``'s fields ``names`` by ``getter`` (their attrgetter: one C call), or one by
+    one while torch.compile traces (dynamo cannot trace an attrgetter)."""
+    if torch.compiler.is_compiling():
+        return tuple(getattr(problem, name) for name in names)
+    return getter(problem)
+
+
+def _tensors(problem: Problem) -> tuple:
+    """The forward op's tensor arguments (TENSORS) of ``problem``."""
+    return _fields(problem, _TENSORS_OF, TENSORS)
+
+
+def _options(problem: Problem, backend: str) -> tuple:
+    """The forward op's options and ``needs_backward`` for ``problem`` on ``backend``."""
+    options = list(_fields(problem, _OPTIONS_OF, OPTIONS[:-1]))
+    options[_SEQ_LENS] = list(problem.seq_lens) if problem.is_varlen else []
+    return (*options, backend, problem.requires_grad)
+
+
 def arguments(problem: Problem, backend: str) -> tuple:
     """The forward op's arguments for a validated ``problem`` on backend ``backend``."""
-    args = [getattr(problem, name) for name in _NAMES[:-1]]   # (backend: no Problem field)
-    args[_SEQ_LENS] = list(problem.seq_lens) if problem.is_varlen else []
-    args.append(backend)
-    args.append(problem.requires_grad)
-    return tuple(args)
+    return (*_tensors(problem), *_options(problem, backend))
 
 
 def device_type(t: torch.Tensor) -> str:
@@ -294,13 +315,12 @@ def forward(problem: Problem, backend: str, autocast: bool
     """The forward op for a validated ``problem`` on backend ``backend``:
     ``(o, finals, saved)``; ``autocast``: whether an autocast region is on for the
     problem's device type (the wrapper read it)."""
-    args = arguments(problem, backend)
-    tensors = args[:_TENSOR_ARGS]
+    tensors = _tensors(problem)
     if not _eager_and_plain(tensors, problem.q):
-        return chunk_ttt_linear_fwd(*args)
+        return chunk_ttt_linear_fwd(*tensors, *_options(problem, backend))
     if not (torch.is_grad_enabled() and problem.requires_grad):
         return _checked_forward(tensors, problem, backend, autocast)
-    o, *rest = _EagerForward.apply(*tensors, args[_TENSOR_ARGS:], problem, autocast)
+    o, *rest = _EagerForward.apply(*tensors, _options(problem, backend), problem, autocast)
     final_count = 2 if problem.output_final_state else 0
     return o, rest[:final_count], rest[final_count:]
 

@@ -142,8 +142,15 @@ class Problem:
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
 
 
+_GRAD_TENSORS = operator.attrgetter(*GRAD_INPUTS)
+
+
 def _input_dtypes(p: Problem) -> tuple:
     """The dtypes of ``p``'s :data:`ttt.arguments.GRAD_INPUTS` (None where absent), in that
-    order."""
-    return tuple([None if (t := getattr(p, name)) is None else t.dtype
-                  for name in GRAD_INPUTS])
+    order: read by one attrgetter, or one by one while torch.compile traces (dynamo cannot
+    trace an attrgetter)."""
+    if torch.compiler.is_compiling():
+        tensors = [getattr(p, name) for name in GRAD_INPUTS]
+    else:
+        tensors = _GRAD_TENSORS(p)
+    return tuple([None if t is None else t.dtype for t in tensors])
