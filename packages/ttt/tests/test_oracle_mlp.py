@@ -96,6 +96,21 @@ def _inputs(B, T, H, D, F, seed):
     return tensors, state
 
 
+def _assert_agree(results, expected, inputs, state, tol, grad_tol, seed):
+    """``results`` (o and the final state) equal ``expected`` within ``tol``, and so do the
+    gradients of every input and initial state tensor, for the same random cotangents,
+    within ``grad_tol``."""
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    g = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(x.shape, generator=g, dtype=F64) for x in results]
+    leaves = [*inputs.values(), *state]
+    grads = torch.autograd.grad(results, leaves, cot)
+    grads_ref = torch.autograd.grad(expected, leaves, cot)
+    for name, got, want in zip([*inputs, "W1", "b1", "W2", "b2"], grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=grad_tol, atol=grad_tol, msg=name)
+
+
 @pytest.mark.parametrize(("B", "T", "H", "D", "F", "chunk", "scale"), [
     (2, 37, 2, 8, 32, 16, 1.0),       # hidden 4 D, partial last chunk
     (1, 40, 3, 16, 32, 8, 0.25),      # hidden 2 D, scaled queries
@@ -109,16 +124,7 @@ def test_oracle_equals_the_official_dual_form(B, T, H, D, F, chunk, scale):
                                      output="query_residual")
     o_ref, finals_ref = _dual_form(t["q"], t["k"], t["v"], t["w"], t["b"], t["eta"], state,
                                    scale, eps, chunk, t["eta_key"])
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    for got, want in zip(finals, finals_ref):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    g = torch.Generator().manual_seed(7)
-    cot = [torch.randn(x.shape, generator=g, dtype=F64) for x in (o, *finals)]
-    leaves = [*t.values(), *state]
-    grads = torch.autograd.grad([o, *finals], leaves, cot)
-    grads_ref = torch.autograd.grad([o_ref, *finals_ref], leaves, cot)
-    for name, got, want in zip([*t, "W1", "b1", "W2", "b2"], grads, grads_ref):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
+    _assert_agree((o, *finals), (o_ref, *finals_ref), t, state, 1e-12, 1e-10, seed=7)
 
 
 def test_packed_batch_equals_each_sequence_alone():
@@ -154,16 +160,7 @@ def test_reference_matches_the_oracle(output, packed):
     args = (t["q"], t["k"], t["v"], t["w"], t["b"], t["eta"], state, 0.5, 1e-6, 16, cu)
     o, finals = chunk_ttt_mlp(*args, eta_key=t["eta_key"], output=output)
     o_ref, finals_ref = oracle_chunk_ttt_mlp(*args, eta_key=t["eta_key"], output=output)
-    torch.testing.assert_close(o, o_ref, rtol=1e-11, atol=1e-11)
-    for got, want in zip(finals, finals_ref):
-        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
-    g = torch.Generator().manual_seed(5)
-    cot = [torch.randn(x.shape, generator=g, dtype=F64) for x in (o, *finals)]
-    leaves = [*t.values(), *state]
-    grads = torch.autograd.grad([o, *finals], leaves, cot)
-    grads_ref = torch.autograd.grad([o_ref, *finals_ref], leaves, cot)
-    for name, got, want in zip([*t, "W1", "b1", "W2", "b2"], grads, grads_ref):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+    _assert_agree((o, *finals), (o_ref, *finals_ref), t, state, 1e-11, 1e-9, seed=5)
 
 
 def test_reference_in_float32_with_half_inputs():

@@ -34,6 +34,14 @@ def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.
     return centered * rstd, rstd
 
 
+def layer_norm_l2_grad(z, k, v, w, b, eps: float) -> torch.Tensor:
+    """The inner loss's gradient with respect to the prediction ``z`` (rows of [.., L, D]):
+    the closed form of ``1/2 ||LN(z) * w + b - (v - k)||^2``."""
+    x_hat, rstd = _layer_norm_stats(z, eps)
+    y = (x_hat * w + b - v + k) * w
+    return rstd * (y - y.mean(-1, keepdim=True) - x_hat * (y * x_hat).mean(-1, keepdim=True))
+
+
 def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_size):
     """Equal-length sequences: q, k, v [B, H, T, D]; eta, eta_key (or None) [B, H, T, 1];
     w, b [1, H, 1, D]; h0 [B, H, D, D]; hb0 [B, H, 1, D]. Returns z and the states."""
@@ -47,11 +55,7 @@ def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_si
         b_e = eta[:, :, start:stop]                          # [B, H, L, 1]
         length = stop - start
 
-        b_kh = b_k @ state + state_bias                      # [B, H, L, D]
-        b_xhat, b_rstd = _layer_norm_stats(b_kh, eps)
-        b_y = (b_xhat * w + b - b_v + b_k) * w
-        b_g = b_rstd * (b_y - b_y.mean(-1, keepdim=True)
-                        - b_xhat * (b_y * b_xhat).mean(-1, keepdim=True))
+        b_g = layer_norm_l2_grad(b_k @ state + state_bias, b_k, b_v, w, b, eps)   # [B, H, L, D]
         if eta_key is not None:
             b_g = b_g * eta_key[:, :, start:stop]            # [B, H, L, D]
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .reference import _layer_norm_stats, _output_form
+from .reference import _output_form, layer_norm_l2_grad
 
 _GELU_C = math.sqrt(2 / math.pi)
 
@@ -49,9 +49,7 @@ def _chunk(state, q, k, v, eta, key, w, b, eps):
     causal = torch.ones(L, L, dtype=q.dtype, device=q.device).tril()           # [L, L]
     z1 = k @ W1 + b1                                                            # [N, H, L, F]
     x2, slope = _gelu_and_slope(z1)
-    x_hat, rstd = _layer_norm_stats(x2 @ W2 + b2, eps)                          # [N, H, L, D]
-    y = (x_hat * w + b - v + k) * w
-    g2 = rstd * (y - y.mean(-1, keepdim=True) - x_hat * (y * x_hat).mean(-1, keepdim=True))
+    g2 = layer_norm_l2_grad(x2 @ W2 + b2, k, v, w, b, eps)                     # [N, H, L, D]
     if key is not None:
         g2 = g2 * key
     g1 = (g2 @ W2.transpose(-1, -2)) * slope                                    # [N, H, L, F]
