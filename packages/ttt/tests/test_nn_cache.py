@@ -125,7 +125,7 @@ def test_cache_misuse_raises():
 
 def _stored(cache: TTTCache, layer) -> list[torch.Tensor]:
     entry = cache.get(layer)
-    return [entry.state, entry.state_bias, entry.q, entry.k, entry.v, entry.eta_key]
+    return [*entry.states, entry.q, entry.k, entry.v, entry.eta_key]
 
 
 def test_the_cache_stores_no_graph_with_gradients_enabled():

@@ -30,6 +30,18 @@ class UndeterminedBackend(ReferenceBackend):
     capabilities = dataclasses.replace(ReferenceBackend.capabilities, deterministic=False)
 
 
+class LinearOnlyBackend(ReferenceBackend):
+    name = "linear_only"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities,
+                                       ops=frozenset({"ttt_linear"}))
+
+
+class MlpOnlyBackend(ReferenceBackend):
+    name = "mlp_only"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities,
+                                       ops=frozenset({"ttt_mlp"}))
+
+
 class GpuOnlyBackend(ReferenceBackend):
     name = "gpu_only"
     capabilities = dataclasses.replace(ReferenceBackend.capabilities,
@@ -41,12 +53,15 @@ ENTRY_POINTS = '''
 probe = ttt_probe:ProbeBackend
 undetermined = ttt_probe:UndeterminedBackend
 gpu_only = ttt_probe:GpuOnlyBackend
+linear_only = ttt_probe:LinearOnlyBackend
+mlp_only = ttt_probe:MlpOnlyBackend
 broken = ttt_probe_missing_module:Backend
 '''
 
 FAST_SUBSET = ("(test_matches_oracle and varlen[9 and fp32 and not only) or "
                "(test_matches_oracle and B2-T37-H2-D32-c16-fp16-h0-etaT-all) or "
-               "test_bad_input_raises or test_partial_chunk or test_strided")
+               "test_bad_input_raises or test_partial_chunk or test_strided or "
+               "test_mlp_matches_oracle")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +117,20 @@ def test_a_non_deterministic_backend_skips_the_bitwise_test(site):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert "2 skipped: undetermined declares deterministic=False" in out, out[-3000:]
+
+
+@pytest.mark.parametrize(("name", "runs", "lacks"), [("linear_only", "oracle and fp32-h0-etaT-all",
+                                                      "ttt_mlp"),
+                                                     ("mlp_only", "mlp", "ttt_linear")])
+def test_a_backend_of_one_op_passes_with_the_other_skipped(site, name, runs, lacks):
+    """The suite runs every test of the op a backend declares; the other op's skip, each with
+    the reason."""
+    res = _suite(site, "--ttt-backend", name, "-k", f"({FAST_SUBSET}) or ({runs})")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    summary = out.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary, summary
+    assert f"skipped: {name} declares: op {lacks!r} not provided" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("name", ["broken", "no_such_backend"])

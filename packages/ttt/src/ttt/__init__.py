@@ -1,6 +1,7 @@
-"""ttt: chunked TTT-linear for PyTorch, with pluggable backends.
+"""ttt: chunked TTT-Linear and TTT-MLP for PyTorch, with pluggable backends.
 
-``ttt.chunk_ttt_linear(q, k, v, w, b, eta, ...)`` runs on the active backend
+``ttt.chunk_ttt_linear(q, k, v, w, b, eta, ...)`` (and ``ttt.chunk_ttt_mlp``) runs on the
+active backend
 (``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the inputs);
 ``ttt.register_backend`` adds a backend in this process.
 Importing ttt touches no GPU and compiles nothing.
@@ -16,6 +17,7 @@ from .errors import (
     BackendUnavailableError,
     UnknownBackendError,
 )
+from .mlp import chunk_ttt_mlp
 from .ops import chunk_ttt_linear
 from .problem import Problem
 from .registry import KNOWN_BACKENDS, load_backend, register_backend, unregister_backend
@@ -29,6 +31,6 @@ __all__ = [
     "Backend", "BackendError", "BackendNotInstalledError", "BackendNotSupportedError",
     "BackendUnavailableError", "Capabilities", "Gradients", "GradNeeds", "KNOWN_BACKENDS",
     "Problem", "UnknownBackendError", "WarmupShape", "available_backends", "chunk_ttt_linear",
-    "get_backend", "load_backend", "make_problem", "register_backend", "set_backend",
-    "unregister_backend", "warmup", "__version__",
+    "chunk_ttt_mlp", "get_backend", "load_backend", "make_problem", "register_backend",
+    "set_backend", "unregister_backend", "warmup", "__version__",
 ]

@@ -16,6 +16,12 @@ A backend is an object with a ``name``, a :class:`Capabilities` and three method
     batch layouts whose calls compile every kernel variant such calls may use
     (``ttt.warmup``); default :func:`generic_warmup_shapes`.
 
+``chunk_ttt_mlp(problem) -> (o, final_state)`` (backends whose ``Capabilities.ops`` hold
+    ``"ttt_mlp"``)
+    TTT-MLP (:class:`ttt.mlp.MlpProblem`): ``o`` in the input dtype and the final state
+    ``(W1, b1, W2, b2)`` in the state dtype, differentiable by autograd with respect to
+    every tensor of the problem. Never given an empty sequence.
+
 ``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
     ``do``: the cotangent of ``o`` (contiguous, never None); ``dht``, ``dhbt``: the final
     states' (None when not requested or not used). ``needs`` is a :class:`GradNeeds`:
@@ -44,11 +50,14 @@ from .validation import dtype_name, positive_int
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can take (``max_head_dim``, ``chunk_sizes`` None: any).
+    ``ops``: the operators it provides, of ``"ttt_linear"`` (``forward`` and ``backward``)
+    and ``"ttt_mlp"`` (``chunk_ttt_mlp``).
     ``deterministic``: identical calls give bitwise identical results (the suite checks it).
     ``eta_key``: takes the per-key factor; ``outputs``: forms of ``ttt.problem.OUTPUTS``."""
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
+    ops: frozenset[str] = frozenset({"ttt_linear"})
     max_head_dim: int | None = None
     chunk_sizes: frozenset[int] | None = None
     varlen: bool = True
@@ -62,6 +71,8 @@ class Capabilities:
     def reasons(self, problem: Problem) -> list[str]:
         """Why a backend with these capabilities cannot take ``problem`` (empty: it can)."""
         why = []
+        if problem.op not in self.ops:
+            why.append(f"op {problem.op!r} not provided (provides {sorted(self.ops)})")
         if problem.device.type not in self.devices:
             why.append(f"device {problem.device.type!r} not supported "
                        f"(supports {sorted(self.devices)})")
@@ -175,6 +186,9 @@ class Backend:
                       dtype: torch.dtype) -> list[WarmupShape]:
         """Batch layouts whose calls compile every kernel variant such calls may use."""
         return generic_warmup_shapes(heads, chunk_size)
+
+    def chunk_ttt_mlp(self, problem) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        raise NotImplementedError
 
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,

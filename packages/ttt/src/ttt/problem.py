@@ -1,13 +1,13 @@
 """The validated inputs of one call, as every backend receives them.
 
 The core (`ttt.validation`) builds a :class:`Problem` once per call; backends never see bad
-input. Tensors in a Problem are contiguous and never to be written by a backend.
+input. torch.Tensors in a Problem are contiguous and never to be written by a backend.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -63,6 +63,9 @@ class Problem:
     requires_grad: bool = field(default=False)
     eta_key: torch.Tensor | None = None
     output: str = "norm_residual"
+    op = "ttt_linear"
+    """The operator (``Capabilities.ops``): ``"ttt_linear"``, or ``"ttt_mlp"`` for
+    :class:`ttt.mlp.MlpProblem`."""
 
     @classmethod
     def _of_fields(cls, fields: dict) -> Problem:
@@ -121,8 +124,8 @@ class Problem:
     def signature(self) -> tuple:
         """What the backend's choice reads of this problem, as plain values, but its batch
         size and length, scale and eps: head count and dim, the dtypes of
-        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
-        sequences' lengths (None for a dense batch). The backend choice is kept
+        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options, the packed
+        sequences' lengths (None for a dense batch) and the operator. The backend choice is kept
         by it and the rest (``ttt.choice._choice_key``); under torch.compile the
         choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
         and dim through ``operator.index``: there they specialize, a guard each."""
@@ -130,7 +133,7 @@ class Problem:
         return (operator.index(shape[2]), operator.index(shape[3]), _input_dtypes(self),
                 self.q.device, self.chunk_size, self.output_final_state,
                 self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
-                self.requires_grad, self.output)
+                self.requires_grad, self.output, self.op)
 
     def chunk_counts(self) -> list[int]:
         """Chunks per sequence (a partial last chunk counts as one)."""
@@ -154,3 +157,46 @@ def _input_dtypes(p: Problem) -> tuple:
     else:
         tensors = _GRAD_TENSORS(p)
     return tuple([None if t is None else t.dtype for t in tensors])
+
+
+@dataclass(frozen=True)
+class MlpProblem(Problem):
+    """One call of :func:`ttt.chunk_ttt_mlp` after validation: a :class:`ttt.Problem` (its
+    ``initial_state`` and ``initial_state_bias`` None) and the inner MLP's initial state
+    ``mlp_state`` (``W1 [N, H, D, F]``, ``b1 [N, H, 1, F]``, ``W2 [N, H, F, D]``,
+    ``b2 [N, H, 1, D]``, float32; float64 for float64 inputs; None: zeros) of hidden width
+    ``hidden`` (F)."""
+
+    mlp_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    hidden: int = 0
+    op = "ttt_mlp"
+
+    def signature(self) -> tuple:
+        return (*super().signature(), self.hidden)
+
+    def describe(self) -> str:
+        return f"{self.op} hidden={self.hidden} {super().describe()}"
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        N, H, D, F = self.N, self.H, self.D, self.hidden
+        return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
+
+
+_PROBLEM_FIELDS = tuple(f.name for f in fields(Problem))
+
+
+def as_mlp_problem(problem: Problem, state, hidden: int, requires_grad: bool) -> MlpProblem:
+    """``problem`` (no linear states) as TTT-MLP's, with ``state`` (checked) of width
+    ``hidden``."""
+    values = {name: getattr(problem, name) for name in _PROBLEM_FIELDS}
+    values.update(requires_grad=requires_grad, mlp_state=state, hidden=hidden)
+    return MlpProblem._of_fields(values)
+
+
+def mlp_initial_states(problem: MlpProblem) -> tuple[torch.Tensor, ...]:
+    """The initial state in the state dtype (the given tensors where of that dtype), or
+    zeros."""
+    if problem.mlp_state is not None:
+        return tuple(s.to(problem.state_dtype) for s in problem.mlp_state)
+    return tuple(torch.zeros(shape, dtype=problem.state_dtype, device=problem.device)
+                 for shape in problem.state_shapes())

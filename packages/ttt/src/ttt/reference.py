@@ -24,22 +24,9 @@ import torch
 
 from .arguments import GRADIENT_FIELDS, Gradients
 from .backend import Backend, Capabilities, GradNeeds, WarmupShape
+from .inner_loss import layer_norm_l2_grad, output_form
 from .problem import OUTPUTS, Problem
-
-
-def _layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = x.mean(-1, keepdim=True)
-    centered = x - mean
-    rstd = torch.rsqrt((centered * centered).mean(-1, keepdim=True) + eps)
-    return centered * rstd, rstd
-
-
-def layer_norm_l2_grad(z, k, v, w, b, eps: float) -> torch.Tensor:
-    """The inner loss's gradient with respect to the prediction ``z`` (rows of [.., L, D]):
-    the closed form of ``1/2 ||LN(z) * w + b - (v - k)||^2``."""
-    x_hat, rstd = _layer_norm_stats(z, eps)
-    y = (x_hat * w + b - v + k) * w
-    return rstd * (y - y.mean(-1, keepdim=True) - x_hat * (y * x_hat).mean(-1, keepdim=True))
+from .reference_mlp import mlp_forward
 
 
 def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_size):
@@ -70,16 +57,6 @@ def _sequence_forward(q, k, v, eta, eta_key, w, b, h0, hb0, scale, eps, chunk_si
     return o, state, state_bias
 
 
-def _output_form(output: str, z: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
-                 b: torch.Tensor, eps: float) -> torch.Tensor:
-    """z [B, H, T, D] to the requested output form (q unscaled, like z)."""
-    if output == "raw":
-        return z
-    z_hat, _ = _layer_norm_stats(z, eps)
-    residual = q if output == "query_residual" else z
-    return residual + z_hat * w + b
-
-
 def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0, eta_key=None):
     """The whole operator on given tensors (which may require grad)."""
     cdt = problem.state_dtype
@@ -107,7 +84,7 @@ def compute(problem: Problem, q, k, v, w, b, eta, h0, hb0, eta_key=None):
         pieces, states, biases = zip(*results)
         o, ht, hbt = torch.cat(pieces, 2), torch.cat(states), torch.cat(biases)
 
-    o = _output_form(problem.output, o, q, w4, b4, problem.eps)
+    o = output_form(problem.output, o, q, w4, b4, problem.eps)
     o = o.transpose(1, 2).to(problem.dtype)
     if not problem.output_final_state:
         ht = hbt = None
@@ -121,6 +98,7 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu", "meta"}),
         dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
+        ops=frozenset({"ttt_linear", "ttt_mlp"}),
         eta_key=True,
         outputs=frozenset(OUTPUTS),
         notes=("pure PyTorch; a Python loop over chunks; backward recomputes the forward",),
@@ -139,6 +117,10 @@ class ReferenceBackend(Backend):
                                  problem.b, problem.eta, problem.initial_state,
                                  problem.initial_state_bias, problem.eta_key)
         return o, ht, hbt, []
+
+    def chunk_ttt_mlp(self, problem):
+        """TTT-MLP by :func:`ttt.reference_mlp.mlp_forward`, differentiable by autograd."""
+        return mlp_forward(problem)
 
     def backward(self, problem: Problem, saved: list[torch.Tensor], do, dht, dhbt,
                  needs: GradNeeds):

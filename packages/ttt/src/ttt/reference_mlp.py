@@ -18,8 +18,9 @@ of ``L <= chunk_size`` valid rows (q scaled by ``scale``, ``l`` the per-key fact
     \quad (W_2, b_2 \text{ likewise with } X_2, g_2)
 
 with gelu the tanh approximation, then the output form of TTT-Linear (docs/math.md,
-"TTT-MLP"). Half inputs compute in float32. Not yet an op of the backend registry: the
-float64 definition it is checked against is :func:`ttt.oracle.oracle_chunk_ttt_mlp`.
+"TTT-MLP"). Half inputs compute in float32. The reference backend's ``ttt_mlp`` op
+(:func:`mlp_forward`); the float64 definition it is checked against is
+:func:`ttt.oracle.oracle_chunk_ttt_mlp`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import math
 
 import torch
 
-from .reference import _output_form, layer_norm_l2_grad
+from .inner_loss import layer_norm_l2_grad, output_form
+from .problem import MlpProblem, mlp_initial_states
 
 _GELU_C = math.sqrt(2 / math.pi)
 
@@ -101,5 +103,12 @@ def chunk_ttt_mlp(q, k, v, w, b, eta, initial_state, scale=None, eps=1e-6, chunk
                 w4, b4, scale, eps, chunk_size))
         z = torch.cat([r[0] for r in results], 2)
         final = tuple(torch.cat(parts) for parts in zip(*(r[1] for r in results)))
-    o = _output_form(output, z, q_t, w4, b4, eps).transpose(1, 2).to(q.dtype)
+    o = output_form(output, z, q_t, w4, b4, eps).transpose(1, 2).to(q.dtype)
     return o, final
+
+
+def mlp_forward(problem: MlpProblem):
+    """:func:`chunk_ttt_mlp` of a validated problem: ``(o, final state)``."""
+    p = problem
+    return chunk_ttt_mlp(p.q, p.k, p.v, p.w, p.b, p.eta, mlp_initial_states(p), p.scale, p.eps,
+                         p.chunk_size, p.cu_seqlens, eta_key=p.eta_key, output=p.output)

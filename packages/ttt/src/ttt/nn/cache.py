@@ -1,12 +1,12 @@
-"""Generation cache for TTT-Linear layers: committed inner states plus the open mini-batch.
+"""Generation cache for TTT layers: committed inner states plus the open mini-batch.
 
 The inner model steps once per full mini-batch; token ``i`` reads the mini-batch's starting
 state stepped by its tokens ``j <= i``. So generation keeps, per layer, the **committed**
-state ``W [B, H, D, D]``, ``b [B, H, 1, D]`` after the last full mini-batch (float32;
-float64 for a float64 layer), the **pending** tokens of the open mini-batch (rotated q, k,
-v and key learning-rate factor) and the tokens seen (the next token's place in its
-mini-batch). A step recomputes the pending and new tokens from the committed state; a
-mini-batch that fills up commits its final state.
+state after the last full mini-batch (TTT-Linear's ``W [B, H, D, D]``, ``b [B, H, 1, D]``,
+TTT-MLP's ``W1, b1, W2, b2``; float32, float64 for a float64 layer), the **pending**
+tokens of the open mini-batch (rotated q, k, v and key learning-rate factor) and the tokens
+seen (the next token's place in its mini-batch). A step recomputes the pending and new
+tokens from the committed state; a mini-batch that fills up commits its final state.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from ..validation import dtype_name
 class LayerState:
     """One layer's entry in a :class:`TTTCache`."""
 
-    state: torch.Tensor         # [B, H, D, D] committed inner weight
-    state_bias: torch.Tensor    # [B, H, 1, D] committed inner bias
+    states: tuple[torch.Tensor, ...]    # committed inner state, [B, ...] each
     q: torch.Tensor             # [B, P, H, D] pending tokens (P < mini_batch_size), rotated
     k: torch.Tensor             # [B, P, H, D] rotated
     v: torch.Tensor             # [B, P, H, D]
@@ -33,19 +32,21 @@ class LayerState:
 
     @property
     def batch_size(self) -> int:
-        return self.state.shape[0]
+        return self.q.shape[0]
 
     def _map(self, fn) -> LayerState:
         """This entry with ``fn`` applied to each tensor."""
-        tensors = (self.state, self.state_bias, self.q, self.k, self.v, self.eta_key)
-        return LayerState(*map(fn, tensors), seen=self.seen)
+        return LayerState(tuple(map(fn, self.states)),
+                          *map(fn, (self.q, self.k, self.v, self.eta_key)), seen=self.seen)
 
 
 class TTTCache:
-    """Cache for generation through a stack of :class:`ttt.nn.TTTLinear` layers.
+    """Cache for generation through a stack of :class:`ttt.nn.TTTLinear` or
+    :class:`ttt.nn.TTTMLP` layers.
 
     One object serves a whole model (``layer(x, cache=cache)`` for every layer), keeping a
-    :class:`LayerState` per layer module; an empty cache starts each from its ``W1, b1``.
+    :class:`LayerState` per layer module; an empty cache starts each from its parameters' state
+    (``W1, b1``, and ``W2, b2`` for TTT-MLP).
     Generation is meant to run under ``torch.no_grad()``. Whatever the grad mode, stored
     tensors are detached, never keeping earlier steps' graphs alive; ``requires_grad=True``
     keeps their history instead, to backpropagate through the cache across calls (the graph
@@ -101,7 +102,7 @@ class TTTCache:
                 raise ValueError(f"beam_idx: expected indices in [0, {batch}) (the cache's "
                                  f"batch size), got values from {low} to {high}")
         for layer, entry in self._layers.items():
-            index = beam_idx.to(device=entry.state.device, dtype=torch.int64)
+            index = beam_idx.to(device=entry.q.device, dtype=torch.int64)
             self._layers[layer] = entry._map(lambda t, index=index: t.index_select(0, index))
 
     @property

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..mlp import HIDDEN_FACTOR, chunk_ttt_mlp
 from ..ops import chunk_ttt_linear
 from ..validation import positive_int
 from .cache import LayerState, TTTCache
@@ -101,8 +102,13 @@ class TTTLinear(nn.Module):
         self.learnable_ttt_lr_bias = nn.Parameter(torch.empty(H, 1, **factory))
         self.ttt_norm_weight = nn.Parameter(torch.empty(H, D, **factory))
         self.ttt_norm_bias = nn.Parameter(torch.empty(H, D, **factory))
-        self.W1 = nn.Parameter(torch.empty(H, D, D, **factory))
-        self.b1 = nn.Parameter(torch.empty(H, 1, D, **factory))
+        for name, shape in self._state_shapes().items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, **factory)))
+
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The inner model's initial state, by its official parameter name."""
+        H, D = self.num_heads, self.head_dim
+        return {"W1": (H, D, D), "b1": (H, 1, D)}
 
     def reset_parameters(self) -> None:
         """The official initialisation (the projections and post_norm keep their own)."""
@@ -119,8 +125,9 @@ class TTTLinear(nn.Module):
             self.learnable_ttt_lr_bias.zero_()
             self.ttt_norm_weight.fill_(1.0)
             self.ttt_norm_bias.zero_()
-            self.W1.normal_(0.0, 0.02)
-            self.b1.zero_()
+            for name in self._state_shapes():      # weights N(0, 0.02), biases zero
+                param = getattr(self, name)
+                param.normal_(0.0, 0.02) if name.startswith("W") else param.zero_()
 
     def extra_repr(self) -> str:
         return (f"width={self.width}, num_heads={self.num_heads}, "
@@ -140,9 +147,8 @@ class TTTLinear(nn.Module):
         chunk_positions = positions % self.mini_batch_size
         q, k, v, eta_key = self._project(x, chunk_positions)
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        state, state_bias = self._initial_states(N, q.dtype)
-        z, _, _ = self._inner(q, k, v, eta_key, chunk_positions, state, state_bias,
-                              cu_seqlens=cu_seqlens)
+        z, _ = self._inner(q, k, v, eta_key, chunk_positions, self._initial_states(N, q.dtype),
+                           cu_seqlens=cu_seqlens)
         return self._readout(z, x)
 
     def _check_input(self, x, cu_seqlens, cache) -> None:
@@ -186,20 +192,29 @@ class TTTLinear(nn.Module):
         scale = torch.clamp_min(self.token_idx + self.learnable_token_idx, 0.0)   # [K]
         return scale[chunk_positions][None, :, None, None].expand_as(like)
 
-    def _initial_states(self, count: int, q_dtype: torch.dtype):
-        """``W1, b1`` expanded over ``count`` sequences, in the operator's state dtype."""
+    def _initial_states(self, count: int, q_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The inner model's state (``W1, b1``) expanded over ``count`` sequences, in the
+        operator's state dtype."""
         dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
-        return tuple(t.to(dtype).expand(count, -1, -1, -1) for t in (self.W1, self.b1))
+        return tuple(getattr(self, name).to(dtype).expand(count, -1, -1, -1)
+                     for name in self._state_shapes())
 
-    def _inner(self, q, k, v, eta_key, chunk_positions, state, state_bias, *,
-               cu_seqlens=None, output_final_state=False):
-        """The chunked inner steps: ``q + LN(z) * w + b`` and, when asked, final states."""
-        return chunk_ttt_linear(
-            q, k, v, self.ttt_norm_weight, self.ttt_norm_bias,
-            self._token_eta(chunk_positions, eta_key), scale=1.0, eps=INNER_EPS,
-            chunk_size=self.mini_batch_size, initial_state=state, initial_state_bias=state_bias,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            eta_key=eta_key, output="query_residual", backend=self.backend)
+    def _op_arguments(self, eta_key, chunk_positions, cu_seqlens, output_final_state) -> dict:
+        """The inner op's arguments but q, k, v and the state."""
+        return dict(w=self.ttt_norm_weight, b=self.ttt_norm_bias,
+                    eta=self._token_eta(chunk_positions, eta_key), scale=1.0, eps=INNER_EPS,
+                    chunk_size=self.mini_batch_size, output_final_state=output_final_state,
+                    cu_seqlens=cu_seqlens, eta_key=eta_key, output="query_residual",
+                    backend=self.backend)
+
+    def _inner(self, q, k, v, eta_key, chunk_positions, states, *, cu_seqlens=None,
+               output_final_state=False):
+        """The chunked inner steps from ``states``: ``q + LN(z) * w + b`` and, when asked,
+        the final states (else None)."""
+        z, *final = chunk_ttt_linear(
+            q, k, v, initial_state=states[0], initial_state_bias=states[1],
+            **self._op_arguments(eta_key, chunk_positions, cu_seqlens, output_final_state))
+        return z, (tuple(final) if output_final_state else None)
 
     def _readout(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = self.post_norm(z.flatten(-2))                            # [B, T, width]
@@ -215,30 +230,46 @@ class TTTLinear(nn.Module):
         positions = sequence_positions(x.shape[1], x.device, offset=seen)
         new = self._project(x, positions % self.mini_batch_size)
         if entry is None:
-            state, state_bias = self._initial_states(x.shape[0], new[0].dtype)
-            entry = LayerState(state, state_bias, *(t[:, :0] for t in new), seen=0)
+            entry = LayerState(self._initial_states(x.shape[0], new[0].dtype),
+                               *(t[:, :0] for t in new), seen=0)
         rows = [torch.cat((old, fresh), dim=1) for old, fresh in
                 zip((entry.q, entry.k, entry.v, entry.eta_key), new)]
-        z, state, state_bias, full = self._run_open_mini_batches(rows, entry.state,
-                                                                 entry.state_bias)
-        cache.put(self, LayerState(state, state_bias, *(t[:, full:] for t in rows),
+        z, states, full = self._run_open_mini_batches(rows, entry.states)
+        cache.put(self, LayerState(states, *(t[:, full:] for t in rows),
                                    seen=seen + x.shape[1]))
         return self._readout(z[:, entry.q.shape[1]:], x)
 
-    def _run_open_mini_batches(self, rows, state, state_bias):
-        """``rows = [q, k, v, eta_key]`` starting a mini-batch, run from the committed state:
-        the outputs, the state after the ``full`` tokens of complete mini-batches, ``full``."""
+    def _run_open_mini_batches(self, rows, states):
+        """``rows = [q, k, v, eta_key]`` starting a mini-batch, run from the committed states:
+        the outputs, the states after the ``full`` tokens of complete mini-batches, ``full``."""
         total = rows[0].shape[1]
         full = total // self.mini_batch_size * self.mini_batch_size
         chunk_positions = torch.arange(total, device=rows[0].device) % self.mini_batch_size
         outputs = []
         if full:
-            z, state, state_bias = self._inner(*(t[:, :full] for t in rows),
-                                               chunk_positions[:full], state, state_bias,
-                                               output_final_state=True)
+            z, states = self._inner(*(t[:, :full] for t in rows), chunk_positions[:full],
+                                    states, output_final_state=True)
             outputs.append(z)
         if total > full:
-            z, _, _ = self._inner(*(t[:, full:] for t in rows), chunk_positions[full:],
-                                  state, state_bias)
+            z, _ = self._inner(*(t[:, full:] for t in rows), chunk_positions[full:], states)
             outputs.append(z)
-        return torch.cat(outputs, dim=1), state, state_bias, full
+        return torch.cat(outputs, dim=1), states, full
+
+
+class TTTMLP(TTTLinear):
+    """The official TTT-MLP layer on ttt's chunked operator: :class:`TTTLinear` with the
+    two-layer inner model ``gelu_tanh(x W1 + b1) W2 + b2`` of hidden width ``4 D``
+    (:func:`ttt.chunk_ttt_mlp`). Same arguments; the parameters of the official ``TTTMLP``
+    (``W1 [H, D, 4D]``, ``b1 [H, 1, 4D]``, ``W2 [H, 4D, D]``, ``b2 [H, 1, D]`` and those
+    shared with TTT-Linear), so its state dict loads unchanged."""
+
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        H, D = self.num_heads, self.head_dim
+        F = HIDDEN_FACTOR * D
+        return {"W1": (H, D, F), "b1": (H, 1, F), "W2": (H, F, D), "b2": (H, 1, D)}
+
+    def _inner(self, q, k, v, eta_key, chunk_positions, states, *, cu_seqlens=None,
+               output_final_state=False):
+        return chunk_ttt_mlp(
+            q, k, v, initial_state=states,
+            **self._op_arguments(eta_key, chunk_positions, cu_seqlens, output_final_state))

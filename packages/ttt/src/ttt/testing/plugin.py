@@ -11,10 +11,12 @@
 - ``--ttt-device``: the device of the test tensors (default: cuda when the backend runs
   there and a GPU is present, else cpu).
 
-The report header names the backend, its versions and the device; the terminal summary
-counts the skipped tests by reason. Fixtures: ``ttt_backend_name``, ``ttt_backend``,
-``ttt_device``. Until ``--ttt-backend`` is given or a suite test runs, the plugin does
-nothing but register its options and markers.
+Each suite test belongs to one op (``test_mlp``'s to ``"ttt_mlp"``, the others to
+``"ttt_linear"``); those of an op the backend does not declare in ``Capabilities.ops`` skip
+with that reason. The report header names the backend, its versions and the device; the
+terminal summary counts the skipped tests by reason. Fixtures: ``ttt_backend_name``,
+``ttt_backend``, ``ttt_device``. Until ``--ttt-backend`` is given or a suite test runs, the
+plugin does nothing but register its options and markers.
 """
 
 from __future__ import annotations
@@ -99,6 +101,30 @@ def _require_runnable(config) -> None:
             f"ttt backend {name!r} cannot run here: {why}. Run it where it runs (e.g. "
             f"--ttt-device cuda on a GPU), or pass --ttt-allow-unavailable to run the suite "
             f"with every case that needs the backend skipped for this reason")
+
+
+OP_OF_MODULE = {"ttt.testing.test_mlp": "ttt_mlp"}
+"""The op of each suite module's tests, where not ``"ttt_linear"``."""
+
+
+def suite_op(item) -> str | None:
+    """The op a suite test checks (None: not a suite test)."""
+    module = getattr(getattr(item, "function", None), "__module__", None) or ""
+    if not module.startswith("ttt.testing.test_"):
+        return None
+    return OP_OF_MODULE.get(module, "ttt_linear")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Skips a suite test of an op the backend under test does not declare."""
+    op = suite_op(item)
+    if op is None or item.config.getoption("ttt_backend") is None:
+        return
+    backend = _load(item.config)
+    if op not in backend.capabilities.ops:
+        pytest.skip(f"{backend.name} declares: op {op!r} not provided (provides "
+                    f"{sorted(backend.capabilities.ops)})")
 
 
 def pytest_report_header(config):

@@ -1,0 +1,165 @@
+"""TTT-MLP (``ttt.chunk_ttt_mlp``, op ``"ttt_mlp"``): outputs, the final state and every
+gradient against the float64 oracle ``ttt.oracle.oracle_chunk_ttt_mlp``, bad states, an
+empty batch and unchanged inputs. The plugin runs these tests for backends that declare the
+op and skips them, with that reason, for the others."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ttt
+
+from ..oracle import oracle_chunk_ttt_mlp
+from ..tolerances import TOLERANCES
+from .cases import BF16, F16, F32, F64, Case, make_inputs
+from .compare import expect, expect_close
+
+MLP_STATE = ("W1", "b1", "W2", "b2")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpCase:
+    case: Case                    # shapes, dtype and options (its ``states``: a given state)
+    hidden: int                   # the inner MLP's width F
+
+    @property
+    def id(self) -> str:
+        return f"{self.case.id}-F{self.hidden}"
+
+
+MLP_CASES = [
+    MlpCase(Case(2, 37, 2, 16, 16, F32, eta_key=True), 64),          # F = 4 D, partial chunk
+    MlpCase(Case(1, 45, 2, 8, 8, F32, seq_lens=(5, 0, 40), output="query_residual"), 32),
+    MlpCase(Case(2, 20, 2, 8, 16, F64, eta_tensor=False, output="raw"), 24),   # F = 3 D
+    MlpCase(Case(1, 24, 2, 8, 16, F64, states=False, final_state=False), 32),  # zero state
+    MlpCase(Case(2, 33, 2, 16, 32, BF16, eta_key=True), 64),
+    MlpCase(Case(1, 40, 2, 16, 16, F16, seq_lens=(17, 23)), 32),
+]
+
+
+def mlp_inputs(mc: MlpCase, device, seed: int = 0) -> dict:
+    """Fresh random inputs of ``chunk_ttt_mlp`` (never zeros): the case's, with an MLP
+    initial state (W1, W2 scaled to keep activations of order one) when it has states."""
+    case = mc.case
+    inputs = make_inputs(dataclasses.replace(case, states=False), device, seed)
+    if case.states:
+        g = torch.Generator(device="cpu").manual_seed(seed + 1)
+        N, H, D, F = case.N, case.H, case.D, mc.hidden
+        shapes = ((N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D))
+        scales = (D ** -0.5, 0.1, F ** -0.5, 0.1)
+        inputs["initial_state"] = tuple(
+            (s * torch.randn(shape, generator=g, dtype=F64)).to(case.state_dtype).to(device)
+            for shape, s in zip(shapes, scales))
+    return inputs
+
+
+def _leaves(inputs: dict) -> dict[str, torch.Tensor]:
+    """Copies of the floating tensor inputs that require grad, by name (the state's by
+    ``MLP_STATE``)."""
+    leaves = {name: t for name, t in inputs.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    leaves.update(zip(MLP_STATE, inputs.get("initial_state", ())))
+    return {name: t.detach().clone().requires_grad_() for name, t in leaves.items()}
+
+
+def _with(inputs: dict, leaves: dict) -> dict:
+    out = {**inputs, **{n: t for n, t in leaves.items() if n not in MLP_STATE}}
+    if "initial_state" in inputs:
+        out["initial_state"] = tuple(leaves[n] for n in MLP_STATE)
+    return out
+
+
+@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id) for mc in MLP_CASES])
+def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_device):
+    """o, the final state (W1, b1, W2, b2) and the gradients of every input and initial state
+    tensor, for random cotangents on o and the final state, against the oracle."""
+    case = mc.case
+    inputs = mlp_inputs(mc, ttt_device, seed=case.seed)
+    problem = ttt.mlp.make_mlp_problem(**inputs)
+    reasons = ttt_backend.not_supported_reasons(problem)
+    if reasons:
+        pytest.skip(f"{ttt_backend.name} declares: {'; '.join(reasons)}")
+    leaves = _leaves(inputs)
+    o, final = ttt.chunk_ttt_mlp(**_with(inputs, leaves), backend=ttt_backend_name)
+
+    as64 = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
+    ref_inputs = _with({k: (v.to(F64) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                            else v) for k, v in inputs.items()
+                        if k not in ("chunk_size", "output_final_state")}, as64)
+    state = ref_inputs.pop("initial_state", None)
+    if state is None:
+        N, H, D, F = case.N, case.H, case.D, mc.hidden
+        state = tuple(torch.zeros(s, dtype=F64, device=ttt_device)
+                      for s in ((N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)))
+    o_ref, final_ref = oracle_chunk_ttt_mlp(**ref_inputs, initial_state=state,
+                                            chunk_size=case.chunk)
+    out_tol, grad_tol = TOLERANCES[case.dtype]
+    expect(o.dtype == case.dtype and o.shape == o_ref.shape,
+           f"o: {o.dtype} {tuple(o.shape)}, expected {case.dtype} {tuple(o_ref.shape)}")
+    expect_close("o", o, o_ref, out_tol)
+    outputs, refs = [o], [o_ref]
+    if case.final_state:
+        for name, got, want in zip(MLP_STATE, final, final_ref):
+            expect(got.dtype == case.state_dtype, f"final {name}: dtype {got.dtype}")
+            expect_close(f"final {name}", got, want, out_tol)
+        outputs += list(final)
+        refs += list(final_ref)
+    else:
+        expect(final is None, "final_state: expected None without output_final_state")
+    g = torch.Generator(device="cpu").manual_seed(case.seed + 2)
+    cotangents = [torch.randn(r.shape, generator=g, dtype=F64).to(ttt_device) for r in refs]
+    grads = torch.autograd.grad(outputs, list(leaves.values()),
+                                [c.to(x.dtype) for c, x in zip(cotangents, outputs)],
+                                allow_unused=True)
+    want = torch.autograd.grad(refs, list(as64.values()),
+                               [c.to(x.dtype).to(F64) for c, x in zip(cotangents, outputs)],
+                               allow_unused=True)
+    for name, got, ref in zip(leaves, grads, want):
+        if ref is None or not ref.any():
+            continue                            # e.g. eta as a float: a constant
+        expect(got is not None, f"d{name}: no gradient")
+        expect(got.dtype == leaves[name].dtype, f"d{name}: dtype {got.dtype}")
+        expect_close(f"d{name}", got, ref, grad_tol)
+
+
+@pytest.mark.parametrize(("which", "change", "error", "words"), [
+    ("W1", lambda s: s[:, :, :-1], ValueError, "initial_state.W1"),
+    ("b1", lambda s: s[..., :-1], ValueError, "initial_state.b1"),
+    ("W2", lambda s: s.double(), TypeError, "initial_state.W2: expected dtype"),
+    ("b2", lambda s: s[:1], ValueError, "initial_state.b2"),
+])
+def test_mlp_bad_state_raises(which, change, error, words, ttt_backend_name, ttt_device):
+    """A state tensor of the wrong shape or dtype: an error naming it."""
+    mc = MLP_CASES[0]
+    inputs = mlp_inputs(mc, ttt_device)
+    state = list(inputs["initial_state"])
+    state[MLP_STATE.index(which)] = change(state[MLP_STATE.index(which)])
+    with pytest.raises(error, match=words.replace(".", r"\.")):
+        ttt.chunk_ttt_mlp(**{**inputs, "initial_state": tuple(state)},
+                          backend=ttt_backend_name)
+    with pytest.raises(TypeError, match="a tuple \\(W1, b1, W2, b2\\)"):
+        ttt.chunk_ttt_mlp(**{**inputs, "initial_state": tuple(state[:3])},
+                          backend=ttt_backend_name)
+
+
+def test_mlp_inputs_unchanged_and_empty_batch(ttt_backend_name, ttt_device):
+    """No input is written; a batch without tokens returns copies of the initial state."""
+    inputs = mlp_inputs(MLP_CASES[0], ttt_device)
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    state = tuple(s.clone() for s in inputs["initial_state"])
+    ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
+    for name, value in before.items():
+        if isinstance(value, torch.Tensor):
+            expect(torch.equal(value, inputs[name]), f"{name} was modified")
+    for name, s, given in zip(MLP_STATE, state, inputs["initial_state"]):
+        expect(torch.equal(s, given), f"initial_state.{name} was modified")
+    empty = {k: (v[:, :0] if isinstance(v, torch.Tensor) and v.dim() == 4 else v)
+             for k, v in inputs.items()}
+    o, final = ttt.chunk_ttt_mlp(**empty, backend=ttt_backend_name)
+    expect(o.shape[1] == 0, "o of an empty batch")
+    for name, f, s in zip(MLP_STATE, final, state):
+        expect(torch.equal(f, s) and f.data_ptr() != s.data_ptr(),
+               f"final {name} of an empty batch: a copy of the initial one")
