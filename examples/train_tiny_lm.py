@@ -1,12 +1,15 @@
-"""Train a tiny character-level language model of TTT-Linear blocks, then generate.
+"""Train a tiny character-level language model of TTT-Linear (or TTT-MLP) blocks, then
+generate.
 
     python examples/train_tiny_lm.py                      # CPU, tiny size
+    python examples/train_tiny_lm.py --inner mlp          # TTT-MLP blocks
     python examples/train_tiny_lm.py --device cuda --steps 2000 --width 256 --layers 4
     python examples/train_tiny_lm.py --text my.txt --backend reference --compile
     torchrun --nproc-per-node 2 examples/train_tiny_lm.py --parallel ddp     # one GPU a process
     torchrun --nproc-per-node 2 examples/train_tiny_lm.py --parallel fsdp2 --mixed-precision bf16
 
-Each block is pre-norm residual: ``x + TTTLinear(LN(x))``, then ``x + MLP(LN(x))``. The
+Each block is pre-norm residual: ``x + TTTLinear(LN(x))`` (``TTTMLP`` with ``--inner mlp``),
+then ``x + MLP(LN(x))``. The
 default text is ``examples/tiny_corpus.txt`` (a few KB written for this repository). At
 the end the model generates from a prompt with a :class:`ttt.nn.TTTCache`: one prefill of
 the prompt, then one token per step. A progress bar uses tqdm when it is installed, and the
@@ -35,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ttt.nn import TTTCache, TTTLinear
+from ttt.nn import TTTMLP, TTTCache, TTTLinear
 
 DEFAULT_TEXT = Path(__file__).with_name("tiny_corpus.txt")
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -55,11 +58,15 @@ class CharTokenizer:
         return "".join(self.chars[int(t)] for t in tokens)
 
 
+MIXERS = {"linear": TTTLinear, "mlp": TTTMLP}
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, mini_batch: int, backend: str | None) -> None:
+    def __init__(self, width: int, heads: int, mini_batch: int, backend: str | None,
+                 inner: str = "linear") -> None:
         super().__init__()
         self.mixer_norm = nn.LayerNorm(width)
-        self.mixer = TTTLinear(width, heads, mini_batch, backend=backend)
+        self.mixer = MIXERS[inner](width, heads, mini_batch, backend=backend)
         self.mlp_norm = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
@@ -71,10 +78,10 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, width: int, layers: int, heads: int, mini_batch: int,
-                 backend: str | None) -> None:
+                 backend: str | None, inner: str = "linear") -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width, heads, mini_batch, backend)
+        self.blocks = nn.ModuleList(Block(width, heads, mini_batch, backend, inner)
                                     for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
@@ -108,9 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="residual blocks")
     p.add_argument("--heads", type=int, default=4, help="TTT heads per block")
     p.add_argument("--mini-batch", type=int, default=16, help="TTT inner mini-batch (chunk)")
+    p.add_argument("--inner", choices=tuple(MIXERS), default="linear",
+                   help="the TTT layers' inner model: linear (TTTLinear) or a two-layer MLP "
+                        "(TTTMLP)")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate")
     p.add_argument("--backend", default=None,
-                   help="ttt backend of the TTTLinear layers (default: chosen by ttt, the "
+                   help="ttt backend of the TTT layers (default: chosen by ttt, the "
                         "best that takes the layer's calls: a GPU backend on CUDA, reference "
                         "on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
@@ -324,7 +334,7 @@ def save_plot(losses: list[float], path: Path) -> None:
     ax.plot(range(1, len(losses) + 1), losses)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / char)")
-    ax.set_title("tiny TTT-Linear LM")
+    ax.set_title("tiny TTT LM")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -334,7 +344,7 @@ def save_plot(losses: list[float], path: Path) -> None:
 def build_model(vocab: int, args, device: torch.device) -> TinyLM:
     torch.manual_seed(args.seed)                 # the same initial model on every rank
     return TinyLM(vocab, args.width, args.layers, args.heads, args.mini_batch,
-                  args.backend).to(device)
+                  args.backend, args.inner).to(device)
 
 
 def plain_model(model: TinyLM, state: dict[str, torch.Tensor], vocab: int, args,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ttt.nn.layer as layer_module
-from ttt.nn import TTTCache, TTTLinear
+from ttt.nn import TTTMLP, TTTCache, TTTLinear
 
 FP32_RTOL = 1e-5
 
@@ -21,9 +21,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _layer(K=4, use_gate=True, seed=0) -> TTTLinear:
+def _layer(K=4, use_gate=True, seed=0, kind=TTTLinear) -> TTTLinear:
     torch.manual_seed(seed)
-    layer = TTTLinear(32, 4, K, use_gate=use_gate, rope_theta=100.0)
+    layer = kind(32, 4, K, use_gate=use_gate, rope_theta=100.0)
     with torch.no_grad():                    # every parameter off its initial value
         for param in layer.parameters():
             param.add_(0.1 * torch.randn_like(param))
@@ -38,10 +38,11 @@ def _in_pieces(model, x, lengths, cache):
     return torch.cat(outputs, dim=1)
 
 
+@pytest.mark.parametrize("kind", [TTTLinear, TTTMLP], ids=["linear", "mlp"])
 @pytest.mark.parametrize("prefill", [1, 3, 4, 5, 8, 11])
 @torch.no_grad()
-def test_prefill_then_decode_equals_one_forward(prefill):
-    layer = _layer()
+def test_prefill_then_decode_equals_one_forward(prefill, kind):
+    layer = _layer(kind=kind)
     x = torch.randn(2, 14, 32)
     cache = TTTCache()
     got = _in_pieces(layer, x, [prefill] + [1] * (14 - prefill), cache)
@@ -49,9 +50,10 @@ def test_prefill_then_decode_equals_one_forward(prefill):
     assert cache.seen_tokens == 14 and len(cache) == 1
 
 
+@pytest.mark.parametrize("kind", [TTTLinear, TTTMLP], ids=["linear", "mlp"])
 @torch.no_grad()
-def test_prefills_of_any_length_in_a_row():
-    layer = _layer(use_gate=False, seed=1)
+def test_prefills_of_any_length_in_a_row(kind):
+    layer = _layer(use_gate=False, seed=1, kind=kind)
     x = torch.randn(3, 23, 32)
     got = _in_pieces(layer, x, [2, 7, 1, 1, 5, 4, 3], TTTCache())
     assert _rel(got, layer(x)) < FP32_RTOL

@@ -39,10 +39,12 @@ def _check_output(run: subprocess.CompletedProcess, out: Path) -> str:
     return run.stdout
 
 
-def test_tiny_lm_example_trains_and_generates(tmp_path):
-    command = [sys.executable, str(EXAMPLE), *TINY, "--out", str(tmp_path)]
+@pytest.mark.parametrize("inner", ["linear", "mlp"])
+def test_tiny_lm_example_trains_and_generates(tmp_path, inner):
+    command = [sys.executable, str(EXAMPLE), *TINY, "--inner", inner, "--out", str(tmp_path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
     _check_output(run, tmp_path)
+    assert ("blocks.0.mixer.W2" in torch.load(tmp_path / "model.pt")) == (inner == "mlp")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])

@@ -1,9 +1,11 @@
-"""ttt.nn.TTTLinear against a plain float64 loop written from the official layer's math.
+"""ttt.nn.TTTLinear and TTTMLP against a plain float64 loop written from the official layers'
+math.
 
 The loop below uses nothing of ttt: projections, the official rotary (permute to the
 half-split layout, rotate_half, permute back; angles in float32 as the official code), the
 learning rates of ``get_eta``, and per mini-batch the inner step in its primal form, token by
-token, with the per-token inner gradient from autograd. Outputs and every parameter gradient
+token, with the per-token inner gradient from autograd (of the inner model's output for
+TTT-Linear, of all four MLP parameters for TTT-MLP). Outputs and every parameter gradient
 must agree to float64 precision.
 """
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ttt
-from ttt.nn import TTTLinear
+from ttt.nn import TTTMLP, TTTLinear
 from ttt.nn.rotary import apply_rotary, rotary_cos_sin
 
 EPS = 1e-6
@@ -78,9 +80,36 @@ def _inner_sequence(q, k, v, e, lr, W, hb, norm_w, norm_b, K):
     return torch.cat(outs, dim=2)
 
 
+def _mlp(x, W1, b1, W2, b2):
+    return F.gelu(x @ W1 + b1, approximate="tanh") @ W2 + b2
+
+
+def _mlp_inner_sequence(q, k, v, e, lr, state, norm_w, norm_b, K):
+    """TTT-MLP's inner steps, primal form: token i reads the mini-batch's starting state
+    (W1, b1, W2, b2, each [B, H, ...]) stepped by e_i * sum_{j <= i} lr_j * grad_j, grad_j
+    the gradient of token j's inner loss at that state (autograd, differentiable)."""
+    T = q.shape[2]
+    outs = []
+    for start in range(0, T, K):
+        stop = min(start + K, T)
+        step = [torch.zeros_like(s) for s in state]
+        for j in range(start, stop):
+            kj, vj = k[:, :, j:j + 1], v[:, :, j:j + 1]
+            loss = 0.5 * ((_ln(_mlp(kj, *state), norm_w, norm_b) - (vj - kj)) ** 2).sum()
+            grads = torch.autograd.grad(loss, state, create_graph=True)
+            step = [a + lr[:, :, j, None, None] * g for a, g in zip(step, grads)]
+            e_j = e[j % K]
+            z = _mlp(q[:, :, j:j + 1], *(s - e_j * a for s, a in zip(state, step)))
+            outs.append(q[:, :, j:j + 1] + _ln(z, norm_w, norm_b))
+        e_last = e[(stop - 1) % K]
+        state = [s - e_last * a for s, a in zip(state, step)]
+    return torch.cat(outs, dim=2)
+
+
 def official_loop(p: dict, x: torch.Tensor, K: int, theta: float, base_lr: float,
                   use_gate: bool) -> torch.Tensor:
-    """The official TTT-Linear forward (no cache) for one batch ``x [B, T, C]``."""
+    """The official TTT-Linear forward (no cache) for one batch ``x [B, T, C]``; TTT-MLP's
+    where ``p`` holds ``W2``."""
     B, T, C = x.shape
     H, D = p["W1"].shape[0], p["W1"].shape[1]
 
@@ -96,9 +125,13 @@ def official_loop(p: dict, x: torch.Tensor, K: int, theta: float, base_lr: float
                         0.0)
     norm_w = p["ttt_norm_weight"].reshape(H, 1, D)
     norm_b = p["ttt_norm_bias"].reshape(H, 1, D)
-    W = p["W1"].unsqueeze(0).expand(B, -1, -1, -1)
-    hb = p["b1"].unsqueeze(0).expand(B, -1, -1, -1)
-    out = _inner_sequence(q, k, v, e, lr[..., 0], W, hb, norm_w, norm_b, K)
+    if "W2" in p:
+        state = [p[n].unsqueeze(0).expand(B, -1, -1, -1) for n in ("W1", "b1", "W2", "b2")]
+        out = _mlp_inner_sequence(q, k, v, e, lr[..., 0], state, norm_w, norm_b, K)
+    else:
+        W = p["W1"].unsqueeze(0).expand(B, -1, -1, -1)
+        hb = p["b1"].unsqueeze(0).expand(B, -1, -1, -1)
+        out = _inner_sequence(q, k, v, e, lr[..., 0], W, hb, norm_w, norm_b, K)
     y = F.layer_norm(out.transpose(1, 2).reshape(B, T, C), (C,), p["post_norm.weight"],
                      p["post_norm.bias"], EPS)
     if use_gate:
@@ -128,9 +161,10 @@ def _randomized(layer: TTTLinear, seed: int) -> TTTLinear:
     return layer
 
 
-def _case(width=16, heads=2, K=4, use_gate=False, theta=10000.0, base_lr=1.0, seed=0):
-    layer = TTTLinear(width, heads, K, rope_theta=theta, ttt_base_lr=base_lr,
-                      use_gate=use_gate, dtype=torch.float64)
+def _case(width=16, heads=2, K=4, use_gate=False, theta=10000.0, base_lr=1.0, seed=0,
+          kind=TTTLinear):
+    layer = kind(width, heads, K, rope_theta=theta, ttt_base_lr=base_lr, use_gate=use_gate,
+                 dtype=torch.float64)
     return _randomized(layer, seed)
 
 
@@ -138,27 +172,32 @@ def _grads_of(outputs, probe, tensors):
     return torch.autograd.grad((outputs * probe).sum(), tensors)
 
 
-def _assert_matches_the_loop(got, expected, probe, x, layer, params):
+def _assert_matches_the_loop(got, expected, probe, x, layer, params, rtol=FP64_RTOL):
     """The layer's output ``got`` and its gradients (of x and every parameter, along
     ``probe``) match the official loop's (``expected``, of the copies ``params``)."""
-    assert _rel(got, expected) < FP64_RTOL
+    assert _rel(got, expected) < rtol
     have = _grads_of(got, probe, [x, *layer.parameters()])
     want = _grads_of(expected, probe, [x, *params.values()])
     for name, g_have, g_want in zip(["x", *params], have, want):
-        assert _rel(g_have, g_want) < FP64_RTOL, name
+        assert _rel(g_have, g_want) < rtol, name
 
 
+MLP_RTOL = 1e-12
+
+
+@pytest.mark.parametrize("kind", [TTTLinear, TTTMLP], ids=["linear", "mlp"])
 @pytest.mark.parametrize("T", [12, 11, 3])
 @pytest.mark.parametrize("use_gate", [False, True])
-def test_layer_matches_official_loop_fp64(T, use_gate):
-    layer = _case(K=4, use_gate=use_gate, theta=500.0, base_lr=0.7, seed=T)
+def test_layer_matches_official_loop_fp64(T, use_gate, kind):
+    layer = _case(K=4, use_gate=use_gate, theta=500.0, base_lr=0.7, seed=T, kind=kind)
     gen = torch.Generator().manual_seed(100 + T)
     x = torch.randn(2, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(2, T, 16, generator=gen, dtype=torch.float64)
 
     params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
     expected = official_loop(params, x, 4, 500.0, 0.7, use_gate)
-    _assert_matches_the_loop(layer(x), expected, probe, x, layer, params)
+    _assert_matches_the_loop(layer(x), expected, probe, x, layer, params,
+                             MLP_RTOL if kind is TTTMLP else FP64_RTOL)
 
 
 def test_gradients_reach_every_parameter():
@@ -169,8 +208,9 @@ def test_gradients_reach_every_parameter():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-def test_packed_sequences_restart_positions_and_state():
-    layer = _case(K=4, seed=3)
+@pytest.mark.parametrize("kind", [TTTLinear, TTTMLP], ids=["linear", "mlp"])
+def test_packed_sequences_restart_positions_and_state(kind):
+    layer = _case(K=4, seed=3, kind=kind)
     gen = torch.Generator().manual_seed(7)
     lengths = [6, 9, 1]
     x = torch.randn(1, sum(lengths), 16, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -198,6 +238,23 @@ def test_state_dict_has_the_official_names_and_shapes():
     other = TTTLinear(64, 4, 16, use_gate=True)
     other.load_state_dict({k: torch.randn_like(t) for k, t in layer.state_dict().items()})
     assert not TTTLinear(64, 4, 16).state_dict().keys() & {"g_proj.weight", "token_idx"}
+
+
+def test_mlp_state_dict_has_the_official_names_and_shapes():
+    """TTTMLP's parameters are TTTLinear's but the inner model's, W1 [H, D, 4D], b1
+    [H, 1, 4D], W2 [H, 4D, D], b2 [H, 1, D]; the official initialisation (weights N(0,
+    0.02), biases zero)."""
+    torch.manual_seed(0)
+    mlp, linear = TTTMLP(256, 4, 16, use_gate=True), TTTLinear(256, 4, 16, use_gate=True)
+    shapes = {name: tuple(t.shape) for name, t in mlp.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in linear.state_dict().items()}
+    expected.update(W1=(4, 64, 256), b1=(4, 1, 256), W2=(4, 256, 64), b2=(4, 1, 64))
+    assert shapes == expected
+    for weight in (mlp.W1, mlp.W2):
+        assert abs(weight.std().item() - 0.02) < 2e-3
+    assert torch.count_nonzero(mlp.b1) == 0 and torch.count_nonzero(mlp.b2) == 0
+    TTTMLP(256, 4, 16, use_gate=True).load_state_dict(
+        {k: torch.randn_like(t) for k, t in mlp.state_dict().items()})
 
 
 def test_official_initialisation():
