@@ -11,6 +11,7 @@ import itertools
 import torch
 from torch import Tensor
 
+from ._custom_op import _no_autocast
 from .ops import _autocast, _backend_name, _in_autocast_region
 from .problem import MlpProblem, as_mlp_problem, mlp_initial_states
 from .registry import load_backend
@@ -106,13 +107,22 @@ def chunk_ttt_mlp(
     final state is its initial state); inputs are never modified. Under autocast, q, k and v
     are cast to its dtype. Differentiable with respect to every tensor argument.
     """
-    if _in_autocast_region(q):
+    autocast = _in_autocast_region(q)
+    if autocast:
         q, k, v = _autocast(q, k, v)
     problem = make_mlp_problem(q, k, v, w, b, eta, scale=scale, eps=eps,
                                chunk_size=chunk_size, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                eta_key=eta_key, output=output)
     chosen = load_backend(_backend_name(problem, backend))
+    with _no_autocast(problem.q, autocast):           # the backend computes as it chooses
+        o, final = _run(chosen, problem)
+    return o, (final if problem.output_final_state else None)
+
+
+def _run(chosen, problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``(o, final state)`` of ``problem`` on backend ``chosen``, which sees no empty
+    sequence."""
     if problem.q.numel() == 0:                        # no tokens: nothing to compute
         final = tuple(s.clone() for s in mlp_initial_states(problem))   # (never an input)
         o = torch.empty_like(problem.q)
@@ -123,4 +133,4 @@ def chunk_ttt_mlp(
                       for s, f in zip(mlp_initial_states(problem), kept))
     else:
         o, final = chosen.chunk_ttt_mlp(problem)
-    return o, (final if problem.output_final_state else None)
+    return o, final

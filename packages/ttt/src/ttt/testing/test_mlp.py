@@ -163,3 +163,66 @@ def test_mlp_inputs_unchanged_and_empty_batch(ttt_backend_name, ttt_device):
     for name, f, s in zip(MLP_STATE, final, state):
         expect(torch.equal(f, s) and f.data_ptr() != s.data_ptr(),
                f"final {name} of an empty batch: a copy of the initial one")
+
+
+def test_mlp_packed_batch_equals_each_sequence_alone(ttt_backend_name, ttt_device):
+    """A packed batch (an empty sequence among them) gives each sequence's output and final
+    state of a call on that sequence alone."""
+    mc = MLP_CASES[1]
+    inputs = mlp_inputs(mc, ttt_device, seed=5)
+    o, final = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
+    offsets = inputs["cu_seqlens"].tolist()
+    bound = TOLERANCES[mc.case.dtype][0]
+    for n, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
+        alone = {k: (v[:, start:stop] if isinstance(v, torch.Tensor) and v.dim() == 4 else v)
+                 for k, v in inputs.items() if k != "cu_seqlens"}
+        alone["initial_state"] = tuple(s[n:n + 1] for s in inputs["initial_state"])
+        o_n, final_n = ttt.chunk_ttt_mlp(**alone, backend=ttt_backend_name)
+        if stop > start:
+            expect_close(f"o of sequence {n}", o[:, start:stop], o_n, bound)
+        for name, f, f_n in zip(MLP_STATE, final, final_n):
+            expect_close(f"final {name} of sequence {n}", f[n:n + 1], f_n, bound)
+
+
+def test_mlp_strided_views_and_autocast(ttt_backend_name, ttt_device):
+    """Strided views give the contiguous inputs' results bitwise; under autocast q, k and v
+    are cast to its dtype (o in it, the state float32), as a call on the cast tensors."""
+    inputs = mlp_inputs(MLP_CASES[0], ttt_device, seed=3)
+    o, final = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
+    views = {k: (v.transpose(1, 2).contiguous().transpose(1, 2)
+                 if k in ("q", "k", "v") else v) for k, v in inputs.items()}
+    o_views, final_views = ttt.chunk_ttt_mlp(**views, backend=ttt_backend_name)
+    expect(torch.equal(o, o_views) and all(map(torch.equal, final, final_views)),
+           "strided views: results differ from the contiguous inputs'")
+    device_type = torch.device(ttt_device).type
+    with torch.autocast(device_type, dtype=BF16):
+        o_auto, final_auto = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
+    cast = {k: (v.to(BF16) if k in ("q", "k", "v") else v) for k, v in inputs.items()}
+    o_cast, final_cast = ttt.chunk_ttt_mlp(**cast, backend=ttt_backend_name)
+    expect(o_auto.dtype == BF16 and all(f.dtype == F32 for f in final_auto),
+           f"autocast: o {o_auto.dtype}, state {[f.dtype for f in final_auto]}")
+    expect(torch.equal(o_auto, o_cast) and all(map(torch.equal, final_auto, final_cast)),
+           "autocast: results differ from a call on the cast q, k, v")
+
+
+def test_mlp_compiles_as_one_graph(ttt_backend_name, ttt_device):
+    """torch.compile(fullgraph=True) of a dense call gives the eager results and gradients
+    (aot_eager: dynamo and AOT autograd)."""
+    inputs = mlp_inputs(MLP_CASES[0], ttt_device, seed=4)
+    leaves = _leaves(inputs)
+
+    def call(**kwargs):
+        o, final = ttt.chunk_ttt_mlp(**kwargs, backend=ttt_backend_name)
+        return o, *final
+
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(**_with(inputs, leaves))
+    want = call(**_with(inputs, leaves))
+    bound = TOLERANCES[MLP_CASES[0].case.dtype][0]
+    for name, g, w in zip(("o", *MLP_STATE), got, want):
+        expect_close(f"compiled {name}", g, w, bound)
+    probe = [torch.randn_like(w) for w in want]
+    grads = torch.autograd.grad(got, list(leaves.values()), probe, allow_unused=True)
+    grads_eager = torch.autograd.grad(want, list(leaves.values()), probe, allow_unused=True)
+    for name, g, w in zip(leaves, grads, grads_eager):
+        if w is not None:
+            expect_close(f"compiled d{name}", g, w, TOLERANCES[MLP_CASES[0].case.dtype][1])
