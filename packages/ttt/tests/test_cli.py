@@ -176,10 +176,11 @@ def test_demo_checks_against_the_oracle():
 def test_capabilities_has_a_row_per_builtin_backend(capsys):
     assert cli.main(["capabilities"]) == 0
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
-    assert rows[0].split(" | ")[:3] == ["| backend", "devices", "dtypes"]
+    assert rows[0].split(" | ")[:4] == ["| backend", "ops", "devices", "dtypes"]
     assert [r.split(" | ")[0][2:] for r in rows[1:]] == list(registry.KNOWN_BACKENDS)
     reference = next(r for r in rows if r.startswith("| reference |"))
     assert "float64" in reference and "| any | any |" in reference
+    assert reference.startswith("| reference | ttt_linear, ttt_mlp |")
 
 
 def test_capabilities_do_not_depend_on_the_machine(monkeypatch):

@@ -67,6 +67,7 @@ def _dtype_names(dtypes) -> str:
 
 
 CAPABILITY_COLUMNS = {
+    "ops": lambda c: ", ".join(sorted(c.ops)),
     "devices": lambda c: ", ".join(sorted(c.devices)),
     "dtypes": lambda c: _dtype_names(c.dtypes),
     "chunk sizes": lambda c: "any" if c.chunk_sizes is None else
