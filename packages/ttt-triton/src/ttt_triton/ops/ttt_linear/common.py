@@ -229,6 +229,30 @@ def group_rows(bos, c0, nc, seq_len, i_h, H: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
+def group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H: tl.constexpr,
+                D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+                G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program of the parallel kernels (one per group of G chunks and head ``i_h``,
+    walking blocks of ``BS`` rows) starts from: ``(gid, i_h, seq_len, o_s, o_d, m_d, m_same,
+    m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase, r_beg, r_end)``, that is the program's
+    coordinates (:func:`group_coords`), the block's row offsets ``o_s`` and masks
+    (:func:`block_masks`), the head dim's offsets, the norm parameters, the state of the
+    group's slot (:func:`load_slot`) and its rows (:func:`group_rows`)."""
+    gid, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
+                                                   T, BT, G, IS_VARLEN)
+    o_s = tl.arange(0, BS)
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    m_same, m_prev = block_masks(o_s, BT)
+
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
+    p_base, p_ebase, r_beg, r_end = group_rows(bos, c0, nc, seq_len, i_h, H, D, BT)
+    return (gid, i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base,
+            p_ebase, r_beg, r_end)
+
+
+@triton.jit
 def row_offsets(p_base, r0, o_t, o_d, seq_len, m_d, H: tl.constexpr, D: tl.constexpr):
     """Offsets [BT, BD] of the rows r0 .. r0 + BT - 1 of one (sequence, head) in a
     [rows, H, D] tensor whose row 0 is at ``p_base``, with the mask of valid rows/cols, and
