@@ -49,8 +49,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    chain_coords,
-    dim_offsets,
+    chain_start,
     inner_grad_bwd,
     inner_grad_from_xhat,
     last_row_eta,
@@ -115,10 +114,8 @@ def ttt_linear_bwd_chain_kernel(
     NEED_DB: tl.constexpr,
     FEED_GRADS: tl.constexpr,
 ):
-    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
-                                                          G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    (i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
+     m_dd) = chain_start(cu_seqlens, grp_offsets, T, H, D, BT, BD, G, IS_VARLEN)
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_dW, b_dhb = load_state(dht, dhbt, i_nh.to(tl.int64), D, BD, o_d, m_d, o_dd, m_dd,

@@ -187,6 +187,20 @@ def chain_coords(cu_seqlens, grp_offsets, T, H: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def chain_start(cu_seqlens, grp_offsets, T, H: tl.constexpr, D: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program of the chain kernels (one per sequence and head, walking chunks of
+    ``BT`` rows) starts from: ``(i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
+    m_dd)``, that is :func:`chain_coords`, a chunk's row offsets ``o_t`` and the head dim's
+    offsets (:func:`dim_offsets`)."""
+    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
+                                                          G, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    return i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd, m_dd
+
+
+@triton.jit
 def row_bases(bos, i_h, H: tl.constexpr, D: tl.constexpr):
     """Offsets of row 0 of one (sequence, head) in [rows, H, D] (rows ``H * D`` apart) and in
     [rows, H] tensors (rows ``H`` apart)."""
