@@ -1,12 +1,5 @@
-"""Which backend a call runs on.
-
-Precedence: ``backend=`` argument > :func:`set_backend` in the current context (a
-``ContextVar``) > ``TTT_BACKEND`` > automatic: the first backend by priority that takes
-the inputs. The choice is kept per name asked for and problem signature (a named backend
-only where it takes the problem); the automatic choice also keeps the backends found not
-installed and the warnings given. All of it lives in the registry's state (dropped on any
-registry change, ``clear_cache()`` and :func:`set_backend`).
-"""
+"""Which backend a call runs on: the precedence and what is kept, docs/api.md "Backends".
+What is kept lives in the registry's state, per name asked for and problem signature."""
 
 from __future__ import annotations
 
