@@ -43,6 +43,7 @@ from .common import (
     post_norm,
     post_norm_bwd,
     qk_plus_one,
+    store_norm_partials,
 )
 
 
@@ -132,8 +133,5 @@ def ttt_linear_bwd_local_kernel(
         b_W = mm_acc(tl.trans(b_ke), b_g, b_W, PREC)
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
-    o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
-    if NEED_DW:
-        tl.store(dwp + o_p, b_dw, mask=m_d)
-    if NEED_DB:
-        tl.store(dbp + o_p, b_db, mask=m_d)
+    store_norm_partials(dwp, dbp, gid.to(tl.int64) * H + i_h, b_dw, b_db, o_d, m_d, 0, D,
+                        NEED_DW, NEED_DB)

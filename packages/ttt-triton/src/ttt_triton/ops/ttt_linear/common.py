@@ -383,6 +383,33 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
 
 
 @triton.jit
+def inner_norm_grads(b_dy, b_xh, b_k, b_v, b_w, b_b, b_dw, b_db, NEED_DW: tl.constexpr,
+                     NEED_DB: tl.constexpr):
+    """From ``dy``, the cotangent of y (:func:`inner_grad_bwd`): ``dy w`` (``-dv``) and the
+    sums ``b_dw``, ``b_db`` [BD] with the inner loss's terms of a tile added."""
+    b_dyw = b_dy * b_w[None, :]                                            # [BT, BD]
+    if NEED_DW:
+        b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
+    if NEED_DB:
+        b_db += tl.sum(b_dyw, 0)
+    return b_dyw, b_dw, b_db
+
+
+@triton.jit
+def store_norm_partials(dwp, dbp, i_p, b_dw, b_db, o_d, m_d, i_split, D: tl.constexpr,
+                        NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
+    """Stores a program's partial sums of dw, db [BD] at index ``i_p`` (int64) of
+    [programs, D] tensors; of the programs that split a tile's columns, only the one of
+    ``i_split`` 0 (0 where there is no split)."""
+    o_p = i_p * D + o_d
+    m_p = m_d & ((o_d * 0 + i_split) == 0)
+    if NEED_DW:
+        tl.store(dwp + o_p, b_dw, mask=m_p)
+    if NEED_DB:
+        tl.store(dbp + o_p, b_db, mask=m_p)
+
+
+@triton.jit
 def key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY: tl.constexpr):
     """``l * g`` [BT, BD] (row by row) with ``l`` the per-key factors of the rows at ``eta_key + o_e``
     ([BT] offsets; rows outside ``m_t`` read 0); ``g`` itself without ``HAS_ETA_KEY``."""
