@@ -61,19 +61,15 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     if backend is None:
         backend = (_automatic_choice(problem) if name == AUTO
                    else _named_choice(name, problem, requested))
-        _keep_choice(key, backend)
+        if len(_state.kept) >= MAX_KEPT_CHOICES:
+            _state.kept.clear()
+        _state.kept[key] = backend
     return backend
 
 
 def _choice_key(problem: Problem) -> tuple:
     """Everything of ``problem`` but its tensors' values: the choices are kept by it."""
     return (problem.q.shape, problem.scale, problem.eps, problem.signature())
-
-
-def _keep_choice(key: tuple, backend: Backend) -> None:
-    if len(_state.kept) >= MAX_KEPT_CHOICES:
-        _state.kept.clear()
-    _state.kept[key] = backend
 
 
 def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:
