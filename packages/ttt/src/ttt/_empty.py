@@ -1,10 +1,6 @@
-"""Empty sequences, handled by the core: no backend ever sees one.
-
-A call without tokens (``T == 0`` or ``B == 0``) computes nothing: ``o`` is empty, the final
-states are the initial states (or zeros), the gradients zeros but the initial states' (the
-final states' cotangents). A packed batch with empty sequences (equal offsets) goes to the
-backend without them; their final states (the initial ones) are scattered back in place.
-"""
+"""Empty sequences, handled by the core so that no backend ever sees one (docs/api.md):
+a call without tokens computes nothing, and a packed batch goes to the backend without its
+empty sequences, whose final states (the initial ones) are scattered back in place."""
 
 from __future__ import annotations
 

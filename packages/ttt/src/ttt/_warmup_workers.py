@@ -1,11 +1,6 @@
-"""A warm-up's calls, and the child processes that run them to compile in parallel.
-
-Compiling is single-threaded host work (Triton's passes and ptxas, NVRTC). The calls are
-dealt out to ``workers`` child processes (``python -m ttt._warmup_workers``, reading their
-calls as JSON on stdin) that run them on the same device and leave what they compiled in
-the on-disk caches (Triton's, the cupy backend's); the parent (``ttt.warmup``) then runs
-every call itself and loads those kernels instead of compiling them. A child that fails (a
-backend that exists only in the parent, say) costs only time: the parent compiles the rest.
+"""A warm-up's calls, and the child processes (``python -m ttt._warmup_workers``, reading
+their calls as JSON on stdin) that run them first to compile in parallel into the on-disk
+caches; the parent then runs every call itself (docs/warmup.md, "workers").
 """
 
 from __future__ import annotations
@@ -108,10 +103,7 @@ def run_call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
         torch.cuda.synchronize(device)
 
 
-DEFAULT_MAX_WORKERS = 12
-"""A Triton warm-up of one half-dtype configuration has 8 call groups, 4 of them twice the
-others: split by initial states (:func:`split`), 12 parts of about equal compiling that
-share few kernels (split further, their halves would share most)."""
+DEFAULT_MAX_WORKERS = 12      # the parts of one half-dtype configuration (docs/warmup.md)
 
 
 def default_workers(device: torch.device, calls: int) -> int:
@@ -146,8 +138,8 @@ def run(groups: Sequence[list[dict]], device: torch.device, workers: int,
 
 def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
     """The calls of ``groups`` in ``workers`` shares, each group whole in the share with
-    the fewest calls so far (largest first): calls that may need the same kernels compile
-    them in one process. While groups are fewer than workers, the largest is :func:`split`."""
+    the fewest calls so far (largest first); while groups are fewer than workers, the
+    largest is :func:`split`."""
     groups = sorted((list(g) for g in groups if g), key=len, reverse=True)
     while 0 < len(groups) < workers and len(groups[0]) > 1:
         groups += split(groups.pop(0))
@@ -160,8 +152,7 @@ def deal(groups: Sequence[list[dict]], workers: int) -> list[list[dict]]:
 
 def split(calls: list[dict]) -> list[list[dict]]:
     """A group's calls in two halves that need few kernels in common: by initial states,
-    else final states (both part of most kernels' specialisation), else gradients (that half
-    would hold most of the compiling), else in turn (layouts share most kernels)."""
+    else final states, else gradients, else in turn."""
     for differs in (lambda c: FORMS_BY_NAME[c["form"]].initial,
                     lambda c: FORMS_BY_NAME[c["form"]].final, lambda c: c["grad"]):
         first = [c for c in calls if differs(c)]

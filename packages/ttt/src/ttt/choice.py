@@ -1,12 +1,5 @@
-"""Which backend a call runs on.
-
-Precedence: ``backend=`` argument > :func:`set_backend` in the current context (a
-``ContextVar``) > ``TTT_BACKEND`` > automatic: the first backend by priority that takes
-the inputs. The choice is kept per name asked for and problem signature (a named backend
-only where it takes the problem); the automatic choice also keeps the backends found not
-installed and the warnings given. All of it lives in the registry's state (dropped on any
-registry change, ``clear_cache()`` and :func:`set_backend`).
-"""
+"""Which backend a call runs on: the precedence and what is kept, docs/api.md "Backends".
+What is kept lives in the registry's state, per name asked for and problem signature."""
 
 from __future__ import annotations
 
@@ -68,19 +61,15 @@ def select_backend(problem: Problem, requested: str | None = None) -> Backend:
     if backend is None:
         backend = (_automatic_choice(problem) if name == AUTO
                    else _named_choice(name, problem, requested))
-        _keep_choice(key, backend)
+        if len(_state.kept) >= MAX_KEPT_CHOICES:
+            _state.kept.clear()
+        _state.kept[key] = backend
     return backend
 
 
 def _choice_key(problem: Problem) -> tuple:
     """Everything of ``problem`` but its tensors' values: the choices are kept by it."""
     return (problem.q.shape, problem.scale, problem.eps, problem.signature())
-
-
-def _keep_choice(key: tuple, backend: Backend) -> None:
-    if len(_state.kept) >= MAX_KEPT_CHOICES:
-        _state.kept.clear()
-    _state.kept[key] = backend
 
 
 def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend:

@@ -3,6 +3,7 @@ chunks): bookkeeping shared by the kernel backends, not part of the backend inte
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +13,8 @@ from .problem import Problem
 
 def group_offsets(p: Problem, chunks_per_group: int) -> list[int]:
     """``[N + 1]`` offsets over the batch of each sequence's first group."""
-    offsets = [0]
-    for chunks in p.chunk_counts():
-        offsets.append(offsets[-1] - (-chunks // chunks_per_group))
-    return offsets
+    return [0, *itertools.accumulate(-(-chunks // chunks_per_group)
+                                     for chunks in p.chunk_counts())]
 
 
 def _dense_groups(p: Problem, chunks_per_group: int) -> int | None:
@@ -57,13 +56,10 @@ class ChunkGroups:
             return cls(G, count, count + p.B, None, None, per_sequence if p.B else 0)
         offs = group_offsets(p, G)
         counts = [b - a for a, b in zip(offs[:-1], offs[1:])]   # groups per sequence
-        offsets = seq = None
-        if p.is_varlen and device_maps is not None:
+        if device_maps is not None:
             offsets, seq = device_maps
-        elif p.is_varlen:
-            dev = p.device
-            offsets = torch.tensor(offs, dtype=torch.int64).to(dev, non_blocking=True)
+        else:
+            offsets = torch.tensor(offs, dtype=torch.int64).to(p.device, non_blocking=True)
             seq = torch.repeat_interleave(torch.arange(p.N, dtype=torch.int32),
-                                          torch.tensor(counts))
-            seq = seq.to(dev, non_blocking=True)
+                                          torch.tensor(counts)).to(p.device, non_blocking=True)
         return cls(G, offs[-1], offs[-1] + p.N, offsets, seq, max(counts, default=0))

@@ -123,15 +123,14 @@ def _demo_device(requested: str | None) -> torch.device:
     try:
         device = torch.device(requested)
     except RuntimeError:
-        raise CommandError(f"--device: expected cpu or cuda[:N], got {requested!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CommandError(f"--device {requested}: no CUDA GPU on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise CommandError(f"--device {requested}: this machine has "
-                               f"{torch.cuda.device_count()} CUDA device(s)")
-    elif device.type != "cpu":
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise CommandError(f"--device: expected cpu or cuda[:N], got {requested!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {requested}: no CUDA GPU on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise CommandError(f"--device {requested}: this machine has "
+                           f"{torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

@@ -1,11 +1,6 @@
-"""Input checks for ``chunk_ttt_linear``: run once per call, before any backend.
-
-A failure raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
-shape, value or device) naming the argument, what was expected and what came: the first
-broken rule of the first bad argument, in the order q, k, v, w, b, eta, eta_key, output,
-scale, eps, chunk_size, output_final_state, cu_seqlens, initial states. Messages are made
-only where a rule breaks.
-"""
+"""Input checks for ``chunk_ttt_linear``, once per call before any backend (docs/api.md): the
+first broken rule of the first bad argument, in the order q, k, v, w, b, eta, eta_key,
+output, scale, eps, chunk_size, output_final_state, cu_seqlens, initial states."""
 
 from __future__ import annotations
 
@@ -21,6 +16,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 _STATE_DTYPES = (torch.float32,)
 _STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)     # (for float64 inputs)
+_Q_SHAPE = ("B", "T", "H", "D")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,39 +40,24 @@ def _broken_rule(t, dtypes, shape: tuple[int, ...], device: torch.device) -> str
     return None
 
 
-def _type_error(name: str, value) -> TypeError:
-    return TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-
-
-def _floating_error(name: str, t: Tensor) -> TypeError:
-    return TypeError(f"{name}: expected a floating dtype {[dtype_name(d) for d in FLOAT_DTYPES]}, "
-                     f"got {dtype_name(t.dtype)}")
-
-
-def _rank_error(name: str, t: Tensor, rank: int) -> ValueError:
-    return ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(t.shape)}")
-
-
-def _device_error(name: str, t: Tensor, device: torch.device) -> ValueError:
-    return ValueError(f"{name}: expected a tensor on {device} (the device of q), "
-                      f"got one on {t.device}")
-
-
-def _tensor_error(name: str, t, rule: str, shape: tuple[int, ...], meaning: str,
-                  device: torch.device, expected_dtype: str = "") -> Exception:
-    """The error of argument ``name`` breaking ``rule``; ``meaning`` says what ``shape`` is."""
+def _tensor_error(name: str, t, rule: str, shape: tuple, meaning: str = "",
+                  device: torch.device | None = None, expected_dtype: str = "") -> Exception:
+    """The error of argument ``name`` breaking ``rule`` (:func:`_broken_rule`); ``meaning``
+    says what ``shape`` is."""
     if rule == "type":
-        return _type_error(name, t)
+        return TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if rule == "floating":
-        return _floating_error(name, t)
+        return TypeError(f"{name}: expected a floating dtype "
+                         f"{[dtype_name(d) for d in FLOAT_DTYPES]}, got {dtype_name(t.dtype)}")
     if rule == "rank":
-        return _rank_error(name, t, len(shape))
+        return ValueError(f"{name}: expected a {len(shape)}-d tensor, got shape {tuple(t.shape)}")
     if rule == "shape":
         return ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), "
                           f"got {tuple(t.shape)}")
     if rule == "dtype":
         return TypeError(f"{name}: expected dtype {expected_dtype}, got {dtype_name(t.dtype)}")
-    return _device_error(name, t, device)
+    return ValueError(f"{name}: expected a tensor on {device} (the device of q), "
+                      f"got one on {t.device}")
 
 
 def _key_value_error(name: str, t, rule: str, other, shape: torch.Size, dtype: torch.dtype,
@@ -99,13 +80,13 @@ def _checked_tensors(q, k, v, w, b, eta, eta_key
     tensor or a finite float) and eta_key (None or as eta) pass, all on q's device. (One
     function, not one per argument: a call costs about as much as a tensor's checks.)"""
     if not isinstance(q, Tensor):
-        raise _type_error("q", q)
+        raise _tensor_error("q", q, "type", _Q_SHAPE)
     dtype = q.dtype
     if dtype not in _FLOAT_DTYPE_SET:
-        raise _floating_error("q", q)
+        raise _tensor_error("q", q, "floating", _Q_SHAPE)
     shape = q.shape
     if len(shape) != 4:
-        raise _rank_error("q", q, 4)
+        raise _tensor_error("q", q, "rank", _Q_SHAPE)
     B, T, H, D = shape
     if H < 1 or D < 1:
         raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
@@ -135,8 +116,12 @@ def _checked_tensors(q, k, v, w, b, eta, eta_key
         eta = _constant_eta(float(_finite_float_eta(eta)), eta_shape, eta_dtype, device)
     if eta_key is not None:
         rule = _broken_rule(eta_key, _FLOAT_DTYPE_SET, eta_shape, device)
+        if rule == "type":
+            raise TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
+                            f"got {type(eta_key).__name__}")
         if rule is not None:
-            raise _eta_key_error(eta_key, rule, eta_shape, device)
+            raise _tensor_error("eta_key", eta_key, rule, eta_shape, "[B, T, H, 1] like eta",
+                                device)
     return shape, dtype, device, eta
 
 
@@ -148,15 +133,6 @@ def _finite_float_eta(eta) -> float:
     if not math.isfinite(eta):
         raise ValueError(f"eta: expected a finite float, got {eta}")
     return eta
-
-
-def _eta_key_error(eta_key, rule: str, eta_shape: tuple[int, ...],
-                   device: torch.device) -> Exception:
-    """eta_key's error: eta's, but for its type (a tensor or None)."""
-    if rule == "type":
-        return TypeError(f"eta_key: expected a [B, T, H, 1] tensor or None, "
-                         f"got {type(eta_key).__name__}")
-    return _tensor_error("eta_key", eta_key, rule, eta_shape, "[B, T, H, 1] like eta", device)
 
 
 MAX_CONSTANT_ETAS = 4          # constant eta tensors kept at most (CPU only)
@@ -234,7 +210,7 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
         raise ValueError(f"cu_seqlens: expected a 1-d tensor [N + 1] with N >= 1, "
                          f"got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
-        raise _device_error("cu_seqlens", cu_seqlens, device)
+        raise _tensor_error("cu_seqlens", cu_seqlens, "device", (), device=device)
     if cu_seqlens.is_meta:
         raise ValueError("cu_seqlens: expected a tensor with values (the offsets are read on "
                          "the host), got a meta tensor; pass the inputs and cu_seqlens on a "

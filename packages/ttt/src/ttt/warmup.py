@@ -1,19 +1,6 @@
-"""Ahead-of-time compilation: ``ttt.warmup(...)`` and ``python -m ttt warmup``.
-
-Kernel backends compile on first use (Triton per kernel specialisation, cupy's NVRTC per
-program), so a process's first call of each shape class is slow. ``warmup`` runs the op on
-small inputs for each configuration (dtype, head dim, chunk size, heads), in each batch
-layout of the backend's :meth:`~ttt.Backend.warmup_shapes` and each call form:
-
-- with and without initial and final states: ``plain``, ``initial``, ``final``, ``states``;
-- ``layer`` and ``layer_cache``: what ``ttt.nn.TTTLinear`` passes in training and with a
-  generation cache (initial states, ``eta_key``, ``query_residual``; final states with the
-  cache), when the backend declares ``eta_key`` and that output.
-
-Each form runs with w, b, eta and eta_key in the input dtype and, for half inputs, in
-float32 (:func:`param_dtypes`; kernels compile per dtype of every tensor), once without
-gradients and, unless ``backward=False``, once forward and backward. The kernels stay in
-the process and in Triton's and cupy's on-disk caches (docs/warmup.md).
+"""Ahead-of-time compilation: ``ttt.warmup(...)`` and ``python -m ttt warmup``: each
+configuration's calls (batch layouts, call forms, parameter dtypes), forward and backward, run
+on small inputs so that the kernels land in the backends' caches (docs/warmup.md).
 """
 
 from __future__ import annotations
@@ -38,9 +25,7 @@ from .validation import make_problem
 DEFAULT_DTYPES = (torch.bfloat16, torch.float32)
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_CHUNK_SIZES = (16,)     # the official TTT-Linear layer's mini-batch
-DEFAULT_HEADS = (32,)
-"""The official TTT-Linear 1B's heads. Triton specialises on the number of heads: warm up
-with your model's."""
+DEFAULT_HEADS = (32,)           # the official TTT-Linear 1B's (Triton compiles per head count)
 
 
 @dataclass(frozen=True)
@@ -74,16 +59,10 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
            device: str | torch.device | None = None,
            shapes: Sequence[WarmupShape] | None = None,
            progress: Progress | None = None, workers: int | None = None) -> WarmupReport:
-    """Compile ahead of time the kernels calls of these configurations will use.
-
-    ``backend``: a name, or None for the one each configuration's calls would get.
-    ``dtypes``: input dtypes (None: bfloat16 and float32, those the backend takes).
-    ``device``: default cuda when present, else cpu. ``shapes``: batch layouts instead of
-    the backend's :meth:`~ttt.Backend.warmup_shapes`. ``workers``: child processes that run
-    the calls first, compiling in parallel, before this process loads their kernels from
-    the disk caches (None: one per CPU core, at most 12, on a GPU; 1 on the CPU; 1: none).
-    Raises ``BackendNotSupportedError`` for a configuration asked for explicitly that the
-    backend cannot take."""
+    """Compile ahead of time the kernels calls of these configurations will use, on
+    ``backend`` (None: the one each configuration's calls would get); the arguments and their
+    defaults: docs/warmup.md. Raises ``BackendNotSupportedError`` for a configuration asked
+    for explicitly that the backend cannot take."""
     device = _device(device)
     if not isinstance(backward, bool):
         raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
@@ -93,10 +72,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads)
-    if progress is None:
-        def progress(done: int, total: int, label: str) -> None:
-            pass
-
+    progress = _silent if progress is None else progress
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
@@ -128,10 +104,13 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
 
 
+def _silent(done: int, total: int, label: str) -> None:
+    pass
+
+
 def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
-    """The calls as JSON for the workers, grouped by what is part of every kernel's
-    specialisation (backend, configuration, parameter dtypes, packed or not, layer form or
-    not): groups need no kernel in common, so each kernel compiles in one process only."""
+    """The calls as JSON for the workers, in groups that need no kernel in common
+    (docs/warmup.md)."""
     groups: dict[tuple, list[dict]] = {}
     for plan in plans:
         for layout, form, params, grad in plan.calls:
@@ -183,8 +162,7 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
 
 def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
     """(dtype of w and b, of eta and eta_key) of the calls of ``dtype`` inputs: the input
-    dtype (a model cast to it) and, for half inputs, float32 (float32 parameters under
-    autocast): ``ttt.nn.TTTLinear``'s two setups. Other pairings compile on first call."""
+    dtype and, for half inputs, float32 (``ttt.nn.TTTLinear``'s two setups)."""
     pairs = [(dtype, dtype)]
     if dtype not in (torch.float32, torch.float64):
         pairs.append((torch.float32, torch.float32))

@@ -49,10 +49,10 @@ import triton
 import triton.language as tl
 
 from .common import (
-    chain_coords,
-    dim_offsets,
+    chain_start,
     inner_grad_bwd,
     inner_grad_from_xhat,
+    inner_norm_grads,
     last_row_eta,
     load_norm_params,
     load_state,
@@ -60,6 +60,7 @@ from .common import (
     mm_acc,
     row_bases,
     row_offsets,
+    store_norm_partials,
 )
 
 
@@ -115,10 +116,8 @@ def ttt_linear_bwd_chain_kernel(
     NEED_DB: tl.constexpr,
     FEED_GRADS: tl.constexpr,
 ):
-    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
-                                                          G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    (i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
+     m_dd) = chain_start(cu_seqlens, grp_offsets, T, H, D, BT, BD, G, IS_VARLEN)
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_dW, b_dhb = load_state(dht, dhbt, i_nh.to(tl.int64), D, BD, o_d, m_d, o_dd, m_dd,
@@ -177,12 +176,8 @@ def ttt_linear_bwd_chain_kernel(
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g0, b_w, m_2d, D)
         b_rs = tl.sum(b_g * (b_kdW + b_dhb[None, :]), 1)                    # [BT]
         if FUSE_GRADS:
-            b_dyw = b_dy * b_w[None, :]                                    # [BT, BD]
-            if NEED_DW:
-                b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k),
-                               0)
-            if NEED_DB:
-                b_db += tl.sum(b_dyw, 0)
+            b_dyw, b_dw, b_db = inner_norm_grads(b_dy, b_xh, b_k, b_v, b_w, b_b, b_dw, b_db,
+                                                 NEED_DW, NEED_DB)        # [BT, BD], [BD]
             if NEED_DV:
                 tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d)
             if NEED_DETA:
@@ -218,11 +213,8 @@ def ttt_linear_bwd_chain_kernel(
             tl.store(dck + i_ck * D * D + o_dd, b_dW, mask=m_dd)
 
     if FUSE_GRADS:
-        o_p = i_nh.to(tl.int64) * D + o_d
-        if NEED_DW:
-            tl.store(dwc + o_p, b_dw, mask=m_d)
-        if NEED_DB:
-            tl.store(dbc + o_p, b_db, mask=m_d)
+        store_norm_partials(dwc, dbc, i_nh.to(tl.int64), b_dw, b_db, o_d, m_d, 0, D, NEED_DW,
+                            NEED_DB)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * D * D + o_dd, b_dW, mask=m_dd)
     if STORE_DHB0:

@@ -45,12 +45,14 @@ from .common import (
     group_coords,
     inner_grad_bwd,
     inner_grad_from_xhat,
+    inner_norm_grads,
     key_scaled,
     load_norm_params,
     mm,
     mm_acc,
     row_bases,
     split_cols,
+    store_norm_partials,
 )
 
 
@@ -142,11 +144,8 @@ def ttt_linear_bwd_grads_kernel(
         b_g, b_y = inner_grad_from_xhat(b_xh, b_r, b_k, b_v, b_w, b_b, m_2d, D)
         b_dkh, b_dy = inner_grad_bwd(b_dg, b_xh, b_r, b_y, b_g, b_w, m_2d, D)
         b_g = key_scaled(b_g, eta_key, o_e, m_t, HAS_ETA_KEY)              # [BS, BD]
-        b_dyw = b_dy * b_w[None, :]                                        # [BS, BD]
-        if NEED_DW:
-            b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
-        if NEED_DB:
-            b_db += tl.sum(b_dyw, 0)
+        b_dyw, b_dw, b_db = inner_norm_grads(b_dy, b_xh, b_k, b_v, b_w, b_b, b_dw, b_db,
+                                             NEED_DW, NEED_DB)            # [BS, BD], [BD]
         if NEED_DV:
             tl.store(dv + o_x, (-b_dyw).to(dv.dtype.element_ty), mask=m_2d & m_own[:, None])
         if NEED_DK:
@@ -182,9 +181,5 @@ def ttt_linear_bwd_grads_kernel(
             b_dW = mm_acc(tl.trans(b_q), b_dop, b_dW, PREC)
             b_dW = mm_acc(tl.trans(b_kk), b_dkh, b_dW, PREC)
 
-    o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
-    m_dw = m_d & ((o_d * 0 + i_p) == 0)
-    if NEED_DW:
-        tl.store(dwp + o_p, b_dw, mask=m_dw)
-    if NEED_DB:
-        tl.store(dbp + o_p, b_db, mask=m_dw)
+    store_norm_partials(dwp, dbp, gid.to(tl.int64) * H + i_h, b_dw, b_db, o_d, m_d, i_p, D,
+                        NEED_DW, NEED_DB)

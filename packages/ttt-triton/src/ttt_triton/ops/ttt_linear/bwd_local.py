@@ -35,19 +35,15 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_masks,
     block_qkg,
     block_rows,
-    dim_offsets,
-    group_coords,
-    group_rows,
-    load_norm_params,
-    load_slot,
+    group_start,
     mm,
     mm_acc,
     post_norm,
     post_norm_bwd,
     qk_plus_one,
+    store_norm_partials,
 )
 
 
@@ -81,19 +77,11 @@ def ttt_linear_bwd_local_kernel(
     NEED_DB: tl.constexpr,
     STORE_BUFS: tl.constexpr,
 ):
-    gid, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
-                                                   T, BT, G, IS_VARLEN)
-    o_s = tl.arange(0, BS)
-    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
-    m_same, m_prev = block_masks(o_s, BT)
-
-    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
-    b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
+    (gid, i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase,
+     r_beg, r_end) = group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H, D, BT,
+                                 BS, BD, G, IS_VARLEN)
     b_dw = tl.zeros([BD], dtype=tl.float32)                                # [BD]
     b_db = tl.zeros([BD], dtype=tl.float32)                                # [BD]
-
-    p_base, p_ebase, r_beg, r_end = group_rows(bos, c0, nc, seq_len, i_h, H, D, BT)
     for r0 in range(r_beg, r_end, BS):
         o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
                                                        m_d, seq_len, H, D, BT)
@@ -145,8 +133,5 @@ def ttt_linear_bwd_local_kernel(
         b_W = mm_acc(tl.trans(b_ke), b_g, b_W, PREC)
         b_hb = b_hb - tl.sum(b_g * b_el[:, None], 0)
 
-    o_p = (gid.to(tl.int64) * H + i_h) * D + o_d
-    if NEED_DW:
-        tl.store(dwp + o_p, b_dw, mask=m_d)
-    if NEED_DB:
-        tl.store(dbp + o_p, b_db, mask=m_d)
+    store_norm_partials(dwp, dbp, gid.to(tl.int64) * H + i_h, b_dw, b_db, o_d, m_d, 0, D,
+                        NEED_DW, NEED_DB)

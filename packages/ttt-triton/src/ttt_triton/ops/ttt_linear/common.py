@@ -187,6 +187,20 @@ def chain_coords(cu_seqlens, grp_offsets, T, H: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def chain_start(cu_seqlens, grp_offsets, T, H: tl.constexpr, D: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program of the chain kernels (one per sequence and head, walking chunks of
+    ``BT`` rows) starts from: ``(i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
+    m_dd)``, that is :func:`chain_coords`, a chunk's row offsets ``o_t`` and the head dim's
+    offsets (:func:`dim_offsets`)."""
+    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
+                                                          G, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    return i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd, m_dd
+
+
+@triton.jit
 def row_bases(bos, i_h, H: tl.constexpr, D: tl.constexpr):
     """Offsets of row 0 of one (sequence, head) in [rows, H, D] (rows ``H * D`` apart) and in
     [rows, H] tensors (rows ``H`` apart)."""
@@ -226,6 +240,30 @@ def group_rows(bos, c0, nc, seq_len, i_h, H: tl.constexpr, D: tl.constexpr,
     p_base, p_ebase = row_bases(bos, i_h, H, D)
     r_end = tl.minimum((c0 + nc) * BT, seq_len)
     return p_base, p_ebase, c0 * BT, r_end
+
+
+@triton.jit
+def group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H: tl.constexpr,
+                D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+                G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program of the parallel kernels (one per group of G chunks and head ``i_h``,
+    walking blocks of ``BS`` rows) starts from: ``(gid, i_h, seq_len, o_s, o_d, m_d, m_same,
+    m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase, r_beg, r_end)``, that is the program's
+    coordinates (:func:`group_coords`), the block's row offsets ``o_s`` and masks
+    (:func:`block_masks`), the head dim's offsets, the norm parameters, the state of the
+    group's slot (:func:`load_slot`) and its rows (:func:`group_rows`)."""
+    gid, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
+                                                   T, BT, G, IS_VARLEN)
+    o_s = tl.arange(0, BS)
+    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    m_same, m_prev = block_masks(o_s, BT)
+
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
+    p_base, p_ebase, r_beg, r_end = group_rows(bos, c0, nc, seq_len, i_h, H, D, BT)
+    return (gid, i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base,
+            p_ebase, r_beg, r_end)
 
 
 @triton.jit
@@ -342,6 +380,33 @@ def inner_grad_bwd(b_dg, b_xh, b_rstd, b_y, b_g, b_w, m_2d, D: tl.constexpr):
     b_dkh = b_rstd[:, None] * (b_dxh - b_c1[:, None] - b_xh * b_c2[:, None]) \
         - b_dr[:, None] * b_xh
     return tl.where(m_2d, b_dkh, 0.), b_dy
+
+
+@triton.jit
+def inner_norm_grads(b_dy, b_xh, b_k, b_v, b_w, b_b, b_dw, b_db, NEED_DW: tl.constexpr,
+                     NEED_DB: tl.constexpr):
+    """From ``dy``, the cotangent of y (:func:`inner_grad_bwd`): ``dy w`` (``-dv``) and the
+    sums ``b_dw``, ``b_db`` [BD] with the inner loss's terms of a tile added."""
+    b_dyw = b_dy * b_w[None, :]                                            # [BT, BD]
+    if NEED_DW:
+        b_dw += tl.sum(b_dy * (2. * b_xh * b_w[None, :] + b_b[None, :] - b_v + b_k), 0)
+    if NEED_DB:
+        b_db += tl.sum(b_dyw, 0)
+    return b_dyw, b_dw, b_db
+
+
+@triton.jit
+def store_norm_partials(dwp, dbp, i_p, b_dw, b_db, o_d, m_d, i_split, D: tl.constexpr,
+                        NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
+    """Stores a program's partial sums of dw, db [BD] at index ``i_p`` (int64) of
+    [programs, D] tensors; of the programs that split a tile's columns, only the one of
+    ``i_split`` 0 (0 where there is no split)."""
+    o_p = i_p * D + o_d
+    m_p = m_d & ((o_d * 0 + i_split) == 0)
+    if NEED_DW:
+        tl.store(dwp + o_p, b_dw, mask=m_p)
+    if NEED_DB:
+        tl.store(dbp + o_p, b_db, mask=m_p)
 
 
 @triton.jit

@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    chain_coords,
-    dim_offsets,
+    chain_start,
     inner_grad,
     last_row_eta,
     load_norm_params,
@@ -81,10 +80,8 @@ def ttt_linear_fwd_chain_kernel(
     HAS_ETA_KEY: tl.constexpr,
     OUTPUT: tl.constexpr,
 ):
-    i_nh, i_h, bos, seq_len, NC, slot_base = chain_coords(cu_seqlens, grp_offsets, T, H, BT,
-                                                          G, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
+    (i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
+     m_dd) = chain_start(cu_seqlens, grp_offsets, T, H, D, BT, BD, G, IS_VARLEN)
     m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
 
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)

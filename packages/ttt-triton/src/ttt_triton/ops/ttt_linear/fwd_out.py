@@ -28,14 +28,9 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_masks,
     block_qkg,
     block_rows,
-    dim_offsets,
-    group_coords,
-    group_rows,
-    load_norm_params,
-    load_slot,
+    group_start,
     mm,
     output_form,
     qk_plus_one,
@@ -65,17 +60,9 @@ def ttt_linear_fwd_out_kernel(
     HAS_ETA_KEY: tl.constexpr,
     OUTPUT: tl.constexpr,
 ):
-    gid, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, bos, seq_len, c0, nc, slot = group_coords(gid, cu_seqlens, grp_offsets, grp_seq,
-                                                   T, BT, G, IS_VARLEN)
-    o_s = tl.arange(0, BS)
-    o_d, m_d, o_dd, m_dd = dim_offsets(D, BD)
-    m_same, m_prev = block_masks(o_s, BT)
-
-    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
-    b_W, b_hb = load_slot(ck, ckb, slot, i_h, H, D, o_d, m_d, o_dd, m_dd)
-    p_base, p_ebase, r_beg, r_end = group_rows(bos, c0, nc, seq_len, i_h, H, D, BT)
-
+    (_gid, _i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase,
+     r_beg, r_end) = group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H, D, BT,
+                                 BS, BD, G, IS_VARLEN)
     for r0 in range(r_beg, r_end, BS):
         o_x, o_e, m_2d, m_t, _, b_e, b_el = block_rows(eta, p_base, p_ebase, r0, o_s, o_d,
                                                        m_d, seq_len, H, D, BT)
