@@ -68,10 +68,34 @@ NVRTC_FIRST = ("test_nvrtc_compile.py::test_every_instance_compiles[",
 """The NVRTC compiles: most of a CPU run's time, in parts of up to two minutes."""
 
 
-def pytest_collection_modifyitems(items):
+CPU_EVIDENCE = ("test_suite_emulated.py", "test_cpu_emulation.py", "test_nvrtc_compile.py")
+"""The modules that stand in for a GPU: the kernels run by the CPU emulation, every instance
+compiled by NVRTC. Where the suite's tensors are on a GPU the kernels themselves run there,
+so these skip (half of the cupy GPU run's CPU time); CPU CI runs them."""
+
+
+def _suite_on_a_gpu(config) -> bool:
+    """Whether this run's suite tensors are on a CUDA device (``--device``, else the plugin's
+    default: cuda where the backend runs there and a GPU is present)."""
+    import torch
+
+    device = config.getoption("ttt_device", None)
+    return device.startswith("cuda") if device else torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
     """The NVRTC compiles first (in their order): pytest-xdist's workers start them at once
-    and run the other tests beside them, instead of ending the run on a long compile."""
+    and run the other tests beside them, instead of ending the run on a long compile. With
+    the suite on a GPU, the CPU_EVIDENCE modules skip."""
     items.sort(key=lambda item: not item.nodeid.rpartition("/")[2].startswith(NVRTC_FIRST))
+    if not _suite_on_a_gpu(config):
+        return
+    skip = pytest.mark.skip(reason="the CPU's stand-in for a GPU (emulated kernels, every "
+                                   "NVRTC instance): the suite runs the kernels on this GPU; "
+                                   "CPU CI runs it")
+    for item in items:
+        if item.nodeid.partition("::")[0].rpartition("/")[2] in CPU_EVIDENCE:
+            item.add_marker(skip)
 
 
 class _Kernel:
