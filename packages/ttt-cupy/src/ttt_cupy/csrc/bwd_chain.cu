@@ -595,7 +595,7 @@ __device__ __forceinline__ void bwd_chain_simt(
                     inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
                 if (dkey != nullptr && lane == 0) dkey[p_ebase + (row0 + i) * H] = dl;
             } else {
-                inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+                inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D, r);
             }
             store_row<D_PAD>(dgbuf + o_r, b_dg, D);
             put_row<D_PAD>(s_dkh + i * LD, b_dkh);

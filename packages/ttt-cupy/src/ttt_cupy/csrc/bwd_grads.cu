@@ -58,7 +58,7 @@ __device__ __forceinline__ void bwd_grads_rows(
             ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
             ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
         } else {
-            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D, r);
         }
         ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
         ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
