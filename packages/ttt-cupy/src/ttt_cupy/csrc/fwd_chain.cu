@@ -108,17 +108,25 @@ __device__ __forceinline__ void fwd_tc_out_pre(
     }
 }
 
+// Both instances' parameters: the kernel's shared memory and FwdParams' fields (restrict:
+// no aliasing, the read-only path), and the kernel's arguments for them.
+#define TTT_FWD_CHAIN_PARAMS                                                                      \
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,       \
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,  \
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,          \
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,                     \
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,                        \
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,                                    \
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,          \
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi, \
+    int* sync
+#define TTT_FWD_CHAIN_ARGS(p)                                                                     \
+    smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb, p.xbuf,      \
+    p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps, p.T_len, p.H, p.D, \
+    p.G, p.g_lo, p.g_hi, p.sync
+
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
-__device__ __forceinline__ void fwd_chain_tc(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
-    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
-    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
-    const float* __restrict__ ekey, float* __restrict__ rlbuf,
-    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-    int* sync) {
+__device__ __forceinline__ void fwd_chain_tc(TTT_FWD_CHAIN_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     constexpr int PE = (BT + NT - 1) / NT;  // rows of a chunk's eta per thread (FUSE)
@@ -330,16 +338,7 @@ __device__ __forceinline__ void fwd_chain_tc(
 }
 
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
-__device__ __forceinline__ void fwd_chain_simt(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
-    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
-    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
-    const float* __restrict__ ekey, float* __restrict__ rlbuf,
-    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-    int* sync) {
+__device__ __forceinline__ void fwd_chain_simt(TTT_FWD_CHAIN_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state
@@ -455,13 +454,7 @@ ttt_linear_fwd_chain(const ttt::FwdParams<T> p) {
         p.D > D_PAD || p.G < 1)
         __trap();
     if constexpr (MMA)
-        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
-            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
-            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(TTT_FWD_CHAIN_ARGS(p));
     else
-        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
-            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
-            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(TTT_FWD_CHAIN_ARGS(p));
 }

@@ -9,15 +9,14 @@
 //   W <- W - e_{L-1} sum_j k_j^T g_j,   hb <- hb - e_{L-1} sum_j g_j     (L = 0: as they were)
 //
 // The state stays in registers (DecodeTraits): thread (warp w, lane l) holds column
-// c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (p = l % R its part, s < E / V, j < V;
-// R parts, E entries, V = kVec). The rows' k, q, v, kh (then g) and q~ W + hb sit in shared
-// memory as [rows, D_PAD] fp32 tiles; the row passes run one warp a row. eta, w, b and
-// eta_key are read in their type P (float, or T) and widened to fp32 on load (exact).
+// c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (part p = l % R, s < E / V, j < V).
+// The rows' k, q, v, kh (then g), q~ W + hb sit in shared memory as [rows, D_PAD] fp32 tiles;
+// the row passes run a warp a row. eta, w, b, eta_key are read in their type P, widened exactly.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// This thread's place in the state (see the top of this file): its column and row part.
+// This thread's column and row part.
 struct DecodeSlot {
     int c, p;
 };
@@ -36,8 +35,7 @@ __device__ __forceinline__ int decode_row(int p, int s, int j) {
     return Tr::kVec * (p + Tr::kParts * s) + j;
 }
 
-// W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or for a null
-// source. src / bsrc: the state [D, D] and its bias [D] in fp32, or null.
+// W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or when null.
 template <int D_PAD>
 __device__ __forceinline__ void load_state_slot(
     float (&W)[DecodeTraits<D_PAD>::kEntries], float& hb, const float* __restrict__ src,
@@ -70,8 +68,7 @@ __device__ __forceinline__ void store_state_slot(
     if (t.p == 0) bdst[t.c] = hb;
 }
 
-// This thread's part of x W[:, c] for a shared row x ([D_PAD]): sum over its rows a of
-// x[a] W[a, c] (the caller sums the R parts).
+// This thread's part of x W[:, c] for a shared row x (the caller sums the R parts).
 template <int D_PAD>
 __device__ __forceinline__ float row_times_slot(const float* xrow,
                                                 const float (&W)[DecodeTraits<D_PAD>::kEntries],
@@ -87,9 +84,8 @@ __device__ __forceinline__ float row_times_slot(const float* xrow,
     return acc;
 }
 
-// The step's L rows into shared memory: k, q (as given), v as [L, D_PAD] fp32 (zero past D),
-// eta and (KEY) eta_key [L] (fp32, from their type S). Row i of q, k, v at p_base + i row_stride,
-// of eta at p_ebase + i H.
+// The step's L rows into shared memory: k, q (as given), v [L, D_PAD] (zero past D), eta and
+// (KEY) eta_key [L], all fp32.
 template <int D_PAD, bool KEY, typename T, typename S>
 __device__ __forceinline__ void load_decode_rows(
     float* s_k, float* s_q, float* s_v, float* s_e, float* s_l, const T* __restrict__ q,
@@ -111,8 +107,7 @@ __device__ __forceinline__ void load_decode_rows(
     }
 }
 
-// g of row i (one warp) over its kh in s_x: the LayerNorm of kh, then g = l r (y - ..) with
-// l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D] (in their type S).
+// g of row i (one warp) in place of its kh in s_x (KEY: l = s_l[i]); lnw, lnb: the head's.
 template <int D_PAD, bool KEY, typename S>
 __device__ __forceinline__ void decode_grad_row(
     float* s_x, const float* s_k, const float* s_v, const float* s_l, int i,
@@ -159,8 +154,8 @@ __device__ __forceinline__ void decode_out_row(
     store_row<D_PAD>(orow, o, D);
 }
 
-// W, hb <- W - e_{L-1} sum_i k_i^T g_i, hb - e_{L-1} sum_i g_i over this thread's entries: V
-// entries at a time over the rows (so that few of k's rows are in registers at once).
+// W, hb <- W - e_{L-1} sum_i k_i^T g_i, hb - e_{L-1} sum_i g_i over this thread's entries, V
+// at a time over the rows (few of k's rows in registers at once).
 template <int D_PAD>
 __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>::kEntries],
                                                   float& hb, const float* s_k, const float* s_g,
@@ -185,7 +180,6 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 
 }  // namespace ttt
 
-// P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
 template <typename T, int D_PAD, bool KEY, int OUT, typename P>
 __device__ __forceinline__ void fwd_decode_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,

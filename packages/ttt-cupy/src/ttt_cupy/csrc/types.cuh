@@ -9,7 +9,7 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- variants
-// The output form OUT (compile.OUT_FORMS): o_pre + LN(o_pre) w + b, q + LN(o_pre) w + b, o_pre.
+// The output form OUT (compile.OUT_FORMS): o_pre + LN(o_pre) w + b, q + LN(o_pre) w + b, o_pre
 enum : int { kOutNorm = 0, kOutQuery = 1, kOutRaw = 2 };
 
 // ---------------------------------------------------------------- conversions
