@@ -16,17 +16,10 @@
 
 namespace ttt {
 
-// This thread's column and row part.
+// A thread's column and row part.
 struct DecodeSlot {
     int c, p;
 };
-
-template <int D_PAD>
-__device__ __forceinline__ DecodeSlot decode_slot() {
-    constexpr int R = DecodeTraits<D_PAD>::kParts;
-    const int lane = threadIdx.x & 31;
-    return DecodeSlot{(int)(threadIdx.x >> 5) * (32 / R) + lane / R, lane % R};
-}
 
 // The state row of entry V s + j of a thread of part p.
 template <int D_PAD>
@@ -212,7 +205,8 @@ __device__ __forceinline__ void fwd_decode_kernel(
     const long long row_stride = (long long)H * D, DD = (long long)D * D;
     const long long p_base = (bos * H + i_h) * D, p_ebase = bos * H + i_h;
 
-    const DecodeSlot t = decode_slot<D_PAD>();
+    const int lane = threadIdx.x & 31;
+    const DecodeSlot t{(int)(threadIdx.x >> 5) * (32 / R) + lane / R, lane % R};
     float W[Tr::kEntries], hb;  // the thread's entries of the state
     load_state_slot<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
                            hb0 != nullptr ? hb0 + i_nh * D : nullptr, t, D);

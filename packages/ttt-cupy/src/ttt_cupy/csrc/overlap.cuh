@@ -73,11 +73,6 @@ __device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_ch
     return u;
 }
 
-// Thread 0 of a group block (kOverlap): waits until chain `chain` has finished `groups` groups.
-__device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
-    while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
-}
-
 // A group block's (group, head) and, of SPLIT blocks per (group, head), its first state row a0
 // (rows DA apart): kPlain from blockIdx.x over the segment, else from its ticket t: item
 // u = t / SPLIT, group k = u / n_chains of chain u % n_chains (REVERSE: from the sequence's
@@ -85,8 +80,8 @@ __device__ __forceinline__ void overlap_wait(const int* sync, long long chain, i
 // to do.
 template <int SPLIT, int DA, bool REVERSE>
 __device__ __forceinline__ bool group_block(
-    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains, int wait_spins,
-    long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
+    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains,
+    int wait_spins, long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
     long long g_hi) {
     if (mode == overlap::kPlain) {
@@ -94,8 +89,7 @@ __device__ __forceinline__ bool group_block(
         a0 = (int)(blockIdx.x % SPLIT) * DA;
         i_h = (int)(i_b % H);
         gr = group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo, g_hi);
-        if (gr.nc <= 0) return false;  // a segment past the end of this sequence
-        return true;
+        return gr.nc > 0;  // (not a segment past the end of this sequence)
     }
     if (threadIdx.x == 0) s_ticket = overlap_claim(sync, mode, n_chains, wait_spins);
     __syncthreads();
@@ -113,8 +107,9 @@ __device__ __forceinline__ bool group_block(
         gr = group_at(c / H, k, T_len, BT, G, cu_seqlens, grp_offsets);
         if (gr.nc <= 0) return false;  // the sequence has no group k
     }
-    if (mode == overlap::kOverlap) {
-        if (threadIdx.x == 0) overlap_wait(sync, c, k + 1);
+    if (mode == overlap::kOverlap) {  // thread 0 waits until chain c has finished group k
+        if (threadIdx.x == 0)
+            while (load_acquire(sync + overlap::kProgress + c) < k + 1) nap();
         __syncthreads();
     }
     return true;
