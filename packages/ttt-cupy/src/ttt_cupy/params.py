@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 import numpy as np
@@ -79,14 +80,9 @@ def _value(value, tensors: list):
     return value
 
 
-_DTYPES: dict[type, np.dtype] = {}
-
-
+@functools.cache
 def _dtype(cls: type) -> np.dtype:
-    found = _DTYPES.get(cls)
-    if found is None:
-        found = _DTYPES[cls] = np.dtype(cls)
-    return found
+    return np.dtype(cls)
 
 
 _FWD = ("q k v eta lnw lnb h0 hb0 ht hbt ck ckb xbuf rbuf o ekey rlbuf cu_seqlens grp_offsets "
