@@ -617,12 +617,10 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (p.smem_bytes < (MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes) ||
-        blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) || p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes,
+                                     MMA ? Tr::kTcThreads : Tr::kThreads);
     if constexpr (MMA)
         ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(TTT_BWD_CHAIN_ARGS(p), nullptr, nullptr,
                                                     nullptr, nullptr, nullptr, p.sync);
@@ -646,9 +644,7 @@ ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {
     static_assert(D_PAD <= 64, "D_PAD 128 would hold two [D_PAD, D_PAD] tiles per block");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (p.smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, Tr::kBwdChainFusedTcBytes, Tr::kTcThreads);
     ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(TTT_BWD_CHAIN_ARGS(p), p.ck, p.dk, p.dv, p.dwp,
                                                p.dbp, nullptr);
 }

@@ -371,11 +371,9 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_local(const ttt::BwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
-    if (p.smem_bytes < (MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes) ||
-        blockDim.x != Tr::kThreads || p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes,
+                                     Tr::kThreads);
     extern __shared__ float smem[];
     if constexpr (MMA)
         ttt::bwd_local_tc<T, D_PAD, BT, OUT>(TTT_BWD_LOCAL_ARGS(p));

@@ -443,16 +443,13 @@ __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                   MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
 ttt_linear_fwd_chain(const ttt::FwdParams<T> p) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     static_assert(FUSE || OUT == ttt::kOutNorm, "only the FUSE instance writes outputs");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
     constexpr unsigned long long kBytes =
         MMA ? (FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes)
             : (FUSE ? Tr::kFwdChainFusedBytes : Tr::kFwdChainBytes);
-    if (p.smem_bytes < kBytes || blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, kBytes, MMA ? Tr::kTcThreads : Tr::kThreads);
     if constexpr (MMA)
         ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(TTT_FWD_CHAIN_ARGS(p));
     else

@@ -236,12 +236,9 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
 ttt_linear_fwd_out(const ttt::FwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr unsigned long long kTcBytes = 4ull * Tr::template kFwdOutTcFloatsT<(int)sizeof(T)>;
-    if (p.smem_bytes < (MMA ? kTcBytes : Tr::kFwdOutBytes) || blockDim.x != Tr::kThreads ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? kTcBytes : Tr::kFwdOutBytes, Tr::kThreads);
     extern __shared__ float smem[];
     int i_h, a0;
     ttt::Group gr;

@@ -18,6 +18,15 @@ namespace ttt {
 template <typename T> struct is_half_type { static constexpr bool value = true; };
 template <> struct is_half_type<float> { static constexpr bool value = false; };
 
+// A kernel's launch check (MMA instances exist for half types only): traps on less shared
+// memory than `bytes`, other than `threads` threads, D > D_PAD or G < 1.
+template <typename T, int D_PAD, bool MMA, typename Params>
+__device__ __forceinline__ void check_launch(const Params& p, unsigned long long bytes,
+                                             int threads) {
+    static_assert(!MMA || is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+    if (p.smem_bytes < bytes || blockDim.x != threads || p.D > D_PAD || p.G < 1) __trap();
+}
+
 #if defined(__CUDA_ARCH__)
 // x rounded to tf32 as cvt.rna (finite x) in one integer add: half a tf32 ulp added, and
 // mma.sync ignores the 13 low bits of a .tf32 operand (CUTLASS's round_half_ulp_truncate).
