@@ -127,9 +127,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
     ttt::load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[PL], b_db[PL];                                        // this lane's partials
-#pragma unroll
-    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
+    float b_dw[PL] = {}, b_db[PL] = {};                              // this lane's partials
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
     const long long p_ebase = gr.seq.bos * H + i_h;

@@ -91,9 +91,7 @@ __device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
     load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[PL], b_db[PL];                                        // this lane's partials
-#pragma unroll
-    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
+    float b_dw[PL] = {}, b_db[PL] = {};                              // this lane's partials
     // a block's unstaged rows asked into L1 in one pass, a block early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
@@ -184,13 +182,10 @@ __device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
         for (int i0 = warp; i0 < R; i0 += NW * RPP) {
             const int i = i0 + NW * sub;
             const bool ok = i < L;
-            float b_o[PL], b_do[PL];
+            float b_o[PL] = {}, b_do[PL] = {};
             if (ok) {
                 out_pre_row<D_PAD, R, true, LPR>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
                 load_row<D_PAD, LPR>(b_do, s_do + i * LD, D, 1.f);
-            } else {
-#pragma unroll
-                for (int e = 0; e < PL; ++e) b_o[e] = b_do[e] = 0.f;
             }
             post_norm_bwd_row<LPR, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
             if (!ok) continue;
@@ -285,9 +280,7 @@ __device__ __forceinline__ void bwd_local_simt(TTT_BWD_LOCAL_PARAMS) {
 
     float b_w[P], b_b[P];                                            // [D] per lane
     load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[P], b_db[P];                                          // this warp's partials
-#pragma unroll
-    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    float b_dw[P] = {}, b_db[P] = {};                                // this warp's partials
     const long long i_ck = gr.slot * H + i_h;
     load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
