@@ -126,10 +126,8 @@ __device__ __forceinline__ void decode_out_row(
     const float* s_e, int i, const S* __restrict__ lnw, const S* __restrict__ lnb, float scale,
     int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
-    float qs[P], acc[P], o[P], b_w[P], b_b[P];
+    float qs[P], acc[P] = {}, o[P], b_w[P], b_b[P];
     load_row<D_PAD>(qs, s_q + i * D_PAD, D, scale);
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.f;
     for (int j = 0; j <= i; ++j) {
         float kj[P], gj[P];
         load_row<D_PAD>(kj, s_k + j * D_PAD, D, 1.f);
