@@ -1,17 +1,8 @@
-"""The ``cupy`` backend of ttt: raw CUDA C++ kernels compiled at run time by CuPy (NVRTC).
-
-Importing this module is cheap: cupy is imported, and the kernels compiled, on first use.
-The kernels (csrc/*.cu) follow the Triton backend's chain/group split: a sequential kernel
-per (sequence, head) carries only the state (forward) or its cotangent (backward) through
-the chunks and stores fp32 checkpoint slots every G chunks; group-parallel kernels, one
-block per (group of G chunks, head), do the rest. SIMT fp32 arithmetic, except that for half
-inputs every kernel's tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``
-turns that off: :class:`ttt_cupy.config.CupyConfig`).
-
-Checks: the kernels compile with NVRTC for sm_80 and sm_90 without a GPU (``python -m
-ttt_cupy.nvrtc_check``), match a float64 oracle in a CPU emulation (tensor-core instances
-against the SIMT ones there), and run the conformance suite on a GPU
-(``pytest shared_tests packages/ttt-cupy/tests --backend cupy``).
+"""The ``cupy`` backend of ttt: raw CUDA C++ kernels (csrc/*.cu) compiled at run time by NVRTC
+and launched by CuPy, both on first use. The Triton backend's chain/group split: a sequential
+kernel per (sequence, head) carries the state (or its cotangent) and stores fp32 checkpoint
+slots every G chunks; a block per (group of G chunks, head) does the rest. SIMT fp32, but
+half inputs' tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``: off).
 """
 
 from __future__ import annotations
@@ -28,10 +19,8 @@ DEFAULT_SMEM_LIMIT = 227 * 1024
 
 
 class CupyBackend(Backend):
-    """Chain kernels per (sequence, head) plus group-parallel kernels per (group of G chunks,
-    head), fp32 state in shared memory; SIMT fp32 arithmetic (tf32 tensor cores in every
-    kernel for half inputs);
-    deterministic."""
+    """Chain kernels per (sequence, head) plus group kernels per (group of G chunks, head);
+    SIMT fp32 (tf32 tensor cores for half inputs); deterministic."""
 
     name = "cupy"
     engines = {"cupy": INSTALL_HINT}
@@ -89,9 +78,8 @@ class CupyBackend(Backend):
         return why
 
     def launch_device(self, problem: Problem):
-        """The launcher's device seam for ``problem`` (None: the inputs' CUDA device). The
-        package's CPU tests run this backend with a stand-in that runs each launch in the
-        kernels' C++ emulation."""
+        """The launcher's device seam (None: the inputs' CUDA device); the CPU tests return a
+        stand-in running each launch in the C++ emulation."""
         return None
 
     def forward(self, problem: Problem, needs_backward: bool):

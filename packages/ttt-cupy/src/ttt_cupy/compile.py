@@ -1,15 +1,11 @@
 """The kernels' names and sources, and their lazy compilation (NVRTC through cuda-python).
 
-Nothing happens at import. The first call for a (pass, dtype, D_PAD, BT, device arch, variant)
-builds that pass's template instances, each as a program of its own, the programs compiled
-side by side (NVRTC runs outside the GIL) into the disk cache (:mod:`ttt_cupy.diskcache`, the
-one compile path) and loaded from there by CuPy. The *variant* (``eta_key`` given, the output
-form) picks the instances of the kernels it changes (:data:`VARIANT_KERNELS`); the default
-variant spells no such parameter, and the others are compiled only when a call needs them.
-For half inputs every kernel is its tensor-core (tf32 mma.sync) instance unless
-:class:`ttt_cupy.config.CupyConfig` turns them off (:func:`use_mma`); float inputs always run
-SIMT fp32, and so does fwd_decode. :mod:`ttt_cupy.nvrtc_check` compiles the same sources,
-names and options without a GPU.
+The first call for a (pass, dtype, D_PAD, BT, device arch, variant) compiles that pass's
+template instances, a program each, side by side (NVRTC runs outside the GIL) into the disk
+cache (:mod:`ttt_cupy.diskcache`), and CuPy loads them from there. The *variant* (``eta_key``
+given, the output form) picks the instances of the kernels it changes (:data:`VARIANT_KERNELS`);
+the default variant spells no such parameter. Half inputs run the tensor-core (tf32 mma.sync)
+instances unless turned off (:func:`use_mma`); float inputs and fwd_decode run SIMT fp32.
 """
 
 from __future__ import annotations
@@ -31,22 +27,17 @@ PASSES = {
     "bwd": ("bwd_local", "bwd_chain", "bwd_grads"),
     "dec": ("fwd_decode",),
 }
-"""The kernels of each pass, in launch order; kernel ``x`` lives in ``csrc/x.cu`` as the
-template ``ttt_linear_x<T, D_PAD, BT, MMA, ...>`` (the chunked passes ``fwd`` and ``bwd``),
-or ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>`` (``dec``). One program (a cubin) per
-instance."""
+"""The kernels of each pass, in launch order; kernel ``x`` is the template ``ttt_linear_x<T,
+D_PAD, BT, MMA, ...>`` of ``csrc/x.cu`` (``dec``: ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT,
+P>``)."""
 
 DECODE_PASS = "dec"
 DECODE_KERNEL = "fwd_decode"
-"""The kernel of a short generation step (placement.row_step): one block per (sequence, head)
-over all its rows, the state in registers; SIMT fp32 for every input type, so it has no chunk
-size and no ``MMA`` parameter, only ``KEY``, ``OUT`` and ``P``, the type it reads eta, w, b
-and eta_key in: float, or T (``native_params``: no cast before a step whose parameters are
-all in the input type)."""
+"""The kernel of a short generation step (placement.row_step): no chunk size, no ``MMA``; ``P``
+is the type it reads eta, w, b and eta_key in: float, or T (``native_params``)."""
 
 KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
-"""The chunked passes' kernels: ``bool MMA`` puts the tile products on tensor cores (tf32
-mma.sync, fp32 accumulation); only the half types have MMA instances."""
+"""The chunked passes' kernels; ``MMA`` instances (half types only) run tf32 mma.sync."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """Their MMA instances keep the state in registers (one warp per 16 state columns)."""
@@ -55,11 +46,11 @@ FUSED_KERNEL = "fwd_chain"
 """Its ``FUSE`` instances (a fifth template parameter) also write the outputs."""
 
 FUSED_NAME = "fwd_chain_fused"
-"""The key of :data:`FUSED_KERNEL`'s FUSE instance in the forward's kernel table."""
+"""Its FUSE instance's key in the forward's kernel table."""
 
 FUSED_BWD_NAME = "bwd_chain_fused"
 """The key of ``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true>`` (bwd_grads' work in the
-chain) in the backward's kernel table: half types at D_PAD <= :data:`FUSED_BWD_MAX_D_PAD`."""
+chain; half types at D_PAD <= :data:`FUSED_BWD_MAX_D_PAD`) in the backward's kernel table."""
 
 FUSED_BWD_MAX_D_PAD = 64
 """Two more [D_PAD, D_PAD] tiles in shared memory do not fit beyond it."""
@@ -72,10 +63,9 @@ OUT_FORMS = {"norm_residual": 0, "query_residual": 1, "raw": 2}
 
 VARIANT_KERNELS = {"fwd_chain": ("KEY", "OUT"), "fwd_out": ("OUT",), "bwd_local": ("OUT",),
                    "bwd_chain": ("KEY",), "bwd_grads": ("KEY",)}
-"""The variant's template parameters of each kernel, after ``MMA`` (and fwd_chain's ``FUSE``):
-the chains and bwd_grads take ``KEY`` (eta_key), the kernels that write the outputs or take
-their cotangent ``OUT``. fwd_out and bwd_local read g's factor l r from the saved r, so need
-no ``KEY``; fwd_chain's unfused instance writes no output (``OUT`` default)."""
+"""The variant's template parameters of each kernel after ``MMA`` (and fwd_chain's ``FUSE``):
+``KEY`` (eta_key) where a kernel computes the LayerNorm's r, ``OUT`` where it writes o or
+takes its cotangent (fwd_chain: its FUSE instance only)."""
 
 D_PADS = (16, 32, 64, 128)
 BLOCK_TS = (16, 32, 64)
@@ -83,8 +73,8 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 """torch dtype name -> the C++ type of the kernels' template parameter T."""
 
 NVRTC_OPTIONS = ("-std=c++17",)
-"""Options for every compile (besides the include path and the arch). No --use_fast_math:
-the fp32 arithmetic must stay IEEE (divisions, sqrt)."""
+"""Options of every compile besides the include path and the arch (no --use_fast_math: IEEE
+divisions and sqrt)."""
 
 
 def d_pad(D: int) -> int:
@@ -108,9 +98,8 @@ def _check_variant(key: bool, out: str) -> None:
 
 
 def use_mma(ctype: str, arch: str | int | None = None, requested: bool = True) -> bool:
-    """Whether the kernels run their tensor-core instances for C++ type ``ctype``: a half
-    type, ``requested`` (:attr:`CupyConfig.mma <ttt_cupy.config.CupyConfig>`), and (when
-    given) a compute capability of at least 8.0."""
+    """Whether the kernels run their tensor-core instances: a half ``ctype``, ``requested``
+    (:attr:`CupyConfig.mma <ttt_cupy.config.CupyConfig>`) and (when given) sm_80 or newer."""
     if ctype == "float" or not requested:
         return False
     return arch is None or int(arch) >= MMA_MIN_ARCH
@@ -121,8 +110,7 @@ def _cpp(x: bool | int | str) -> str:
 
 
 def _spell(kernel: str, targs: list, extra: list) -> str:
-    """``ttt_linear_<kernel><targs, extra>``, the trailing defaults of ``extra`` (False, 0,
-    "") left out, so that the default variant keeps its names."""
+    """``ttt_linear_<kernel><targs, extra>`` without ``extra``'s trailing defaults."""
     while extra and not extra[-1]:
         extra = extra[:-1]
     return f"ttt_linear_{kernel}<{', '.join(_cpp(x) for x in (*targs, *extra))}>"
@@ -131,11 +119,9 @@ def _spell(kernel: str, targs: list, extra: list) -> str:
 def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = None,
                 fused: bool = False, key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> str:
-    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``;
-    ``mma`` None: true for half types; ``fused``: :data:`FUSED_KERNEL`'s FUSE instance; ``key``
-    and ``out``: the variant, spelled only where the kernel has the parameter (fwd_chain's
-    ``OUT`` only in its FUSE instance); ``native_params``: :data:`DECODE_KERNEL`'s instance
-    reading eta, w, b in the input type."""
+    """The name expression of one instance, e.g. ``ttt_linear_fwd_out<float, 64, 16, false>``
+    (``mma`` None: true for half types; ``fused``: the FUSE instance; ``native_params``: see
+    :data:`DECODE_KERNEL`)."""
     if kernel not in KERNELS and kernel != DECODE_KERNEL:
         raise ValueError(f"kernel: expected one of {(*KERNELS, DECODE_KERNEL)}, got {kernel!r}")
     if fused and kernel != FUSED_KERNEL:
@@ -160,10 +146,9 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
 
 def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> str:
-    """The name expression of a :data:`DECODE_KERNEL` instance: ``KEY`` and ``OUT`` as
-    :func:`kernel_name` spells them, then ``P``: ``ctype`` with ``native_params``, else float
-    (``ttt_linear_fwd_decode<float, 64>``, ``ttt_linear_fwd_decode<__half, 64, false, 0,
-    __half>``)."""
+    """The name expression of a :data:`DECODE_KERNEL` instance, e.g.
+    ``ttt_linear_fwd_decode<__half, 64, false, 0, __half>`` (``P``: float unless
+    ``native_params``)."""
     _check_variant(key, out)
     p = ctype if native_params and ctype != "float" else ""    # float: the default
     return _spell(DECODE_KERNEL, [ctype, dp], [key, OUT_FORMS[out], p])
@@ -171,9 +156,8 @@ def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residua
 
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
                out: str = "norm_residual", native_params: bool = False) -> dict[str, str]:
-    """{kernel: name expression} of one pass as launched; the forward also holds
-    :data:`FUSED_NAME`, the backward :data:`FUSED_BWD_NAME` where it exists. The ``dec``
-    pass: its one kernel, whatever ``bt`` and ``mma``."""
+    """{kernel: name expression} of one pass as launched, with :data:`FUSED_NAME` (forward)
+    or :data:`FUSED_BWD_NAME` (backward) where it exists."""
     _check_pass(pass_)
     if pass_ == DECODE_PASS:
         return {DECODE_KERNEL: decode_name(ctype, dp, key, out, native_params)}
@@ -197,9 +181,8 @@ def variants() -> list[tuple[bool, str]]:
 
 def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
                   out: str = "norm_residual") -> list[str]:
-    """Every name expression the backend may launch from one (pass, type, D_PAD, BT, variant):
-    the pass's kernels, plus for half types their SIMT instances (the ``dec`` pass: the
-    instance reading eta, w, b, eta_key in the input type)."""
+    """Every name expression the backend may launch for one (pass, type, D_PAD, BT, variant):
+    for half types also the SIMT instances (``dec``: the ``native_params`` one)."""
     names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
     if ctype != "float":
         native = pass_ == DECODE_PASS
@@ -212,9 +195,8 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
 
 def source(pass_: str) -> str:
-    """The pass's .cu files with their csrc/ headers pasted in place of their first #include
-    (later ones dropped): one self-contained string, so that the disk cache (keyed by source
-    and options) sees header changes too."""
+    """The pass's .cu files with their csrc/ headers pasted in at their first #include: one
+    string, so that the disk cache's key covers the headers."""
     _check_pass(pass_)
     seen: set[str] = set()
 
@@ -232,9 +214,8 @@ def source(pass_: str) -> str:
 
 
 def cuda_include_dir() -> str | None:
-    """The directory holding cuda_fp16.h / cuda_bf16.h: from the CUDA-runtime (or NVRTC) wheel
-    via cuda.pathfinder, else site-packages' nvidia/*/include, else CUDA_HOME / CUDA_PATH.
-    None when NVRTC's built-in headers have to do."""
+    """The directory of cuda_fp16.h / cuda_bf16.h: cuda.pathfinder's, else site-packages'
+    nvidia/*/include, else CUDA_HOME / CUDA_PATH's; None: NVRTC's built-in headers."""
     try:
         from cuda import pathfinder
 
@@ -260,19 +241,17 @@ def include_options() -> tuple[str, ...]:
     return () if inc is None else (f"-I{inc}",)
 
 
-_PREFETCHES: dict[tuple, threading.Thread] = {}
-"""Background compiles of passes' programs under way, by their :func:`_modules` key."""
+_PREFETCHES: dict[tuple, threading.Thread] = {}   # compiles under way, by _modules' key
 _PREFETCHED: set[tuple] = set()
 _PREFETCH_LOCK = threading.Lock()
 
 
 def prefetch(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int, mma: bool,
              key: bool = False, out: str = "norm_residual") -> None:
-    """Start compiling one pass's programs (the arguments of :func:`get_kernels`) into the
-    disk cache in the background, once per process: a training forward asks for its
-    backward's. The threads call NVRTC and write files, nothing of CUDA (a CUDA graph may be
-    captured meanwhile); the first :func:`get_kernels` of that pass waits for them. They are
-    not daemons: a thread stopped inside NVRTC at interpreter exit crashes the process."""
+    """Compile one pass's programs (:func:`get_kernels`' arguments) into the disk cache in the
+    background, once per process (a training forward asks for its backward's): NVRTC and
+    files only, no CUDA call; that pass's first :func:`get_kernels` waits. Not daemon threads:
+    one stopped inside NVRTC at interpreter exit crashes the process."""
     ctype = CTYPES[dtype_name]
     bt, mma = _pass_key(pass_, ctype, bt, mma)
     args = (pass_, ctype, dp, bt, device_arch(device_index), mma, key, out)
@@ -291,9 +270,8 @@ def _compile_into_cache(pass_, ctype, dp, bt, arch, mma, key, out) -> None:
 
 
 def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
-    """Compile each name expression as a program of its own into the disk cache (those it
-    lacks), a thread each: a pass then takes about as long as its slowest kernel. Any failure
-    is left for the load (:func:`_modules`) to meet again."""
+    """Compile each name expression the disk cache lacks as a program of its own, a thread
+    each; failures are left for the load (:func:`_modules`) to meet again."""
     from .config import config
     from .diskcache import compile_into
 
@@ -308,8 +286,7 @@ def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
 
 
 def _prefetched(args: tuple) -> bool:
-    """Wait for the background compile of ``args``' programs, if one was started; whether
-    one was."""
+    """Wait for the background compile of ``args``, if one was started; whether one was."""
     with _PREFETCH_LOCK:
         thread = _PREFETCHES.pop(args, None)
     if thread is not None:
@@ -320,10 +297,9 @@ def _prefetched(args: tuple) -> bool:
 @functools.cache
 def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key: bool = False,
              out: str = "norm_residual", native_params: bool = False) -> dict[str, Any]:
-    """{name expression: its module} of one pass for ``arch`` (the device's compute
-    capability, e.g. "90"): each kernel its own program, loaded from the disk cache after
-    what it lacks is compiled (by a :func:`prefetch` under way, waited for, or now).
-    RuntimeError when a program does not compile or load."""
+    """{name expression: its module} of one pass for ``arch`` (e.g. "90"), loaded from the
+    disk cache once compiled (by a :func:`prefetch` under way, or now). RuntimeError when a
+    program does not compile or load."""
     from .config import config
     from .diskcache import load_or_compile
 
@@ -346,11 +322,9 @@ def device_arch(device_index: int) -> str:
 def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int,
                 mma: bool, key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> Mapping[str, Any]:
-    """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"``, ``"bwd"`` or ``"dec"``) for
-    the inputs' dtype, D_PAD and BT on device ``device_index``, the tensor-core instances if
-    ``mma``, of the variant ``key`` and ``out``; compiled on first use, then the same
-    read-only table and kernel objects at every call (CuPy's ``get_function`` builds a new
-    RawKernel each time)."""
+    """{kernel: :class:`cupy.RawKernel`} of one pass (``"fwd"``, ``"bwd"`` or ``"dec"``) on
+    device ``device_index``; compiled on first use, then the same read-only table and kernel
+    objects at every call (CuPy's ``get_function`` builds a new RawKernel each time)."""
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
@@ -367,8 +341,7 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
 
 
 def _pass_key(pass_: str, ctype: str, bt: int, mma: bool) -> tuple[int, bool]:
-    """(BT, mma) as the caches key a pass's programs: float inputs have no tensor-core
-    instances, and the ``dec`` pass neither those nor a chunk size (0)."""
+    """(BT, mma) as the caches key a pass: no MMA for float, neither (0, False) for ``dec``."""
     if pass_ == DECODE_PASS:
         return 0, False
     return bt, mma and ctype != "float"

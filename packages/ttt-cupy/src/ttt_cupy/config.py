@@ -1,6 +1,5 @@
-"""What may change how the cupy backend runs: the user's setting (:class:`CupyConfig`, read
-once from the environment) and a forced schedule (:class:`Schedule`, a parameter of the
-launcher's passes for tests and A/B timing)."""
+"""The user's setting (:class:`CupyConfig`, read once from the environment) and a forced
+schedule (:class:`Schedule`, for tests and A/B timing)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/ttt/cupy")
 
 OVERLAP_WAIT_SPINS = 256
 """Naps (about 0.25 us each) a group block of an overlapped pass waits for every chain block
-to have started before it hands its ticket to the cleanup launch: long enough that the stream
-wait (which orders the chain first) makes it never run out."""
+to start before it hands its ticket to the cleanup launch (after the stream wait: never)."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,8 @@ class CupyConfig:
 
 
 def cache_dir_from(value: str | None) -> Path:
-    """The cache directory of a ``TTT_CUPY_CACHE_DIR`` value (None or empty: the default),
-    absolute; a ``ValueError`` naming the variable for what cannot be a directory."""
+    """The absolute cache directory of a ``TTT_CUPY_CACHE_DIR`` value (None, empty: the
+    default); ValueError for what cannot be a directory."""
     if value is None or not value.strip():
         return DEFAULT_CACHE_DIR.expanduser()
     if "\0" in value:
@@ -59,13 +57,10 @@ def config() -> CupyConfig:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Forces parts of a pass's schedule (``None``: :mod:`ttt_cupy.placement` decides).
-
-    ``fuse_forward`` / ``fuse_backward``: the fused chains on or off (the fused backward only
-    where it exists). ``overlap``: chain and group kernel at the same time, or not.
-    ``segments``: K segments per pass (1: one launch per kernel); a segmented pass is not
-    overlapped, so it needs ``overlap=False``. ``overlap_spins``: :data:`OVERLAP_WAIT_SPINS`;
-    0 drops the stream wait, so that group blocks hand their tickets to the cleanup launch."""
+    """Forces parts of a pass's schedule (``None``: :mod:`ttt_cupy.placement` decides):
+    ``fuse_forward`` / ``fuse_backward``, ``overlap``, ``segments`` (K per pass, 1: one launch
+    per kernel; needs ``overlap=False``), ``overlap_spins`` (:data:`OVERLAP_WAIT_SPINS`; 0 drops
+    the stream wait, so that group blocks hand their tickets to the cleanup launch)."""
 
     fuse_forward: bool | None = None
     fuse_backward: bool | None = None

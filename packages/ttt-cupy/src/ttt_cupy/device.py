@@ -1,6 +1,5 @@
-"""The CUDA device as the launcher sees it: kernels, streams, stream waits and launches, all
-through one object (:class:`CudaDevice`), the launcher's one seam: tests hand the launcher a
-stand-in that records the launches or runs them in the CPU emulation."""
+"""The CUDA device as the launcher sees it (kernels, streams, stream waits, launches): one
+object, :class:`CudaDevice`, the launcher's one seam, for which tests pass stand-ins."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ class _StreamHandle:
 
 @functools.cache
 def _cu_stream_wait_value32():
-    """The driver's ``cuStreamWaitValue32`` (through ctypes: neither torch nor CuPy offers
-    stream memory operations), or None where libcuda or the function is missing."""
+    """The driver's ``cuStreamWaitValue32`` through ctypes (neither torch nor CuPy has it), or
+    None where libcuda or the function is missing."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -58,8 +57,8 @@ def _cu_stream_wait_value32():
 
 @functools.lru_cache(maxsize=256)
 def _cupy_stream(ptr: int, index: int):
-    """CuPy's view of torch's stream ``ptr``: ``Stream.from_external`` where CuPy has it (CuPy
-    14 deprecates ``ExternalStream``), else ``ExternalStream``."""
+    """CuPy's view of torch's stream ``ptr`` (``Stream.from_external``, else the
+    ``ExternalStream`` that CuPy 14 deprecates)."""
     import cupy
 
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
@@ -69,8 +68,7 @@ def _cupy_stream(ptr: int, index: int):
 
 
 GROUP_STREAMS = 8
-"""Side streams for the group kernels of segmented passes (round robin): a segment's group
-kernel takes about one block's time whatever its size, so one stream would queue them."""
+"""Side streams for segmented passes' group kernels (round robin), which one stream would queue."""
 
 
 class CudaDevice:
@@ -95,16 +93,14 @@ class CudaDevice:
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                 key: bool = False, out: str = "norm_residual",
                 native_params: bool = False) -> Mapping[str, Any]:
-        """compile.get_kernels on this device."""
         return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out, native_params)
 
     def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
                  key: bool = False, out: str = "norm_residual") -> None:
-        """compile.prefetch on this device."""
         prefetch(pass_, dtype_name, dp, bt, self.index, mma, key, out)
 
     def active(self):
-        """A context holding this device current in CuPy (a kernel belongs to its context)."""
+        """A context holding this device current in CuPy."""
         import cupy
 
         return cupy.cuda.Device(self.index)
@@ -119,8 +115,7 @@ class CudaDevice:
 
     @functools.cached_property
     def chain_stream(self) -> torch.cuda.Stream:
-        """The high-priority side stream of segmented and overlapped chains: a finished
-        segment's successor is placed before waiting group blocks."""
+        """The high-priority side stream of segmented and overlapped chains."""
         return torch.cuda.Stream(device=self.index, priority=-1)
 
     @functools.cached_property
@@ -134,8 +129,7 @@ class CudaDevice:
         return fn is not None and fn(stream.cuda_stream, address, value, 0) == 0
 
     def function(self, kernel, smem: int):
-        """``kernel``'s CUDA function (CuPy's ``Function``, launched directly), opted in to
-        ``smem`` bytes of dynamic shared memory once per (kernel, size)."""
+        """``kernel``'s CuPy ``Function``, opted in to ``smem`` bytes once per (kernel, size)."""
         key = (kernel, smem)
         fn = self._functions.get(key)
         if fn is None:
@@ -149,10 +143,8 @@ class CudaDevice:
         return fn
 
     def launch(self, kernel, grid: int, block: int, smem: int, params, stream) -> None:
-        """Launch ``kernel`` (``grid`` blocks of ``block`` threads, ``smem`` bytes of dynamic
-        shared memory) on ``stream`` with its argument struct ``params``
-        (:class:`ttt_cupy.params.Params`, passed by value as a NumPy structured scalar); the
-        caller holds the device :meth:`active`."""
+        """Launch ``kernel`` on ``stream`` with its argument struct ``params``
+        (:class:`ttt_cupy.params.Params`); the caller holds the device :meth:`active`."""
         if grid == 0:
             return
         self.function(kernel, smem)((grid,), (block,), (params.as_numpy(),), shared_mem=smem,

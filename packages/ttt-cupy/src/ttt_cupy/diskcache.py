@@ -1,22 +1,12 @@
-"""Compiled programs on disk, shared between processes: the backend's one compile path.
+"""Compiled programs on disk, shared between processes: the backend's one compile path (CuPy's
+own cache never serves programs compiled with ``name_expressions``).
 
-CuPy's own disk cache never serves a program compiled with ``name_expressions`` (every
-program of this backend), so without this each process compiles every program again. Here a
-program is compiled with NVRTC through cuda-python (:mod:`ttt_cupy.nvrtc`) to a cubin for the
-device's arch, and stored with the lowered (mangled) names of its name expressions under
-:attr:`CupyConfig.cache_dir <ttt_cupy.config.CupyConfig>` (``TTT_CUPY_CACHE_DIR``, default
-``~/.cache/ttt/cupy``), keyed by a hash of the source, the name expressions, the options, the
-arch and the NVRTC version (:func:`cache_key`):
-
-- ``<key>-<sha256 of the cubin, 16 hex>.cubin``: the cubin, never changed once written;
-- ``<key>.json``: the lowered names and the cubin's file name and full hash, written last: a
-  program is in the cache once its ``.json`` is.
-
-Each file is written to a temporary file in the same directory and moved into place with
-``os.replace``, so that no reader sees a partial file and concurrent writers leave one valid
-entry. A load checks the cubin's hash and loads it with ``cupy.RawModule(path=...)``; a
-missing or damaged entry is compiled and stored again. Where the directory cannot be written,
-the cubin loads from a temporary file (and the next process compiles it again).
+A program's cubin (NVRTC through :mod:`ttt_cupy.nvrtc`) is stored under
+:attr:`CupyConfig.cache_dir <ttt_cupy.config.CupyConfig>`, keyed by :func:`cache_key`, as
+``<key>-<sha256 of the cubin, 16 hex>.cubin`` and then ``<key>.json`` (the lowered names, the
+cubin's name and hash): an entry exists once its ``.json`` does. Files are written beside
+their place and moved in with ``os.replace``. A missing or damaged entry is compiled and stored
+again; where the directory cannot be written, the cubin loads from a temporary file.
 """
 
 from __future__ import annotations
@@ -48,8 +38,7 @@ def cache_key(code: str, names: list[str], options: tuple[str, ...] | list[str],
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, whole or not at all: a temporary file beside it, flushed, then
-    ``os.replace`` (atomic on POSIX, last writer wins)."""
+    """``data`` at ``path``, whole or not at all (a temporary file, then ``os.replace``)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -98,8 +87,7 @@ def lookup(directory: Path, key: str, names: list[str]) -> tuple[Path, dict[str,
 
 
 class CachedModule:
-    """A module loaded from a cubin: ``get_function`` takes the name expression, as
-    ``cupy.RawModule``'s does for a program compiled with ``name_expressions``."""
+    """A module loaded from a cubin whose ``get_function`` takes the name expression."""
 
     def __init__(self, module: Any, kernels: dict[str, Any], path: Path):
         self.module, self.kernels, self.path = module, kernels, path
@@ -122,9 +110,8 @@ def _load(path: Path, lowered: dict[str, str]) -> CachedModule:
 
 def compile_into(directory: Path, code: str, names: list[str], options: tuple[str, ...],
                  arch: str) -> None:
-    """Compile the program and store it, unless the cache holds it already; NVRTC and files
-    only, no CUDA call (safe in a background thread while the device is busy, or capturing a
-    CUDA graph). Any failure is left for :func:`load_or_compile` to meet again."""
+    """Compile and store the program unless cached: NVRTC and files only, no CUDA call. Any
+    failure is left for :func:`load_or_compile` to meet again."""
     try:
         key = cache_key(code, names, options, arch, nvrtc_version())
         if lookup(directory, key, names) is None:
@@ -136,7 +123,7 @@ def compile_into(directory: Path, code: str, names: list[str], options: tuple[st
 def load_or_compile(directory: Path, code: str, names: list[str],
                     options: tuple[str, ...], arch: str) -> CachedModule:
     """The program from the cache, compiled and stored first if missing. RuntimeError when
-    cuda-python is missing, NVRTC fails (its log) or the driver does not load the cubin."""
+    cuda-python is missing, NVRTC fails or the driver does not load the cubin."""
     try:
         key = cache_key(code, names, options, arch, nvrtc_version())
         found = lookup(directory, key, names)

@@ -1,20 +1,12 @@
-"""The forward and backward passes: buffers from torch, kernels launched through CuPy on
-torch's current stream (raw ``data_ptr()`` addresses, zero copy), in the schedule that
-:mod:`ttt_cupy.placement` picks, on the side streams that schedule needs.
+"""The forward and backward passes: torch buffers, kernels launched through CuPy on torch's
+current stream (zero copy), in the schedule :mod:`ttt_cupy.placement` picks, on the side
+streams it needs.
 
-Forward: fwd_chain (per (sequence, head): the state chain, the checkpoint slots, xhat and r),
-then fwd_out (per (group, head): the outputs); or fwd_chain's fused instance alone; or, for a
-short generation step (placement.row_step), fwd_decode alone. Backward: bwd_local (per
-group), bwd_chain (per sequence, reverse), bwd_grads (per group, reverse); or the fused
-backward chain instead of the last two. The backward computes only what ``needs`` asks for
-where the kernels allow: no bwd_grads without dk, dv, dw, db; no backward chain when only dq
-is needed. Every tensor returned is a new one (no input, no view of another result).
-
-What a pass's launches take besides its tensors (the grouping, the plan, the kernels with
-their block and shared memory sizes) is kept per configuration of a dense batch: a call like
-one before it (a generation step, a training step) only allocates, takes addresses and
-launches.
-
+Forward: fwd_chain then fwd_out; or fwd_chain's fused instance; or fwd_decode alone
+(placement.row_step). Backward: bwd_local, bwd_chain, bwd_grads; or the fused backward chain
+for the last two; no bwd_grads without dk, dv, dw, db, no chain for dq alone. Every tensor
+returned is a new one. A dense batch's setup (grouping, plan, kernels, block and shared
+memory sizes) is kept per configuration, so a repeated call only allocates and launches.
 ``device`` (default: the inputs' :class:`~ttt_cupy.device.CudaDevice`) is the one seam to
 the GPU: tests pass a stand-in that records the launches or runs them in the CPU emulation.
 """
@@ -47,9 +39,7 @@ from .smem import (
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-Segment = tuple[int, int]
-"""Group range [g_lo, g_hi) of each sequence; (0, 0): every group of the batch."""
-
+Segment = tuple[int, int]   # groups [g_lo, g_hi) of each sequence; WHOLE: every group
 WHOLE: Segment = (0, 0)
 
 MAX_SETUPS = 64
@@ -64,8 +54,7 @@ def _dtype_name(q: torch.Tensor) -> str:
 
 
 def _variant(p: Problem) -> dict:
-    """The kernels' variant of ``p`` as keyword arguments of ``device.kernels`` (none for the
-    default: eta_key None, norm_residual)."""
+    """``p``'s variant as keyword arguments of ``device.kernels`` (none for the default)."""
     v = {}
     if p.eta_key is not None:
         v["key"] = True
@@ -75,8 +64,7 @@ def _variant(p: Problem) -> dict:
 
 
 def _setup_key(p: Problem, device, *options) -> tuple | None:
-    """A dense batch's setups are kept by device, shape, dtype and options; a packed batch's
-    are made each call (its grouping has device tensors of its own)."""
+    """A dense batch's setup key; None for a packed batch (its grouping holds device tensors)."""
     return None if p.is_varlen else (
         device, p.q.shape, p.q.dtype, p.chunk_size, p.output, p.eta_key is not None, p.scale,
         p.eps, *options, config().mma)
@@ -92,8 +80,7 @@ def _keep(setups: dict, key: tuple | None, setup) -> None:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel of a pass with its block, shared memory and argument struct (packed once per
-    pass; each launch sets its segment and the overlapped pass's fields)."""
+    """A kernel of a pass with its block, shared memory and argument struct."""
 
     fn: Any
     block: int
@@ -108,10 +95,9 @@ class Kernel:
 
 
 class Fork:
-    """The streams of a pass: the device's chain stream and ``segments`` group streams start
-    after the work queued so far on ``here`` (torch's current stream), and ``here`` goes on
-    only after all of theirs (:meth:`join`), so that every buffer used on them goes back to
-    torch's caching allocator ordered after that work."""
+    """The streams of a pass: the chain stream and ``segments`` group streams start after the
+    work queued on ``here`` (torch's current stream), which waits for all of theirs
+    (:meth:`join`), so that buffers go back to torch's allocator ordered after their use."""
 
     def __init__(self, device, here, segments: int):
         self.here = here
@@ -132,21 +118,16 @@ class Fork:
 def _run_pass(device, p: Problem, grp: ChunkGroups, plan: Plan, segments: list[Segment],
               spins: int, split: int, local: Kernel | None, chain: Kernel | None,
               group: Kernel | None) -> None:
-    """A pass's launches on torch's current stream and the side streams ``plan`` needs:
-    ``local`` (bwd_local; None in the forward) over the groups the chain then takes, the chain
-    (None: not run), the group kernel after it (fwd_out, bwd_grads with ``split`` blocks per
-    group; None: fused or not run). Segmented (``segments`` in launch order: the backward's
-    last to first): every ``local`` at once, each on a group stream; the chain takes a
-    segment once its ``local`` is done, and its group kernel follows beside the chain's next
-    segment.
+    """A pass's launches: ``local`` (bwd_local; None in the forward), the chain (None: not
+    run), then the group kernel (fwd_out, bwd_grads with ``split`` blocks per group; None:
+    fused or not run). Segmented (``segments`` in launch order): every ``local`` at once on
+    group streams; the chain takes a segment once its ``local`` is done, and its group kernel
+    runs beside the chain's next segment.
 
-    Overlapped (csrc/overlap.cuh): a zeroed sync buffer (before the fork, so that its zeroing
-    precedes both kernels), the chain kernel on the chain stream, the group kernel (mode
-    kOverlap, one block per ticket) beside it on a group stream, then the join and, on
-    torch's stream, the cleanup launch (kCleanup) running the tickets that group blocks handed
-    back. The group stream first waits until every chain block has started (``spins`` 0: not
-    at all), so that group blocks never take the places the chain needs; where the GPU placed
-    them first anyway, they hand their tickets back after ``spins`` naps."""
+    Overlapped (csrc/overlap.cuh): a zeroed sync buffer (before the fork), the chain on the
+    chain stream, the group kernel (kOverlap, a block per ticket) beside it, then the join and
+    the cleanup launch (kCleanup) of the tickets handed back. The group stream first waits
+    until every chain block has started (``spins`` 0: not at all)."""
     here, N, H = device.current_stream(), p.N, p.H
 
     def blocks(seg: Segment) -> int:     # (group, head) blocks of a group kernel
@@ -198,8 +179,7 @@ class _ForwardSetup:
 
 @dataclass(frozen=True)
 class _DecodeSetup:
-    """fwd_decode's launch: its rows, and whether it reads eta, w, b, eta_key as given
-    (:func:`_native_params`) or in fp32."""
+    """fwd_decode's launch; ``native``: it reads eta, w, b, eta_key as given (_native_params)."""
 
     kernel: Any
     block: int
@@ -254,10 +234,8 @@ def _forward_setup(p: Problem, save_for_backward: bool, schedule: Schedule,
 
 
 def _native_params(p: Problem) -> bool:
-    """Whether fwd_decode takes eta, w, b (and eta_key) as they are, in half inputs' dtype
-    (its P = T instance, which widens them on load): the usual generation call has every
-    tensor in the input dtype, and would otherwise cost a cast kernel each. Any other mix
-    keeps the fp32 instance, the others cast."""
+    """Whether fwd_decode reads eta, w, b (and eta_key) as they are (its P = T instance): half
+    inputs with all of them in the input dtype, the usual generation call (no cast kernels)."""
     dtype = p.q.dtype
     return dtype != torch.float32 and all(
         t.dtype == dtype for t in (p.eta, p.w, p.b, p.eta_key) if t is not None)
@@ -304,9 +282,7 @@ def ttt_linear_fwd(p: Problem, save_for_backward: bool, *, schedule: Schedule = 
 
 
 def _decode_step(p: Problem, setup: _DecodeSetup, device):
-    """A short generation step: fwd_decode alone, one block per (sequence, head); besides its
-    launch only allocations (and casts of eta, w, b, eta_key unless ``setup.native``).
-    Returns (o, ht, hbt, None)."""
+    """A short generation step: fwd_decode alone. Returns (o, ht, hbt, None)."""
     B, T, H, D = p.q.shape
     ht, hbt = _final_states(p, H, D)
     o = torch.empty_like(p.q)
@@ -351,10 +327,9 @@ def _backward_setup(p: Problem, grp: ChunkGroups, run_grads: bool, schedule: Sch
 
 def ttt_linear_bwd(p: Problem, saved: Saved, do, dht, dhbt, *, needs: GradNeeds | None = None,
                    schedule: Schedule = AUTO, device=None):
-    """The :class:`ttt.Gradients`: dw/db [H, D] fp32, deta and deta_key [B, T, H, 1] fp32;
-    None for those that ``needs`` (default: all) does not ask for, dh0/dhb0 without initial
-    states, deta_key without eta_key. The gradients computed are bitwise those of the full
-    backward."""
+    """The :class:`ttt.Gradients` (dw/db [H, D], deta and deta_key [B, T, H, 1] fp32); None
+    for those ``needs`` (default: all) does not ask for or the problem lacks; the others
+    bitwise those of the full backward."""
     if saved is None:
         raise RuntimeError("the cupy backward needs the checkpoint slots of a forward run "
                            "with needs_backward=True")

@@ -1,5 +1,5 @@
-"""What the forward saves for the backward (:class:`Saved`), as the backend interface hands
-it over: a list of tensors of known shapes (:func:`saved_shapes`)."""
+"""What the forward saves for the backward (:class:`Saved`), as the backend interface's list of
+tensors of known shapes (:func:`saved_shapes`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ def f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass
 class Saved:
-    """What the forward keeps for the backward: the fp32 state slots, the LayerNorm's xhat and
-    g's factor r of every row (fwd_chain; with eta_key l r, and the LayerNorm's r in rlbuf)
-    and the grouping."""
+    """The fp32 state slots, every row's xhat and g's factor r (with eta_key l r, and the
+    LayerNorm's r in rlbuf), the grouping and the fp32 eta, w, b (and eta_key)."""
 
     ck: torch.Tensor          # [slots, H, D, D] fp32
     ckb: torch.Tensor         # [slots, H, D] fp32
@@ -35,10 +34,8 @@ class Saved:
     ekey: torch.Tensor | None = None    # eta_key as the kernels read it (fp32), or None
 
     def tensors(self, p: Problem) -> list[torch.Tensor]:
-        """The backend interface's ``saved``: the tensors, in :func:`saved_shapes`' order
-        (rlbuf with eta_key, a packed batch's group offsets and group -> sequence map, and the
-        fp32 casts of eta, w, b (and eta_key) that are not the inputs themselves: nothing is
-        copied or cast again)."""
+        """The backend interface's ``saved``, in :func:`saved_shapes`' order (with the fp32
+        casts of eta, w, b, eta_key that are not the inputs themselves)."""
         grouping = [] if self.groups.offsets is None else [self.groups.offsets, self.groups.seq]
         values = dict(zip(_CAST, (*self.f32, self.ekey)))
         casts = [values[name] for name in _cast_names(p)]
@@ -65,8 +62,7 @@ _CAST = ("eta", "w", "b", "eta_key")
 
 
 def _cast_names(p: Problem) -> list[str]:
-    """Those of :data:`_CAST` that :func:`f32` casts into new tensors (Problem tensors are
-    contiguous: the fp32 ones go to the kernels as they are)."""
+    """Those of :data:`_CAST` that :func:`f32` casts into new tensors (not fp32)."""
     return [name for name in _CAST
             if getattr(p, name) is not None and getattr(p, name).dtype != torch.float32]
 

@@ -1,14 +1,12 @@
-"""NVRTC through cuda-python (``cuda.bindings.nvrtc``, or ``cuda.nvrtc`` before cuda-python
-12.6): a program's compile with its name expressions, its cubin or PTX, its log. Used by the
-disk cache (:mod:`ttt_cupy.diskcache`) and the compile check (:mod:`ttt_cupy.nvrtc_check`);
-it imports nothing of the package."""
+"""NVRTC through cuda-python: a program's compile with its name expressions, its cubin or PTX,
+its log (for :mod:`ttt_cupy.diskcache` and :mod:`ttt_cupy.nvrtc_check`; imports nothing of
+the package)."""
 
 from __future__ import annotations
 
 import contextlib
 
-SOURCE_NAME = "ttt_cupy_pass.cu"
-"""NVRTC's name for a program (one pass's csrc/ files)."""
+SOURCE_NAME = "ttt_cupy_pass.cu"   # NVRTC's name for a program
 
 
 class NvrtcError(RuntimeError):
@@ -36,8 +34,7 @@ def version() -> str:
 
 
 def check(result, what: str, nvrtc, prog=None) -> tuple:
-    """The values of an NVRTC call's ``result`` after its status; NvrtcError (with the
-    program's log where ``prog`` is given) when the call failed."""
+    """An NVRTC call's values after its status; NvrtcError (with ``prog``'s log) if it failed."""
     err = result[0]
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         text = log(nvrtc, prog) if prog is not None else ""
@@ -65,9 +62,8 @@ def log(nvrtc, prog) -> str:
 
 @contextlib.contextmanager
 def program(code: str, names: list[str], options: list[str], target: str):
-    """``code`` compiled by NVRTC with ``names`` as name expressions and ``options`` plus
-    ``-arch=target``: yields ``(nvrtc, program, {name: lowered name})``, the program destroyed
-    afterwards; raises NvrtcError (with NVRTC's log) when a step fails."""
+    """``code`` compiled with ``names`` as name expressions, ``options`` and ``-arch=target``:
+    yields ``(nvrtc, program, {name: lowered name})``; NvrtcError when a step fails."""
     nvrtc = bindings()
     (prog,) = check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
                     "nvrtcCreateProgram", nvrtc)

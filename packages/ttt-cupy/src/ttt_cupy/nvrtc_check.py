@@ -1,16 +1,12 @@
 """Compile every kernel instance with NVRTC, without a GPU or a driver.
 
 ``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT) holding
-every instance the backend compiles at run time (there each kernel is a program of its own,
-from the same source and options), for each ``--arch`` (default sm_80 and sm_90): to cubins,
-or with ``--ptx-only ARCH`` to PTX only (no ptxas: half the time). For half types every kernel
-is compiled twice (tensor-core and SIMT instance), but fwd_decode (the ``dec`` pass: SIMT
-only, no BT, one program per dtype and D_PAD whatever ``--chunk``). It checks that the C++
-traits equal the generated table the launcher reads, and that the PTX of a kernel holds tf32
-``mma.sync`` exactly when it is a tensor-core instance. Needs ``cuda.bindings.nvrtc``
-(``pip install './packages/ttt-cupy[compile-check]'``), no driver. Exits 1 with the NVRTC log
-on the first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some
-programs (e.g. ``--pass bwd --d-pad 128 --chunk 64 --ptxas-verbose``).
+every instance the backend compiles at run time (the half types' tensor-core and SIMT ones;
+fwd_decode per dtype and D_PAD), for each ``--arch`` (default sm_80 and sm_90), to cubins or
+with ``--ptx-only ARCH`` to PTX only. It checks the C++ traits against the generated table
+and that a kernel's PTX holds tf32 ``mma.sync`` exactly when it is a tensor-core instance.
+Needs ``pip install './packages/ttt-cupy[compile-check]'``; exits 1 with the NVRTC log on the
+first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some programs.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ from .nvrtc import program as nvrtc_program
 
 DEFAULT_ARCHS = ("80", "90")
 
-CheckError = NvrtcError
-"""A compile failed; the message holds the NVRTC log (or a check of its output failed)."""
+CheckError = NvrtcError   # a compile or a check of its output failed (with the NVRTC log)
 
 
 @dataclass
@@ -60,8 +55,7 @@ MMA_PTX = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
 
 
 def is_mma_instance(name: str) -> bool:
-    """Whether a name expression is a tensor-core instance (fourth template argument ``true``;
-    a fifth one is ``FUSE``; :data:`~ttt_cupy.compile.DECODE_KERNEL` has none)."""
+    """Whether a name expression is a tensor-core instance (fourth template argument true)."""
     if name.startswith(f"ttt_linear_{DECODE_KERNEL}<"):
         return False
     args = name[name.index("<") + 1:name.rindex(">")].replace(" ", "").split(",")
@@ -69,8 +63,7 @@ def is_mma_instance(name: str) -> bool:
 
 
 def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
-    """{name expression: tf32 mma.sync instructions in the PTX of its kernel (its .entry up to
-    the next one)}."""
+    """{name expression: tf32 mma.sync instructions in its kernel's PTX}."""
     starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx)]
     ends = [pos for pos, _ in starts[1:]] + [len(ptx)]
     bodies = {sym: ptx[pos:end] for (pos, sym), end in zip(starts, ends)}
@@ -81,8 +74,7 @@ def mma_counts(ptx: str, lowered: dict[str, str]) -> dict[str, int]:
 
 
 def smem_asserts() -> str:
-    """static_asserts tying the C++ traits to the generated table that the launcher reads
-    (:mod:`ttt_cupy._traits_table`)."""
+    """static_asserts tying the C++ traits to :mod:`ttt_cupy._traits_table`."""
     return "\n" + "\n".join(
         f"static_assert(ttt::Traits<{dp}, {bt}>::{field} == {value}ull, "
         f"\"_traits_table.py is stale: Traits<{dp}, {bt}>::{field}\");"
@@ -91,8 +83,7 @@ def smem_asserts() -> str:
 
 def compile_instance(code: str, names: list[str], arch: str, options: list[str],
                      ptxas_verbose: bool = False, cubin: bool = True) -> Compiled:
-    """Compile ``code`` with ``names`` as name expressions to a cubin for sm_``arch`` (or, with
-    ``cubin`` False, to PTX for compute_``arch`` only; cubin_bytes is then 0)."""
+    """Compile ``code`` with ``names`` to a cubin for sm_``arch`` (``cubin`` False: PTX only)."""
     target = f"sm_{arch}" if cubin else f"compute_{arch}"
     verbose = ["--ptxas-options=-v"] if ptxas_verbose and cubin else []
     with nvrtc_program(code, names, [*options, *verbose], target) as (nvrtc, prog, lowered):
@@ -111,9 +102,8 @@ def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
 
 def instances(passes=None, dtypes=None, d_pads=None,
               block_ts=None) -> list[tuple[str, str, int, int]]:
-    """(pass, C++ type, D_PAD, BT) of every program the backend may build, or of those in the
-    given passes / dtype names (``float16``) / D_PADs / BTs (None: all). The ``dec`` pass has
-    no chunk size: its programs (BT 0) are in whatever BTs are asked for."""
+    """(pass, C++ type, D_PAD, BT) of every program, or of those in the given passes, dtype
+    names, D_PADs, BTs (None: all; ``dec``'s, BT 0, whatever the BTs)."""
     return [(pass_, ct, dp, bt) for pass_ in PASSES if passes is None or pass_ in passes
             for name, ct in CTYPES.items() if dtypes is None or name in dtypes
             for dp in D_PADS if d_pads is None or dp in d_pads
@@ -121,16 +111,14 @@ def instances(passes=None, dtypes=None, d_pads=None,
             if pass_ == DECODE_PASS or block_ts is None or bt in block_ts]
 
 
-DEFAULT_VARIANT = (False, "norm_residual")
-"""(eta_key given, the output form) of the default variant."""
+DEFAULT_VARIANT = (False, "norm_residual")   # (eta_key given, the output form)
 
 
 def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
              skip_default: bool = False) -> list[tuple[tuple[str, str, int, int], list[str]]]:
-    """((pass, C++ type, D_PAD, BT), name expressions) of each program that :func:`instances`
-    selects with the keywords in ``only``: the instances of ``variants`` ((eta_key given, the
-    output form) pairs), each once where variants share it. ``skip_default``: without the
-    default variant's instances; a program left with none is left out."""
+    """((pass, C++ type, D_PAD, BT), name expressions) of each program :func:`instances`
+    selects with ``only``: the instances of ``variants``, each once (``skip_default``: less
+    the default variant's; programs left empty are left out)."""
     result = []
     for program in instances(**(only or {})):
         default = set(program_names(*program)) if skip_default else set()
@@ -146,8 +134,7 @@ def programs(only: dict | None = None, variants=(DEFAULT_VARIANT,),
 def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
         out=sys.stdout, ptx_only=(), only: dict | None = None,
         variants=(DEFAULT_VARIANT,), skip_default: bool = False) -> dict[str, int]:
-    """Compile the programs of :func:`programs` (to PTX only for the archs in ``ptx_only``);
-    returns {arch: kernel instances compiled}. Raises CheckError."""
+    """Compile :func:`programs` (PTX only for ``ptx_only``); {arch: instances compiled}."""
     nvrtc = bindings()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()

@@ -1,14 +1,12 @@
-"""The kernels' one argument, as ctypes structures mirroring ``csrc/params.cuh`` field by
-field (pointers as 64-bit addresses, 0 for an absent tensor): :class:`FwdParams` (fwd_chain,
-its fused instance, fwd_out), :class:`BwdParams` (bwd_local, bwd_chain, its fused instance,
-bwd_grads) and :class:`DecodeParams` (fwd_decode). The launcher packs one per pass and copies
-it per launch (:meth:`Params.at`) for what changes between launches: the segment, the
-overlapped pass's sync buffer and mode, the shared memory. ``tests/test_params.py`` checks
-these layouts against the C++ ones (g++ and NVRTC)."""
+"""The kernels' one argument: ctypes structures mirroring ``csrc/params.cuh`` field by field
+(pointers as addresses, 0 for an absent tensor), :class:`FwdParams`, :class:`BwdParams` and
+:class:`DecodeParams`. The launcher packs one per pass and copies it per launch
+(:meth:`Params.at`); ``tests/test_launch_arguments.py`` checks the layouts against the C++."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 import numpy as np
@@ -26,12 +24,11 @@ def _fields(pointers: str, i64: str, f32: str, i32: str) -> list[tuple[str, type
 
 
 class Params(ctypes.Structure):
-    """A kernel argument struct; ``Params(**fields)`` with tensors (or None) for pointers. It
-    keeps the tensors whose addresses it holds (:attr:`tensors`): they outlive it."""
+    """A kernel argument struct, ``Params(**fields)`` with tensors (or None) for pointers; it
+    keeps the tensors whose addresses it holds (:attr:`tensors`)."""
 
     def __init__(self, **fields):
-        # (zeroed by ctypes on creation; packed in one call: a fraction of the cost of
-        # ctypes' own initialisation by field)
+        # (packed in one call: a fraction of the cost of ctypes' initialisation by field)
         tensors = self.__dict__["tensors"] = []
         names, packer = self._layout()
         pop = fields.pop
@@ -42,8 +39,7 @@ class Params(ctypes.Structure):
 
     @classmethod
     def _layout(cls) -> tuple[tuple[str, ...], struct.Struct]:
-        """The field names in order and a ``struct.Struct`` packing them as the structure
-        lays them out (no padding between the fields: see :func:`_fields`)."""
+        """The field names in order and a ``struct.Struct`` packing them (no padding)."""
         layout = cls.__dict__.get("_packed_layout")
         if layout is None:
             codes = {_PTR: "Q", _I64: "q", _F32: "f", _I32: "i"}
@@ -67,8 +63,7 @@ class Params(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_[:self._n_pointers]}
 
     def as_numpy(self) -> np.void:
-        """The struct as a NumPy structured scalar of the same layout: how CuPy passes a
-        struct by value to a kernel."""
+        """The struct as a NumPy structured scalar (how CuPy passes a struct by value)."""
         return np.frombuffer(bytes(self), dtype=_dtype(type(self)))[0]
 
 
@@ -85,14 +80,9 @@ def _value(value, tensors: list):
     return value
 
 
-_DTYPES: dict[type, np.dtype] = {}
-
-
+@functools.cache
 def _dtype(cls: type) -> np.dtype:
-    found = _DTYPES.get(cls)
-    if found is None:
-        found = _DTYPES[cls] = np.dtype(cls)
-    return found
+    return np.dtype(cls)
 
 
 _FWD = ("q k v eta lnw lnb h0 hb0 ht hbt ck ckb xbuf rbuf o ekey rlbuf cu_seqlens grp_offsets "

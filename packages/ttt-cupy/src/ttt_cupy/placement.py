@@ -1,18 +1,14 @@
 """Which schedule a pass runs: pure functions of the problem's shape (and a forced
-:class:`~ttt_cupy.config.Schedule`). The decisions both GPU backends share (fuse or split, the
-generation step, the row step) are :mod:`ttt.schedule`'s rules with this backend's numbers
-(:data:`FUSED`, :data:`ROW_STEP_ROWS`); overlap and segments are this backend's own. Every
-schedule gives bitwise the results of one launch per kernel, except the fused chains and
-fwd_decode, which compute the same math in another order.
+:class:`~ttt_cupy.config.Schedule`). The rules both GPU backends share are :mod:`ttt.schedule`'s
+with this backend's numbers (:data:`FUSED`, :data:`ROW_STEP_ROWS`); overlap and segments are
+its own. Every schedule gives bitwise the results of one launch per kernel, but the fused
+chains and fwd_decode (the same math in another order).
 
-- row step: a generation step of up to 16 rows per sequence runs fwd_decode alone;
-- fused: the chain kernel does the group kernel's work (many chains fill the GPU anyway; and
-  every generation step: one launch);
-- overlapped: chain and group kernel at the same time, on per-group flags (few chains of
-  several groups);
-- segmented: the chain once per segment of whole groups, each segment's group kernels
-  beside the chain's next segment (few long chains);
-- plain: one launch per kernel, one after the other.
+- row step: fwd_decode alone for a generation step of up to 16 rows per sequence;
+- fused: the chain does the group kernel's work (many chains; every generation step);
+- overlapped: chain and group kernel at once, on per-group flags (few chains, several groups);
+- segmented: the chain per segment of groups, each segment's group kernels beside the next;
+- plain: one launch per kernel.
 """
 
 from __future__ import annotations
@@ -28,60 +24,41 @@ from .config import AUTO, Schedule
 from .smem import bwd_chain_fused_smem_bytes, decode_rows, decode_smem_bytes
 
 CKPT_INTERVAL = 16
-"""G: chunks per group (a checkpoint slot every G chunks); the group kernels replay one group
-each, so G trades slot memory against group-parallel work."""
+"""G: chunks per group (a checkpoint slot each): slot memory against group-parallel work."""
 
 FUSED = FuseThresholds(forward_inference=128, forward_training=256, backward=256)
-"""(sequence, head) chains from which the fused chains pay: fusing puts the group kernel's
-work on the chains' critical path, which only a GPU full of chain blocks hides."""
+"""(sequence, head) chains from which the fused chains pay (a GPU full of chain blocks hides
+the group kernel's work on the chains' critical path)."""
 
 ROW_STEP_ROWS = 16
 """The most rows of a sequence with which a generation step runs fwd_decode alone
-(:func:`row_step`) instead of fwd_chain's fused instance, for every input dtype and padded
-head dim. From an H100 A/B of the two kernels (``tools/row_step.py --backends cupy``: the
-layer's form, H 16, chunk 16, B 4 and 64, D 64 and 128, CUDA-graph replay), fwd_decode's time
-over the fused chain's at 1, 2, 4 and 16 rows:
-
-======================  ============  ==========================================
-inputs (q, k, v)        D_PAD         fwd_decode / fused chain (1 .. 16 rows)
-======================  ============  ==========================================
-bfloat16, float16       any           0.33 .. 0.98 (bf16 measured)
-float32                 16 .. 64      0.24 .. 0.89
-float32                 128           0.22 .. 0.46
-======================  ============  ==========================================
-
-fwd_decode reads and writes the state once and computes only the step's rows, where the fused
-chain runs a whole padded chunk of tile products whatever the rows: fwd_decode was the faster
-at every row count measured, least so at 16 rows (bf16 at B 64, D 64: 53 us against 55), and
-the two kernels' results differed by at most 8.2e-4 (bf16) and 1.8e-7 (float32) of the norm.
-Steps of more than 16 rows (chunks of 32 and 64) are not measured, so the fused chain keeps
-them (``Schedule(fuse_forward=True)`` forces it at any rows)."""
+(:func:`row_step`) instead of fwd_chain's fused instance, for every dtype and head dim: on an
+H100 (``tools/row_step.py --backends cupy``) fwd_decode took 0.22-0.98x the fused chain's
+time at 1 to 16 rows (the README's row step); more rows are not measured."""
 
 SEGMENTS = 16
-"""The most segments per backward pass (the forward takes half as many, at least 2): each
-segment costs host launches that more segments no longer cover."""
+"""The most segments per backward pass (the forward: half as many, at least 2); each costs
+host launches."""
 
 SEGMENT_MAX_CHAINS = 128
 """Segment only up to this many chains: with more, the chains fill the GPU themselves."""
 
 SEGMENT_MIN_GROUPS = {64: (16, 8), 128: (16, 2)}
-"""By padded head dim (64: every D_PAD up to 64): (groups a sequence needs to be segmented,
-least groups per segment); a shorter segment's chain does not cover its host work."""
+"""By padded head dim (64: up to 64): (groups a sequence needs to be segmented, least groups
+per segment)."""
 
 OVERLAP_MAX_CHAINS = {"forward": 96, "backward": 32}
-"""Overlap only up to this many chains: with more, the group blocks share the chains' SMs and
-slow their steps."""
+"""Overlap only up to this many chains (more: group blocks slow the chains' SMs)."""
 
 OVERLAP_MIN_GROUPS = 2
-"""Overlap only sequences of at least this many groups: a group block starts when its chain
-has finished its group, so with one group per sequence it waits for the whole chain and the
-overlapped pass is the plain one plus its host work."""
+"""Overlap only sequences of at least this many groups (with one, a group block waits for the
+whole chain)."""
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One pass's schedule: ``fuse`` (the fused chain), ``overlap``, and ``segments``, the
-    group ranges [g_lo, g_hi) launched one after the other ([(0, 0)]: every group at once)."""
+    """One pass's schedule; ``segments``: the group ranges [g_lo, g_hi) launched one after the
+    other ([(0, 0)]: every group at once)."""
 
     fuse: bool
     overlap: bool
@@ -103,8 +80,8 @@ def fused_forward(p: Problem, save_for_backward: bool, schedule: Schedule = AUTO
 
 
 def fused_backward(p: Problem, mma: bool, smem_limit: int, schedule: Schedule = AUTO) -> bool:
-    """Whether the fused backward chain does bwd_grads' work: it exists for tensor-core
-    kernels at D_PAD <= FUSED_BWD_MAX_D_PAD, within ``smem_limit`` bytes per block."""
+    """Whether the fused backward chain does bwd_grads' work (MMA, D_PAD <= FUSED_BWD_MAX_D_PAD,
+    within ``smem_limit`` bytes)."""
     dp = d_pad(p.D)
     if not mma or dp > FUSED_BWD_MAX_D_PAD or \
             bwd_chain_fused_smem_bytes(dp, p.chunk_size) > smem_limit:
@@ -113,16 +90,14 @@ def fused_backward(p: Problem, mma: bool, smem_limit: int, schedule: Schedule = 
 
 
 def sync_words(n_chains: int, tickets: int) -> int:
-    """int32 words of an overlapped pass's sync buffer (overlap.cuh): three counters, each
-    chain's finished groups, room for every ticket."""
+    """int32 words of an overlapped pass's sync buffer (overlap.cuh)."""
     return 3 + n_chains + tickets
 
 
 def overlapped(p: Problem, fuse: bool, groups_max: int, backward: bool = False,
                tickets: int = 0, schedule: Schedule = AUTO) -> bool:
-    """Whether the pass runs its chain and group kernel at the same time: the group kernel
-    not fused away, its sync buffer within int32 counters, and (unless forced) at most
-    :data:`OVERLAP_MAX_CHAINS` chains with a sequence of :data:`OVERLAP_MIN_GROUPS` groups."""
+    """Whether the pass runs its chain and group kernel at once: not fused, the sync buffer
+    within int32, and (unless forced) the OVERLAP_* bounds."""
     if fuse or schedule.overlap is False or sync_words(chains(p), tickets) >= 2**31:
         return False
     return schedule.overlap is True or (
@@ -132,8 +107,8 @@ def overlapped(p: Problem, fuse: bool, groups_max: int, backward: bool = False,
 
 def segment_plan(p: Problem, groups_max: int, backward: bool = True,
                  schedule: Schedule = AUTO) -> list[tuple[int, int]]:
-    """The group ranges [g_lo, g_hi) of each sequence launched one after the other, sizes
-    differing by at most one; [(0, 0)]: one launch per kernel over every group."""
+    """The group ranges [g_lo, g_hi) launched one after the other, sizes differing by at most
+    one; [(0, 0)]: one launch over every group."""
     segments = schedule.segments
     if not segments:
         least_groups, per_segment = SEGMENT_MIN_GROUPS[64 if p.D <= 64 else 128]

@@ -1,10 +1,6 @@
-"""Threads and shared memory of every kernel instance, read from the C++ ``Traits``
-(csrc/traits.cuh) through the generated :mod:`ttt_cupy._traits_table`.
-
-Shared memory holds fp32 tiles with rows padded by one float, plus cp.async stages where the
-block stays within an A100's 163 KiB; at D_PAD 128 with chunk 64 bwd_grads runs
-:func:`grads_split` blocks per (group, head), each with part of the state's rows. fwd_decode
-(no chunk size) takes shared memory by the step's rows (:func:`decode_smem_bytes`).
+"""Threads and shared memory of every kernel instance, from the C++ ``Traits``
+(csrc/traits.cuh) through the generated :mod:`ttt_cupy._traits_table`; fwd_decode's by the
+step's rows (:func:`decode_smem_bytes`).
 """
 
 from __future__ import annotations
@@ -35,15 +31,13 @@ def traits(dp: int, bt: int) -> dict[str, int]:
 
 
 def traits_field(kernel: str, tc: bool = False, fused: bool = False) -> str:
-    """The Traits member holding ``kernel``'s shared memory, e.g. kBwdGradsBytes (``tc``: its
-    tensor-core instance's, kFwdChainTcBytes; ``fused``: the fused chain's)."""
+    """The Traits member of ``kernel``'s shared memory, e.g. kFwdChainFusedTcBytes."""
     name = "".join(part.capitalize() for part in kernel.split("_"))
     return f"k{name}{'Fused' if fused else ''}{'Tc' if tc else ''}Bytes"
 
 
 def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
-    """Threads per block: kThreads, or kTcThreads (a warp per 16 state columns) for the
-    tensor-core instances of the chains."""
+    """Threads per block: kThreads, or kTcThreads for the chains' tensor-core instances."""
     return traits(dp, 16)["kTcThreads" if mma and kernel in REGISTER_STATE_KERNELS
                           else "kThreads"]
 
@@ -77,9 +71,8 @@ def decode_threads(dp: int) -> int:
 
 
 def decode_rows(longest: int) -> int:
-    """The rows of shared memory a fwd_decode launch holds for a step whose longest sequence
-    has ``longest`` rows: a power of two (at least 1), so that steps of about the same length
-    share one size (and one kept setup, one opt-in)."""
+    """The rows a fwd_decode launch holds for a longest sequence of ``longest`` rows: a power of
+    two (at least 1), so that steps of about the same length share one setup."""
     return 1 << max(0, longest - 1).bit_length()
 
 
@@ -89,8 +82,7 @@ def decode_smem_bytes(dp: int, rows: int) -> int:
 
 
 def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
-    """(kernel, bytes) of the pass's kernel that needs the most shared memory (any instance,
-    the fused forward chain's included)."""
+    """(kernel, bytes) of the pass's kernel instance that needs the most shared memory."""
     if pass_ not in PASSES:
         raise ValueError(f"pass: expected one of {tuple(PASSES)}, got {pass_!r}")
     return max(((k, max(smem_bytes(k, dp, bt, mma, fused) for mma in (False, True)
@@ -100,8 +92,8 @@ def pass_smem(pass_: str, dp: int, bt: int) -> tuple[str, int]:
 
 @functools.lru_cache(maxsize=1024)
 def smem_reason(D: int, chunk_size: int, backward: bool, limit: int | None) -> str | None:
-    """Why the kernels of this shape do not fit ``limit`` bytes of shared memory per block
-    (None: they do, or the limit is unknown). Cached: the backend asks at every call."""
+    """Why this shape's kernels do not fit ``limit`` bytes of shared memory per block (None:
+    they do, or no limit is known). Cached: the backend asks at every call."""
     if limit is None:
         return None
     dp = d_pad(D)

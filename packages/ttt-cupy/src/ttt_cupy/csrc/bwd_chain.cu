@@ -7,30 +7,24 @@
 //   dW <- dW + q^T do_pre + k^T dkh,     dhb <- dhb + sum_i do_pre_i + sum_i dkh_i
 //   deta_last += -sum_i <u_i, g_i>       (added where bwd_local.cu left the rest)
 //
-// The full dg replaces dg_loc; KEY also writes deta_key dl = sum_i dg_i (g_i / l_i) to dkey
-// (when given). Slot s's cotangent goes to dck (dckb) for bwd_grads.cu, slot 0's to dh0 / dhb0
-// when given. Segments run chunks [g_lo G, g_hi G) in reverse, from dht (the sequence's last
-// segment) or the slot cotangent the next segment stored. Overlapped (sync given): each
-// finished group is published for bwd_grads (overlap.cuh).
+// The full dg replaces dg_loc; KEY also writes deta_key sum_i dg_i (g_i / l_i) to dkey (when
+// given). Slot cotangents go to dck, dckb for bwd_grads.cu, slot 0's to dh0 / dhb0 when given.
+// Segments run chunks [g_lo G, g_hi G) in reverse, from dht or the slot cotangent the next
+// segment stored. Overlapped (sync given): finished groups are published (overlap.cuh).
 //
-// SIMT (MMA = false): every product SIMT fp32, dW in shared memory, the previous chunk's rows
-// asked into L1. MMA (half inputs): dW in registers as mma accumulators (mma.cuh); k dW and
-// q^T do_pre + k^T dkh on tensor cores; the row pass works on each lane's accumulator entries
-// with three rounds of row sums (frag_row_sums). The previous chunk's rows come in during a
-// step: by cp.async into a stage (Traits::kBwdChainStage) or q, k through registers
-// (StagedTile) and the rest asked into L1.
+// SIMT: dW in shared memory, the previous chunk's rows asked into L1. MMA (half inputs): dW in
+// registers as mma accumulators (mma.cuh), the row pass on each lane's accumulator entries
+// with three rounds of row sums (frag_row_sums); the previous chunk's rows come by cp.async
+// (Traits::kBwdChainStage) or q, k through registers (StagedTile) and the rest via L1.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// The MMA instance of the backward chain (see the top of this file); FUSE: the fused instance
-// (ttt_linear_bwd_chain_fused below), which also writes dk, dv and per-group dw, db partials.
-// The tensor-core chain's steps over a lane's fragment entries: row t = 8 i + 2 tq + e
-// (e < 2), column n0 + 8 h (h < 2), entry c = e + 2 h of x[i][c] (mma.sync's accumulator
-// layout); col_ok[h]: column n0 + 8 h within D.
+// The MMA steps over a lane's accumulator entries: row t = 8 i + 2 tq + e, column n0 + 8 h,
+// entry c = e + 2 h of x[i][c]; col_ok[h]: column n0 + 8 h within D. FUSE: the fused chain.
 
-// This chunk's rows of xh, v, do_pre, dg_loc, r (and KEY: the LayerNorm's r): from the stage
-// (kStage: filled by the step before, zero past L rows and D columns) or device memory.
+// This chunk's rows of xh, v, do_pre, dg_loc, r (KEY: and the LayerNorm's r): from the stage
+// (kStage) or device memory.
 template <typename T, int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void bwd_tc_rows(
     float (&xh)[BT / 8][4], float (&vv)[BT / 8][4], float (&dop)[BT / 8][4], float (&dg)[BT / 8][4],
@@ -44,7 +38,7 @@ __device__ __forceinline__ void bwd_tc_rows(
     constexpr bool kStage = Tr::kBwdChainStage;
     using RowsF = StagedRows<float, D_PAD, BT, NT>;
     using RowsT = StagedRows<T, D_PAD, BT, NT>;
-    if constexpr (kStage) {  // staged by the step before (zero past L rows, D columns)
+    if constexpr (kStage) {  // staged by the step before
         frag_rows_from_smem<BT, RowsF::kLd>(xh, s_xh);
         frag_rows_from_smem<BT, RowsT::kLd>(vv, s_v);
         frag_rows_from_smem<BT, RowsF::kLd>(dop, s_dop);
@@ -67,8 +61,8 @@ __device__ __forceinline__ void bwd_tc_rows(
     }
 }
 
-// The fused chain's tiles of a step: dW (after the chunk) and do_pre, the per-row eta, and at
-// a group start (``slot`` given) W before the chunk from its slot (else stepped back later).
+// The fused chain's tiles of a step: dW (after the chunk), do_pre, eta, and at a group start
+// (slot given) W before the chunk.
 template <int D_PAD, int BT>
 __device__ __forceinline__ void bwd_tc_fused_tiles(
     float* s_dWs, float* s_out, float* s_e, float* s_W, const float (&dW)[D_PAD / 8][4],
@@ -105,8 +99,8 @@ __device__ __forceinline__ void bwd_tc_y(
     });
 }
 
-// g (FUSE: into s_g); dg = dg_loc - eta_l u; round 2's row sums of dg, dg xh, dg g, u g (KEY:
-// dg g / l, g / l = r_ln (y - ..), which is deta_key).
+// g (FUSE: into s_g); dg = dg_loc - eta_l u; round 2's row sums of dg, dg xh, dg g (KEY:
+// dg g / l, deta_key), u g.
 template <int NR, int LD, bool FUSE, bool KEY>
 __device__ __forceinline__ void bwd_tc_dg(
     float (&gg)[NR][4], float (&dg)[NR][4], float (&s2)[NR][2][4], const float (&s1)[NR][2][2],
@@ -135,8 +129,8 @@ __device__ __forceinline__ void bwd_tc_dg(
     });
 }
 
-// dy, dxh (inner_grad_bwd_row); round 3's row sums of dxh, dxh xh. FUSE: dy w (kept for
-// dk), dv = -dy w, and the dw, db partials (sum_i dy (2 xh w + b - v + k), sum_i dy w).
+// dy, dxh (inner_grad_bwd_row); round 3's row sums of dxh, dxh xh. FUSE: dy w (for dk),
+// dv = -dy w, and the dw, db partials.
 template <typename T, int NR, int LD, bool FUSE>
 __device__ __forceinline__ void bwd_tc_dxh(
     float (&dxh)[NR][4], float (&s3)[NR][2][2], float (&dyw)[NR][4], float (&dwa)[2],
@@ -171,8 +165,8 @@ __device__ __forceinline__ void bwd_tc_dxh(
     });
 }
 
-// dkh (into u; FUSE: into s_dkh too); the full dg out (unfused); us += the rows' u g sums
-// (deta's last-row term).
+// dkh (into u; FUSE: s_dkh too); the full dg out (unfused); us += the rows' u g (deta's
+// last-row term).
 template <int NR, int LD, bool FUSE, bool KEY>
 __device__ __forceinline__ void bwd_tc_dkh(
     float (&u)[NR][4], float& us, const float (&s2)[NR][2][4], const float (&s3)[NR][2][2],
@@ -198,8 +192,8 @@ __device__ __forceinline__ void bwd_tc_dkh(
     });
 }
 
-// The fused chain's dk: W before the chunk (W + eta_l k^T g, unless it came from its slot),
-// then dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T, one tile pass (as bwd_grads).
+// The fused chain's dk: W before the chunk (W + eta_l k^T g, unless from its slot), then
+// dk - dy w = (-scale e S) q + dkh W^T - eta_l g dW^T in one tile pass.
 template <typename T, int D_PAD, int BT>
 __device__ __forceinline__ void bwd_tc_fused_dk(
     float* s_W, float* s_out, const float* s_S, const float* s_g, const float* s_dkh,
@@ -228,7 +222,7 @@ __device__ __forceinline__ void bwd_tc_fused_dk(
     });
 }
 
-// The fused chain's dw, db partials of a group: sums over a column's lanes, at ``i_p``.
+// The fused chain's dw, db partials of a group: sums over a column's lanes, at i_p.
 __device__ __forceinline__ void bwd_tc_group_partials(
     float (&dwa)[2], float (&dba)[2], float* __restrict__ dwp, float* __restrict__ dbp,
     long long i_p, const bool (&col_ok)[2], int tq, int n0) {
@@ -247,26 +241,33 @@ __device__ __forceinline__ void bwd_tc_group_partials(
     }
 }
 
+// The instances' first parameters: the kernel's shared memory and BwdParams' fields
+// (restrict: no aliasing, the read-only path), and the kernel's arguments for them.
+#define TTT_BWD_CHAIN_PARAMS                                                                      \
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,       \
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,  \
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf,                               \
+    const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,        \
+    const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,       \
+    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,                  \
+    const float* __restrict__ rlbuf, float* __restrict__ dkey,                                    \
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,          \
+    float scale, long long T_len, int H, int D, int G, long long g_lo, long long g_hi
+#define TTT_BWD_CHAIN_ARGS(p)                                                                     \
+    smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta, p.dht,   \
+    p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens, p.grp_offsets, p.scale,  \
+    p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi
+
 template <typename T, int D_PAD, int BT, bool FUSE = false, bool KEY = false>
 __device__ __forceinline__ void bwd_chain_tc(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ xbuf, const float* __restrict__ rbuf,
-    const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
-    const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
-    const float* __restrict__ rlbuf, float* __restrict__ dkey,
-    const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, float scale, long long T_len, int H, int D,
-    int G, long long g_lo, long long g_hi, const float* __restrict__ ck = nullptr,
-    T* __restrict__ dk = nullptr, T* __restrict__ dv = nullptr, float* __restrict__ dwp = nullptr,
-    float* __restrict__ dbp = nullptr, int* sync = nullptr) {
+    TTT_BWD_CHAIN_PARAMS, const float* __restrict__ ck, T* __restrict__ dk, T* __restrict__ dv,
+    float* __restrict__ dwp, float* __restrict__ dbp, int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
-    float* s_q = smem;                    // [2][BT, LD]  q (scale goes to do_pre), double-buffered
+    float* s_q = smem;                    // [2][BT, LD]  q, double-buffered
     float* s_k = s_q + 2 * Tr::kTile;     // [2][BT, LD]  k
     float* s_red = s_k + 2 * Tr::kTile;   // [3][NW][BT][4] row sums, one region per round
-    // kStage: the rows of the chunk the next step works on, staged by cp.async (StagedRows)
+    // kStage: the rows of the next step's chunk, staged by cp.async
     constexpr bool kStage = Tr::kBwdChainStage;
     using RowsF = StagedRows<float, D_PAD, BT, NT>;
     using RowsT = StagedRows<T, D_PAD, BT, NT>;
@@ -277,7 +278,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     T* s_pq = reinterpret_cast<T*>(s_dg + 2 * Tr::kStageTile);  // [BT, RowsT::kLd] q
     T* s_pk = reinterpret_cast<T*>(s_dg + 3 * Tr::kStageTile);  // [BT, RowsT::kLd] k
     float* s_r = s_dg + 4 * Tr::kStageTile;                      // [BT] r
-    // FUSE only, past the unfused instance's shared memory (its stage included, if any)
+    // FUSE only, past the unfused instance's shared memory
     float* s_g = s_xh + (kStage ? Tr::kBwdChainStageFloats : 0);  // [BT, LD]  g
     float* s_dkh = s_g + Tr::kTile;       // [BT, LD]      dkh
     float* s_out = s_dkh + Tr::kTile;     // [BT, LD]      do_pre, then dk - dy w
@@ -301,12 +302,11 @@ __device__ __forceinline__ void bwd_chain_tc(
     const int rs = H * D;                                // row stride (32-bit in a chunk)
     constexpr bool kExact = is_half_type<T>::value;  // q's, k's tiles hold tf32 values
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row (prefetch_spans)
-    // the previous chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
     const bool vec = vec_rows_ok(q, row_stride, D) && vec_rows_ok(k, row_stride, D);
     const bool vec_v = vec_rows_ok(v, row_stride, D);
     const bool vec_f = vec_rows_ok(xbuf, row_stride, D) && vec_rows_ok(dopbuf, row_stride, D) &&
                        vec_rows_ok(dgbuf, row_stride, D);
-    // kStage: the copies of rows r0 .. r0 + Lr - 1 of xh, do_pre, dg_loc, v, r into the stage
+    // kStage: rows r0 .. r0 + Lr - 1 of xh, do_pre, dg_loc, v, r into the stage
     auto stage_rows = [&](long long r0, int Lr) {
         const long long o = p_base + r0 * row_stride;
         RowsF::copy(s_xh, xbuf + o, rs, Lr, D, vec_f);
@@ -316,11 +316,10 @@ __device__ __forceinline__ void bwd_chain_tc(
         stage_scalars<BT, NT>(s_r, rbuf + p_ebase + r0 * H, H, Lr);
     };
 
-    // this launch's chunks [c_lo, c_hi), in reverse (a segment, or all): the segment with the
-    // sequence's end starts from dht, dhbt (and stores them as the final slot's cotangent),
-    // a segment before it from the slot its successor stored last
+    // chunks [c_lo, c_hi) in reverse, from dht, dhbt (stored as the final slot's cotangent)
+    // or the slot the next segment stored
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
-    if (cr.skip) return;  // the sequence ended in an earlier segment
+    if (cr.skip) return;
     overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
@@ -360,8 +359,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         const float e_l = eta[o_last];
         const float deta_l = threadIdx.x == 0 ? deta[o_last] : 0.f;  // used last
 
-        // the previous chunk's q, k (a full chunk): staged (kStage) or into registers, both
-        // stored into the other tile half at the step's end
+        // the previous (full) chunk's q, k: staged or into registers, stored into the other
+        // tile half at the step's end
         const long long row0p = row0 - BT;
         const long long o_prev = p_base + row0p * row_stride;
         StagedTile<T, D_PAD, BT, NT> pq, pk;  // (without kStage)
@@ -376,7 +375,7 @@ __device__ __forceinline__ void bwd_chain_tc(
         } else {
             pq.load(q + o_prev, rs, i_c > c_lo ? BT : 0, D, vec);
             pk.load(k + o_prev, rs, i_c > c_lo ? BT : 0, D, vec);
-            if (i_c > c_lo) {  // and its other rows into L1, in one pass (prefetch_spans)
+            if (i_c > c_lo) {  // and its other rows into L1
                 const RowSpan spans[7] = {
                     row_span(v + p_base, row0p, BT, row_stride, D),
                     row_span(xbuf + p_base, row0p, BT, row_stride, D),
@@ -389,8 +388,7 @@ __device__ __forceinline__ void bwd_chain_tc(
             }
         }
 
-        // this chunk's rows, each lane its entries: x[i][c] at row t = 8 i + 2 tq + (c & 1),
-        // column n0 + 8 (c >> 1)
+        // this chunk's rows, each lane its entries
         float xh[NR][4], vv[NR][4], dop[NR][4], dg[NR][4], r[NR][2], rl[NR][2];
         const long long o_rows = p_base + row0 * row_stride;
         bwd_tc_rows<T, D_PAD, BT, KEY>(xh, vv, dop, dg, r, rl, s_xh, s_v, s_dop, s_dg, s_r, xbuf,
@@ -409,8 +407,7 @@ __device__ __forceinline__ void bwd_chain_tc(
         // past its barrier every thread has read the stage: the previous chunk's rows go in
         if (kStage && i_c > c_lo) stage_rows(row0p, BT);
 
-        // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g, u g (KEY: dg g / l,
-        // g / l = r_ln (y - ..), which is deta_key)
+        // g; dg = dg_loc - eta_l u; round 2: sums of dg, dg xh, dg g (KEY: deta_key), u g
         float gg[NR][4], s2[NR][2][4];
         bwd_tc_dg<NR, LD, FUSE, KEY>(gg, dg, s2, s1, u, y, xh, r, rl, col_ok, e_l, inv_d, L, s_g,
                                      tq, n0);
@@ -425,8 +422,7 @@ __device__ __forceinline__ void bwd_chain_tc(
         if constexpr (FUSE)  // (g, do_pre, eta are in: round 2's barrier)
             tri_dots_mma<D_PAD, BT, NW, false>(s_S, s_g, s_out, L, 0.f, s_e, -scale);
 
-        // dy, dxh (inner_grad_bwd_row); round 3: sums of dxh, dxh xh. FUSE: dy w (kept for
-        // dk), dv = -dy w, and the dw, db partials (sum_i dy (2 xh w + b - v + k), sum_i dy w)
+        // dy, dxh; round 3: sums of dxh, dxh xh. FUSE: dy w, dv, the dw, db partials
         float dxh[NR][4], s3[NR][2][2], dyw[NR][4];
         bwd_tc_dxh<T, NR, LD, FUSE>(dxh, s3, dyw, dwa, dba, s1, s2, dg, xh, y, r, vv, col_ok, lw,
                                     lb, skt, dv, o_rows, rs, L, inv_d, tq, n0);
@@ -471,13 +467,11 @@ __device__ __forceinline__ void bwd_chain_tc(
         }
         __syncthreads();
         if (in_group == 0) {
-            // a group done (its full dg stored; the cotangent after it, slot i_c / G + 1,
-            // stored a group earlier): bwd_grads may take it (overlapped backward)
+            // a group done (its full dg stored, the cotangent after it a group earlier)
             overlap_chain_progress(sync, i_nh, (int)((sq.nc + G - 1) / G - i_c / G));
             const long long i_ck = (sq.slot_base + i_c / G) * H + i_h;
             store_state_frag<D_PAD>(dck + i_ck * DD, dckb + i_ck * D, dW, dhb, D);
-            if constexpr (FUSE) {  // the group's dw, db partials: sums over a column's lanes,
-                // at the partial index of bwd_grads' (group index: slot - sequence index), so
+            if constexpr (FUSE) {  // the group's dw, db partials at bwd_grads' index, so
                 // that the sums do not depend on how the launcher splits the chain
                 const long long i_p = ((sq.slot_base - i_n + i_c / G) * H + i_h) * D;
                 bwd_tc_group_partials(dwa, dba, dwp, dbp, i_p, col_ok, tq, n0);
@@ -491,18 +485,8 @@ __device__ __forceinline__ void bwd_chain_tc(
         store_state_frag<D_PAD>(dh0 + i_nh * DD, dhb0 + i_nh * D, dW, dhb, D);
 }
 
-// The SIMT instance of the backward chain (MMA = false; see the top of this file).
 template <typename T, int D_PAD, int BT, bool KEY>
-__device__ __forceinline__ void bwd_chain_simt(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ xbuf, const float* __restrict__ rbuf,
-    const float* __restrict__ dopbuf, float* __restrict__ dgbuf, float* __restrict__ deta,
-    const float* __restrict__ dht, const float* __restrict__ dhbt, float* __restrict__ dck,
-    float* __restrict__ dckb, float* __restrict__ dh0, float* __restrict__ dhb0,
-    const float* __restrict__ rlbuf, float* __restrict__ dkey,
-    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, long long T_len, int H, int D, int G, long long g_lo, long long g_hi, int* sync) {
+__device__ __forceinline__ void bwd_chain_simt(TTT_BWD_CHAIN_PARAMS, int* sync) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, LD = Tr::kLd;
     float* s_dW = smem;                // [D_PAD, LD]  cotangent of the state after the chunk
@@ -520,9 +504,8 @@ __device__ __forceinline__ void bwd_chain_simt(
     const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
 
-    // this launch's chunks [c_lo, c_hi), in reverse (as the MMA instance above)
-    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
-    if (cr.skip) return;  // the sequence ended in an earlier segment
+    const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);  // (in reverse, as above)
+    if (cr.skip) return;
     overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_end = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
@@ -595,7 +578,7 @@ __device__ __forceinline__ void bwd_chain_simt(
                     inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
                 if (dkey != nullptr && lane == 0) dkey[p_ebase + (row0 + i) * H] = dl;
             } else {
-                inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+                inner_grad_bwd_row(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D, r);
             }
             store_row<D_PAD>(dgbuf + o_r, b_dg, D);
             put_row<D_PAD>(s_dkh + i * LD, b_dkh);
@@ -634,36 +617,26 @@ template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
 __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                       : ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_chain(const ttt::BwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (p.smem_bytes < (MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes) ||
-        blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) || p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? Tr::kBwdChainTcBytes : Tr::kBwdChainBytes,
+                                     MMA ? Tr::kTcThreads : Tr::kThreads);
     if constexpr (MMA)
-        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
-            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
-            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, nullptr, nullptr,
-            nullptr, nullptr, nullptr, p.sync);
+        ttt::bwd_chain_tc<T, D_PAD, BT, false, KEY>(TTT_BWD_CHAIN_ARGS(p), nullptr, nullptr,
+                                                    nullptr, nullptr, nullptr, p.sync);
     else
-        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
-            p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
-            p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+        ttt::bwd_chain_simt<T, D_PAD, BT, KEY>(TTT_BWD_CHAIN_ARGS(p), p.sync);
 }
 
-// The fused backward chain (launcher: many chains at D_PAD <= 64, half inputs): the MMA
-// instance above with bwd_grads.cu's work done per chunk, as the Triton backend's FUSE_GRADS.
-// With W the state before the chunk (its slot at a group start, else stepped back from the
-// state after it, W + eta_l k^T g, in shared memory) and dW the cotangent after it:
+// The fused backward chain (many chains, half inputs, D_PAD <= 64): the MMA instance with
+// bwd_grads.cu's work per chunk. With W the state before the chunk (its slot at a group start,
+// else W + eta_l k^T g, in shared memory) and dW the cotangent after it:
 //
 //   dk = dy w + dkh W^T - eta_l g dW^T + C_q (q scale),  (C_q)_ij = -[j >= i] e_j g_i . do_pre_j
 //   dv = -dy w,   dw += sum_i dy (2 xh w + b - v + k),   db += sum_i dy w
 //
-// dk, dv are final; dw, db go into per-group partials dwp, dbp [groups, H, D] (bwd_grads'),
-// written at each group's first chunk, so that segmented and one launch sum alike. The full
-// dg is not stored (nothing reads it); the slot cotangents are (a segment starts from them).
+// dw, db go to bwd_grads' per-group partials dwp, dbp [groups, H, D]. The full dg is not
+// stored (nothing reads it); the slot cotangents are (a segment starts from them).
 template <typename T, int D_PAD, int BT, bool MMA = true, bool KEY = false>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kTcThreads)
 ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {
@@ -671,12 +644,7 @@ ttt_linear_bwd_chain_fused(const ttt::BwdParams<T> p) {
     static_assert(D_PAD <= 64, "D_PAD 128 would hold two [D_PAD, D_PAD] tiles per block");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
-    if (p.smem_bytes < Tr::kBwdChainFusedTcBytes || blockDim.x != Tr::kTcThreads ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
-    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(
-        smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.xbuf, p.rbuf, p.dopbuf, p.dgbuf, p.deta,
-        p.dht, p.dhbt, p.dck, p.dckb, p.dh0, p.dhb0, p.rlbuf, p.dkey, p.cu_seqlens,
-        p.grp_offsets, p.scale, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.ck, p.dk, p.dv, p.dwp,
-        p.dbp);
+    ttt::check_launch<T, D_PAD, MMA>(p, Tr::kBwdChainFusedTcBytes, Tr::kTcThreads);
+    ttt::bwd_chain_tc<T, D_PAD, BT, true, KEY>(TTT_BWD_CHAIN_ARGS(p), p.ck, p.dk, p.dv, p.dwp,
+                                               p.dbp, nullptr);
 }

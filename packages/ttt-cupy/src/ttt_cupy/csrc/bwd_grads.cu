@@ -12,16 +12,14 @@
 //   W  <- W + eta_l k^T g          (undoing the chunk's update: the state before it)
 //   dW <- dW + q^T do_pre + k^T dkh
 //
-// The group's first chunk takes its state from its own slot (stepping back to a zero state
-// is ill-conditioned). Traits::kGradsSplit blocks may share a (group, head), each holding
-// DA = D_PAD / SPLIT rows of W, dW and those columns of q, k (row-local in the state), and
-// writing dk, dv, dw, db of its columns only. MMA (half inputs): the state steps, S and the
-// dk products on tensor cores.
+// The group's first chunk takes its state from its slot (stepping back to a zero state is
+// ill-conditioned). Traits::kGradsSplit blocks may share a (group, head), each with DA =
+// D_PAD / SPLIT rows of W, dW and those columns of q, k, writing dk, dv, dw, db of its
+// columns. MMA (half inputs): the state steps, S and the dk products on tensor cores.
 #include "ttt_common.cuh"
 
-// bwd_grads' row pass over a chunk: g (s_g), dkh (s_dkh), dy w (b_dyw), dv, and this lane's
-// dw / db partials. Pass u gives lane group ``sub`` row warp + NW (sub + RPP u); rows >= L run
-// on zeros (every lane takes part in the row sums): r = 0 makes g, dkh and dy zero there.
+// The row pass over a chunk: g (s_g), dkh (s_dkh), dy w (b_dyw), dv, this lane's dw / db
+// partials. Row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros (r = 0: g, dkh, dy 0).
 template <typename T, int D_PAD, int BT, bool MMA, bool KEY,
           int LPR = MMA ? ttt::Traits<D_PAD, BT>::template kRowLanes<BT> : 32,
           int PL = (D_PAD + LPR - 1) / LPR,
@@ -58,7 +56,7 @@ __device__ __forceinline__ void bwd_grads_rows(
             ttt::inner_grad_row<LPR>(b_gl, b_y, b_xh, rl, b_k, b_v, b_w, b_b, D);
             ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_gl, b_w, D, rl);
         } else {
-            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D);
+            ttt::inner_grad_bwd_row<LPR>(b_dkh, b_dy, b_dg, b_xh, r, b_y, b_g, b_w, D, r);
         }
         ttt::put_row<D_PAD, LPR>(s_g + i * LD, b_g);
         ttt::put_row<D_PAD, LPR>(s_dkh + i * LD, b_dkh);
@@ -92,8 +90,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane, RW = Tr::kRowsPerWarp;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
     constexpr int SPLIT = Tr::kGradsSplit, DA = Tr::kGradsRows, LDH = Tr::kLdH;
-    // the row passes: LPR lanes a row (MMA: Traits::kRowLanes, a warp's rows in one pass;
-    // SIMT: one warp a row), RPP rows per warp pass, PL row elements per lane
+    // the row passes: LPR lanes a row (SIMT: 32), RPP rows per warp pass, PL elements per lane
     constexpr int LPR = MMA ? Tr::template kRowLanes<BT> : 32, RPP = 32 / LPR;
     constexpr int PL = (D_PAD + LPR - 1) / LPR, NPASS = RW / RPP;
     static_assert(RW % RPP == 0, "bwd_grads: whole row passes");
@@ -109,7 +106,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
     float* s_dkh = s_g + Tr::kTile;    // [BT, LD]     dkh
     float* s_S = s_dkh + Tr::kTile;    // [BT, LA]     S = g do_pre^T (upper triangle)
     float* s_e = s_S + Tr::kSquare;    // [BT]         eta (zero past the end)
-    // the stage (Tr::kGradsStage): the next chunk's do_pre and eta by cp.async
+    // the stage: the next chunk's do_pre and eta by cp.async
     constexpr bool STAGE = Tr::kGradsStage;
     float* s_stdop = smem + Tr::kGradsStageOffset;  // [BT, D_PAD + 4]
     float* s_ste = s_stdop + Tr::kStageTile;       // [BT]
@@ -130,16 +127,11 @@ __device__ __forceinline__ void bwd_grads_kernel(
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
     ttt::load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[PL], b_db[PL];                                        // this lane's partials
-#pragma unroll
-    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
+    float b_dw[PL] = {}, b_db[PL] = {};                              // this lane's partials
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
     const long long p_ebase = gr.seq.bos * H + i_h;
-    // a chunk's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k and,
-    // without the stage, do_pre, eta) and the row pass's (xh, v, dg, r); the group's last
-    // chunk's before the state loads, each earlier one's a whole step early. With the stage,
-    // the next chunk's do_pre and eta go into shared memory by cp.async (stage_tiles)
+    // a chunk's unstaged rows asked into L1 in one pass, a step early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long r0, int Lr) {
         const ttt::RowSpan rows6[6] = {ttt::row_span(q + p_base, r0, Lr, row_stride, D),
@@ -183,8 +175,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
         ttt::load_tile<DA, BT, NT>(s_q, q, p_base + a0, row0, L, row_stride, D - a0, scale);
         ttt::load_tile<DA, BT, NT>(s_k, k, p_base + a0, row0, L, row_stride, D - a0, 1.f);
         if constexpr (STAGE) {
-            // this chunk's staged pieces -> the tiles, each thread its own (no barrier between),
-            // then the next chunk's copies into the same pieces
+            // this chunk's staged pieces -> the tiles (each thread its own), then the next's
             ttt::cp_async_wait_all();
             StagedF::to_tile(s_dop, s_stdop, 1.f);
             for (int i = tid; i < BT; i += NT) s_e[i] = s_ste[i];
@@ -287,8 +278,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
         }
     }
 
-    // dw, db of the block's columns: the warps' partials summed in a fixed order (s_q, s_k
-    // reused as [NW, LD]; NW * LD <= BT * LDH)
+    // dw, db of the block's columns (s_q, s_k reused as [NW, LD])
     static_assert(NW * LD <= BT * LDH, "the partials need [NW, LD] of s_q and s_k");
     ttt::store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D,
                                             a0, d1);

@@ -13,37 +13,42 @@
 // for OUT = kOutNorm; kOutQuery: do_pre without the leading do, and dq += do; kOutRaw: do_pre
 // = do, no dw / db part. The dw / db partials go per block to [groups, H, D].
 //
-// MMA (half inputs): blocks of R = Traits::kOutRows rows as fwd_out.cu's, with M, W0, hb0 as
-// there:
+// MMA (half inputs): blocks of R = Traits::kOutRows rows, M, W0, hb0 as in fwd_out.cu:
 //
 //   o_pre = q W0 + hb0 - M g,    dS = do_pre g^T (every j <= t of the block)
 //   dP'[t, j] = -(e_t dS_tj) in t's chunk, -(eta_l(chunk of j) dS_tj) for earlier chunks
 //   dq = scale (do_pre W0^T + dP' k)  (the earlier chunks' state steps folded into dP')
 //   deta_t = -sum_{j <= t in t's chunk} A_tj dS_tj,  dg_loc = -(e A)^T do_pre within chunks
 //
-// on tensor cores; the next block's q, k, do, eta (Traits::kLocalStage; kLocalStageSaved: xh,
-// v, r too) come by cp.async into a stage, other rows are asked into L1 a block ahead.
+// on tensor cores; the next block's q, k, do, eta (kLocalStage; kLocalStageSaved: xh, v, r)
+// come by cp.async, other rows via L1 a block ahead.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// The MMA instance of bwd_local (see the top of this file); arguments as the kernel's.
+// Both instances' parameters: the kernel's shared memory and BwdParams' fields (restrict:
+// no aliasing, the read-only path), and the kernel's arguments for them.
+#define TTT_BWD_LOCAL_PARAMS                                                                      \
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,       \
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,  \
+    const T* __restrict__ dout, const float* __restrict__ ck, const float* __restrict__ ckb,      \
+    const float* __restrict__ xbuf, const float* __restrict__ rbuf, float* __restrict__ dopbuf,   \
+    float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,                      \
+    float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,   \
+    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,      \
+    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi
+#define TTT_BWD_LOCAL_ARGS(p)                                                                     \
+    smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf, p.dopbuf,      \
+    p.dgbuf, p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens, p.grp_offsets, p.grp_seq,      \
+    p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi
+
 template <typename T, int D_PAD, int BT, int OUT>
-__device__ __forceinline__ void bwd_local_tc(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const T* __restrict__ dout, const float* __restrict__ ck, const float* __restrict__ ckb,
-    const float* __restrict__ xbuf, const float* __restrict__ rbuf, float* __restrict__ dopbuf,
-    float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,
-    float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
-    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
+__device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd, LA = R + 1;
     static_assert(R % BT == 0 && R % 16 == 0, "a block of rows holds whole chunks");
-    // the row passes: LPR lanes a row (Traits::kRowLanes: a warp's rows in one pass where the
-    // head dim allows), RPP rows per warp pass, PL row elements per lane
+    // the row passes: LPR lanes a row, RPP rows per warp pass, PL row elements per lane
     constexpr int LPR = Tr::template kRowLanes<R>, RPP = 32 / LPR;
     constexpr int PL = (D_PAD + LPR - 1) / LPR;
     static_assert(R % (NW * RPP) == 0, "bwd_local: whole row passes");
@@ -53,13 +58,13 @@ __device__ __forceinline__ void bwd_local_tc(
     float* s_k = s_q + R * LD;         // [R, LD]      k
     float* s_do = s_k + R * LD;        // [R, LD]      do -> do_pre
     float* s_g = s_do + R * LD;        // [R, LD]      g -> eta_l g
-    // the stage (Tr::kLocalStage): the next block's q, k, do (raw T) and eta by cp.async
+    // the stage: the next block's q, k, do (raw T) and eta by cp.async
     constexpr bool STAGE = Tr::kLocalStage;
     float* s_stq = smem + Tr::kLocalStageOffset;  // [R, D_PAD + 4] floats each
     float* s_stk = s_stq + R * (D_PAD + 4);
     float* s_stdo = s_stk + R * (D_PAD + 4);
     float* s_ste = s_stdo + R * (D_PAD + 4);      // [R]
-    // ... and (Tr::kLocalStageSaved) the g row pass's stored xh, v (as floats / raw T) and r
+    // ... and (kLocalStageSaved) the g row pass's xh, v (raw T) and r
     constexpr bool STAGE_SAVED = Tr::kLocalStageSaved;
     float* s_stx = s_ste + R;                     // [R, D_PAD + 4] floats each
     float* s_stv = s_stx + R * (D_PAD + 4);
@@ -86,12 +91,8 @@ __device__ __forceinline__ void bwd_local_tc(
 
     float b_w[PL], b_b[PL];                                          // [D] per lane
     load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[PL], b_db[PL];                                        // this lane's partials
-#pragma unroll
-    for (int e = 0; e < PL; ++e) b_dw[e] = b_db[e] = 0.f;
-    // a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q, k, do) and
-    // the g row pass's (xh, v, r); the first block's before the state load, each next block's
-    // a whole block early
+    float b_dw[PL] = {}, b_db[PL] = {};                              // this lane's partials
+    // a block's unstaged rows asked into L1 in one pass, a block early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
         const RowSpan rows3[3] = {row_span(xbuf + p_base, row0, L, row_stride, D),
@@ -141,8 +142,8 @@ __device__ __forceinline__ void bwd_local_tc(
         const int L = min(R, rows - b0);
         if (b0 + R < rows) ask_rows(row0 + R, min(R, rows - b0 - R));  // the next block's
         if constexpr (STAGE) {
-            // this block's staged pieces -> the tiles, each thread its own (no barrier
-            // between), then the next block's copies into the same pieces
+            // this block's staged pieces -> the tiles (each thread its own: no barrier), then
+            // the next block's copies
             cp_async_wait_all();
             Staged::to_tile(s_q, reinterpret_cast<const T*>(s_stq), scale);
             Staged::to_tile(s_k, reinterpret_cast<const T*>(s_stk), 1.f);
@@ -177,18 +178,14 @@ __device__ __forceinline__ void bwd_local_tc(
         __syncthreads();
 
         // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db.
-        // Lane group `sub` takes row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros
-        // (o = do = 0: they add nothing to dw, db) and store nothing
+        // Row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros and store nothing
         for (int i0 = warp; i0 < R; i0 += NW * RPP) {
             const int i = i0 + NW * sub;
             const bool ok = i < L;
-            float b_o[PL], b_do[PL];
+            float b_o[PL] = {}, b_do[PL] = {};
             if (ok) {
                 out_pre_row<D_PAD, R, true, LPR>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
                 load_row<D_PAD, LPR>(b_do, s_do + i * LD, D, 1.f);
-            } else {
-#pragma unroll
-                for (int e = 0; e < PL; ++e) b_o[e] = b_do[e] = 0.f;
             }
             post_norm_bwd_row<LPR, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
             if (!ok) continue;
@@ -258,20 +255,9 @@ __device__ __forceinline__ void bwd_local_tc(
                                        D);
 }
 
-}  // namespace ttt
-
-// The SIMT instance of bwd_local (MMA = false; see the top of this file).
 template <typename T, int D_PAD, int BT, int OUT>
-__device__ __forceinline__ void bwd_local_simt(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const T* __restrict__ dout, const float* __restrict__ ck, const float* __restrict__ ckb,
-    const float* __restrict__ xbuf, const float* __restrict__ rbuf, float* __restrict__ dopbuf,
-    float* __restrict__ dgbuf, T* __restrict__ dq, float* __restrict__ deta,
-    float* __restrict__ dwp, float* __restrict__ dbp, const long long* __restrict__ cu_seqlens,
-    const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, float scale,
-    float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi) {
-    using Tr = ttt::Traits<D_PAD, BT>;
+__device__ __forceinline__ void bwd_local_simt(TTT_BWD_LOCAL_PARAMS) {
+    using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     constexpr int LD = Tr::kLd, LA = Tr::kLdA;
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
@@ -286,19 +272,17 @@ __device__ __forceinline__ void bwd_local_simt(
 
     const int tid = threadIdx.x, warp = tid >> 5;
     const int i_h = (int)(blockIdx.x % H);
-    const ttt::Group gr = ttt::group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens,
-                                            grp_offsets, grp_seq, g_lo, g_hi);
+    const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
+                                  grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
     const long long gid = gr.gid;
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
-    float b_dw[P], b_db[P];                                          // this warp's partials
-#pragma unroll
-    for (int e = 0; e < P; ++e) b_dw[e] = b_db[e] = 0.f;
+    load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
+    float b_dw[P] = {}, b_db[P] = {};                                // this warp's partials
     const long long i_ck = gr.slot * H + i_h;
-    ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -306,32 +290,32 @@ __device__ __forceinline__ void bwd_local_simt(
     for (int j = 0; j < gr.nc; ++j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
-        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_tile<D_PAD, BT, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        load_tile<D_PAD, BT, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
+        load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
 
         // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
-        ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                  p_ebase, row0, row_stride, L, H, D);
+        tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
+                                             row0, row_stride, L, H, D);
         __syncthreads();
 
         // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
         for (int i = warp; i < L; i += NW) {
             float b_o[P], b_do[P];
-            ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-            ttt::load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
-            ttt::post_norm_bwd_row<32, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
-            ttt::put_row<D_PAD>(s_do + i * LD, b_do);
-            ttt::store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
+            out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+            load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
+            post_norm_bwd_row<32, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
+            put_row<D_PAD>(s_do + i * LD, b_do);
+            store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
         }
         __syncthreads();
 
         // dS = do_pre g^T (lower triangle) -> s_P
-        ttt::tri_dots<D_PAD, BT, NT, true>(s_P, s_do, s_g, L, 0.f);
+        tri_dots<D_PAD, BT, NT, true>(s_P, s_do, s_g, L, 0.f);
         __syncthreads();
 
         // deta_i = -sum_j A_ij dS_ij; dP = -tril(e dS) in place (one thread a row)
@@ -357,42 +341,35 @@ __device__ __forceinline__ void bwd_local_simt(
                 for (int jj = i; jj < L; ++jj)
                     acc3 += s_A[jj * LA + i] * (s_e[jj] * s_do[jj * LD + d]);
                 const long long o_x = p_base + (row0 + i) * row_stride + d;
-                if constexpr (OUT == ttt::kOutQuery)  // q is the residual: + do
-                    dq[o_x] = ttt::from_f32<T>(scale * (acc + acc2) + ttt::to_f32(dout[o_x]));
+                if constexpr (OUT == kOutQuery)  // q is the residual: + do
+                    dq[o_x] = from_f32<T>(scale * (acc + acc2) + to_f32(dout[o_x]));
                 else
-                    dq[o_x] = ttt::from_f32<T>(scale * (acc + acc2));
+                    dq[o_x] = from_f32<T>(scale * (acc + acc2));
                 dgbuf[o_x] = -acc3;
             }
         }
         __syncthreads();
 
-        ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
         __syncthreads();
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    ttt::store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
-                                       D);
+    store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0, D);
 }
+
+}  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads)
 ttt_linear_bwd_local(const ttt::BwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
-    if (p.smem_bytes < (MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes) ||
-        blockDim.x != Tr::kThreads || p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? Tr::kBwdLocalTcBytes : Tr::kBwdLocalBytes,
+                                     Tr::kThreads);
     extern __shared__ float smem[];
     if constexpr (MMA)
-        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf,
-            p.dopbuf, p.dgbuf, p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens,
-            p.grp_offsets, p.grp_seq, p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi);
+        ttt::bwd_local_tc<T, D_PAD, BT, OUT>(TTT_BWD_LOCAL_ARGS(p));
     else
-        bwd_local_simt<T, D_PAD, BT, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.dout, p.ck, p.ckb, p.xbuf, p.rbuf,
-            p.dopbuf, p.dgbuf, p.dq, p.deta, p.dwp_local, p.dbp_local, p.cu_seqlens,
-            p.grp_offsets, p.grp_seq, p.scale, p.eps, p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi);
+        ttt::bwd_local_simt<T, D_PAD, BT, OUT>(TTT_BWD_LOCAL_ARGS(p));
 }

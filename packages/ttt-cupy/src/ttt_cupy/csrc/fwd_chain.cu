@@ -4,33 +4,28 @@
 //   kh = k W + hb  ->  xh, r (LayerNorm)  ->  g = l r (y - mean(y) - xh mean(y xh))
 //   W <- W - eta_l k^T g,  hb <- hb - eta_l sum_i g_i
 //
-// It saves xh and r' = l r of every valid row (KEY: rlbuf the LayerNorm's r), the state
+// It saves xh and r' = l r of every valid row (KEY: the LayerNorm's r to rlbuf), the state
 // before every group in its slot and the final state (the last slot; ht / hbt when given).
-// FUSE (many chains, placement.FUSED) also writes o (fwd_out.cu's math, from the state
-// before each chunk) and fwd_out is not launched; with ck null (no backward) it saves
-// nothing but o and ht / hbt.
+// FUSE also writes o (fwd_out.cu's math) in place of fwd_out; with ck null (no backward) it
+// saves nothing but o and ht / hbt.
 //
-// SIMT (MMA = false): the state in shared memory; a row pass (kh, LayerNorm, g) then a tile
-// pass for the state step; the next chunk's rows are asked into L1. MMA (half inputs): the
-// state stays in registers as mma accumulators (mma.cuh); k W and k^T g on tensor cores,
-// the row statistics by warp shuffles plus per-warp partials (Chan's formula), three
-// barriers per chunk; the next chunk's k, v (FUSE: q, eta) load into registers a step early
-// (StagedTile). FUSE's o_pre comes out of the same register state; its row statistics cross
-// the step's last barrier, so o is finished at the start of the next step.
+// SIMT: the state in shared memory, a row pass then a tile pass; the next chunk's rows asked
+// into L1. MMA (half inputs): the state in registers as mma accumulators (mma.cuh), the row
+// statistics by warp shuffles and per-warp partials (Chan's formula), three barriers per
+// chunk; the next chunk's k, v (FUSE: q, eta) load into registers a step early (StagedTile).
+// FUSE's o_pre statistics cross the step's last barrier: o is finished in the next step.
 //
-// Segments (g_lo < g_hi): chunks [g_lo G, g_hi G) only, from the slot the previous segment
-// stored last, ending in the slot before chunk g_hi G. Overlapped (sync given): the block
-// publishes each finished group for fwd_out (overlap.cuh).
+// Segments: chunks [g_lo G, g_hi G), from the slot the previous segment stored last.
+// Overlapped (sync given): each finished group is published for fwd_out (overlap.cuh).
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// The MMA instance's steps over a lane's accumulator entries (for_each_frag_row): row t,
-// column n0 + 8 h of entry x[i][e + 2 h]; col_ok[h]: that column within D; cols[w]: the valid
-// columns of warp w.
+// The MMA steps over a lane's accumulator entries (for_each_frag_row): row t, column n0 + 8 h
+// of x[i][e + 2 h]; col_ok[h]: that column within D; cols[w]: warp w's valid columns.
 
-// o <- o_pre + LN(o_pre) w + b (OUT: the output form) for a chunk's o_pre in ``ob`` (rows
-// ``o_rows`` .., L_o of them), from the per-warp statistics of its rows in s_ost.
+// o <- o_pre in the output form OUT for a chunk's o_pre in ob (L_o rows from o_rows), from
+// the per-warp statistics of its rows in s_ost.
 template <typename T, int D_PAD, int BT, int OUT>
 __device__ __forceinline__ void fwd_tc_finish_out(
     T* __restrict__ o_rows, const T* __restrict__ q_rows, const float (&ob)[BT / 8][4],
@@ -58,9 +53,8 @@ __device__ __forceinline__ void fwd_tc_finish_out(
     });
 }
 
-// kh (in x, its per-warp statistics in ``stat``) -> xh (in x) and r; with KEY r becomes g's
-// factor l r. Stores xh (x_rows given: a forward with a backward), r and (KEY) the
-// LayerNorm's r of valid rows.
+// kh (in x, its per-warp statistics in stat) -> xh (in x) and r (KEY: g's factor l r); saves
+// xh, r (KEY: and the LayerNorm's r) of valid rows when x_rows is given.
 template <int D_PAD, int BT, bool KEY>
 __device__ __forceinline__ void fwd_tc_layernorm(
     float (&x)[BT / 8][4], float (&r)[BT / 8][2], const FloatK<2>* stat,
@@ -88,9 +82,8 @@ __device__ __forceinline__ void fwd_tc_layernorm(
     });
 }
 
-// o_pre += (-e A) g: M = n (this warp's columns), K = j (g's accumulators as the A operand:
-// slots tq, tq + 4 = rows 8 i + 2 tq, + 1), N = t (rows 8 I ..; A lower); then the per-warp
-// statistics of o_pre's rows (mean, M2 over the warp's columns) into s_ost.
+// o_pre += (-e A) g (M = n, K = j: g's accumulators as the A operand, N = t; A lower), then
+// the per-warp statistics of o_pre's rows into s_ost.
 template <int D_PAD, int BT>
 __device__ __forceinline__ void fwd_tc_out_pre(
     float (&ob)[BT / 8][4], const float (&y)[BT / 8][4], const float* s_A, float* s_ost,
@@ -115,30 +108,36 @@ __device__ __forceinline__ void fwd_tc_out_pre(
     }
 }
 
+// Both instances' parameters: the kernel's shared memory and FwdParams' fields (restrict:
+// no aliasing, the read-only path), and the kernel's arguments for them.
+#define TTT_FWD_CHAIN_PARAMS                                                                      \
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,       \
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,  \
+    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,          \
+    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,                     \
+    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,                        \
+    const float* __restrict__ ekey, float* __restrict__ rlbuf,                                    \
+    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,          \
+    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi, \
+    int* sync
+#define TTT_FWD_CHAIN_ARGS(p)                                                                     \
+    smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb, p.xbuf,      \
+    p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps, p.T_len, p.H, p.D, \
+    p.G, p.g_lo, p.g_hi, p.sync
+
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
-__device__ __forceinline__ void fwd_chain_tc(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
-    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
-    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
-    const float* __restrict__ ekey, float* __restrict__ rlbuf,
-    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-    int* sync) {
+__device__ __forceinline__ void fwd_chain_tc(TTT_FWD_CHAIN_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NW = Tr::kTcWarps, NT = Tr::kTcThreads, LD = Tr::kLd, NR = BT / 8;
     constexpr int PE = (BT + NT - 1) / NT;  // rows of a chunk's eta per thread (FUSE)
     float* s_k = smem;                    // [2][BT, LD]  k, double-buffered
     float* s_v = s_k + 2 * Tr::kTile;     // [2][BT, LD]  v
     float* s_red = s_v + 2 * Tr::kTile;   // [2][NW][BT][2] per-warp row statistics (two rounds)
-    // FUSE only (past the unfused instance's shared memory):
-    float* s_q = s_red + 4 * NW * BT;     // [2][BT, LD]  q * scale, double-buffered
+    float* s_q = s_red + 4 * NW * BT;     // [2][BT, LD]  FUSE: q * scale, double-buffered
     float* s_A = s_q + 2 * Tr::kTile;     // [BT, LA]     -e_t (q_t . k_j + 1) for j <= t < L
     float* s_e = s_A + Tr::kSquare;       // [2][BT]      per-row eta, double-buffered
     float* s_ost = s_e + 2 * BT;          // [NW][BT][2]  per-warp statistics of o_pre's rows
-    // a forward without backward (FUSE, ck null) stores no slots, xh or r
-    const bool save = !FUSE || ck != nullptr;
+    const bool save = !FUSE || ck != nullptr;  // (no slots, xh or r without a backward)
 
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int n0 = 16 * wid + g;                         // this lane's columns n0, n0 + 8
@@ -151,10 +150,8 @@ __device__ __forceinline__ void fwd_chain_tc(
     const long long p_base = (sq.bos * H + i_h) * D;
     const long long p_ebase = sq.bos * H + i_h;
 
-    // this launch's chunks [c_lo, c_hi) (a segment, or all); a later segment starts from the
-    // slot its predecessor stored last
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
-    if (cr.skip) return;  // the sequence ended in an earlier segment
+    if (cr.skip) return;
     overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
     const long long i_start = (sq.slot_base + c_lo / G) * H + i_h;
@@ -175,7 +172,6 @@ __device__ __forceinline__ void fwd_chain_tc(
 #pragma unroll
     for (int w2 = 0; w2 < NW; ++w2) cols[w2] = (float)max(0, min(16, D - 16 * w2));
     constexpr bool kExact = is_half_type<T>::value;  // k's tile holds tf32 values (tf32_operand)
-    // the next chunk's tiles as 16-byte loads when the rows allow it (StagedTile)
     const bool vec = vec_rows_ok(k, row_stride, D) && vec_rows_ok(v, row_stride, D) &&
                      (!FUSE || vec_rows_ok(q, row_stride, D));
 
@@ -191,12 +187,11 @@ __device__ __forceinline__ void fwd_chain_tc(
     }
     float e_l = c_hi > c_lo ? eta[p_ebase + (row_lo + L0 - 1) * H] : 0.f;
     __syncthreads();
-    // FUSE: o_pre of the previous chunk (rows row0_o .., L_o of them) in the accumulator layout
-    // of kh, finished at the start of the next step once its row statistics are in s_ost
+    // FUSE: o_pre of the previous chunk (L_o rows from row0_o) in kh's layout, finished in the
+    // next step once its row statistics are in s_ost
     float ob[NR][4];
     long long row0_o = 0;
     int L_o = 0;
-    // o <- o_pre + LN(o_pre) w + b for the chunk in ob (FUSE), from the per-warp statistics
     auto finish_out = [&]() {
         fwd_tc_finish_out<T, D_PAD, BT, OUT>(
             o + p_base + row0_o * row_stride, q + p_base + row0_o * row_stride, ob, s_ost, cols,
@@ -217,14 +212,13 @@ __device__ __forceinline__ void fwd_chain_tc(
         const long long row0 = i_c * BT;
         const int L = (int)min((long long)BT, sq.len - row0);
 
-        // the next chunk's k, v (zero past the end) into registers, stored at the step's end,
-        // and its eta_l
+        // the next chunk's k, v into registers (stored at the step's end) and its eta_l
         const int Ln = i_c + 1 < c_hi ? (int)min((long long)BT, sq.len - row0 - BT) : 0;
         const long long o_next = p_base + (row0 + BT) * row_stride;
         StagedTile<T, D_PAD, BT, NT> nk, nv, nq;  // nq: FUSE only
         nk.load(k + o_next, rs, Ln, D, vec);
         nv.load(v + o_next, rs, Ln, D, vec);
-        if (i_c + 2 < c_hi) {  // and the chunk after it into L1 (its loads next step hit L1)
+        if (i_c + 2 < c_hi) {  // and the chunk after it into L1
             const long long row0a = row0 + 2 * BT;
             const int La = (int)min((long long)BT, sq.len - row0a);
             constexpr int kLpr = (D_PAD * (int)sizeof(T) + 126) / 128 + 1;
@@ -251,12 +245,11 @@ __device__ __forceinline__ void fwd_chain_tc(
         }
 
         // kh = k W + hb: x[i][c] = kh[t][n], t = 8 i + 2 tq + (c & 1), n = n0 + 8 (c >> 1);
-        // LayerNorm statistics per warp (mean, M2 over its columns), combined by Chan's formula
+        // its LayerNorm statistics per warp
         float x[NR][4];
         tile_times_state_frag<D_PAD, BT, kExact>(x, W, sk);
         if constexpr (FUSE) {
-            // the previous chunk's o (its statistics crossed the last barrier); then this
-            // chunk's o_pre = q W + hb (same layout as kh) and -e A -> s_A (tensor cores)
+            // the previous chunk's o; this chunk's o_pre = q W + hb and -e A -> s_A
             if (i_c > c_lo) finish_out();
             const float* sqt = s_q + buf * Tr::kTile;
             tile_times_state_frag<D_PAD, BT>(ob, W, sqt);
@@ -334,40 +327,27 @@ __device__ __forceinline__ void fwd_chain_tc(
             overlap_chain_progress(sync, i_nh, (int)((i_c + G) / G));
     }
     if constexpr (FUSE) {
-        if (c_hi > c_lo) finish_out();  // the last chunk's statistics crossed its last barrier
+        if (c_hi > c_lo) finish_out();
     }
 
-    // the state after the range: the sequence's final slot (and ht), or the next segment's
-    // first slot
+    // the state after the range: the final slot (and ht), or the next segment's first slot
     const long long i_ck = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
     if (save) store_state_frag<D_PAD>(ck + i_ck * DD, ckb + i_ck * D, W, hb, D);
     if (ht != nullptr && c_hi == sq.nc)
         store_state_frag<D_PAD>(ht + i_nh * DD, hbt + i_nh * D, W, hb, D);
 }
 
-// The SIMT instance of the forward chain (MMA = false; see the top of this file).
 template <typename T, int D_PAD, int BT, bool FUSE, bool KEY, int OUT>
-__device__ __forceinline__ void fwd_chain_simt(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* __restrict__ h0, const float* __restrict__ hb0, float* __restrict__ ht,
-    float* __restrict__ hbt, float* __restrict__ ck, float* __restrict__ ckb,
-    float* __restrict__ xbuf, float* __restrict__ rbuf, T* __restrict__ o,
-    const float* __restrict__ ekey, float* __restrict__ rlbuf,
-    const long long* __restrict__ cu_seqlens, const long long* __restrict__ grp_offsets,
-    float scale, float eps, long long T_len, int H, int D, int G, long long g_lo, long long g_hi,
-    int* sync) {
+__device__ __forceinline__ void fwd_chain_simt(TTT_FWD_CHAIN_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state
     float* s_hb = s_W + Tr::kState;    // [D_PAD]      bias state
     float* s_k = s_hb + D_PAD;         // [BT, LD]     k
     float* s_g = s_k + Tr::kTile;      // [BT, LD]     g
-    // FUSE only (past the unfused instance's shared memory):
-    float* s_q = s_g + Tr::kTile;      // [BT, LD]     q * scale
+    float* s_q = s_g + Tr::kTile;      // [BT, LD]     FUSE: q * scale
     float* s_A = s_q + Tr::kTile;      // [BT, LA]     tril(q k^T) + tril(1)
     float* s_e = s_A + Tr::kSquare;    // [BT]         eta (zero past the end)
-    // a forward without backward (FUSE, ck null) stores no slots, xh or r
     const bool save = !FUSE || ck != nullptr;
 
     const long long i_nh = blockIdx.x;
@@ -376,10 +356,8 @@ __device__ __forceinline__ void fwd_chain_simt(
     const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
 
-    // this launch's chunks [c_lo, c_hi) (a segment, or all); a later segment starts from the
-    // slot its predecessor stored last
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
-    if (cr.skip) return;  // the sequence ended in an earlier segment
+    if (cr.skip) return;
     overlap_chain_started(sync);
     const long long c_lo = cr.lo, c_hi = cr.hi;
 
@@ -450,8 +428,6 @@ __device__ __forceinline__ void fwd_chain_simt(
             overlap_chain_progress(sync, i_nh, (int)((i_c + G) / G));
     }
 
-    // the state after the range: the sequence's final slot (and ht), or the next segment's
-    // first slot
     const long long i_ck = (sq.slot_base + (c_hi + G - 1) / G) * H + i_h;
     if (save) store_state<D_PAD, NT>(ck + i_ck * DD, ckb + i_ck * D, s_W, s_hb, D);
     if (ht != nullptr && c_hi == sq.nc)
@@ -467,24 +443,15 @@ __global__ void __launch_bounds__(MMA ? ttt::Traits<D_PAD, BT>::kTcThreads
                                   MMA && FUSE ? ttt::Traits<D_PAD, BT>::kFusedChainBlocks : 1)
 ttt_linear_fwd_chain(const ttt::FwdParams<T> p) {
     // ck, ckb, xbuf, rbuf: all given, or (FUSE only: a forward without backward) all null
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     static_assert(FUSE || OUT == ttt::kOutNorm, "only the FUSE instance writes outputs");
     using Tr = ttt::Traits<D_PAD, BT>;
     extern __shared__ float smem[];
     constexpr unsigned long long kBytes =
         MMA ? (FUSE ? Tr::kFwdChainFusedTcBytes : Tr::kFwdChainTcBytes)
             : (FUSE ? Tr::kFwdChainFusedBytes : Tr::kFwdChainBytes);
-    if (p.smem_bytes < kBytes || blockDim.x != (MMA ? Tr::kTcThreads : Tr::kThreads) ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, kBytes, MMA ? Tr::kTcThreads : Tr::kThreads);
     if constexpr (MMA)
-        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
-            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
-            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+        ttt::fwd_chain_tc<T, D_PAD, BT, FUSE, KEY, OUT>(TTT_FWD_CHAIN_ARGS(p));
     else
-        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(
-            smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.h0, p.hb0, p.ht, p.hbt, p.ck, p.ckb,
-            p.xbuf, p.rbuf, p.o, p.ekey, p.rlbuf, p.cu_seqlens, p.grp_offsets, p.scale, p.eps,
-            p.T_len, p.H, p.D, p.G, p.g_lo, p.g_hi, p.sync);
+        ttt::fwd_chain_simt<T, D_PAD, BT, FUSE, KEY, OUT>(TTT_FWD_CHAIN_ARGS(p));
 }

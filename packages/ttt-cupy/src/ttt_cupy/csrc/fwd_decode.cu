@@ -9,25 +9,17 @@
 //   W <- W - e_{L-1} sum_j k_j^T g_j,   hb <- hb - e_{L-1} sum_j g_j     (L = 0: as they were)
 //
 // The state stays in registers (DecodeTraits): thread (warp w, lane l) holds column
-// c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (p = l % R its part, s < E / V, j < V;
-// R parts, E entries, V = kVec). The rows' k, q, v, kh (then g) and q~ W + hb sit in shared
-// memory as [rows, D_PAD] fp32 tiles; the row passes run one warp a row. eta, w, b and
-// eta_key are read in their type P (float, or T) and widened to fp32 on load (exact).
+// c = w (32 / R) + l / R of W, rows a = V (p + R s) + j (part p = l % R, s < E / V, j < V).
+// The rows' k, q, v, kh (then g), q~ W + hb sit in shared memory as [rows, D_PAD] fp32 tiles;
+// the row passes run a warp a row. eta, w, b, eta_key are read in their type P, widened exactly.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// This thread's place in the state (see the top of this file): its column and row part.
+// A thread's column and row part.
 struct DecodeSlot {
     int c, p;
 };
-
-template <int D_PAD>
-__device__ __forceinline__ DecodeSlot decode_slot() {
-    constexpr int R = DecodeTraits<D_PAD>::kParts;
-    const int lane = threadIdx.x & 31;
-    return DecodeSlot{(int)(threadIdx.x >> 5) * (32 / R) + lane / R, lane % R};
-}
 
 // The state row of entry V s + j of a thread of part p.
 template <int D_PAD>
@@ -36,8 +28,7 @@ __device__ __forceinline__ int decode_row(int p, int s, int j) {
     return Tr::kVec * (p + Tr::kParts * s) + j;
 }
 
-// W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or for a null
-// source. src / bsrc: the state [D, D] and its bias [D] in fp32, or null.
+// W[V s + j] = src[a D + c] (a = decode_row), hb = bsrc[c]; zero outside D x D or when null.
 template <int D_PAD>
 __device__ __forceinline__ void load_state_slot(
     float (&W)[DecodeTraits<D_PAD>::kEntries], float& hb, const float* __restrict__ src,
@@ -70,8 +61,7 @@ __device__ __forceinline__ void store_state_slot(
     if (t.p == 0) bdst[t.c] = hb;
 }
 
-// This thread's part of x W[:, c] for a shared row x ([D_PAD]): sum over its rows a of
-// x[a] W[a, c] (the caller sums the R parts).
+// This thread's part of x W[:, c] for a shared row x (the caller sums the R parts).
 template <int D_PAD>
 __device__ __forceinline__ float row_times_slot(const float* xrow,
                                                 const float (&W)[DecodeTraits<D_PAD>::kEntries],
@@ -87,9 +77,8 @@ __device__ __forceinline__ float row_times_slot(const float* xrow,
     return acc;
 }
 
-// The step's L rows into shared memory: k, q (as given), v as [L, D_PAD] fp32 (zero past D),
-// eta and (KEY) eta_key [L] (fp32, from their type S). Row i of q, k, v at p_base + i row_stride,
-// of eta at p_ebase + i H.
+// The step's L rows into shared memory: k, q (as given), v [L, D_PAD] (zero past D), eta and
+// (KEY) eta_key [L], all fp32.
 template <int D_PAD, bool KEY, typename T, typename S>
 __device__ __forceinline__ void load_decode_rows(
     float* s_k, float* s_q, float* s_v, float* s_e, float* s_l, const T* __restrict__ q,
@@ -111,8 +100,7 @@ __device__ __forceinline__ void load_decode_rows(
     }
 }
 
-// g of row i (one warp) over its kh in s_x: the LayerNorm of kh, then g = l r (y - ..) with
-// l = s_l[i] (KEY); lnw, lnb: the head's LayerNorm weight and bias [D] (in their type S).
+// g of row i (one warp) in place of its kh in s_x (KEY: l = s_l[i]); lnw, lnb: the head's.
 template <int D_PAD, bool KEY, typename S>
 __device__ __forceinline__ void decode_grad_row(
     float* s_x, const float* s_k, const float* s_v, const float* s_l, int i,
@@ -138,10 +126,8 @@ __device__ __forceinline__ void decode_out_row(
     const float* s_e, int i, const S* __restrict__ lnw, const S* __restrict__ lnb, float scale,
     int D, float eps) {
     constexpr int P = (D_PAD + 31) / 32;
-    float qs[P], acc[P], o[P], b_w[P], b_b[P];
+    float qs[P], acc[P] = {}, o[P], b_w[P], b_b[P];
     load_row<D_PAD>(qs, s_q + i * D_PAD, D, scale);
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.f;
     for (int j = 0; j <= i; ++j) {
         float kj[P], gj[P];
         load_row<D_PAD>(kj, s_k + j * D_PAD, D, 1.f);
@@ -159,8 +145,8 @@ __device__ __forceinline__ void decode_out_row(
     store_row<D_PAD>(orow, o, D);
 }
 
-// W, hb <- W - e_{L-1} sum_i k_i^T g_i, hb - e_{L-1} sum_i g_i over this thread's entries: V
-// entries at a time over the rows (so that few of k's rows are in registers at once).
+// W, hb <- W - e_{L-1} sum_i k_i^T g_i, hb - e_{L-1} sum_i g_i over this thread's entries, V
+// at a time over the rows (few of k's rows in registers at once).
 template <int D_PAD>
 __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>::kEntries],
                                                   float& hb, const float* s_k, const float* s_g,
@@ -185,7 +171,6 @@ __device__ __forceinline__ void decode_state_step(float (&W)[DecodeTraits<D_PAD>
 
 }  // namespace ttt
 
-// P: the type of eta, lnw, lnb and ekey (float, the default, or T; see the top of this file).
 template <typename T, int D_PAD, bool KEY, int OUT, typename P>
 __device__ __forceinline__ void fwd_decode_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -218,7 +203,8 @@ __device__ __forceinline__ void fwd_decode_kernel(
     const long long row_stride = (long long)H * D, DD = (long long)D * D;
     const long long p_base = (bos * H + i_h) * D, p_ebase = bos * H + i_h;
 
-    const DecodeSlot t = decode_slot<D_PAD>();
+    const int lane = threadIdx.x & 31;
+    const DecodeSlot t{(int)(threadIdx.x >> 5) * (32 / R) + lane / R, lane % R};
     float W[Tr::kEntries], hb;  // the thread's entries of the state
     load_state_slot<D_PAD>(W, hb, h0 != nullptr ? h0 + i_nh * DD : nullptr,
                            hb0 != nullptr ? hb0 + i_nh * D : nullptr, t, D);

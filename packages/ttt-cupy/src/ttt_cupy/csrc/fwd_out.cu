@@ -7,28 +7,33 @@
 //   o_pre = q W + hb - e (A g),       o = o_pre + LN(o_pre) w + b  (or OUT's form)
 //   W    <- W - eta_l k^T g,          hb <- hb - eta_l sum_i g_i
 //
-// Blocks come from group_block (overlap.cuh: plain, segmented or overlapped). SIMT: chunk by
-// chunk. MMA (half inputs): blocks of R = Traits::kOutRows rows (several chunks), with W0, hb0
-// the state before the block and c(t) the chunk of row t:
+// Blocks come from group_block (overlap.cuh). SIMT: chunk by chunk. MMA (half inputs): blocks
+// of R = Traits::kOutRows rows, with W0, hb0 the state before the block, c(t) the chunk of row t:
 //
 //   M[t, j] = (q_t . k_j + 1) e_t          j <= t in the same chunk
 //           = (q_t . k_j + 1) eta_l(c(j))  j in an earlier chunk of the block,  else 0
 //   o_pre   = q W0 + hb0 - M g
 //   W0     <- W0 - k^T (eta_l g),  hb0 <- hb0 - sum_j eta_l(c(j)) g_j     (rows scaled)
 //
-// on tensor cores; at D_PAD <= 64 (Traits::kOutStage) the next block's rows come by cp.async
-// into a stage, else they are asked into L1 a block ahead.
+// on tensor cores; the next block's rows come by cp.async (kOutStage) or via L1 a block ahead.
 #include "ttt_common.cuh"
 
 namespace ttt {
 
-// The MMA instance of fwd_out (see the top of this file); arguments as the kernel's.
+// Both instances' parameters: the kernel's shared memory, FwdParams' fields (ck, ckb, xbuf,
+// rbuf, written by fwd_chain beside it when overlapped, not __restrict__: not read through
+// the read-only path) and the block's group and head; the kernel's arguments for them.
+#define TTT_FWD_OUT_PARAMS                                                                        \
+    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,       \
+    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,  \
+    const float* ck, const float* ckb, const float* xbuf, const float* rbuf, T* __restrict__ o,   \
+    float scale, float eps, long long T_len, int H, int D, int G, const Group& gr, int i_h
+#define TTT_FWD_OUT_ARGS(p)                                                                       \
+    smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb, p.xbuf, p.rbuf, p.o, p.scale, p.eps,   \
+    p.T_len, p.H, p.D, p.G, gr, i_h
+
 template <typename T, int D_PAD, int BT, int OUT>
-__device__ __forceinline__ void fwd_out_tc(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    const float* ck, const float* ckb, const float* xbuf, const float* rbuf, T* __restrict__ o,
-    float scale, float eps, long long T_len, int H, int D, int G, const Group& gr, int i_h) {
+__device__ __forceinline__ void fwd_out_tc(TTT_FWD_OUT_PARAMS) {
     using Tr = Traits<D_PAD, BT>;
     constexpr int R = Tr::kOutRows, NT = Tr::kThreads, NW = Tr::kWarps;
     constexpr int LD = Tr::kLd;
@@ -40,7 +45,7 @@ __device__ __forceinline__ void fwd_out_tc(
     float* s_g = s_k + R * LD;         // [R, LD]      g -> eta_l g
     float* s_M = s_g + R * LD;         // [R, R + 1]   M
     float* s_e = s_M + R * (R + 1);    // [R]          eta (zero past the end)
-    // the stage (Tr::kOutStage): the next block's q, k, v (raw T), xh, r and eta by cp.async
+    // the stage: the next block's q, k, v (raw T), xh, r and eta by cp.async
     constexpr bool STAGE = Tr::kOutStage;
     constexpr int kRaw = Tr::template kOutStageRaw<(int)sizeof(T)>;
     T* s_stq = reinterpret_cast<T*>(smem + Tr::kOutStageOffset);  // [R, D_PAD + 16 / TS]
@@ -60,17 +65,14 @@ __device__ __forceinline__ void fwd_out_tc(
     const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
-    // the row passes: LPR lanes a row (Traits::kRowLanes: a warp's rows in one pass where the
-    // head dim allows), RPP rows per warp pass, PL row elements per lane
+    // the row passes: LPR lanes a row, RPP rows per warp pass, PL row elements per lane
     constexpr int LPR = Tr::template kRowLanes<R>, RPP = 32 / LPR;
     constexpr int PL = (D_PAD + LPR - 1) / LPR;
     static_assert(R % (NW * RPP) == 0, "fwd_out: whole row passes");
     const int sub = lane / LPR;
     float b_w[PL], b_b[PL];                                          // [D] per lane
     load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
-    // unstaged: a block's rows asked for into L1 in one pass (prefetch_spans): its tiles' (q,
-    // k) and the g row pass's (xh, v, r); the first block's before the state load, each next
-    // block's a whole block early
+    // unstaged: a block's rows asked into L1 in one pass, a block early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long row0, int L) {
         const RowSpan spans[5] = {row_span(q + p_base, row0, L, row_stride, D),
@@ -80,9 +82,8 @@ __device__ __forceinline__ void fwd_out_tc(
                                   row_span(rbuf + p_ebase, row0, L, H, 1)};
         prefetch_spans<NT, kLpr>(spans);
     };
-    // staged: the copies of block rows row0 .. row0 + L - 1, in two parts: the tiles' (q, k,
-    // eta), issued once each thread has converted its own staged pieces, and the g row pass's
-    // (xh, v, r), issued after the barrier that ends that pass
+    // staged: rows row0 .. row0 + L - 1 in two parts, the tiles' (q, k, eta) once each thread
+    // has converted its pieces, the g row pass's (xh, v, r) after that pass's barrier
     const int rs = (int)row_stride;  // H D < 2^31
     const bool vq = vec_rows_ok(q + p_base, row_stride, D);
     const bool vk = vec_rows_ok(k + p_base, row_stride, D);
@@ -116,9 +117,8 @@ __device__ __forceinline__ void fwd_out_tc(
         const int L = min(R, rows - b0);
         const bool more = b0 + R < rows;  // a next block
         if constexpr (STAGE) {
-            // this block's staged q, k, eta -> the tiles, each thread its own pieces (no
-            // barrier between), then the next block's copies into the same pieces; the
-            // barrier below makes this block's xh, v, r visible to the g row pass
+            // this block's staged q, k, eta -> the tiles (each thread its own pieces), then
+            // the next block's copies; the barrier below publishes xh, v, r
             cp_async_wait_all();
             StagedT::to_tile(s_q, s_stq, scale);
             StagedT::to_tile(s_k, s_stk, 1.f);
@@ -149,9 +149,8 @@ __device__ __forceinline__ void fwd_out_tc(
         out_pre_mma<D_PAD, R, NW, false>(s_q, s_W, s_M, s_g, nullptr);
         __syncthreads();
 
-        // row pass: o_pre = (q W0 - M g) + hb0, the post norm-residual -> o; g's row *= eta_l.
-        // Lane group `sub` takes row warp + NW (sub + RPP u) in pass u; rows >= L run on zeros
-        // and store nothing
+        // row pass: o_pre = (q W0 - M g) + hb0, the output form -> o; g's row *= eta_l. Row
+        // warp + NW (sub + RPP u) in pass u; rows >= L run on zeros and store nothing
         for (int i0 = warp; i0 < R; i0 += NW * RPP) {
             const int i = i0 + NW * sub;
             const bool ok = i < L;
@@ -178,20 +177,9 @@ __device__ __forceinline__ void fwd_out_tc(
     }
 }
 
-}  // namespace ttt
-
-// The SIMT instance of fwd_out (MMA = false; see the top of this file) for group ``gr`` of
-// head ``i_h``.
 template <typename T, int D_PAD, int BT, int OUT>
-__device__ __forceinline__ void fwd_out_simt(
-    float* smem, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ eta, const float* __restrict__ lnw, const float* __restrict__ lnb,
-    // written by fwd_chain, running beside this kernel when overlapped: not __restrict__, so
-    // that they are not read through the read-only path
-    const float* ck, const float* ckb, const float* xbuf, const float* rbuf, T* __restrict__ o,
-    float scale, float eps, long long T_len, int H, int D, int G, const ttt::Group& gr,
-    int i_h) {
-    using Tr = ttt::Traits<D_PAD, BT>;
+__device__ __forceinline__ void fwd_out_simt(TTT_FWD_OUT_PARAMS) {
+    using Tr = Traits<D_PAD, BT>;
     constexpr int NT = Tr::kThreads, NW = Tr::kWarps, P = Tr::kPerLane;
     float* s_W = smem;                 // [D_PAD, LD]  state before the chunk
     float* s_hb = s_W + Tr::kState;    // [D_PAD]
@@ -205,9 +193,9 @@ __device__ __forceinline__ void fwd_out_simt(
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane
-    ttt::load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
+    load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     const long long i_ck = gr.slot * H + i_h;
-    ttt::load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
 
     const long long row_stride = (long long)H * D;
     const long long p_base = (gr.seq.bos * H + i_h) * D;
@@ -215,44 +203,42 @@ __device__ __forceinline__ void fwd_out_simt(
     for (int j = 0; j < gr.nc; ++j) {
         const long long row0 = (gr.c0 + j) * BT;
         const int L = (int)min((long long)BT, gr.seq.len - row0);
-        ttt::load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        ttt::load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        ttt::load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+        load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
         __syncthreads();
         const float e_l = s_e[L - 1];
 
         // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
-        ttt::tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        ttt::inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base,
-                                                  p_ebase, row0, row_stride, L, H, D);
+        tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+        inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
+                                             row0, row_stride, L, H, D);
         __syncthreads();
 
         // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
         for (int i = warp; i < L; i += NW) {
             float b_o[P];
-            ttt::out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-            ttt::output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride,
-                                 true);
-            ttt::store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+            out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
+            output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride, true);
+            store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
         }
         __syncthreads();
 
-        ttt::state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
         __syncthreads();
     }
 }
+
+}  // namespace ttt
 
 template <typename T, int D_PAD, int BT, bool MMA = ttt::is_half_type<T>::value,
           int OUT = ttt::kOutNorm>
 __global__ void __launch_bounds__(ttt::Traits<D_PAD, BT>::kThreads,
                                   MMA ? ttt::Traits<D_PAD, BT>::kOutBlocks : 1)
 ttt_linear_fwd_out(const ttt::FwdParams<T> p) {
-    static_assert(!MMA || ttt::is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
     using Tr = ttt::Traits<D_PAD, BT>;
     constexpr unsigned long long kTcBytes = 4ull * Tr::template kFwdOutTcFloatsT<(int)sizeof(T)>;
-    if (p.smem_bytes < (MMA ? kTcBytes : Tr::kFwdOutBytes) || blockDim.x != Tr::kThreads ||
-        p.D > D_PAD || p.G < 1)
-        __trap();
+    ttt::check_launch<T, D_PAD, MMA>(p, MMA ? kTcBytes : Tr::kFwdOutBytes, Tr::kThreads);
     extern __shared__ float smem[];
     int i_h, a0;
     ttt::Group gr;
@@ -262,11 +248,7 @@ ttt_linear_fwd_out(const ttt::FwdParams<T> p) {
                                            p.grp_offsets, p.grp_seq, p.g_lo, p.g_hi))
         return;
     if constexpr (MMA)
-        ttt::fwd_out_tc<T, D_PAD, BT, OUT>(smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb,
-                                           p.xbuf, p.rbuf, p.o, p.scale, p.eps, p.T_len, p.H,
-                                           p.D, p.G, gr, i_h);
+        ttt::fwd_out_tc<T, D_PAD, BT, OUT>(TTT_FWD_OUT_ARGS(p));
     else
-        fwd_out_simt<T, D_PAD, BT, OUT>(smem, p.q, p.k, p.v, p.eta, p.lnw, p.lnb, p.ck, p.ckb,
-                                        p.xbuf, p.rbuf, p.o, p.scale, p.eps, p.T_len, p.H, p.D,
-                                        p.G, gr, i_h);
+        ttt::fwd_out_simt<T, D_PAD, BT, OUT>(TTT_FWD_OUT_ARGS(p));
 }

@@ -7,25 +7,29 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- tensor-core (tf32) tile passes
-// Used by every kernel's MMA instance for half inputs (MMA = true); float inputs keep the SIMT
-// passes above (float32-exact arithmetic). One warp computes one 16 x 8 output
-// tile at a time with mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (sm_80+), operands
-// read from the fp32 shared tiles and rounded to tf32 (to_tf32), fp32 accumulation. Fragment
-// layout (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane >> 2, t = lane & 3:
+// The MMA instances' products (half inputs; float inputs keep the SIMT passes): a warp per
+// 16 x 8 output tile, mma.sync m16n8k8 (sm_80+) on tf32 operands rounded from the fp32 shared
+// tiles, fp32 accumulation. Fragments (PTX ISA, mma.m16n8k8 .tf32), g = lane >> 2, t = lane & 3:
 //   A (16 x 8, row):  a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]
 //   B (8 x 8, col):   b0 = B[t][g], b1 = B[t + 4][g]
 //   C/D (16 x 8):     c0 = C[g][2t], c1 = C[g][2t + 1], c2 = C[g + 8][2t], c3 = C[g + 8][2t + 1]
-// Padded columns (>= D) and rows past the chunk's end are zero in the tiles, so they add
-// nothing; results outside [D, D] are not written back to the state.
+// Padded columns and rows past the chunk are zero in the tiles: they add nothing.
 
 template <typename T> struct is_half_type { static constexpr bool value = true; };
 template <> struct is_half_type<float> { static constexpr bool value = false; };
 
+// A kernel's launch check (MMA instances exist for half types only): traps on less shared
+// memory than `bytes`, other than `threads` threads, D > D_PAD or G < 1.
+template <typename T, int D_PAD, bool MMA, typename Params>
+__device__ __forceinline__ void check_launch(const Params& p, unsigned long long bytes,
+                                             int threads) {
+    static_assert(!MMA || is_half_type<T>::value, "float inputs keep the SIMT fp32 path");
+    if (p.smem_bytes < bytes || blockDim.x != threads || p.D > D_PAD || p.G < 1) __trap();
+}
+
 #if defined(__CUDA_ARCH__)
-// x rounded to tf32, to nearest with ties away from zero (cvt.rna's rounding, for finite x):
-// half a tf32 ulp (bit 12) is added to the bit pattern and mma.sync ignores the 13 low bits
-// of a .tf32 operand (CUTLASS's round_half_ulp_truncate). One integer add, where cvt.rna
-// takes several instructions on sm_90.
+// x rounded to tf32 as cvt.rna (finite x) in one integer add: half a tf32 ulp added, and
+// mma.sync ignores the 13 low bits of a .tf32 operand (CUTLASS's round_half_ulp_truncate).
 __device__ __forceinline__ unsigned to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // d += A B for one m16n8k8 tf32 tile (a warp-wide instruction: every lane must call it).
@@ -43,9 +47,8 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
 }
 #endif  // without __CUDA_ARCH__ (the CPU emulation) the harness defines both functions
 
-// An mma operand read from a tile of raw bf16 / fp16 inputs (converted to fp32: at most 11
-// significant bits, so already a tf32 value) needs no rounding: EXACT passes its bits as they
-// are, one integer add less per operand. Tiles of products (q * scale, g, ...) keep to_tf32.
+// EXACT: x comes from raw bf16 / fp16 inputs (at most 11 significant bits: already tf32) and
+// passes unrounded; tiles of products (q * scale, g, ...) keep to_tf32.
 template <bool EXACT>
 __device__ __forceinline__ unsigned tf32_operand(float x) {
     if constexpr (EXACT) {
@@ -61,15 +64,13 @@ __device__ __forceinline__ unsigned tf32_operand(float x) {
     }
 }
 
-// The warp tiles of every mma pass: acc[j] += sum_k X(m, k) Y(k, n) over k in [kbeg, kend)
-// (a multiple of 16 long) for the NB 16 x 8 output tiles at (m0, n0 + 8 j), with X(m, k) =
-// x[m * xm + k * xk] and Y(k, n) = y[k * yk + n * yn] (the strides pick a tile or its
-// transpose). Every lane of the warp must call it; each k step reads the A fragment once for
-// the NB products. The k order is permuted, the same way in A and B (the sum does not
-// change): per block of KB = 32 (or 16) columns, mma step j gives slot t column (KB/4) t + j
-// and slot t + 4 column (KB/4) t + KB/8 + j. With row strides = 1 mod 32 (D_PAD + 1, BT + 1
-// for D_PAD, BT >= 32) lane (g, t) then reads bank g + 8 t + j: no bank conflicts in a 32
-// block (2-way in a 16 block), where the plain order (slot t = column t) has 4-way conflicts.
+// acc[j] += sum_k X(m, k) Y(k, n), k in [kbeg, kend) (a multiple of 16 long), for the NB
+// 16 x 8 tiles at (m0, n0 + 8 j); X(m, k) = x[m xm + k xk], Y(k, n) = y[k yk + n yn] (the
+// strides pick a tile or its transpose). Warp-wide; one A fragment read per k step for the NB
+// products. The k order is permuted alike in A and B: per block of KB = 32 (or 16) columns,
+// step j gives slot t column (KB/4) t + j and slot t + 4 column (KB/4) t + KB/8 + j, so that
+// with row strides = 1 mod 32 lane (g, t) reads bank g + 8 t + j (no conflicts; the plain
+// order has 4-way ones).
 template <int KB, int NB>
 __device__ __forceinline__ void mma_kblock(float (&acc)[NB][4], const float* x0, int xm, int xk,
                                            const float* y0, int yk, int ystep) {
@@ -112,12 +113,10 @@ __device__ __forceinline__ void mma_tile_acc(float (&acc)[4], const float* x, in
                         kbeg, kend);
 }
 
-// Four 16 x 8 accumulators side by side (a 16 x 32 block, acc[j] at columns 8 j ..) regrouped
-// within each quad of lanes: lane (g, t) gets out[h][c] = block[g + 8 h][8 t + c] (h < 2,
-// c < 8), which lane (g, c / 2) held as acc[t][2 h + c % 2]. Per (h, c % 2) a 4 x 4 transpose
-// over the quad's lanes in two xor-shuffle rounds (lane bit 2, then bit 1). A row-major
-// store of out then puts lane (g, t) on bank g + 8 t + c of rows 1 mod 32 apart: no bank
-// conflicts, where the accumulator layout's stores are 4-way conflicted.
+// Four 16 x 8 accumulators side by side (a 16 x 32 block) regrouped within each quad: lane
+// (g, t) gets out[h][c] = block[g + 8 h][8 t + c], which lane (g, c / 2) held as
+// acc[t][2 h + c % 2]; a 4 x 4 transpose per (h, c % 2) in two xor-shuffle rounds. Row-major
+// stores of out are then free of bank conflicts (the accumulator layout's are 4-way).
 __device__ __forceinline__ void quad_transpose_4x4(float (&out)[2][8], const float (&acc)[4][4]) {
     const int t = threadIdx.x & 3;
     const bool hi2 = (t & 2) != 0, hi1 = (t & 1) != 0;
@@ -145,8 +144,7 @@ __device__ __forceinline__ void quad_transpose_4x4(float (&out)[2][8], const flo
     }
 }
 
-// Writes one m16n8 accumulator into the fp32 tile s (row stride LD) at (m0, n0), in the C/D
-// fragment layout above: lane (g, t) holds C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
+// One m16n8 accumulator (C/D layout above) into the fp32 tile s (row stride LD) at (m0, n0).
 template <int LD>
 __device__ __forceinline__ void store_acc_tile(float* s, const float (&acc)[4], int m0, int n0) {
     const int lane = threadIdx.x & 31;
@@ -157,13 +155,11 @@ __device__ __forceinline__ void store_acc_tile(float* s, const float (&acc)[4], 
     out[8 * LD + 1] = acc[3];
 }
 
-// The [M, N] output of an mma pass over blocks of NB 16 x 8 tiles side by side: block u
-// (16 x 8 NB at (m0, n0)) to warp u % NW. For each of its blocks a warp zeroes acc, runs
-// body(acc, m0, n0) (mma_tiles_acc calls: acc[j] is the tile at (m0, n0 + 8 j); one A
-// fragment read per k step for the NB products), then epi(acc[j], m0, n0 + 8 j) per tile,
-// where lane (g, t) holds acc[j][r] = out[m0 + g + 8 (r >> 1), n0 + 8 j + 2 t + (r & 1)].
-// SYNCED: the epilogues run after a __syncthreads (every thread must call it), so the output
-// may overwrite an operand of the products; a warp holds its blocks' accumulators meanwhile.
+// An [M, N] mma pass in blocks of NB 16 x 8 tiles side by side, block u to warp u % NW: per
+// block the warp zeroes acc, runs body(acc, m0, n0) (acc[j]: the tile at (m0, n0 + 8 j)),
+// then epi(acc[j], m0, n0 + 8 j), where lane (g, t) holds acc[j][r] = out[m0 + g + 8 (r >> 1),
+// n0 + 8 j + 2 t + (r & 1)]. SYNCED: the epilogues run after a __syncthreads (every thread
+// calls it), so the output may overwrite an operand; warps hold their accumulators meanwhile.
 template <int M, int N, int NW, int NB, bool SYNCED = false, typename Body, typename Epi>
 __device__ __forceinline__ void mma_blocks(Body body, Epi epi) {
     static_assert(N % (8 * NB) == 0, "mma_blocks: whole blocks");
@@ -203,9 +199,7 @@ __device__ __forceinline__ void mma_tiles(Body body, Epi epi) {
         [&](float (&acc)[1][4], int m0, int n0) { body(acc[0], m0, n0); }, epi);
 }
 
-// sOut[i, j] = sign (X_i . Y_j + add) for i, j < L and j <= i (LOWER) or j >= i (upper),
-// times scale[j] (or scale[i]: ROW_SCALE) when given; zero elsewhere (tri_dots on tensor
-// cores; X, Y [BT, D_PAD] tiles, sOut [BT, BT + 1]). The mma twin of tri_dots.
+// tri_dots on tensor cores, times sign and scale[j] (ROW_SCALE: scale[i]) when given.
 template <int D_PAD, int BT, int NW, bool LOWER, bool ROW_SCALE = false>
 __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const float* sY,
                                              int L, float add, const float* scale = nullptr,
@@ -230,20 +224,15 @@ __device__ __forceinline__ void tri_dots_mma(float* sOut, const float* sX, const
         });
 }
 
-
-// The eta_l of row j's chunk in a block of several chunks of BT rows (fwd_out.cu,
-// bwd_local.cu): eta at the chunk's last valid row (sE: the block's per-row eta, L valid rows;
-// j < L).
+// The eta_l of row j's chunk in a block of chunks of BT rows (L valid; sE: per-row eta).
 template <int BT>
 __device__ __forceinline__ float chunk_eta_l(const float* sE, int j, int L) {
     return sE[min((j / BT + 1) * BT, L) - 1];
 }
 
-// The group kernels' blocks of R rows (several chunks of BT rows; fwd_out.cu, bwd_local.cu):
-// sM[t, j] = (q_t . k_j + 1) e_t for j <= t in t's chunk, (q_t . k_j + 1) eta_l(chunk of j)
-// for j in an earlier chunk, zero elsewhere (t, j < L); with sA also sA[t, j] = q_t . k_j + 1
-// for every j <= t < L (zero elsewhere). sE: each row's eta (zero past L); sM, sA [R, R + 1].
-// Tensor cores; tiles wholly above the diagonal skip the product.
+// A block of R rows (chunks of BT; fwd_out.cu): sM[t, j] = (q_t . k_j + 1) e_t for j <= t in
+// t's chunk, (q_t . k_j + 1) eta_l(chunk of j) for j in an earlier chunk, else zero (t, j < L);
+// sA (when given) [t, j] = q_t . k_j + 1 for j <= t < L. sM, sA [R, R + 1].
 template <int D_PAD, int R, int BT, int NW>
 __device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const float* sK,
                                                int L, const float* sE, float* sA = nullptr) {
@@ -266,11 +255,8 @@ __device__ __forceinline__ void block_dots_mma(float* sM, const float* sQ, const
         });
 }
 
-// M rows of W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a < rows, d < D (sW [M, D_PAD + 1];
-// X* [BT, M] tiles of row stride LDX, Y* [BT, D_PAD] tiles, zero past the valid rows; X2 / Y2
-// may be null). Tiles: (M / 16) x (D_PAD / 8), K = BT (or 2 BT). BLOCKS (at D_PAD >= 32): in
-// 16 x 32 blocks, below; else one 16 x 8 tile at a time, with fewer registers (fwd_out: 64
-// instead of 128 at D_PAD 64, chunk 16).
+// state_rows_add2 on tensor cores, times c (X2 / Y2 may be null). BLOCKS (D_PAD >= 32): in
+// 16 x 32 blocks; else a 16 x 8 tile at a time, with fewer registers.
 template <int D_PAD, int BT, int NW, int M, int LDX, bool BLOCKS = true>
 __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const float* sX1,
                                                       const float* sY1, const float* sX2,
@@ -278,9 +264,8 @@ __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const 
     constexpr int LD = D_PAD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     if constexpr (BLOCKS && D_PAD % 32 == 0) {
-        // 16 x 32 blocks, block u to warp u % NW: each k step reads X^T's fragment once for
-        // four products (mma_tiles_acc), and the sums go into W through quad_transpose_4x4's
-        // layout (row-major, free of bank conflicts) instead of the accumulators'
+        // one X^T fragment read per k step for four products; the sums go into W through
+        // quad_transpose_4x4's layout
         constexpr int BN = D_PAD / 32, NBLOCKS = (M / 16) * BN;
         for (int u = threadIdx.x >> 5; u < NBLOCKS; u += NW) {
             const int m0 = (u / BN) * 16, n0 = (u % BN) * 32;
@@ -317,8 +302,7 @@ __device__ __forceinline__ void state_rows_update_mma(float* sW, float c, const 
     }
 }
 
-// W[a, d] += c (X1^T Y1 + X2^T Y2)[a, d] for a, d < D (X*, Y* [BT, D_PAD] tiles, zero past
-// the valid rows; X2 / Y2 may be null). Tiles: (D_PAD / 16) x (D_PAD / 8), K = BT (or 2 BT).
+// state_rows_update_mma over the whole state.
 template <int D_PAD, int BT, int NW, bool BLOCKS = true>
 __device__ __forceinline__ void state_update_mma(float* sW, float c, const float* sX1,
                                                  const float* sY1, const float* sX2,
@@ -327,13 +311,9 @@ __device__ __forceinline__ void state_update_mma(float* sW, float c, const float
                                                                    D);
 }
 
-// sQ <- q W - e (A g) on tensor cores, in place (fwd_out and bwd_local's o_pre - hb): sQ the
-// [BT, D_PAD] q tile (pre-scaled), sW the state, sA [BT, BT + 1] the masked A = tril(q k^T +
-// 1), sG the g tile, sE [BT] the per-row eta. The products finish in every warp before the
-// result overwrites q (SYNCED mma_blocks; every thread must call it).
-//
-// ROW_SCALE false: sA already holds e (and any other per-entry factor): sQ <- q W - A g, sE
-// unused.
+// sQ <- q W - e (A g) in place on tensor cores (o_pre - hb): sQ the q tile (scaled), sA
+// [BT, BT + 1] the masked A, sE [BT] the per-row eta (!ROW_SCALE: sA holds e already, sE
+// unused). SYNCED: every thread must call it.
 template <int D_PAD, int BT, int NW, bool ROW_SCALE = true, int NB = 2>
 __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const float* sA,
                                             const float* sG, const float* sE) {
@@ -353,10 +333,9 @@ __device__ __forceinline__ void out_pre_mma(float* sQ, const float* sW, const fl
         [&](float (&acc)[4], int m0, int n0) { store_acc_tile<LD>(sQ, acc, m0, n0); });
 }
 
-// The group kernels' dw, db partials: each warp's per-lane sums (b_dw, b_db, in the row layout
-// of LPR lanes: its lane groups' sums are added first) summed over the warps in a fixed order
-// (deterministic) through sA, sB (two free [NW, D_PAD + 1] areas of shared memory), written to
-// dwp[o_p + d], dbp[o_p + d] for d in [d0, d1). Every thread must call it.
+// The group kernels' dw, db partials: the lanes' sums (b_dw, b_db; LPR lanes a row) summed
+// over the warp's lane groups, then over the warps in a fixed order through sA, sB (two free
+// [NW, D_PAD + 1] areas), to dwp[o_p + d], dbp[o_p + d], d in [d0, d1). Every thread calls it.
 template <int D_PAD, int NW, int NT, int LPR = 32, int P>
 __device__ __forceinline__ void store_partials(float* sA, float* sB, const float (&b_dw)[P],
                                                const float (&b_db)[P], float* dwp, float* dbp,
@@ -390,28 +369,14 @@ __device__ __forceinline__ void store_partials(float* sA, float* sB, const float
     }
 }
 
-// hb[d] += c sum_i Y[i, d] for d < D (the bias step of state_axpy, on its own).
-template <int D_PAD, int BT, int NT>
-__device__ __forceinline__ void bias_axpy(float* sHb, float c, const float* sY, int D) {
-    constexpr int LD = D_PAD + 1;
-    for (int d = threadIdx.x; d < D; d += NT) {
-        float acc = 0.f;
-        for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
-        sHb[d] += c * acc;
-    }
-}
-
 // ---------------------------------------------------------------- register-resident chain state
-// The chain kernels' MMA instances keep the [D_PAD, D_PAD] state in registers, as mma
-// accumulators of its transpose (M = n, N = a): warp w owns the columns n = 16 w .. 16 w + 15
-// of W, and lane (g, t) holds, per block J < D_PAD / 8 of 8 accumulator columns, 4 entries
+// The chains' MMA instances keep the [D_PAD, D_PAD] state in registers as mma accumulators
+// of its transpose (M = n, N = a): warp w owns columns n = 16 w .. 16 w + 15, and lane (g, t)
+// holds per block J < D_PAD / 8
 //   frag[J][c] = W[a][n],   n = 16 w + g + 8 (c >> 1),   a = state_col(8 J + 2 t + (c & 1)).
-// The same registers are the A operand of W^T X^T (K = a) when the k slots t / t + 4 of block J
-// stand for the columns state_col(8 J + 2 t) / + 1: a = {c0, c2, c1, c3} (acc_as_a); so the
-// state never goes through shared memory. state_col permutes a inside blocks of
-// KB = min(D_PAD, 32) so that both products' B reads from a [BT, D_PAD + 1] tile are free of
-// bank conflicts (lane (g, t) reads column KB/4 t + 2 J of row g, or column KB/4 (g >> 1) +
-// 2 J + (g & 1) of row 2 t).
+// The same registers are the A operand of W^T X^T (K = a; acc_as_a). state_col permutes a
+// inside blocks of KB = min(D_PAD, 32) so that both products' B reads from a [BT, D_PAD + 1]
+// tile are free of bank conflicts.
 template <int D_PAD>
 __device__ __forceinline__ int state_col(int j) {
     constexpr int KB = D_PAD < 32 ? D_PAD : 32;
@@ -419,7 +384,7 @@ __device__ __forceinline__ int state_col(int j) {
     return j - r + (KB / 4) * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
 }
 
-// f(J, c, a, n) for every entry frag[J][c] of this lane, which holds W[a][n] (see above).
+// f(J, c, a, n) for every entry frag[J][c] = W[a][n] of this lane.
 template <int D_PAD, typename F>
 __device__ __forceinline__ void for_each_state_entry(F f) {
     const int lane = threadIdx.x & 31;
@@ -431,8 +396,7 @@ __device__ __forceinline__ void for_each_state_entry(F f) {
             f(J, c, state_col<D_PAD>(8 * J + 2 * (lane & 3) + (c & 1)), n0 + 8 * (c >> 1));
 }
 
-// frag <- the state src [D, D] (zero when null), in the layout above; hb (per lane: columns
-// n, n + 8) <- srcb.
+// frag <- the state src [D, D], hb (columns n0, n0 + 8) <- srcb (zero when null).
 template <int D_PAD>
 __device__ __forceinline__ void load_state_frag(float (&frag)[D_PAD / 8][4], float (&hb)[2],
                                                 const float* src, const float* srcb, int D) {
@@ -462,8 +426,8 @@ __device__ __forceinline__ void store_state_frag(float* dst, float* dstb,
     }
 }
 
-// This lane's two state columns n0, n0 + 8 of head i_h: whether each is a real column (< D)
-// and the LayerNorm weight and bias there (zero for padded columns).
+// This lane's state columns n0, n0 + 8: whether each is < D, and head i_h's LayerNorm
+// weight and bias there (zero past D).
 __device__ __forceinline__ void state_cols_ln(bool (&ok)[2], float (&lw)[2], float (&lb)[2],
                                               const float* __restrict__ lnw,
                                               const float* __restrict__ lnb, int i_h, int D) {
@@ -476,8 +440,8 @@ __device__ __forceinline__ void state_cols_ln(bool (&ok)[2], float (&lw)[2], flo
     }
 }
 
-// An m16n8 accumulator (M = n, N = 8 columns) as the A operand of a product over those
-// columns (k slots t, t + 4 = columns 2 t, 2 t + 1), times `mult`, rounded to tf32.
+// An m16n8 accumulator as the A operand of a product over its 8 columns (k slots t, t + 4 =
+// columns 2 t, 2 t + 1), times `mult`.
 __device__ __forceinline__ void acc_as_a(unsigned (&a)[4], const float (&acc)[4], float mult) {
     a[0] = to_tf32(mult * acc[0]);
     a[1] = to_tf32(mult * acc[2]);
@@ -485,10 +449,8 @@ __device__ __forceinline__ void acc_as_a(unsigned (&a)[4], const float (&acc)[4]
     a[3] = to_tf32(mult * acc[3]);
 }
 
-// out[i] (M = n: this warp's 16 state columns, N = t: rows 8 i .. 8 i + 7 of the tile) =
-// W^T X^T, i.e. out[i][c] = (X W)[t][n] with t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)
-// (lane (g, t')). sX: a [BT, D_PAD + 1] fp32 tile. Tensor cores, tf32 operands (EXACT_X: sX
-// holds tf32 values already, see tf32_operand).
+// out[i][c] = (X W)[t][n], t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1) (lane (g, t')):
+// W^T X^T for a [BT, D_PAD + 1] tile sX (EXACT_X: tf32_operand).
 template <int D_PAD, int BT, bool EXACT_X = false>
 __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
                                                       const float (&frag)[D_PAD / 8][4],
@@ -518,9 +480,8 @@ __device__ __forceinline__ void tile_times_state_frag(float (&out)[BT / 8][4],
         for (int c = 0; c < 4; ++c) out[i][c] += odd[i][c];
 }
 
-// frag (W) += mult Y^T X over the tile's rows: Y^T given as accumulators y[i] in the layout of
-// tile_times_state_frag's output (M = n, N = t), X a [BT, D_PAD + 1] fp32 tile (rows past the
-// chunk's end zero). Tensor cores, tf32 operands (EXACT_X as in tile_times_state_frag).
+// frag (W) += mult Y^T X: y in tile_times_state_frag's output layout, X a [BT, D_PAD + 1]
+// tile (EXACT_X as there).
 template <int D_PAD, int BT, bool EXACT_X = false>
 __device__ __forceinline__ void state_update_frag(float (&frag)[D_PAD / 8][4],
                                                   const float (&y)[BT / 8][4], float mult,
@@ -548,22 +509,19 @@ struct alignas(4 * K) FloatK {
     float v[K];
 };
 
-// Row sums over all D_PAD columns of K (2 or 4) quantities for the rows of an accumulator
-// layout (lane (g, t): rows 8 i + 2 t + e): p[i][e][j] holds the lane's partial (its two
-// columns) and gets the row's total. Warp shuffles (a reduce-scatter), then per-warp partials
-// through red ([NW][BT] x K floats, 4 K-byte aligned) and one barrier (every thread must call
-// it; red must not be read by a pending round).
+// Row sums over all columns of K quantities in the accumulator layout (lane (g, t): rows
+// 8 i + 2 t + e): p[i][e][j], the lane's partial, becomes the row's total. A warp
+// reduce-scatter, then per-warp partials through red ([NW][BT] x K floats) and one barrier
+// (every thread calls it; red must not be read by a pending round).
 template <int NW, int BT, int K>
 __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* red) {
     static_assert(K == 2 || K == 4, "K must be 2 or 4");
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, t0 = 2 * (lane & 3);
     FloatK<K>* rows = reinterpret_cast<FloatK<K>*>(red);
-    // Reduce-scatter over the 8 lanes g of a row group (lane bits 2..4): the V values v[f],
-    // f = (2 i + e) K + j, halve at each of the three shuffle rounds (xor 16, 8, 4), each lane
-    // keeping the half its bit picks and adding the partner's copy of it: V / 2 + V / 4 + V / 8
-    // shuffles where a butterfly per value takes 3 V. The lane is left with the warp's sums of
-    // f = b2 V / 2 + b1 V / 4 + b0 V / 8 + m (m < V / 8; b0, b1, b2 = lane bits 2, 3, 4),
-    // which it writes to red.
+    // Over the 8 lanes g of a row group (xor 16, 8, 4): the V values v[f], f = (2 i + e) K + j,
+    // halve each round, a lane keeping the half its bit picks plus the partner's copy of it
+    // (7 V / 8 shuffles, not 3 V). It ends with the warp's sums of f = b2 V / 2 + b1 V / 4 +
+    // b0 V / 8 + m (m < V / 8; b0 .. b2 = lane bits 2 .. 4), written to red.
     constexpr int V = BT / 8 * 2 * K;
     static_assert(V % 8 == 0, "frag_row_sums: a multiple of 8 values per lane");
     float v1[V / 2], v2[V / 4], v3[V / 8];
@@ -617,8 +575,8 @@ __device__ __forceinline__ void frag_row_sums(float (&p)[BT / 8][2][K], float* r
         }
 }
 
-// f(i, c, t, n) for every entry x[i][c] of this lane in the accumulator layout of a
-// [BT, D_PAD] tile: row t = 8 i + 2 t' + (c & 1), column n = 16 w + g + 8 (c >> 1).
+// f(i, c, t, n) for this lane's entries x[i][c] of a [BT, D_PAD] tile in the accumulator
+// layout: row t = 8 i + 2 t' + (c & 1), column n = 16 w + g + 8 (c >> 1).
 template <int NR, typename F>
 __device__ __forceinline__ void for_each_frag_entry(F f) {
     const int lane = threadIdx.x & 31, t0 = 2 * (lane & 3);
@@ -629,9 +587,7 @@ __device__ __forceinline__ void for_each_frag_entry(F f) {
         for (int c = 0; c < 4; ++c) f(i, c, 8 * i + t0 + (c & 1), n0 + 8 * (c >> 1));
 }
 
-// x[i][c] = rows[t * rs + n] at this lane's entries of a [BT, D_PAD] tile in the accumulator
-// layout (t = 8 i + 2 t' + (c & 1), n = 16 w + g + 8 (c >> 1)), zero for t >= L or n >= D;
-// rows: the chunk's first row, rs: the row stride (32-bit: a chunk spans < 2^31 elements).
+// x[i][c] = rows[t rs + n] at this lane's entries (zero for t >= L or n >= D).
 template <int BT, typename S>
 __device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* __restrict__ rows,
                                                int rs, int L, int D) {
@@ -640,8 +596,7 @@ __device__ __forceinline__ void load_frag_rows(float (&x)[BT / 8][4], const S* _
     });
 }
 
-// load_frag_rows from a tile staged in shared memory (StagedRows: [BT, LDS], zero past the
-// rows and columns it was given): x[i][c] = s[t * LDS + n] at this lane's entries.
+// load_frag_rows from a StagedRows tile ([BT, LDS], zero past its rows and columns).
 template <int BT, int LDS, typename S>
 __device__ __forceinline__ void frag_rows_from_smem(float (&x)[BT / 8][4], const S* s) {
     for_each_frag_entry<BT / 8>(
@@ -657,8 +612,7 @@ __device__ __forceinline__ float frag_col_sum(float x0, float x1) {
     return s;
 }
 
-// f(i, e, t) for this lane's accumulator rows t = 8 i + 2 tq + e (i < NR, e < 2): entries
-// x[i][e] and x[i][e + 2] of a [BT, D_PAD] tile in the accumulator layout.
+// f(i, e, t) for this lane's accumulator rows t = 8 i + 2 tq + e (entries x[i][e], x[i][e + 2]).
 template <int NR, typename F>
 __device__ __forceinline__ void for_each_frag_row(int tq, F f) {
 #pragma unroll
@@ -667,8 +621,7 @@ __device__ __forceinline__ void for_each_frag_row(int tq, F f) {
         for (int e = 0; e < 2; ++e) f(i, e, 8 * i + 2 * tq + e);
 }
 
-// The mean and M2 over this warp's valid columns of a row whose lane entries are x0, x1
-// (col_ok: whether they are valid columns), into stat[slot] (lanes g = 0 store it).
+// The mean and M2 of a row over this warp's valid columns (col_ok) into stat[slot].
 __device__ __forceinline__ void warp_row_stats(FloatK<2>* stat, int slot, float x0, float x1,
                                                const bool (&col_ok)[2], float inv_cols) {
     const float m = frag_col_sum(x0, x1) * inv_cols;
@@ -677,8 +630,8 @@ __device__ __forceinline__ void warp_row_stats(FloatK<2>* stat, int slot, float 
     if (((threadIdx.x & 31) >> 2) == 0) stat[slot] = FloatK<2>{{m, m2}};
 }
 
-// Row t's mean over all D columns and its M2 (Chan's formula: sum_w M2_w + n_w (mean_w -
-// mean)^2) from the warps' warp_row_stats in stat ([NW][BT]); cols[w]: warp w's valid columns.
+// Row t's mean and M2 over all D columns from the warps' warp_row_stats ([NW][BT]; cols[w]:
+// warp w's valid columns), by Chan's formula.
 template <int NW, int BT>
 __device__ __forceinline__ float chan_mean(const FloatK<2>* stat, const float (&cols)[NW], int t,
                                            float inv_d, float& m2) {

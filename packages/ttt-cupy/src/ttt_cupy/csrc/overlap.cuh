@@ -6,23 +6,21 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- overlapped passes
-// The overlapped passes (placement.overlapped): a chain kernel and the group kernel that reads
-// it (fwd_chain -> fwd_out, groups in order; bwd_chain -> bwd_grads, groups from each
-// sequence's end) run at once on two streams, sharing one zeroed int32 buffer `sync`:
+// The overlapped passes (placement.overlapped): a chain kernel and its group kernel (fwd_chain ->
+// fwd_out; bwd_chain -> bwd_grads, from each sequence's end) run at once on two streams,
+// sharing one zeroed int32 buffer `sync`:
 //
 //   sync[kStarted]      chain blocks started        sync[kTicket]    group blocks started
 //   sync[kOverflow]     tickets put back (below)    sync[kProgress + c] groups chain c finished
 //   sync[kProgress + n_chains + i]  the tickets put back, in any order
 //
-// A chain block counts itself started, and after each group (a barrier, then a release by
-// thread 0) publishes how many groups it has finished. A group block takes the next ticket
-// (group-major: the k-th finished group is item k / n_chains of chain k % n_chains; bwd_grads:
-// kGradsSplit tickets per item) and waits with an acquire for its group, but only once every
-// chain block has started (holds a place on the GPU): after `wait_spins` naps without that it
-// puts its ticket back and ends, and the launcher's cleanup launch (kCleanup) runs the tickets
-// put back. So no wait depends on a block that is not running. The arithmetic of every block
-// is that of the plain launches (bitwise; the group kernels read these buffers without the
-// read-only path).
+// A chain block counts itself started and, after each group (a barrier, then a release by
+// thread 0), publishes its finished groups. A group block takes the next ticket (group-major:
+// item u is group u / n_chains of chain u % n_chains; bwd_grads: kGradsSplit tickets an item)
+// and waits with an acquire for its group, but only once every chain block has started: after
+// `wait_spins` naps without that it puts its ticket back for the launcher's cleanup launch
+// (kCleanup). So no wait depends on a block that is not running; the arithmetic is that of
+// the plain launches (the group kernels read these buffers without the read-only path).
 namespace overlap {
 constexpr int kStarted = 0, kTicket = 1, kOverflow = 2, kProgress = 3;
 constexpr int kPlain = 0, kOverlap = 1, kCleanup = 2;  // fwd_out's modes
@@ -50,16 +48,15 @@ __device__ __forceinline__ void overlap_chain_started(int* sync) {
     if (sync != nullptr && threadIdx.x == 0) atomicAdd(sync + overlap::kStarted, 1);
 }
 
-// A chain block: `groups` groups of chain `chain` are finished. Called after a barrier that
-// follows every thread's last store of them (the barrier orders those stores before thread 0's
-// release).
+// A chain block: `groups` groups of chain `chain` are finished (after a barrier that follows
+// every thread's last store of them).
 __device__ __forceinline__ void overlap_chain_progress(int* sync, long long chain, int groups) {
     if (sync != nullptr && threadIdx.x == 0)
         store_release(sync + overlap::kProgress + chain, groups);
 }
 
-// A fwd_out block's item (thread 0 only): its ticket (kOverlap), or the blockIdx.x-th item put
-// back (kCleanup); -1: none (put back, or past the items put back).
+// A group block's item (thread 0): its ticket (kOverlap), or the blockIdx.x-th item put back
+// (kCleanup); -1: none.
 __device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_chains,
                                              int wait_spins) {
     if (mode == overlap::kCleanup)
@@ -76,23 +73,15 @@ __device__ __forceinline__ int overlap_claim(int* sync, int mode, long long n_ch
     return u;
 }
 
-// Thread 0 of a fwd_out block (kOverlap): waits until chain `chain` has finished `groups`
-// groups (it has started: overlap_claim).
-__device__ __forceinline__ void overlap_wait(const int* sync, long long chain, int groups) {
-    while (load_acquire(sync + overlap::kProgress + chain) < groups) nap();
-}
-
-// A group kernel's block: its (group, head) and, of SPLIT blocks per (group, head), its first
-// state row a0 (rows DA apart). kPlain: from blockIdx.x over the segment [g_lo, g_hi). Else
-// from the ticket it claims (overlap_claim): ticket t is item u = t / SPLIT, the k-th group
-// (k = u / n_chains) of chain c = u % n_chains, counted from the sequence's start, or with
-// REVERSE (the backward) from its end; in kOverlap it then waits until the chain has finished
-// that group. s_ticket: the kernel's own static __shared__ int (static: shared in the CPU
-// emulation too). False: nothing to do (past the sequence's groups, or the ticket put back).
+// A group block's (group, head) and, of SPLIT blocks per (group, head), its first state row a0
+// (rows DA apart): kPlain from blockIdx.x over the segment, else from its ticket t: item
+// u = t / SPLIT, group k = u / n_chains of chain u % n_chains (REVERSE: from the sequence's
+// end), waited for in kOverlap. s_ticket: the kernel's static __shared__ int. False: nothing
+// to do.
 template <int SPLIT, int DA, bool REVERSE>
 __device__ __forceinline__ bool group_block(
-    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains, int wait_spins,
-    long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
+    int& i_h, int& a0, Group& gr, int& s_ticket, int* sync, int mode, long long n_chains,
+    int wait_spins, long long T_len, int H, int BT, int G, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
     long long g_hi) {
     if (mode == overlap::kPlain) {
@@ -100,8 +89,7 @@ __device__ __forceinline__ bool group_block(
         a0 = (int)(blockIdx.x % SPLIT) * DA;
         i_h = (int)(i_b % H);
         gr = group_coords(i_b / H, T_len, BT, G, cu_seqlens, grp_offsets, grp_seq, g_lo, g_hi);
-        if (gr.nc <= 0) return false;  // a segment past the end of this sequence
-        return true;
+        return gr.nc > 0;  // (not a segment past the end of this sequence)
     }
     if (threadIdx.x == 0) s_ticket = overlap_claim(sync, mode, n_chains, wait_spins);
     __syncthreads();
@@ -119,8 +107,9 @@ __device__ __forceinline__ bool group_block(
         gr = group_at(c / H, k, T_len, BT, G, cu_seqlens, grp_offsets);
         if (gr.nc <= 0) return false;  // the sequence has no group k
     }
-    if (mode == overlap::kOverlap) {
-        if (threadIdx.x == 0) overlap_wait(sync, c, k + 1);
+    if (mode == overlap::kOverlap) {  // thread 0 waits until chain c has finished group k
+        if (threadIdx.x == 0)
+            while (load_acquire(sync + overlap::kProgress + c) < k + 1) nap();
         __syncthreads();
     }
     return true;

@@ -1,8 +1,6 @@
-// The kernels' one argument: a struct per pass, passed by value and packed once per launch
-// by the launcher (ttt_cupy/params.py mirrors these layouts field by field; the tests compare
-// offsets and sizes). Pointers first, then the 8-byte scalars, then the 4-byte ones: no
-// padding inside. A null pointer is an absent tensor. Shapes: B, T, H, D as the inputs, N
-// sequences, `slots` checkpoint slots, `groups` checkpoint groups.
+// The kernels' one argument, a struct per pass passed by value (ttt_cupy/params.py mirrors the
+// layouts): pointers (null: an absent tensor), then 8-byte, then 4-byte scalars, no padding.
+// Shapes: B, T, H, D as the inputs, N sequences, `slots` slots, `groups` groups.
 #pragma once
 
 namespace ttt {

@@ -6,13 +6,11 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- row passes (LPR lanes a row)
-// A row is held by a group of LPR consecutive lanes (LPR = 32 unless given: one warp a row;
-// Traits::kRowLanes for the group kernels' MMA instances, where a warp takes 32 / LPR rows at
-// once): lane l of its group (l = lane % LPR) holds columns d = l + LPR e, e < P =
-// cdiv(D_PAD, LPR); columns >= D hold zero. Every lane of a warp must call the helpers that
-// sum over a row (row_sum, row_dot and the passes built on them).
+// A row is held by LPR consecutive lanes (default 32: a warp a row; Traits::kRowLanes in the
+// group kernels' MMA instances): lane l = lane % LPR holds columns d = l + LPR e, e < P =
+// cdiv(D_PAD, LPR), zero past D. Every lane of a warp must call the helpers that sum over a
+// row (row_sum, row_dot and the passes built on them).
 
-// This lane's column for element e of a row (see above).
 template <int LPR = 32>
 __device__ __forceinline__ int row_col(int e) {
     return (int)(threadIdx.x & (LPR - 1)) + LPR * e;
@@ -48,8 +46,7 @@ __device__ __forceinline__ void store_row(S* dst, const float (&x)[(D_PAD + LPR 
     }
 }
 
-// x[e] = srow[d - a0] for the lane's columns d in [a0, a0 + M), zero elsewhere (a row of a
-// [BT, M] part of a tile holding columns a0 .. a0 + M - 1).
+// x[e] = srow[d - a0] for the lane's columns d in [a0, a0 + M), zero elsewhere.
 template <int D_PAD, int M, int LPR = 32>
 __device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + LPR - 1) / LPR],
                                               const float* srow, int a0) {
@@ -60,24 +57,18 @@ __device__ __forceinline__ void load_row_part(float (&x)[(D_PAD + LPR - 1) / LPR
     }
 }
 
-// dst[d] = x[e] for d in [d0, d1) (store_row for a range of columns).
-template <int D_PAD, int LPR = 32, typename S>
-__device__ __forceinline__ void store_row_part(S* dst, const float (&x)[(D_PAD + LPR - 1) / LPR],
-                                               int d0, int d1) {
-#pragma unroll
-    for (int e = 0; e < (D_PAD + LPR - 1) / LPR; ++e) {
-        const int d = row_col<LPR>(e);
-        if (d >= d0 && d < d1) dst[d] = from_f32<S>(x[e]);
-    }
-}
-
-// store_row of the columns [a0, d1) (WHOLE: a0 = 0, d1 = D; bwd_grads' split blocks' part).
+// store_row of the columns [a0, d1) (WHOLE: a0 = 0, d1 = D).
 template <int D_PAD, int LPR, bool WHOLE, typename S, int P>
 __device__ __forceinline__ void store_row_cols(S* dst, const float (&x)[P], int a0, int d1) {
-    if constexpr (WHOLE)
+    if constexpr (WHOLE) {
         store_row<D_PAD, LPR>(dst, x, d1);
-    else
-        store_row_part<D_PAD, LPR>(dst, x, a0, d1);
+    } else {
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const int d = row_col<LPR>(e);
+            if (d >= a0 && d < d1) dst[d] = from_f32<S>(x[e]);
+        }
+    }
 }
 
 // A row of a shared tile: srow[d] = x[e] for every d < D_PAD (zeros included).
@@ -129,8 +120,7 @@ __device__ __forceinline__ void row_times_state(float (&out)[(D_PAD + 31) / 32],
     }
 }
 
-// The row times M^T for M rows a0 .. a0 + M - 1 of a state (sM [M, D_PAD + 1]): out[d] =
-// sum_c arow[c] M[d - a0, c] for d in [a0, a0 + M), zero for the lane's other columns.
+// out[d] = sum_c arow[c] M[d - a0, c] for d in [a0, a0 + M), else zero (sM: rows a0 .. of M).
 template <int D_PAD, int M>
 __device__ __forceinline__ void row_times_state_rows_t(float (&out)[(D_PAD + 31) / 32],
                                                        const float* arow, const float* sM,
@@ -182,13 +172,9 @@ __device__ __forceinline__ void inner_grad_row(float (&g)[P], float (&y)[P], con
         g[e] = row_col<LPR>(e) < D ? r * (y[e] - ym - xh[e] * yx) : 0.f;
 }
 
-// The row pass of the inner loss over one chunk (fwd_chain's SIMT instance): warp w takes rows
-// w, w + NW, ... < BT. kh = k_i W + hb (a SIMT row product), then xh, r (LayerNorm) and g
-// (inner_grad_row) into sG's row; rows >= L are zeroed. Writes xh of row i to xbuf (at
-// p_base + (row0 + i) * row_stride) and r to rbuf (at p_ebase + (row0 + i) * H): the group
-// kernels derive g from them (inner_grad_rows_saved); with OPTIONAL_SAVE, only when xbuf is
-// not null (the fused forward without a backward). b_w, b_b: the LayerNorm weight and bias
-// per lane.
+// fwd_chain's SIMT row pass over a chunk, warp w rows w, w + NW, ...: kh = k_i W + hb, xh, r
+// (LayerNorm), g into sG's row (rows >= L zeroed); xh, r (KEY: l r, and r to rlbuf) saved to
+// xbuf, rbuf for the group kernels (OPTIONAL_SAVE: when xbuf is not null).
 template <int D_PAD, int BT, int NW, bool OPTIONAL_SAVE = false, bool KEY = false, typename T,
           int P>
 __device__ __forceinline__ void inner_grad_rows(
@@ -213,7 +199,6 @@ __device__ __forceinline__ void inner_grad_rows(
             if (d < D) b_x[e] += sHb[d];
         }
         const float r_ln = layer_norm_row(b_x, D, eps);
-        // KEY: g = l r (...), the row's eta_key l; rbuf takes l r, rlbuf the LayerNorm's r
         const float r = KEY ? r_ln * ekey[p_ebase + (row0 + i) * H] : r_ln;
         load_row<D_PAD>(b_k, sK + i * LD, D, 1.f);
         load_row<D_PAD>(b_v, v + o_r, D, 1.f);
@@ -227,15 +212,10 @@ __device__ __forceinline__ void inner_grad_rows(
     }
 }
 
-// g of a block's rows from the xh and r that fwd_chain.cu stored (fwd_out, bwd_local: no k W,
-// no LayerNorm statistics): warp w takes rows w, w + NW, ... < BT, 32 / LPR of them at once
-// (row w + NW (s + 32 / LPR u) to its lane group s in pass u); g_i = inner_grad_row(xh_i, r_i,
-// k_i, v_i) into sG's row, with k from sK and xh_i, v_i, r_i from `src(i, ok, b_x, b_v)`: it
-// loads xh and v into the lane's elements (zero past D, and everywhere for rows past L: !ok)
-// and returns r (0 past L). Rows >= L so run the pass on zeros (every lane takes part in the
-// row sums) and get g = 0. Row-local: no barrier between the rows. (Unrolling the passes, so
-// that all their loads are in flight together, made ptxas spill more in bwd_local's and
-// fwd_out's MMA instances at D_PAD 64 / 128, BT 16: not done.)
+// g of a block's rows from the saved xh, r (fwd_out, bwd_local): row w + NW (s + 32 / LPR u)
+// to lane group s of warp w in pass u; g_i = inner_grad_row(xh_i, r_i, k_i, v_i) into sG's
+// row, k from sK, and `src(i, ok, b_x, b_v)` loads xh, v and returns r (all zero past L: !ok,
+// so those rows get g = 0 while every lane takes part in the row sums).
 template <int D_PAD, int BT, int NW, int LPR, int P, typename Src>
 __device__ __forceinline__ void inner_grad_rows_from(
     float* sG, const float* sK, const float (&b_w)[P], const float (&b_b)[P], int L, int D,
@@ -254,8 +234,7 @@ __device__ __forceinline__ void inner_grad_rows_from(
     }
 }
 
-// inner_grad_rows_from with xh, v, r from device memory: fwd_chain's xbuf, rbuf and v at
-// block rows row0 + i.
+// inner_grad_rows_from with xh, v, r of rows row0 + i from xbuf, v, rbuf.
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_saved(
     float* sG, const float* sK, const T* __restrict__ v, const float* xbuf, const float* rbuf,
@@ -270,8 +249,7 @@ __device__ __forceinline__ void inner_grad_rows_saved(
         });
 }
 
-// inner_grad_rows_from with xh, v, r staged in shared memory (StagedRows): row i of v at
-// sV + i * ldv, of xh at sX + i * ldx, r at sR[i].
+// inner_grad_rows_from with xh, v, r staged in shared memory (StagedRows: strides ldx, ldv).
 template <int D_PAD, int BT, int NW, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void inner_grad_rows_staged(
     float* sG, const float* sK, const T* sV, int ldv, const float* sX, int ldx, const float* sR,
@@ -284,10 +262,8 @@ __device__ __forceinline__ void inner_grad_rows_staged(
         });
 }
 
-// o_pre of row i of a chunk (fwd_out, bwd_local), per lane: q_i W + hb - e_i sum_{j <= i}
-// A_ij g_j, zero past D. MMA: q W - e (A g) was left in sQ's row by out_pre_mma, so only hb
-// is added; else SIMT products (sA [BT, BT + 1] is the masked A, sE the per-row eta).
-// (LPR: the row layout; SIMT takes one warp a row.)
+// o_pre of row i: q_i W + hb - e_i sum_{j <= i} A_ij g_j, zero past D. MMA: sQ's row holds
+// q W - e (A g) (out_pre_mma), hb is added; else SIMT products (one warp a row).
 template <int D_PAD, int BT, bool MMA, int LPR = 32, int P>
 __device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* sQ,
                                             const float* sW, const float* sA, const float* sG,
@@ -314,27 +290,19 @@ __device__ __forceinline__ void out_pre_row(float (&o)[P], int i, const float* s
     }
 }
 
-// The fused post norm-residual for one row (fwd_out): o <- o + LN(o) w + b.
-template <int LPR = 32, int P>
-__device__ __forceinline__ void post_norm_row(float (&o)[P], const float (&w)[P],
-                                              const float (&b)[P], int D, float eps) {
-    float n[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) n[e] = o[e];
-    layer_norm_row<LPR>(n, D, eps);
-#pragma unroll
-    for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
-}
-
-// The output form OUT of one row (o_pre = z in): kOutNorm o + LN(o) w + b (post_norm_row);
-// kOutQuery q + LN(o) w + b with the row of q as given (unscaled; qrow, read only where ok and
-// d < D); kOutRaw o as it is. Every lane of the row's group calls it (row sums).
+// The output form OUT of one row o (o_pre in): kOutNorm o + LN(o) w + b; kOutQuery
+// q + LN(o) w + b (qrow unscaled, read where ok and d < D); kOutRaw o. Every lane calls it.
 template <int OUT, int LPR = 32, typename T, int P>
 __device__ __forceinline__ void output_row(float (&o)[P], const float (&w)[P],
                                            const float (&b)[P], int D, float eps,
                                            const T* qrow, bool ok) {
     if constexpr (OUT == kOutNorm) {
-        post_norm_row<LPR>(o, w, b, D, eps);
+        float n[P];
+#pragma unroll
+        for (int e = 0; e < P; ++e) n[e] = o[e];
+        layer_norm_row<LPR>(n, D, eps);
+#pragma unroll
+        for (int e = 0; e < P; ++e) o[e] += n[e] * w[e] + b[e];
     } else if constexpr (OUT == kOutQuery) {
         layer_norm_row<LPR>(o, D, eps);
 #pragma unroll
@@ -346,12 +314,9 @@ __device__ __forceinline__ void output_row(float (&o)[P], const float (&w)[P],
     }
 }
 
-// The post norm-residual's backward for one row (bwd_local): o (o_pre in) becomes oh =
-// LN(o_pre), dout (do in) becomes do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)),
-// and the row's parts of dw (do oh) and db (do) are added to dw, db. Zero past D.
-// OUT (the output form): kOutQuery drops the identity term (do_pre = r_o (...): q, not
-// o_pre, is the residual; dq takes do itself in bwd_local), kOutRaw leaves do_pre = do and
-// adds nothing to dw, db.
+// The post norm-residual's backward for one row: o (o_pre in) becomes oh = LN(o_pre), dout
+// (do in) do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)); dw += do oh, db += do.
+// kOutQuery drops the leading do (bwd_local adds do to dq), kOutRaw leaves do_pre = do alone.
 template <int LPR = 32, int OUT = kOutNorm, int P>
 __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P],
                                                   const float (&w)[P], float (&dw)[P],
@@ -375,10 +340,9 @@ __device__ __forceinline__ void post_norm_bwd_row(float (&o)[P], float (&dout)[P
                                        : 0.f;
 }
 
-// Backward of g(kh) for the cotangent dg: dkh and dy (see ttt_common.cuh). With eta_key
-// (g = l r P, P = y - mean(y) - xh mean(y xh)): r is l r (g's factor, as stored in rbuf),
-// r_ln the LayerNorm's r, g the row's r_ln P (g without l); returns sum(dg g), which is then
-// deta_key. Without: r_ln = r and g = r P (the same arithmetic as before eta_key).
+// Backward of g(kh) for the cotangent dg: dkh and dy (ttt_common.cuh); r is g's factor l r,
+// r_ln the LayerNorm's r, g the row's g / l (without eta_key: r_ln = r, g itself). Returns
+// sum(dg g), deta_key with eta_key.
 template <int LPR = 32, int P>
 __device__ __forceinline__ float inner_grad_bwd_row(
     float (&dkh)[P], float (&dy)[P], const float (&dg)[P], const float (&xh)[P], float r,
@@ -402,13 +366,6 @@ __device__ __forceinline__ float inner_grad_bwd_row(
     for (int e = 0; e < P; ++e)
         dkh[e] = row_col<LPR>(e) < D ? r_ln * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
     return dgg;
-}
-
-template <int LPR = 32, int P>
-__device__ __forceinline__ void inner_grad_bwd_row(
-    float (&dkh)[P], float (&dy)[P], const float (&dg)[P], const float (&xh)[P], float r,
-    const float (&y)[P], const float (&g)[P], const float (&w)[P], int D) {
-    inner_grad_bwd_row<LPR>(dkh, dy, dg, xh, r, y, g, w, D, r);
 }
 
 }  // namespace ttt

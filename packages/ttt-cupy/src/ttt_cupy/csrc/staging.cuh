@@ -6,14 +6,10 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- asynchronous copies
-// cp.async (sm_80+): BYTES (4 or 16) from global src into shared dst without passing through
-// registers, so that no instruction waits for the data before cp_async_wait_all(); with
-// !full the bytes are zero-filled and src is not read. A copy is complete for its own thread
-// after cp_async_wait_all() and for the block after a barrier that follows it. The copies go
-// through L1 (.ca), where prefetch hints may have put their lines. In the CPU emulation the
-// harness's TTT_EMU_CP_ASYNC / TTT_EMU_CP_ASYNC_WAIT stand in for both (its destination
-// turns to NaN at the copy and gets its data at the wait; sources are checked against the
-// launch's arrays).
+// cp.async (sm_80+, through L1): BYTES (4 or 16) from global src to shared dst, bypassing
+// registers; !full zero-fills and reads nothing. Complete for its thread after
+// cp_async_wait_all(), for the block after a barrier that follows. The CPU emulation's
+// TTT_EMU_CP_ASYNC(_WAIT) NaN-fill dst until the wait and check src against the launch's arrays.
 template <int BYTES>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) {
     static_assert(BYTES == 4 || BYTES == 16, "cp_async: 4 or 16 bytes");
@@ -31,7 +27,6 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool full) 
 #endif
 }
 
-// Waits for this thread's cp_async copies (cp.async.wait_all).
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -40,15 +35,12 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// A [BT, D_PAD] tile of rows staged in shared memory by cp_async: copy() issues the copies of
-// rows 0 .. L - 1 of src (row i at src + i * rs, n elements), zero past L rows and n columns,
-// into s ([BT, kLd] elements of S: rows 16 bytes apart, kLd = D_PAD + kVec, which also keeps
-// the mma accumulator layout's reads of 4 rows x 8 columns free of bank conflicts for 4-byte
-// S). Thread x stages pieces x, x + NT, ... of kVec = 16 / sizeof(S) consecutive columns
-// (row-major over [BT, D_PAD / kVec]): with `vec` (vec_rows_ok) one 16-byte copy each, else
-// element by element (4-byte copies; 2-byte types by plain loads and stores, a slower path
-// for unaligned rows). to_tile() converts the same pieces, so after cp_async_wait_all() a
-// thread may convert what it staged without a barrier.
+// A [BT, D_PAD] tile of rows staged in shared memory by cp_async: copy() stages rows
+// 0 .. L - 1 of src (row i at src + i rs, n elements; zero past them) into s ([BT, kLd]
+// elements of S, kLd = D_PAD + kVec: 16-byte rows, and conflict-free accumulator-layout reads
+// for 4-byte S). Thread x stages pieces x, x + NT, ... of kVec = 16 / sizeof(S) columns: with
+// `vec` (vec_rows_ok) one 16-byte copy each, else element by element (2-byte types by plain
+// loads). to_tile() converts the same pieces: after cp_async_wait_all() no barrier is needed.
 template <typename S, int D_PAD, int BT, int NT>
 struct StagedRows {
     static constexpr int kVec = 16 / (int)sizeof(S);
@@ -96,8 +88,7 @@ struct StagedRows {
     }
 };
 
-// s[i] = src[i * stride] for i < L, zero for L <= i < BT, by the block's NT threads
-// (cp_async).
+// s[i] = src[i * stride] for i < L, zero for L <= i < BT (cp_async).
 template <int BT, int NT>
 __device__ __forceinline__ void stage_scalars(float* s, const float* __restrict__ src,
                                               long long stride, int L) {
@@ -107,7 +98,7 @@ __device__ __forceinline__ void stage_scalars(float* s, const float* __restrict_
 }
 
 // M rows of a state: sW[a, d] = src[a * D + d] for a < rows, d < D (zero elsewhere or when src
-// is null); sW [M, D_PAD + 1]. (bwd_grads' split blocks: src the first of their rows.)
+// is null); sW [M, D_PAD + 1].
 template <int D_PAD, int M, int NT>
 __device__ __forceinline__ void load_state_rows(float* sW, const float* src, int rows, int D) {
     constexpr int LD = D_PAD + 1;
@@ -167,20 +158,23 @@ __device__ __forceinline__ void state_rows_axpy(float* sW, float c, const float*
     });
 }
 
-// W += c X^T Y (X, Y [BT, D_PAD] tiles, zero past the valid rows); hb += c sum_i Y_i when
-// sHb is given.
+// hb[d] += c sum_i Y[i, d] for d < D.
+template <int D_PAD, int BT, int NT>
+__device__ __forceinline__ void bias_axpy(float* sHb, float c, const float* sY, int D) {
+    constexpr int LD = D_PAD + 1;
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float acc = 0.f;
+        for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
+        sHb[d] += c * acc;
+    }
+}
+
+// W += c X^T Y (X, Y [BT, D_PAD] tiles, zero past the valid rows); hb likewise when given.
 template <int D_PAD, int BT, int NT>
 __device__ __forceinline__ void state_axpy(float* sW, float* sHb, float c, const float* sX,
                                            const float* sY, int D) {
-    constexpr int LD = D_PAD + 1;
     state_rows_axpy<D_PAD, BT, NT>(sW, c, sX, sY, D, D);
-    if (sHb != nullptr) {
-        for (int d = threadIdx.x; d < D; d += NT) {
-            float acc = 0.f;
-            for (int i = 0; i < BT; ++i) acc += sY[i * LD + d];
-            sHb[d] += c * acc;
-        }
-    }
+    if (sHb != nullptr) bias_axpy<D_PAD, BT, NT>(sHb, c, sY, D);
 }
 
 // M rows of W += X1^T Y1 + X2^T Y2 (the cotangent step; tiles as state_rows_axpy's).
@@ -194,8 +188,8 @@ __device__ __forceinline__ void state_rows_add2(float* sW, const float* sX1, con
     });
 }
 
-// sOut[i, j] = X_i . Y_j + add for the (i, j) with i, j < L and j <= i (LOWER) or j >= i
-// (upper); zero elsewhere. X, Y [BT, D_PAD] tiles; sOut [BT, BT + 1].
+// sOut[i, j] = X_i . Y_j + add for i, j < L and j <= i (LOWER) or j >= i, else zero (X, Y
+// [BT, D_PAD] tiles; sOut [BT, BT + 1]).
 template <int D_PAD, int BT, int NT, bool LOWER>
 __device__ __forceinline__ void tri_dots(float* sOut, const float* sX, const float* sY, int L,
                                          float add) {

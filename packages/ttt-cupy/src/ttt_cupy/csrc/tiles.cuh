@@ -20,9 +20,8 @@ __device__ __forceinline__ void load_tile(float* s, const S* __restrict__ src, l
     }
 }
 
-// One 128-byte line asked for into L1 (a hint: no effect on results). In the CPU emulation
-// there is no cache: the harness's TTT_EMU_PREFETCH checks instead that the line is part of
-// an array the kernel was given (a hint past an array's end is an indexing slip).
+// One 128-byte line asked into L1 (a hint). The CPU emulation's TTT_EMU_PREFETCH checks that
+// the line lies in an array of the launch.
 __device__ __forceinline__ void prefetch_line(unsigned long long line) {
 #if defined(__CUDA_ARCH__)
     asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(
@@ -34,10 +33,8 @@ __device__ __forceinline__ void prefetch_line(unsigned long long line) {
 #endif
 }
 
-// Prefetch into L1 the cache lines of rows row0 .. row0 + L - 1 (rows row_stride elements apart)
-// of `src`, n elements each: the sequential kernels ask for the next chunk's rows one step
-// early, so that its loads hit L1 instead of waiting for device memory on the chain. A hint
-// only (prefetch_line).
+// The lines of rows row0 .. row0 + L - 1 of src (row_stride apart, n elements each) into L1:
+// the chains ask for the next chunk's rows a step early.
 template <int NT, typename S>
 __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int L,
                                               long long row_stride, int n) {
@@ -53,8 +50,7 @@ __device__ __forceinline__ void prefetch_rows(const S* src, long long row0, int 
     }
 }
 
-// Rows of one array for prefetch_spans: L rows of `bytes` bytes, the first at p, rows `stride`
-// bytes apart.
+// L rows of `bytes` bytes, the first at p, `stride` bytes apart (prefetch_spans).
 struct RowSpan {
     const void* p;
     long long stride;
@@ -62,8 +58,7 @@ struct RowSpan {
     int L;
 };
 
-// The RowSpan of rows row0 .. row0 + L - 1 of src (rows row_stride elements apart), n elements
-// each (p is only formed, not read, when L = 0).
+// The RowSpan of rows row0 .. row0 + L - 1 of src (row_stride elements apart, n each).
 template <typename S>
 __device__ __forceinline__ RowSpan row_span(const S* src, long long row0, int L,
                                             long long row_stride, int n) {
@@ -71,13 +66,9 @@ __device__ __forceinline__ RowSpan row_span(const S* src, long long row0, int L,
                    n * (int)sizeof(S), L};
 }
 
-// prefetch_rows for several arrays at once (a hint only, as there): the block's threads share
-// one flat range over every span's [rows x LPR] line slots, so a thread asks for about
-// (all slots) / NT lines, where one prefetch_rows call per array costs every thread a pass
-// with its own address arithmetic. LPR, line slots per row, must be at least
-// (bytes + 126) / 128 + 1 for every span (a row need not start a 128-byte line); slots past
-// a row's last line ask for nothing. (The CPU emulation checks every line against the arrays
-// of the launch: prefetch_line.)
+// prefetch_rows for several arrays in one flat range over every span's [rows x LPR] line
+// slots shared by the block's threads (one pass, not one per array). LPR >= (bytes + 126) /
+// 128 + 1 for every span (a row need not start a line); slots past a row's end ask nothing.
 template <int NT, int LPR, int N>
 __device__ __forceinline__ void prefetch_spans(const RowSpan (&s)[N]) {
     int idx = threadIdx.x;  // this thread's next slot, counted from the current span's start
@@ -103,16 +94,11 @@ __device__ __forceinline__ void load_eta(float* s, const float* __restrict__ eta
     for (int i = threadIdx.x; i < BT; i += NT) s[i] = i < L ? eta[ebase + (row0 + i) * H] : 0.f;
 }
 
-// A [BT, D_PAD] tile of the input dtype staged in registers, for the chains' tile of the next
-// chunk: loaded at the start of a step, stored into the other half of a double-buffered fp32
-// tile at its end. Thread x holds kVec = 16 / sizeof(T) consecutive columns c0 .. c0 + kVec - 1
-// of row i for each of its kChunks pieces (piece u: index x + NT u, row-major over the
-// [BT, D_PAD / kVec] pieces), as raw 16-byte words. With `vec` (the rows and src 16-byte
-// aligned, D a multiple of kVec: vec_rows_ok) a piece is one predicated 16-byte load into
-// zeroed registers, and nothing reads those registers before store(): the load's latency
-// stays off the chain (unpacking right after the load made every step wait for device
-// memory). Else element by element, packed at once (a slower path for unaligned rows). Zero
-// past L rows and D columns.
+// A [BT, D_PAD] tile of the input dtype staged in registers: the chains load the next chunk's
+// at a step's start and store it into the other half of a double-buffered fp32 tile at its
+// end. Thread x holds pieces x + NT u of kVec = 16 / sizeof(T) columns as raw 16-byte words;
+// with `vec` (vec_rows_ok) a piece is one 16-byte load that nothing reads before store(), so
+// its latency stays off the chain; else element by element. Zero past L rows and D columns.
 template <typename T, int D_PAD, int BT, int NT>
 struct StagedTile {
     static constexpr int kVec = 16 / (int)sizeof(T);
@@ -164,8 +150,7 @@ struct StagedTile {
     }
 };
 
-// Whether StagedTile may load 16-byte pieces from a [.., rs]-strided array at p: p 16-byte
-// aligned, rs and D multiples of 16 / sizeof(T) elements.
+// Whether rows rs apart from p take 16-byte pieces: p aligned, rs and D multiples of kVec.
 template <typename T>
 __device__ __forceinline__ bool vec_rows_ok(const T* p, long long rs, int D) {
     constexpr int kVec = 16 / (int)sizeof(T);

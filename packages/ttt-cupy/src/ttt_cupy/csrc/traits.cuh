@@ -4,11 +4,10 @@
 
 namespace ttt {
 
-// fwd_decode (fwd_decode.cu: a short generation step, no chunk size): kThreads threads, each
-// holding kEntries entries of the [D_PAD, D_PAD] state in registers, one column's rows in
-// kParts parts (the lanes of a column: kParts consecutive lanes), read kVec at a time from
-// shared memory; kRowBytes of shared memory per row of the step's longest sequence (the k,
-// q, v, kh / g and q W tiles, [rows, D_PAD] fp32 each, eta and eta_key [rows])
+// fwd_decode (no chunk size): kThreads threads holding kEntries entries each of the state in
+// registers, a column's rows in kParts parts (consecutive lanes), read kVec at a time from
+// shared memory; kRowBytes per row of the longest sequence (k, q, v, kh / g, q W [D_PAD] fp32
+// each, eta, eta_key)
 template <int D_PAD>
 struct DecodeTraits {
     static constexpr int kThreads = D_PAD >= 128 ? 256 : 128;
@@ -46,30 +45,25 @@ struct Traits {
     static constexpr int kBwdLocalFloats = kState + D_PAD + 4 * kTile + 2 * kSquare + BT;
     // bwd_chain: dW, dhb, Q, K, DOP, DKH, row sums
     static constexpr int kBwdChainFloats = kState + D_PAD + 4 * kTile + BT;
-    // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta. At D_PAD 128 with BT 64 (where the whole
-    // state, its cotangent and the tiles would need 307 KiB) kGradsSplit = 2 blocks share a
-    // (group, head): each holds kGradsRows rows of W and dW ([kGradsRows, D_PAD + 1]) and the
-    // same columns of q and k ([BT, kGradsRows + 1]); everything else stays whole. Smaller
-    // shapes keep one block and the full tiles (kGradsRows = D_PAD: the unsplit layout)
+    // bwd_grads: W, dW, Q, K, DOP, G, DKH, S, eta. At D_PAD 128 with BT 64 (307 KiB whole)
+    // kGradsSplit = 2 blocks share a (group, head), each with kGradsRows rows of W and dW
+    // ([kGradsRows, D_PAD + 1]) and those columns of q and k ([BT, kGradsRows + 1])
     static constexpr int kGradsSplit = (D_PAD == 128 && BT == 64) ? 2 : 1;
     static constexpr int kGradsRows = D_PAD / kGradsSplit;
     static constexpr int kLdH = kGradsRows + 1;          // row stride of the [BT, kGradsRows] tiles
     static constexpr int kBwdGradsBaseFloats =
         2 * kGradsRows * kLd + 2 * BT * kLdH + 3 * kTile + kSquare + BT;
-    // the chains' register-resident tensor-core instances (fwd_chain_tc below): one warp per
-    // 16 columns of the state; fwd_chain's MMA instance: K, V double-buffered, row statistics
+    // the chains' MMA instances: a warp per 16 state columns; fwd_chain's: K, V
+    // double-buffered, row statistics
     static constexpr int kTcWarps = D_PAD / 16;
     static constexpr int kTcThreads = 32 * kTcWarps;
     static constexpr int kFwdChainTcFloats = 4 * kTile + 4 * kTcWarps * BT;
     static constexpr unsigned long long kFwdChainTcBytes = 4ull * kFwdChainTcFloats;
     // bwd_chain's MMA instance: Q, K double-buffered, three rounds of 4 row sums per warp
     static constexpr int kBwdChainTcFloats = 4 * kTile + 12 * kTcWarps * BT;
-    // ... and the previous chunk's xh, do_pre, dg, v, q, k, r staged in shared memory through
-    // cp.async (StagedRows), each array in a [BT, D_PAD + 4]-float region (rows of
-    // D_PAD + 16 / sizeof(T) elements fit in it), where the whole block stays within
-    // kStageLimit, the A100's 163 KiB, so that staging takes no shape off a GPU (chunk 16 at
-    // every head dim; not (64, 64), (128, 32), (128, 64), which load those rows through
-    // registers and L1)
+    // ... and the previous chunk's xh, do_pre, dg, v, q, k, r staged by cp.async (StagedRows),
+    // [BT, D_PAD + 4] floats each, where the block stays within kStageLimit (an A100's
+    // 163 KiB: staging takes no shape off a GPU)
     static constexpr unsigned long long kStageLimit = 163ull * 1024;
     static constexpr int kStageTile = BT * (D_PAD + 4);
     static constexpr int kBwdChainStageFloats = 6 * kStageTile + BT;
@@ -77,14 +71,12 @@ struct Traits {
         4ull * (kBwdChainTcFloats + kBwdChainStageFloats) <= kStageLimit;
     static constexpr unsigned long long kBwdChainTcBytes =
         4ull * (kBwdChainTcFloats + (kBwdChainStage ? kBwdChainStageFloats : 0));
-    // bwd_chain's fused instance (ttt_linear_bwd_chain_fused, D_PAD <= 64): then g, dkh and
-    // do_pre tiles, dW and W as [D_PAD, D_PAD + 1], S [BT, BT + 1], eta [BT]
+    // bwd_chain's fused instance (D_PAD <= 64): then g, dkh, do_pre, dW, W, S, eta
     static constexpr int kBwdChainFusedFloats = 3 * kTile + 2 * kState + kSquare + BT;
     static constexpr unsigned long long kBwdChainFusedTcBytes =
         kBwdChainTcBytes + 4ull * kBwdChainFusedFloats;
-    // bwd_grads stages the next chunk's do_pre (a [BT, D_PAD + 4]-float region from a
-    // 16-byte aligned offset) and eta ([BT]) through cp.async, under the same rule (whole rows
-    // only: kGradsSplit 1; q and k staged too would spill under the 3-blocks bound)
+    // bwd_grads stages the next chunk's do_pre ([BT, D_PAD + 4] floats, 16-byte aligned) and
+    // eta by cp.async under the same rule (kGradsSplit 1 only)
     static constexpr int kGradsStageOffset = (kBwdGradsBaseFloats + 3) / 4 * 4;
     static constexpr int kGradsStageFloats =
         kGradsStageOffset - kBwdGradsBaseFloats + kStageTile + BT;
@@ -92,33 +84,24 @@ struct Traits {
         kGradsSplit == 1 && 4ull * (kBwdGradsBaseFloats + kGradsStageFloats) <= kStageLimit;
     static constexpr int kBwdGradsFloats =
         kBwdGradsBaseFloats + (kGradsStage ? kGradsStageFloats : 0);
-    // fwd_chain's fused instances (FUSE: they write the outputs too). SIMT: fwd_out's tiles
-    // (W, hb, K, G, then Q, A, eta). MMA: K, V, row statistics as unfused, then Q
-    // double-buffered, A, eta double-buffered, per-warp statistics of o_pre's rows
+    // fwd_chain's FUSE instances. SIMT: fwd_out's tiles. MMA: the unfused ones, then Q and
+    // eta double-buffered, A, per-warp statistics of o_pre's rows
     static constexpr int kFwdChainFusedFloats = kFwdOutFloats;
     static constexpr int kFwdChainFusedTcFloats =
         kFwdChainTcFloats + 2 * kTile + kSquare + 2 * BT + 2 * kTcWarps * BT;
-    // the fused forward chain runs when there are many chains (placement.FUSED): blocks per
-    // SM asked of ptxas for its tensor-core instance (__launch_bounds__) at D_PAD 64, chunk 16,
-    // so that 512 chains fit one wave of 132 SMs x 4 (128 registers a thread); chunks 32 / 64
-    // would spill, D_PAD <= 32 runs fewer threads and fits anyway
+    // blocks per SM asked of ptxas for the fused forward chain's MMA instance at D_PAD 64,
+    // chunk 16: 512 chains in one wave of 132 SMs x 4 (128 registers a thread)
     static constexpr int kFusedChainBlocks = D_PAD == 64 && BT == 16 ? 4 : 1;
-    // bwd_grads' blocks per SM asked of ptxas at D_PAD 64, chunk 16 (3 x 256 threads: at most
-    // 85 registers; 80 with 32 bytes of spill, where it would take 100 and fit 2 blocks)
+    // bwd_grads' blocks per SM asked of ptxas at D_PAD 64, chunk 16 (at most 85 registers)
     static constexpr int kGradsBlocks = D_PAD == 64 && BT == 16 ? 3 : 1;
-    // fwd_out's (and bwd_local's) MMA instance walks its group in blocks of kOutRows rows
-    // (several chunks: one masked [kOutRows, kOutRows] product per block, fwd_out.cu): fwd_out
-    // holds W, hb, Q, K, G, M, eta. 64 rows at D_PAD <= 32, 32 at D_PAD 64 (the block then
-    // still fits four times into an SM, as the chunk-sized one did), a chunk at D_PAD 128
+    // fwd_out's and bwd_local's MMA instances walk a group in blocks of kOutRows rows (one
+    // masked product per block): fwd_out holds W, hb, Q, K, G, M, eta
     static constexpr int kOutRows = D_PAD <= 32 ? 64 : (D_PAD == 64 && BT < 32 ? 32 : BT);
     static constexpr int kFwdOutTcBaseFloats =
         kState + D_PAD + 3 * kOutRows * kLd + kOutRows * (kOutRows + 1) + kOutRows;
-    // ... and it stages the next block's rows through cp.async (kOutStage: at D_PAD <= 64 with
-    // blocks of at most 2048 row elements, where the staged block still fits three times into
-    // an H200 SM): from a 16-byte aligned offset, q, k, v as [kOutRows, D_PAD + 16 / TS]
-    // elements of the input type's TS bytes (kOutStageRaw<TS> floats each), xh as
-    // [kOutRows, D_PAD + 4] floats, then r's and eta's [kOutRows]. The launcher's half inputs
-    // take TS = 2 (kFwdOutTcBytes); the CPU emulation's stand-in half has 4 bytes
+    // ... and stages the next block by cp.async (kOutStage: still 3 blocks per H200 SM): from a
+    // 16-byte aligned offset q, k, v as [kOutRows, D_PAD + 16 / TS] elements of TS bytes, xh
+    // [kOutRows, D_PAD + 4] floats, r, eta. Half inputs: TS = 2 (the CPU emulation's: 4)
     static constexpr bool kOutStage = D_PAD <= 64 && D_PAD * kOutRows <= 2048;
     static constexpr int kOutStageOffset = (kFwdOutTcBaseFloats + 3) / 4 * 4;
     template <int TS>
@@ -128,25 +111,19 @@ struct Traits {
         kOutStage ? kOutStageOffset + 3 * kOutStageRaw<TS> + kOutRows * (D_PAD + 4) + 2 * kOutRows
                   : kFwdOutTcBaseFloats;
     static constexpr unsigned long long kFwdOutTcBytes = 4ull * kFwdOutTcFloatsT<2>;
-    // fwd_out's MMA instance's blocks per SM asked of ptxas (__launch_bounds__) at D_PAD 64,
-    // chunk 16: as many as its shared memory lets an H200 SM hold (3 staged x 256 threads: at
-    // most 85 registers; 4 unstaged)
+    // fwd_out's MMA blocks per SM asked of ptxas at D_PAD 64, chunk 16: as many as fit an H200 SM
     static constexpr int kOutBlocks = D_PAD == 64 && BT == 16 ? (kOutStage ? 3 : 4) : 1;
-    // bwd_local's MMA instance likewise (bwd_local.cu): W, hb, Q, K, DO, G, A, M / dS / dP',
-    // eta
+    // bwd_local's MMA instance likewise: W, hb, Q, K, DO, G, A, M / dS / dP', eta
     static constexpr int kBwdLocalTcBaseFloats =
         kState + D_PAD + 4 * kOutRows * kLd + 2 * kOutRows * (kOutRows + 1) + kOutRows;
-    // ... and it stages the next block's q, k, do ([kOutRows, D_PAD + 4]-float regions from a
-    // 16-byte aligned offset) and eta ([kOutRows]) through cp.async (the chains' StagedRows),
-    // at D_PAD <= 64 where the block stays within kStageLimit (at D_PAD 128 the stage would
-    // take the block from 2 to 1 per SM on an H200)
+    // ... and stages the next block's q, k, do ([kOutRows, D_PAD + 4] floats each, 16-byte
+    // aligned) and eta by cp.async at D_PAD <= 64 within kStageLimit
     static constexpr int kLocalStageOffset = (kBwdLocalTcBaseFloats + 3) / 4 * 4;
     static constexpr int kLocalStageFloats =
         kLocalStageOffset - kBwdLocalTcBaseFloats + 3 * kOutRows * (D_PAD + 4) + kOutRows;
     static constexpr bool kLocalStage =
         D_PAD <= 64 && 4ull * (kBwdLocalTcBaseFloats + kLocalStageFloats) <= kStageLimit;
-    // ... and, at D_PAD 64 (where the block stays at 2 per H200 SM with it), the g row pass's
-    // stored xh and v ([kOutRows, D_PAD + 4] floats each) and r ([kOutRows]) after that
+    // ... and at D_PAD 64 the g row pass's xh, v ([kOutRows, D_PAD + 4] floats each) and r
     static constexpr bool kLocalStageSaved = kLocalStage && D_PAD == 64;
     static constexpr int kLocalStageSavedFloats = 2 * kOutRows * (D_PAD + 4) + kOutRows;
     static constexpr int kBwdLocalTcFloats =
@@ -164,9 +141,8 @@ struct Traits {
     static constexpr int kDecThreads = DecodeTraits<D_PAD>::kThreads;
     static constexpr unsigned long long kDecRowBytes = DecodeTraits<D_PAD>::kRowBytes;
     static_assert(BT % kWarps == 0, "BT must be a multiple of the warp count");
-    // Lanes per row of the group kernels' MMA row passes over ROWS rows (row_col): 32 / (rows
-    // per warp), so that a warp takes all its rows in one pass, but at least D_PAD / 4 (at
-    // most 4 elements of a row per lane, as 32 lanes hold at D_PAD 128: registers)
+    // Lanes per row of the group kernels' MMA row passes over ROWS rows: a warp's rows in one
+    // pass, but at most 4 elements of a row per lane
     template <int ROWS>
     static constexpr int kRowLanes = 32 / (ROWS / kWarps) > D_PAD / 4 ? 32 / (ROWS / kWarps)
                                                                       : D_PAD / 4;

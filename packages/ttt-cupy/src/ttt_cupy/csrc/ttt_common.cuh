@@ -25,24 +25,18 @@
 // (at most) G chunks between two slots; groups are counted over the batch (grp_offsets [N + 1]
 // gives each sequence's first group, grp_seq [groups] each group's sequence, varlen only).
 //
-// Saved activations (as in the Triton backend): fwd_chain writes xh and g's factor r' = l r of
-// every valid row (rbuf; with eta_key also the LayerNorm's r, rlbuf); the four other kernels
-// read them and derive y and g row-locally (inner_grad_row): no kernel but fwd_chain computes
-// k W or the LayerNorm of kh. So fwd_out and bwd_local need no KEY instance; bwd_chain and
-// bwd_grads read rlbuf for dkh, and bwd_chain writes deta_key.
+// Saved activations: fwd_chain writes xh and g's factor r' = l r of every valid row (rbuf;
+// KEY: the LayerNorm's r to rlbuf); the other kernels derive y and g from them row-locally
+// (inner_grad_row), so fwd_out and bwd_local need no KEY instance.
 //
 // Layout: q, k, v, o, do, dq, dk, dv are [B, T, H, D] in the input dtype T (float, __half or
 // __nv_bfloat16); the fp32 work buffers xhat, do_pre, dg are [B, T, H, D] and r, eta, deta
 // [B, T, H]; w, b [H, D] fp32; states [N, H, D, D] / [N, H, D] and slots [slots, H, D, D] /
 // [slots, H, D] fp32. Global offsets are 64-bit. D <= D_PAD: padded columns are zero.
 //
-// Thread mappings: "row passes" give one warp a row (lane l holds columns l, l + 32, ...,
-// kPerLane of them, in registers), or in the group kernels' MMA instances a group of
-// Traits::kRowLanes lanes a row (row_col); "tile passes" give one thread an output element,
-// or, in the MMA instances, one warp a 16 x 8 output tile or a block of them (mma_tiles,
-// mma_blocks: mma.cuh).
-// Shared-memory tiles are fp32 with rows padded by one float (no bank conflicts when lanes
-// walk down a column). Per-kernel shared memory: Traits<D_PAD, BT>::k*Bytes (traits.cuh).
+// Row passes give a row to a warp or a group of lanes (rows.cuh); tile passes an output
+// element to a thread, or a 16 x 8 tile to a warp (mma.cuh). Shared-memory tiles are fp32 with
+// rows padded by one float (no bank conflicts down a column); sizes: Traits (traits.cuh).
 #pragma once
 
 #include "params.cuh"

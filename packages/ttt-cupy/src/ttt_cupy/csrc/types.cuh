@@ -9,8 +9,7 @@
 namespace ttt {
 
 // ---------------------------------------------------------------- variants
-// The output form (template parameter OUT of fwd_chain's FUSE instance, fwd_out, bwd_local;
-// compile.OUT_FORMS): o_pre + LN(o_pre) w + b, q + LN(o_pre) w + b (q unscaled), o_pre.
+// The output form OUT (compile.OUT_FORMS): o_pre + LN(o_pre) w + b, q + LN(o_pre) w + b, o_pre
 enum : int { kOutNorm = 0, kOutQuery = 1, kOutRaw = 2 };
 
 // ---------------------------------------------------------------- conversions
@@ -25,8 +24,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(x);
 }
 
-// The sum of x over a group of LPR consecutive lanes (LPR a power of two <= 32), in every lane
-// of the group; every lane of the warp must call it (the xor shuffles stay inside the group).
+// The sum of x over LPR consecutive lanes (a power of two), in each; every lane calls it.
 template <int LPR = 32>
 __device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
@@ -59,14 +57,12 @@ __device__ __forceinline__ Seq seq_coords(long long i_n, long long T_len, int BT
     return s;
 }
 
-// Segments: the launcher may split a pass into launches over a range of groups [g_lo, g_hi)
-// of every sequence (chunks [g_lo G, g_hi G)), so that the group-parallel kernels of one
-// segment run beside the chain's next segment (placement.segment_plan). g_hi <= g_lo means
-// the whole sequence (one launch).
+// A segmented pass launches the groups [g_lo, g_hi) of every sequence (placement.segment_plan;
+// g_hi <= g_lo: all): chunks [lo, hi); skip: past the sequence's end (the first segment keeps
+// an empty sequence: its final slot and state).
 struct ChunkRange {
-    long long lo, hi;  // chunks [lo, hi) of the sequence
-    bool skip;         // a segment after the sequence's end (the first segment, g_lo = 0,
-                       // keeps an empty sequence: its final slot and state)
+    long long lo, hi;
+    bool skip;
 };
 
 __device__ __forceinline__ ChunkRange chunk_range(const Seq& s, int G, long long g_lo,
@@ -80,11 +76,10 @@ __device__ __forceinline__ ChunkRange chunk_range(const Seq& s, int G, long long
 
 struct Group {
     Seq seq;
-    long long gid;   // index over the batch's groups (slot - sequence index); nc <= 0: none
+    long long gid;   // index over the batch's groups (slot - sequence index)
     long long c0;    // first chunk of the group (in its sequence)
-    int nc;          // chunks in the group (1 .. G); 0: the block has no group (a segment's
-                     // range past the end of its sequence)
-    long long slot;  // slot of the state before chunk c0; slot + 1 is the state after the group
+    int nc;          // chunks in the group (1 .. G); 0: no such group
+    long long slot;  // slot of the state before chunk c0 (slot + 1: after the group)
 };
 
 // Group j of sequence i_n (nc = 0 where the sequence has no group j).
@@ -101,10 +96,8 @@ __device__ __forceinline__ Group group_at(long long i_n, long long j, long long 
     return g;
 }
 
-// The group of a group-parallel block; x = its (group, head) index / H. One launch over every
-// group (g_hi <= g_lo): x is the group's index over the batch. A segment [g_lo, g_hi): x =
-// i_n (g_hi - g_lo) + (j - g_lo) for group j of sequence i_n, and nc = 0 where the sequence
-// has no group j.
+// The group of a group block x (its (group, head) index / H): the group's index over the batch
+// (g_hi <= g_lo), or of a segment x = i_n (g_hi - g_lo) + (j - g_lo) for group j of sequence i_n.
 __device__ __forceinline__ Group group_coords(
     long long x, long long T_len, int BT, int G, const long long* __restrict__ cu_seqlens,
     const long long* __restrict__ grp_offsets, const int* __restrict__ grp_seq, long long g_lo,
