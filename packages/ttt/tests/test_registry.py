@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -384,3 +385,23 @@ def test_each_new_reason_for_passing_a_backend_over_warns_once(register):
         choose(5)                   # another signature, another reason: one more warning
         choose(5 + 0)
     assert [str(w.message).rpartition(" ")[2] for w in seen] == ["12", "5"]
+
+
+class _LinearOnly(ReferenceBackend):
+    name = "linear_only"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities,
+                                       ops=frozenset({"ttt_linear"}))
+
+
+def test_each_op_is_chosen_by_its_own_capabilities(register):
+    """A backend without TTT-MLP takes the linear calls it comes first for, never the MLP
+    call of the same shapes (whose choice is kept apart); asked by name, it says why."""
+    register("linear_only", _LinearOnly(), priority=5)
+    inputs = _inputs()
+    assert choice.select_backend(ttt.make_problem(**inputs)).name == "linear_only"
+    mlp = ttt.mlp.make_mlp_problem(**inputs)
+    assert choice.select_backend(mlp).name == "reference"
+    assert choice.select_backend(ttt.make_problem(**inputs)).name == "linear_only"
+    with pytest.raises(ttt.BackendNotSupportedError,
+                       match=r"op 'ttt_mlp' not provided \(provides \['ttt_linear'\]\)"):
+        ttt.chunk_ttt_mlp(**inputs, backend="linear_only")

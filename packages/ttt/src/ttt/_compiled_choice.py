@@ -25,7 +25,7 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     Batch size and length (maybe dynamic), scale and eps are not in it: a dense stand-in
     holds one chunk, a packed one the call's lengths; scale ``D ** -0.5``, eps ``1e-6``."""
     (H, D, dtypes, device, chunk_size, output_final_state, packed_lens, eta_is_tensor,
-     requires_grad, output, op, *hidden) = signature
+     requires_grad, output, *mlp) = signature          # (mlp: TTT-MLP's op and hidden)
     seq_lens = (chunk_size,) if packed_lens is None else tuple(packed_lens)
     B, T, N = 1, sum(seq_lens), len(seq_lens)
     shapes = dict(q=(B, T, H, D), k=(B, T, H, D), v=(B, T, H, D), w=(H, D), b=(H, D),
@@ -37,8 +37,8 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     problem = problem_of((*(t[name] for name in GRAD_INPUTS), cu_seqlens, seq_lens,
                           D ** -0.5, 1e-6, chunk_size, output_final_state, eta_is_tensor,
                           output, None), requires_grad)
-    if op != problem.op:                # TTT-MLP's: its state of width hidden (zeros)
-        problem = as_mlp_problem(problem, None, hidden[0], requires_grad)
+    if mlp:                             # TTT-MLP's: its state of width hidden (zeros)
+        problem = as_mlp_problem(problem, None, mlp[1], requires_grad)
     try:
         return select_backend(problem, requested).name
     except BackendNotSupportedError as err:

@@ -124,8 +124,9 @@ class Problem:
     def signature(self) -> tuple:
         """What the backend's choice reads of this problem, as plain values, but its batch
         size and length, scale and eps: head count and dim, the dtypes of
-        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options, the packed
-        sequences' lengths (None for a dense batch) and the operator. The backend choice is kept
+        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
+        sequences' lengths (None for a dense batch); another op's problem adds its name and
+        what is its own (:class:`MlpProblem`). The backend choice is kept
         by it and the rest (``ttt.choice._choice_key``); under torch.compile the
         choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
         and dim through ``operator.index``: there they specialize, a guard each."""
@@ -133,7 +134,7 @@ class Problem:
         return (operator.index(shape[2]), operator.index(shape[3]), _input_dtypes(self),
                 self.q.device, self.chunk_size, self.output_final_state,
                 self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
-                self.requires_grad, self.output, self.op)
+                self.requires_grad, self.output)
 
     def chunk_counts(self) -> list[int]:
         """Chunks per sequence (a partial last chunk counts as one)."""
@@ -172,7 +173,7 @@ class MlpProblem(Problem):
     op = "ttt_mlp"
 
     def signature(self) -> tuple:
-        return (*super().signature(), self.hidden)
+        return (*super().signature(), self.op, self.hidden)
 
     def describe(self) -> str:
         return f"{self.op} hidden={self.hidden} {super().describe()}"
