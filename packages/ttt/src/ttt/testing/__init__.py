@@ -5,8 +5,10 @@ Run it on any installed backend (built in, or registered in the entry-point grou
 
     pytest --pyargs ttt.testing --ttt-backend NAME [--ttt-device cuda] [-m "not big"]
 
-It judges by the float64 oracle :mod:`ttt.oracle` (TTT-linear from its definition) and the
-bounds of :mod:`ttt.tolerances`. Modules: ``cases`` (shapes, dtypes, options, inputs),
+It judges by the float64 oracle :mod:`ttt.oracle` (TTT-Linear and TTT-MLP from their
+definitions) and the bounds of :mod:`ttt.tolerances`; ``test_mlp`` checks the op
+``"ttt_mlp"``, the other modules ``"ttt_linear"`` (the plugin skips an op a backend does not
+declare). Modules: ``cases`` (shapes, dtypes, options, inputs),
 ``expected`` (the oracle's answer per case, computed once), ``calls`` (the backend through
 the public op, skips with its reasons), ``compare`` (whole, per-sequence and per-chunk
 errors), ``plugin`` (the pytest plugin: options, fixtures, header, skip summary) and the
