@@ -6,11 +6,11 @@ computes it with its ``chunk_ttt_mlp`` (differentiable by autograd)."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import torch
 from torch import Tensor
 
+from . import _empty
 from ._custom_op import _no_autocast
 from .ops import _autocast, _backend_name, _in_autocast_region
 from .problem import MlpProblem, as_mlp_problem, mlp_initial_states
@@ -40,7 +40,7 @@ def _checked_state(state, N: int, H: int, D: int, dtype: torch.dtype, device: to
                         f"{type(state).__name__}"
                         + (f" of {len(state)}" if isinstance(state, (tuple, list)) else ""))
     W1 = state[0]
-    F = W1.shape[-1] if isinstance(W1, Tensor) and W1.dim() == 4 else 4 * D
+    F = W1.shape[-1] if isinstance(W1, Tensor) and W1.dim() == 4 else HIDDEN_FACTOR * D
     dtypes = _STATE_DTYPES_OF_FLOAT64 if dtype == torch.float64 else _STATE_DTYPES
     for name, t, shape, meaning in zip(
             STATE_NAMES, state, ((N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)),
@@ -72,15 +72,11 @@ def make_mlp_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
 
 
 def _without_empty_sequences(problem: MlpProblem) -> tuple[MlpProblem, Tensor]:
-    """The problem of the non-empty sequences alone, and their indices (int64)."""
-    kept = [n for n, length in enumerate(problem.seq_lens) if length]
-    lengths = tuple(problem.seq_lens[n] for n in kept)
-    index = torch.tensor(kept, dtype=torch.int64, device=problem.device)
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64,
-                           device=problem.device)
+    """The problem of the non-empty sequences alone (``_empty``'s, with their MLP states),
+    and their indices (int64)."""
+    part, index = _empty.without_empty_sequences(problem)
     state = tuple(s.index_select(0, index) for s in mlp_initial_states(problem))
-    return dataclasses.replace(problem, cu_seqlens=offsets, seq_lens=lengths,
-                               mlp_state=state), index
+    return dataclasses.replace(part, mlp_state=state), index
 
 
 def chunk_ttt_mlp(

@@ -1,7 +1,7 @@
 """The validated inputs of one call, as every backend receives them.
 
 The core (`ttt.validation`) builds a :class:`Problem` once per call; backends never see bad
-input. torch.Tensors in a Problem are contiguous and never to be written by a backend.
+input. Tensors in a Problem are contiguous and never to be written by a backend.
 """
 
 from __future__ import annotations
