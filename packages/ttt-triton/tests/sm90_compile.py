@@ -36,6 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import ttt  # noqa: E402
 from ttt_triton.ops.ttt_linear import launcher  # noqa: E402
+from ttt_triton.ops.ttt_mlp import launcher as mlp_launcher  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -48,7 +49,8 @@ class Case(NamedTuple):
     the final states' cotangents) or "infer" (forward without backward, with states);
     generation steps are "infer" with T within one chunk. H sets the chain count, and with it
     the fused chains (tuning.FUSED). ``packed``: the packed lengths (None: dense); ``layer``:
-    the layer's form (eta_key, query_residual)."""
+    the layer's form (eta_key, query_residual). ``calls`` "mlp" (with ``hidden``, 0: 4 D):
+    TTT-MLP without autograd, with states (``packed``, ``layer`` as above)."""
     label: str
     dtype: str = "bf16"
     B: int = 2
@@ -59,6 +61,7 @@ class Case(NamedTuple):
     packed: tuple | None = None
     layer: bool = False
     calls: str = "train"
+    hidden: int = 0
 
 
 CASES = (
@@ -80,6 +83,9 @@ CASES = (
     Case("step fp32 rows", "fp32", B=4, T=4, layer=True, calls="infer"),
     Case("step packed", "fp32", B=1, T=3, D=128, packed=(1, 0, 2), layer=True, calls="infer"),
     Case("step chain", B=4, T=16, layer=True, calls="infer"),
+    Case("mlp", calls="mlp"),
+    Case("mlp fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True, calls="mlp"),
+    Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
 )
 
 SLOW_CASES = (
@@ -118,8 +124,20 @@ def problem(dtype, B, T, H, D, chunk, packed, layer, states):
 def recorded_launches(case) -> list:
     """The launches (``launches.Launch``) of ``case``'s calls, run (and compiled ahead)
     nowhere."""
-    _, dtype, B, T, H, D, chunk, packed, layer, calls = case
+    _, dtype, B, T, H, D, chunk, packed, layer, calls, hidden = case
     recorded = []
+    if calls == "mlp":
+        mlp_launcher.run_launch = recorded.append
+        p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, False)
+        F = hidden or 4 * D
+        N = len(packed) if packed else B
+        state = tuple(torch.randn(shape) for shape in (
+            (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)))
+        mlp_launcher.ttt_mlp_fwd(ttt.mlp.make_mlp_problem(
+            p.q, p.k, p.v, p.w, p.b, p.eta, chunk_size=chunk, initial_state=state,
+            output_final_state=True, cu_seqlens=p.cu_seqlens, eta_key=p.eta_key,
+            output=p.output))
+        return recorded
     launcher.launches_run = lambda launches, *args, **kwargs: recorded.extend(launches)
     launcher.launches_prefetch = lambda launches, *args, **kwargs: None
     launcher.launches_wants_prefetch = lambda *args, **kwargs: False

@@ -30,6 +30,7 @@ CAPABILITIES = Capabilities(
     deterministic=True,
     eta_key=True,
     outputs=frozenset(OUTPUTS),
+    ops=frozenset({"ttt_linear", "ttt_mlp"}),
     notes=(
         "fp32 state and accumulation; IEEE dots for float32 inputs",
         "sequential chains carry only the state; outputs and gradients come from "
@@ -50,6 +51,10 @@ CAPABILITIES = Capabilities(
         "each pattern of needed gradients compiles its own kernel variants on first use "
         "(ttt.warmup compiles the every-gradient one)",
         "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
+        "ttt_mlp: a forward without gradients (inference, prefill, a generation step) is one "
+        "launch of one program per (sequence, head) streaming the fp32 state from global "
+        "memory in hidden blocks; with gradients the call runs the reference's PyTorch "
+        "code, differentiated by autograd (no Triton backward yet)",
     ),
 )
 """As declared on a CUDA machine; under the Triton interpreter an instance adds cpu."""
@@ -102,3 +107,14 @@ class TritonBackend(Backend):
 
         # only the gradients autograd asks for (needs), each a fresh tensor
         return ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt, needs=needs)
+
+    def chunk_ttt_mlp(self, problem):
+        """TTT-MLP: the Triton forward (:mod:`.ops.ttt_mlp`) when no gradient is needed, else
+        the reference's PyTorch code under autograd."""
+        if problem.requires_grad:
+            from ttt.reference_mlp import mlp_forward
+
+            return mlp_forward(problem)
+        from .ops.ttt_mlp import ttt_mlp_fwd
+
+        return ttt_mlp_fwd(problem)

@@ -37,6 +37,9 @@ MLP_CASES = [
     MlpCase(Case(1, 24, 2, 8, 16, F64, states=False, final_state=False), 32),  # zero state
     MlpCase(Case(2, 33, 2, 16, 32, BF16, eta_key=True), 64),
     MlpCase(Case(1, 40, 2, 16, 16, F16, seq_lens=(17, 23)), 32),
+    MlpCase(Case(1, 50, 2, 12, 16, F32, seq_lens=(20, 0, 30), output="query_residual"), 36),
+    MlpCase(Case(2, 40, 2, 32, 32, F32, eta_tensor=False, output="raw"), 128),   # 2 blocks
+    MlpCase(Case(1, 30, 2, 16, 16, F32, states=False, final_state=False, eta_key=True), 64),
 ]
 
 
@@ -72,19 +75,16 @@ def _with(inputs: dict, leaves: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id) for mc in MLP_CASES])
-def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_device):
-    """o, the final state (W1, b1, W2, b2) and the gradients of every input and initial state
-    tensor, for random cotangents on o and the final state, against the oracle."""
-    case = mc.case
-    inputs = mlp_inputs(mc, ttt_device, seed=case.seed)
-    problem = ttt.mlp.make_mlp_problem(**inputs)
-    reasons = ttt_backend.not_supported_reasons(problem)
+def _skip_unsupported(inputs: dict, backend) -> None:
+    reasons = backend.not_supported_reasons(ttt.mlp.make_mlp_problem(**inputs))
     if reasons:
-        pytest.skip(f"{ttt_backend.name} declares: {'; '.join(reasons)}")
-    leaves = _leaves(inputs)
-    o, final = ttt.chunk_ttt_mlp(**_with(inputs, leaves), backend=ttt_backend_name)
+        pytest.skip(f"{backend.name} declares: {'; '.join(reasons)}")
 
+
+def _oracle(mc: MlpCase, inputs: dict, leaves: dict, device) -> tuple:
+    """The oracle's o and final state of ``inputs`` with ``leaves`` (float64 copies, by
+    name, that require grad: returned too)."""
+    case = mc.case
     as64 = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
     ref_inputs = _with({k: (v.to(F64) if isinstance(v, torch.Tensor) and v.is_floating_point()
                             else v) for k, v in inputs.items()
@@ -92,11 +92,18 @@ def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_devi
     state = ref_inputs.pop("initial_state", None)
     if state is None:
         N, H, D, F = case.N, case.H, case.D, mc.hidden
-        state = tuple(torch.zeros(s, dtype=F64, device=ttt_device)
+        state = tuple(torch.zeros(s, dtype=F64, device=device)
                       for s in ((N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)))
     o_ref, final_ref = oracle_chunk_ttt_mlp(**ref_inputs, initial_state=state,
                                             chunk_size=case.chunk)
-    out_tol, grad_tol = TOLERANCES[case.dtype]
+    return o_ref, final_ref, as64
+
+
+def _expect_outputs(mc: MlpCase, o, final, o_ref, final_ref) -> tuple[list, list]:
+    """o and the final state against the oracle's; returns the outputs compared and their
+    references."""
+    case = mc.case
+    out_tol = TOLERANCES[case.dtype][0]
     expect(o.dtype == case.dtype and o.shape == o_ref.shape,
            f"o: {o.dtype} {tuple(o.shape)}, expected {case.dtype} {tuple(o_ref.shape)}")
     expect_close("o", o, o_ref, out_tol)
@@ -109,6 +116,33 @@ def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_devi
         refs += list(final_ref)
     else:
         expect(final is None, "final_state: expected None without output_final_state")
+    return outputs, refs
+
+
+@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id) for mc in MLP_CASES])
+def test_mlp_forward_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_device):
+    """Without autograd (inference, prefill: a backend may take another path there): o and
+    the final state against the oracle."""
+    inputs = mlp_inputs(mc, ttt_device, seed=mc.case.seed + 7)
+    _skip_unsupported(inputs, ttt_backend)
+    leaves = _leaves(inputs)
+    with torch.no_grad():
+        o, final = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
+        o_ref, final_ref, _ = _oracle(mc, inputs, leaves, ttt_device)
+    _expect_outputs(mc, o, final, o_ref, final_ref)
+
+
+@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id) for mc in MLP_CASES])
+def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_device):
+    """o, the final state (W1, b1, W2, b2) and the gradients of every input and initial state
+    tensor, for random cotangents on o and the final state, against the oracle."""
+    case = mc.case
+    inputs = mlp_inputs(mc, ttt_device, seed=case.seed)
+    _skip_unsupported(inputs, ttt_backend)
+    leaves = _leaves(inputs)
+    o, final = ttt.chunk_ttt_mlp(**_with(inputs, leaves), backend=ttt_backend_name)
+    o_ref, final_ref, as64 = _oracle(mc, inputs, leaves, ttt_device)
+    outputs, refs = _expect_outputs(mc, o, final, o_ref, final_ref)
     g = torch.Generator(device="cpu").manual_seed(case.seed + 2)
     cotangents = [torch.randn(r.shape, generator=g, dtype=F64).to(ttt_device) for r in refs]
     grads = torch.autograd.grad(outputs, list(leaves.values()),
@@ -122,7 +156,7 @@ def test_mlp_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_devi
             continue                            # e.g. eta as a float: a constant
         expect(got is not None, f"d{name}: no gradient")
         expect(got.dtype == leaves[name].dtype, f"d{name}: dtype {got.dtype}")
-        expect_close(f"d{name}", got, ref, grad_tol)
+        expect_close(f"d{name}", got, ref, TOLERANCES[case.dtype][1])
 
 
 @pytest.mark.parametrize(("which", "change", "error", "words"), [
@@ -165,11 +199,17 @@ def test_mlp_inputs_unchanged_and_empty_batch(ttt_backend_name, ttt_device):
                f"final {name} of an empty batch: a copy of the initial one")
 
 
-def test_mlp_packed_batch_equals_each_sequence_alone(ttt_backend_name, ttt_device):
+def test_mlp_packed_batch_equals_each_sequence_alone(ttt_backend, ttt_backend_name,
+                                                    ttt_device):
     """A packed batch (an empty sequence among them) gives each sequence's output and final
-    state of a call on that sequence alone."""
-    mc = MLP_CASES[1]
-    inputs = mlp_inputs(mc, ttt_device, seed=5)
+    state of a call on that sequence alone (the first packed case the backend takes)."""
+    for mc in MLP_CASES:
+        inputs = mlp_inputs(mc, ttt_device, seed=5)
+        if (mc.case.seq_lens and 0 in mc.case.seq_lens and not
+                ttt_backend.not_supported_reasons(ttt.mlp.make_mlp_problem(**inputs))):
+            break
+    else:
+        pytest.skip(f"{ttt_backend.name} takes none of the packed cases with an empty sequence")
     o, final = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
     offsets = inputs["cu_seqlens"].tolist()
     bound = TOLERANCES[mc.case.dtype][0]
@@ -184,9 +224,8 @@ def test_mlp_packed_batch_equals_each_sequence_alone(ttt_backend_name, ttt_devic
             expect_close(f"final {name} of sequence {n}", f[n:n + 1], f_n, bound)
 
 
-def test_mlp_strided_views_and_autocast(ttt_backend_name, ttt_device):
-    """Strided views give the contiguous inputs' results bitwise; under autocast q, k and v
-    are cast to its dtype (o in it, the state float32), as a call on the cast tensors."""
+def test_mlp_strided_views(ttt_backend_name, ttt_device):
+    """Strided views give the contiguous inputs' results bitwise."""
     inputs = mlp_inputs(MLP_CASES[0], ttt_device, seed=3)
     o, final = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
     views = {k: (v.transpose(1, 2).contiguous().transpose(1, 2)
@@ -194,15 +233,42 @@ def test_mlp_strided_views_and_autocast(ttt_backend_name, ttt_device):
     o_views, final_views = ttt.chunk_ttt_mlp(**views, backend=ttt_backend_name)
     expect(torch.equal(o, o_views) and all(map(torch.equal, final, final_views)),
            "strided views: results differ from the contiguous inputs'")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_mlp_autocast(grad, ttt_backend, ttt_backend_name, ttt_device):
+    """Under autocast q, k and v are cast to its dtype (o in it, the state float32), as a
+    call on the cast tensors."""
+    inputs = mlp_inputs(MLP_CASES[0], ttt_device, seed=3)
+    cast = {k: (v.to(BF16) if k in ("q", "k", "v") else v) for k, v in inputs.items()}
+    _skip_unsupported(cast, ttt_backend)
+    if grad:
+        inputs = _with(inputs, _leaves(inputs))
+        cast = _with(cast, _leaves(cast))
     device_type = torch.device(ttt_device).type
     with torch.autocast(device_type, dtype=BF16):
         o_auto, final_auto = ttt.chunk_ttt_mlp(**inputs, backend=ttt_backend_name)
-    cast = {k: (v.to(BF16) if k in ("q", "k", "v") else v) for k, v in inputs.items()}
     o_cast, final_cast = ttt.chunk_ttt_mlp(**cast, backend=ttt_backend_name)
     expect(o_auto.dtype == BF16 and all(f.dtype == F32 for f in final_auto),
            f"autocast: o {o_auto.dtype}, state {[f.dtype for f in final_auto]}")
     expect(torch.equal(o_auto, o_cast) and all(map(torch.equal, final_auto, final_cast)),
            "autocast: results differ from a call on the cast q, k, v")
+
+
+def test_mlp_compiles_as_one_graph_without_grad(ttt_backend_name, ttt_device):
+    """torch.compile(fullgraph=True) of a call without autograd (inference) gives the eager
+    results (aot_eager: dynamo and AOT autograd)."""
+    inputs = mlp_inputs(MLP_CASES[0], ttt_device, seed=4)
+
+    def call(**kwargs):
+        o, final = ttt.chunk_ttt_mlp(**kwargs, backend=ttt_backend_name)
+        return o, *final
+
+    with torch.no_grad():
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(**inputs)
+        want = call(**inputs)
+    for name, g, w in zip(("o", *MLP_STATE), got, want):
+        expect_close(f"compiled {name}", g, w, TOLERANCES[MLP_CASES[0].case.dtype][0])
 
 
 def test_mlp_compiles_as_one_graph(ttt_backend_name, ttt_device):

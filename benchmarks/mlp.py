@@ -1,0 +1,139 @@
+"""TTT-MLP speed: ``ttt.chunk_ttt_mlp`` on each backend, forward without autograd (inference,
+prefill), forward+backward, and a generation step (one token per sequence, state in and
+out) beside TTT-Linear's step on the same backend.
+
+    python -m benchmarks.mlp                          # B 4, T 4096, H 16, D 64, bf16, chunk 16
+    python -m benchmarks.mlp --shapes 4,4096,16,64 1,16384,8,64 --backends triton reference
+
+The ``reference`` backend is the chunked dual form of the official ``TTTMLP`` in eager
+PyTorch (per chunk the same matrix products). Prints a markdown table; ``error`` is the
+largest difference of the forward's output from the reference backend's in float64 on the
+same inputs. Needs a CUDA device (exits 2 without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import ttt
+from benchmarks import _timing
+from benchmarks.decode import graph_replay
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def inputs(B: int, T: int, H: int, D: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
+    """Random inputs of ``chunk_ttt_mlp`` (k L2-normalised) with an initial state of the
+    official layer's scale, float32."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return scale * torch.randn(*size, generator=gen, device=device)
+
+    F = 4 * D
+    q, k, v = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    state = (randn(B, H, D, F, scale=0.02), torch.zeros(B, H, 1, F, device=device),
+             randn(B, H, F, D, scale=0.02), torch.zeros(B, H, 1, D, device=device))
+    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), w=1 + randn(H, D, scale=0.1),
+                b=randn(H, D, scale=0.1), eta=0.1 * torch.rand(B, T, H, 1, generator=gen,
+                                                               device=device),
+                initial_state=state, output_final_state=True)
+
+
+def timed(fn, device) -> str:
+    try:
+        return f"{_timing.bench(fn, device, _timing.Budget())[1]:.3f}"
+    except Exception as exc:  # noqa: BLE001 - one cell failing is a cell, not the run
+        torch.cuda.synchronize(device)
+        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+
+
+def step_us(fn, device, graph: bool) -> str:
+    try:
+        with torch.no_grad():
+            run = graph_replay(fn, device) if graph else fn
+            return f"{1e3 * _timing.back_to_back(run, device, _timing.Budget())[1]:.1f}"
+    except Exception as exc:  # noqa: BLE001
+        torch.cuda.synchronize(device)
+        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+
+
+def shape_row(backend: str, shape: tuple[int, ...], dtype, device) -> list[str]:
+    x = inputs(*shape, dtype, device)
+
+    def forward():
+        with torch.no_grad():
+            return ttt.chunk_ttt_mlp(**x, backend=backend)
+
+    leaves = {n: x[n].detach().requires_grad_() for n in ("q", "k", "v")}
+
+    def training():
+        o, final = ttt.chunk_ttt_mlp(**{**x, **leaves}, backend=backend)
+        torch.autograd.grad([o, *final], list(leaves.values()),
+                            [torch.ones_like(o), *(torch.zeros_like(f) for f in final)])
+
+    with torch.no_grad():
+        o = forward()[0].double()
+        as64 = {n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+        as64["initial_state"] = tuple(s.double() for s in x["initial_state"])
+        ref = ttt.chunk_ttt_mlp(**as64, backend="reference")[0]
+    error = (o - ref).abs().max().item()
+    return [backend, ",".join(map(str, shape)), timed(forward, device),
+            timed(training, device), f"{error:.1e}"]
+
+
+def step_row(backend: str, B: int, H: int, D: int, dtype, device) -> list[str]:
+    x = inputs(B, 1, H, D, dtype, device)
+    h0 = torch.zeros(B, H, D, D, device=device)
+    hb0 = torch.zeros(B, H, 1, D, device=device)
+
+    def mlp():
+        return ttt.chunk_ttt_mlp(**x, backend=backend)
+
+    def linear():
+        return ttt.chunk_ttt_linear(x["q"], x["k"], x["v"], x["w"], x["b"], x["eta"],
+                                    initial_state=h0, initial_state_bias=hb0,
+                                    output_final_state=True, backend=backend)
+
+    return [backend, f"{B},1,{H},{D}", *(step_us(f, device, g) for f in (mlp, linear)
+                                          for g in (False, True))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mlp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["4,4096,16,64"])
+    parser.add_argument("--steps", nargs="+", default=["4,16,64", "64,16,64"],
+                        help="generation steps B,H,D")
+    parser.add_argument("--backends", nargs="+", default=["triton", "reference"])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.mlp: needs a CUDA device", file=sys.stderr)
+        return 2
+    device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    import triton
+
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton "
+          f"{triton.__version__}, {args.dtype}, chunk 16")
+    print("\n| backend | B,T,H,D | forward ms | fwd+bwd ms | error |\n|---|---|---|---|---|")
+    for shape in args.shapes:
+        for backend in args.backends:
+            row = shape_row(backend, tuple(int(n) for n in shape.split(",")), dtype, device)
+            print("| " + " | ".join(row) + " |", flush=True)
+    print("\n| backend | B,T,H,D | MLP step us | MLP step, graph | linear step us | "
+          "linear step, graph |\n|---|---|---|---|---|---|")
+    for step in args.steps:
+        B, H, D = (int(n) for n in step.split(","))
+        for backend in args.backends:
+            print("| " + " | ".join(step_row(backend, B, H, D, dtype, device)) + " |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
