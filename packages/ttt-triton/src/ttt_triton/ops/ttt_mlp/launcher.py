@@ -49,10 +49,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     BD = _pow2(D)
     options = {} if kernels_interpreted() else {"num_warps": NUM_WARPS}
     run_launch(Launch(ttt_mlp_fwd_chain_kernel, (N * H,), (
-        q, k, v, eta, w, b, eta_key, o, *(state or final), *final, cu_seqlens, scale, eps,
-        q.shape[1], hidden), dict(
-        H=H, D=D, BT=chunk_size, BD=BD, BF=min(hidden_block(BD), _pow2(hidden)),
-        USE_INITIAL=bool(state), IS_VARLEN=cu_seqlens is not None,
+        q, k, v, eta, w, b, eta_key, o, *(state or final), *final, None, None, None, None,
+        cu_seqlens, scale, eps, q.shape[1], hidden, 1), dict(
+        H=H, D=D, BT=chunk_size, BD=BD, BF=min(hidden_block(BD), _pow2(hidden)), G=1,
+        USE_INITIAL=bool(state), IS_VARLEN=cu_seqlens is not None, SAVE=False,
         HALF=q.dtype != torch.float32, PREC=dot_precision(q.dtype, BD),
         HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)))
     return (o, *final)
