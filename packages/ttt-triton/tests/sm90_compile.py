@@ -84,7 +84,10 @@ CASES = (
     Case("step packed", "fp32", B=1, T=3, D=128, packed=(1, 0, 2), layer=True, calls="infer"),
     Case("step chain", B=4, T=16, layer=True, calls="infer"),
     Case("mlp", calls="mlp"),
-    Case("mlp fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True, calls="mlp"),
+    Case("mlp train", layer=True, calls="mlp train"),
+    Case("mlp train packed fp32", "fp32", B=1, D=32, packed=(9, 31), calls="mlp train"),
+    Case("mlp fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True,
+         calls="mlp train"),
     Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
 )
 
@@ -126,17 +129,22 @@ def recorded_launches(case) -> list:
     nowhere."""
     _, dtype, B, T, H, D, chunk, packed, layer, calls, hidden = case
     recorded = []
-    if calls == "mlp":
+    if calls.startswith("mlp"):
         mlp_launcher.run_launch = recorded.append
         p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, False)
         F = hidden or 4 * D
         N = len(packed) if packed else B
         state = tuple(torch.randn(shape) for shape in (
             (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)))
-        mlp_launcher.ttt_mlp_fwd(ttt.mlp.make_mlp_problem(
-            p.q, p.k, p.v, p.w, p.b, p.eta, chunk_size=chunk, initial_state=state,
+        train = calls == "mlp train"
+        leaves = [t.requires_grad_(train) for t in (p.q, p.k, p.v)]
+        o, final = mlp_launcher.ttt_mlp_fwd(ttt.mlp.make_mlp_problem(
+            *leaves, p.w, p.b, p.eta, chunk_size=chunk, initial_state=state,
             output_final_state=True, cu_seqlens=p.cu_seqlens, eta_key=p.eta_key,
             output=p.output))
+        if train:
+            torch.autograd.grad([o, *final], leaves, [torch.randn_like(o),
+                                                      *map(torch.randn_like, final)])
         return recorded
     launcher.launches_run = lambda launches, *args, **kwargs: recorded.extend(launches)
     launcher.launches_prefetch = lambda launches, *args, **kwargs: None

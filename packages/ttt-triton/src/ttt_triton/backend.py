@@ -51,10 +51,10 @@ CAPABILITIES = Capabilities(
         "each pattern of needed gradients compiles its own kernel variants on first use "
         "(ttt.warmup compiles the every-gradient one)",
         "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
-        "ttt_mlp: a forward without gradients (inference, prefill, a generation step) is one "
-        "launch of one program per (sequence, head) streaming the fp32 state from global "
-        "memory in hidden blocks; with gradients the call runs the reference's PyTorch "
-        "code, differentiated by autograd (no Triton backward yet)",
+        "ttt_mlp: one program per (sequence, head) streams the fp32 state from global "
+        "memory in hidden blocks; a forward is one launch (with checkpoint slots every 16 "
+        "chunks when autograd needs them), the backward one launch that recomputes each "
+        "group's states from its slot",
     ),
 )
 """As declared on a CUDA machine; under the Triton interpreter an instance adds cpu."""
@@ -109,12 +109,7 @@ class TritonBackend(Backend):
         return ttt_linear_bwd(problem, Saved.of(problem, saved), do, dht, dhbt, needs=needs)
 
     def chunk_ttt_mlp(self, problem):
-        """TTT-MLP: the Triton forward (:mod:`.ops.ttt_mlp`) when no gradient is needed, else
-        the reference's PyTorch code under autograd."""
-        if problem.requires_grad:
-            from ttt.reference_mlp import mlp_forward
-
-            return mlp_forward(problem)
+        """TTT-MLP by the kernels of :mod:`.ops.ttt_mlp`, differentiable by autograd."""
         from .ops.ttt_mlp import ttt_mlp_fwd
 
         return ttt_mlp_fwd(problem)

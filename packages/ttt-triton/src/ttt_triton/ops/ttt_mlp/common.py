@@ -165,9 +165,10 @@ def attention_like(r_q, r_k, b_e, m_tril, scale, HALF: tl.constexpr, PREC: tl.co
 def second_walk(W1_0, b1_0, W2_0, W1, b1, W2, dW1, db1, dW2, first, idx, idx_dst, F, b_k,
                 b_qs, b_g2, b_A1, b_el, D: tl.constexpr, o_d, m_d, BT: tl.constexpr,
                 BD: tl.constexpr, BF: tl.constexpr, HAS_0: tl.constexpr,
-                WITH_OUT: tl.constexpr, PREC: tl.constexpr):
+                WITH_OUT: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr):
     """Each hidden block's ``g_1`` and update of the source state (:func:`source_block`),
-    written to state ``idx_dst`` of ``dW1, db1, dW2``; with ``WITH_OUT``, returns
+    written to state ``idx_dst`` of ``dW1, db1, dW2`` (with ``STORE``); with ``WITH_OUT``,
+    returns
     ``(sum_j \\bar X_{2,j} W_{2,j}, sum_j \\bar X_{2,j} X_{2,j}^T)`` ([BT, BD], [BT, BT];
     zeros without)."""
     b_z = tl.zeros([BT, BD], dtype=tl.float32)                             # [BT, BD]
@@ -182,9 +183,10 @@ def second_walk(W1_0, b1_0, W2_0, W1, b1, W2, dW1, db1, dW2, first, idx, idx_dst
                                           - mm(b_A1, b_g1, PREC))          # [BT, BF]
             b_z += mm(b_x2b, b_W2, PREC)
             b_M2 += mm(b_x2b, tl.trans(b_x2), PREC)
-        d_w1 = (idx_dst - idx) * D * F
-        d_b1 = (idx_dst - idx) * F
-        tl.store(dW1 + d_w1 + o_w1, b_W1 - b_el * mm(tl.trans(b_k), b_g1, PREC), mask=m_w1)
-        tl.store(db1 + d_b1 + o_b1, b_b1 - b_el * tl.sum(b_g1, 0), mask=m_f)
-        tl.store(dW2 + d_w1 + o_w2, b_W2 - b_el * mm(tl.trans(b_x2), b_g2, PREC), mask=m_w2)
+        if STORE:
+            d_w = (idx_dst - idx) * D * F
+            d_b1 = (idx_dst - idx) * F
+            tl.store(dW1 + d_w + o_w1, b_W1 - b_el * mm(tl.trans(b_k), b_g1, PREC), mask=m_w1)
+            tl.store(db1 + d_b1 + o_b1, b_b1 - b_el * tl.sum(b_g1, 0), mask=m_f)
+            tl.store(dW2 + d_w + o_w2, b_W2 - b_el * mm(tl.trans(b_x2), b_g2, PREC), mask=m_w2)
     return b_z, b_M2

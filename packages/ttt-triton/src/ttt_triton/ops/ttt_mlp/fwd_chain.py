@@ -81,7 +81,7 @@ def ttt_mlp_fwd_chain_kernel(
         b_A1 = attention_like(r_q, r_k, b_e, m_tril, scale, HALF, PREC)    # [BT, BT]
         b_z, b_M2 = second_walk(
             W1_0, b1_0, W2_0, W1, b1, W2, W1, b1, W2, first, i_nh, i_nh, F, b_k, b_qs,
-            b_g2, b_A1, b_el, D, o_d, m_d, BT, BD, BF, USE_INITIAL, True, PREC)
+            b_g2, b_A1, b_el, D, o_d, m_d, BT, BD, BF, USE_INITIAL, True, True, PREC)
         b_A2 = tl.where(m_tril, b_e[:, None], 0.) * (b_M2 + 1.)            # [BT, BT]
         b_z = b_z + b_b2[None, :] - mm(b_A2, b_g2, PREC)                   # [BT, BD]
         b_b2 = b_b2 - b_el * tl.sum(b_g2, 0)

@@ -1,26 +1,35 @@
-"""The TTT-MLP forward launcher: one launch of :mod:`.fwd_chain`'s kernel (one program per
-(sequence, head)), behind the custom op ``ttt_triton::ttt_mlp_fwd`` so that
-``torch.compile`` and CUDA graphs see one opaque call."""
+"""The TTT-MLP launchers: the forward (one launch of :mod:`.fwd_chain`'s kernel, one program
+per (sequence, head)) and the backward (one launch of :mod:`.bwd_chain`'s), as the custom
+ops ``ttt_triton::ttt_mlp_fwd`` and ``ttt_triton::ttt_mlp_bwd``, the first differentiable
+through the second (``torch.library.register_autograd``): ``torch.compile`` and CUDA graphs
+see opaque calls, autograd the usual graph."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ttt.problem import MlpProblem
 
 from ..._env import kernels_interpreted
 from ..ttt_linear.launches import Launch
 from ..ttt_linear.tuning import dot_precision
+from .bwd_chain import ttt_mlp_bwd_chain_kernel
 from .fwd_chain import ttt_mlp_fwd_chain_kernel
 
-NUM_WARPS = 8
-"""Warps per program. The chunk's tiles (q, k, g2, z [BT, BD] and two [BT, BT]) stay live over
-the hidden walks; at 4 warps the sm_90 build of bf16, head dim 64, chunk 16 needs every
-register and spills (tools.resources' counts), at 8 it does not (hidden block 32)."""
+
+def num_warps(BD: int, BT: int) -> int:
+    """Warps per program. The chunk's [BT, BD] tiles (about a dozen in the backward) stay live
+    over the hidden walks: 8 warps up to BT * BD = 2048, 16 above."""
+    return 8 if BT * BD <= 2048 else 16
+
+CHECKPOINT_EVERY = 16
+"""G: chunks between two of the forward's checkpoint slots (a forward for the backward). The
+backward recomputes a group's states from its slot into G scratch slots per chain."""
 
 
 def hidden_block(BD: int) -> int:
-    """Hidden columns (of W1; rows of W2) per block of the state the kernel streams: 32 at a
+    """Hidden columns (of W1; rows of W2) per block of the state the kernels stream: 32 at a
     padded head dim up to 64, 16 above (the [BD, BF] and [BF, BD] blocks in registers)."""
     return 32 if BD <= 64 else 16
 
@@ -29,33 +38,120 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _state_shapes(q: torch.Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
+def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
     H, D = q.shape[2], q.shape[3]
     return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
 
 
-@torch.library.custom_op("ttt_triton::ttt_mlp_fwd", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-             b: torch.Tensor, eta: torch.Tensor, eta_key: torch.Tensor | None,
-             state: list[torch.Tensor], cu_seqlens: torch.Tensor | None, scale: float,
-             eps: float, chunk_size: int, hidden: int, N: int,
-             output: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor]:
-    """``(o, W1, b1, W2, b2)``; ``state`` the four fp32 initial tensors, or empty (zeros)."""
+def _constants(q: Tensor, chunk_size: int, hidden: int, cu_seqlens, eta_key,
+               output: str) -> dict:
+    """The constexprs and options both kernels share."""
     H, D = q.shape[2], q.shape[3]
+    BD = _pow2(D)
+    options = {} if kernels_interpreted() else {"num_warps": num_warps(BD, chunk_size)}
+    return dict(H=H, D=D, BT=chunk_size, BD=BD, BF=min(hidden_block(BD), _pow2(hidden)),
+                G=CHECKPOINT_EVERY, IS_VARLEN=cu_seqlens is not None,
+                HALF=q.dtype != torch.float32, PREC=dot_precision(q.dtype, BD),
+                HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
+
+
+def _slots(q: Tensor, N: int, count: int, hidden: int) -> list[Tensor]:
+    """``count`` states per chain, fp32, as ``[N * H * count, ...]`` tensors."""
+    H, D = q.shape[2], q.shape[3]
+    rows = N * H * count
+    return [q.new_empty(shape, dtype=torch.float32)
+            for shape in ((rows, D, hidden), (rows, hidden), (rows, hidden, D), (rows, D))]
+
+
+@torch.library.custom_op("ttt_triton::ttt_mlp_fwd", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
+             eta_key: Tensor | None, state: list[Tensor], cu_seqlens: Tensor | None,
+             scale: float, eps: float, chunk_size: int, hidden: int, N: int, NG: int,
+             output: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """``(o, W1, b1, W2, b2, slots)``: ``state`` the four fp32 initial tensors, or empty
+    (zeros); ``NG`` checkpoint slots per chain (0: none, a forward without backward)."""
     final = [torch.empty(shape, dtype=torch.float32, device=q.device)
              for shape in _state_shapes(q, N, hidden)]
+    slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     o = torch.empty_like(q)
-    BD = _pow2(D)
-    options = {} if kernels_interpreted() else {"num_warps": NUM_WARPS}
-    run_launch(Launch(ttt_mlp_fwd_chain_kernel, (N * H,), (
-        q, k, v, eta, w, b, eta_key, o, *(state or final), *final, None, None, None, None,
-        cu_seqlens, scale, eps, q.shape[1], hidden, 1), dict(
-        H=H, D=D, BT=chunk_size, BD=BD, BF=min(hidden_block(BD), _pow2(hidden)), G=1,
-        USE_INITIAL=bool(state), IS_VARLEN=cu_seqlens is not None, SAVE=False,
-        HALF=q.dtype != torch.float32, PREC=dot_precision(q.dtype, BD),
-        HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)))
-    return (o, *final)
+    consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
+    run_launch(Launch(ttt_mlp_fwd_chain_kernel, (N * q.shape[2],), (
+        q, k, v, eta, w, b, eta_key, o, *(state or final), *final, *slots, cu_seqlens, scale,
+        eps, q.shape[1], hidden, max(NG, 1)), dict(
+        consts, USE_INITIAL=bool(state), SAVE=NG > 0)))
+    return o, *final, (slots if NG else [])
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, w, b, eta, eta_key, state, cu_seqlens, scale, eps, chunk_size,
+                  hidden, N, NG, output):
+    final = [q.new_empty(shape, dtype=torch.float32) for shape in _state_shapes(q, N, hidden)]
+    return torch.empty_like(q), *final, (_slots(q, N, NG, hidden) if NG else [])
+
+
+@torch.library.custom_op("ttt_triton::ttt_mlp_bwd", mutates_args=())
+def _backward(do: Tensor, dfinal: list[Tensor], q: Tensor, k: Tensor, v: Tensor, w: Tensor,
+              b: Tensor, eta: Tensor, eta_key: Tensor | None, slots: list[Tensor],
+              cu_seqlens: Tensor | None, scale: float, eps: float, chunk_size: int,
+              hidden: int, N: int, NG: int, output: str) -> list[Tensor]:
+    """``[dq, dk, dv, dw, db, deta, dW1, db1, dW2, db2]`` (plus ``deta_key`` with it), each
+    in its input's dtype (the state's float32); ``dfinal`` the final state's cotangents."""
+    H = q.shape[2]
+    carry = [d.to(torch.float32).clone() for d in dfinal] if dfinal else [
+        torch.zeros(shape, dtype=torch.float32, device=q.device)
+        for shape in _state_shapes(q, N, hidden)]
+    rows = [torch.empty(q.shape, dtype=torch.float32, device=q.device) for _ in range(3)]
+    deta = torch.empty(eta.shape, dtype=torch.float32, device=q.device)
+    deta_key = None if eta_key is None else torch.empty_like(deta)
+    partials = [q.new_empty((N * H, q.shape[3]), dtype=torch.float32) for _ in range(2)]
+    consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
+    tmp = q.new_empty((N * H, consts["BT"], hidden), dtype=torch.float32)
+    run_launch(Launch(ttt_mlp_bwd_chain_kernel, (N * H,), (
+        q, k, v, eta, w, b, eta_key, do, *slots, *_slots(q, N, CHECKPOINT_EVERY, hidden),
+        *carry, tmp, *rows, deta, deta_key, *partials, cu_seqlens, scale, eps, q.shape[1],
+        hidden, NG), consts))
+    dw, db = (p.view(N, H, -1).sum(0).to(t.dtype) for p, t in zip(partials, (w, b)))
+    grads = [*(r.to(q.dtype) for r in rows), dw, db, deta.to(eta.dtype), *carry]
+    return grads + ([] if deta_key is None else [deta_key.to(eta_key.dtype)])
+
+
+@_backward.register_fake
+def _backward_fake(do, dfinal, q, k, v, w, b, eta, eta_key, slots, cu_seqlens, scale, eps,
+                   chunk_size, hidden, N, NG, output):
+    grads = [torch.empty_like(q) for _ in range(3)] + [torch.empty_like(w),
+                                                        torch.empty_like(b),
+                                                        torch.empty_like(eta)]
+    grads += [q.new_empty(shape, dtype=torch.float32) for shape in _state_shapes(q, N, hidden)]
+    return grads + ([] if eta_key is None else [torch.empty_like(eta_key)])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, w, b, eta, eta_key, state, cu_seqlens = inputs[:9]
+    ctx.options = inputs[9:]            # scale, eps, chunk_size, hidden, N, NG, output
+    ctx.has_state = bool(state)
+    ctx.has_key = eta_key is not None
+    ctx.has_cu = cu_seqlens is not None
+    extra = [t for t in (eta_key, cu_seqlens) if t is not None]
+    ctx.save_for_backward(q, k, v, w, b, eta, *extra, *output[5])
+
+
+def _backward_of_forward(ctx, do, dW1, db1, dW2, db2, dslots):
+    q, k, v, w, b, eta, *rest = ctx.saved_tensors
+    eta_key = rest.pop(0) if ctx.has_key else None
+    cu_seqlens = rest.pop(0) if ctx.has_cu else None
+    hidden, N = ctx.options[3], ctx.options[4]
+    dfinal = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d
+              for d, shape in zip((dW1, db1, dW2, db2), _state_shapes(q, N, hidden))]
+    do = torch.zeros_like(q) if do is None else do.contiguous()
+    grads = _backward(do, dfinal, q, k, v, w, b, eta, eta_key, rest, cu_seqlens,
+                      *ctx.options)
+    dq, dk, dv, dw, db, deta, *dstate = grads
+    d_key = dstate.pop() if ctx.has_key else None
+    return (dq, dk, dv, dw, db, deta, d_key, dstate if ctx.has_state else [], None,
+            None, None, None, None, None, None, None)
+
+
+_forward.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 def run_launch(launch: Launch) -> None:
@@ -63,17 +159,16 @@ def run_launch(launch: Launch) -> None:
     launch()
 
 
-@_forward.register_fake
-def _forward_fake(q, k, v, w, b, eta, eta_key, state, cu_seqlens, scale, eps, chunk_size,
-                  hidden, N, output):
-    return (torch.empty_like(q), *(q.new_empty(shape, dtype=torch.float32)
-                                   for shape in _state_shapes(q, N, hidden)))
-
-
-def ttt_mlp_fwd(problem: MlpProblem) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``(o, (W1, b1, W2, b2))`` of ``problem``: the outputs and the final state (fp32)."""
+def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``(o, (W1, b1, W2, b2))`` of ``problem``: the outputs and the final state (fp32),
+    differentiable when ``problem.requires_grad``."""
     p = problem
     state = [] if p.mlp_state is None else [s.to(torch.float32) for s in p.mlp_state]
-    o, *final = _forward(p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens,
-                         float(p.scale), float(p.eps), p.chunk_size, p.hidden, p.N, p.output)
+    NG = 0
+    if p.requires_grad:
+        chunks = max(p.chunk_counts())
+        NG = max(1, -(-chunks // CHECKPOINT_EVERY))
+    o, *final, _ = _forward(p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens,
+                            float(p.scale), float(p.eps), p.chunk_size, p.hidden, p.N, NG,
+                            p.output)
     return o, tuple(final)

@@ -1,0 +1,93 @@
+"""The TTT-MLP kernels beyond the shared suite: the backward's recompute across checkpoint
+groups (a small ``CHECKPOINT_EVERY`` puts group boundaries, and a partial last group, into
+short sequences), and the launches per call (one forward, one backward). Against the
+float64 reference backend. Runs on CUDA when there is a GPU, else in the Triton interpreter
+(float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ttt  # noqa: E402
+from ttt.testing.compare import expect_close  # noqa: E402
+from ttt.tolerances import TOLERANCES  # noqa: E402
+from ttt_triton.ops.ttt_mlp import launcher  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+F32, F64 = torch.float32, torch.float64
+
+
+def _inputs(seq_lens, H=2, D=16, F=48, seed=0) -> dict:
+    """Random inputs of a packed batch of ``seq_lens`` with a random state and eta_key."""
+    g = torch.Generator().manual_seed(seed)
+    T, N = sum(seq_lens), len(seq_lens)
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g, dtype=F64)
+
+    return dict(q=randn(1, T, H, D), k=randn(1, T, H, D), v=randn(1, T, H, D),
+                w=1 + randn(H, D, scale=0.1), b=randn(H, D, scale=0.1),
+                eta=0.1 * torch.rand(1, T, H, 1, generator=g, dtype=F64),
+                eta_key=0.5 + torch.rand(1, T, H, 1, generator=g, dtype=F64),
+                initial_state=(randn(N, H, D, F, scale=D ** -0.5), randn(N, H, 1, F, scale=0.1),
+                               randn(N, H, F, D, scale=F ** -0.5), randn(N, H, 1, D, scale=0.1)),
+                cu_seqlens=torch.tensor([0, *seq_lens]).cumsum(0), output_final_state=True)
+
+
+def _outputs_and_grads(inputs: dict, dtype, backend: str):
+    leaves = {n: t.to(dtype).to(DEVICE).requires_grad_() for n, t in inputs.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    state_dtype = F64 if dtype == F64 else F32
+    state = tuple(t.to(state_dtype).to(DEVICE).requires_grad_()
+                  for t in inputs["initial_state"])
+    o, final = ttt.chunk_ttt_mlp(**leaves, initial_state=state,
+                                 cu_seqlens=inputs["cu_seqlens"].to(DEVICE),
+                                 output_final_state=True, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    outs = [o, *final]
+    cots = [torch.randn(x.shape, generator=g, dtype=F64).to(x) for x in outs]
+    names = [*leaves, "W1", "b1", "W2", "b2"]
+    grads = torch.autograd.grad(outs, [*leaves.values(), *state], cots)
+    return dict(zip(["o", "fW1", "fb1", "fW2", "fb2"], outs)), dict(zip(names, grads))
+
+
+def test_backward_across_checkpoint_groups(monkeypatch):
+    """Sequences of 1, 2, 3 and 7 chunks with a checkpoint every 2 chunks: outputs, final
+    state and every gradient as the float64 reference's."""
+    monkeypatch.setattr(launcher, "CHECKPOINT_EVERY", 2)
+    inputs = _inputs((16, 37, 40, 100))
+    out_tol, grad_tol = TOLERANCES[F32]
+    got, got_grads = _outputs_and_grads(inputs, F32, "triton")
+    want, want_grads = _outputs_and_grads(inputs, F64, "reference")
+    for name in got:
+        expect_close(name, got[name].double().cpu(), want[name].cpu(), out_tol)
+    for name in got_grads:
+        expect_close(f"d{name}", got_grads[name].double().cpu(), want_grads[name].cpu(),
+                     grad_tol)
+
+
+def test_one_launch_per_pass(monkeypatch):
+    """Inference is one forward launch; training adds one backward launch."""
+    seen = []
+    run = launcher.run_launch
+    monkeypatch.setattr(launcher, "run_launch", lambda launch: (seen.append(
+        launch.kernel.__name__), run(launch)))
+    inputs = _inputs((20, 13))
+    cast = {n: (t.float().to(DEVICE) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                else t) for n, t in inputs.items()}
+    cast["initial_state"] = tuple(t.float().to(DEVICE) for t in inputs["initial_state"])
+    cast["cu_seqlens"] = inputs["cu_seqlens"].to(DEVICE)
+    with torch.no_grad():
+        ttt.chunk_ttt_mlp(**cast, backend="triton")
+    assert seen == ["ttt_mlp_fwd_chain_kernel"]
+    seen.clear()
+    _outputs_and_grads(inputs, F32, "triton")
+    assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]
