@@ -29,11 +29,11 @@ class TinyModel(nn.Module):
     gated) with residuals, a projection."""
 
     def __init__(self, backend: str, width: int = WIDTH, heads: int = HEADS,
-                 mini_batch: int = MINI_BATCH) -> None:
+                 mini_batch: int = MINI_BATCH, layer: type = TTTLinear) -> None:
         super().__init__()
         self.inp = nn.Linear(width, width)
-        self.layers = nn.ModuleList(TTTLinear(width, heads, mini_batch, use_gate=use_gate,
-                                              backend=backend)
+        self.layers = nn.ModuleList(layer(width, heads, mini_batch, use_gate=use_gate,
+                                          backend=backend)
                                     for use_gate in (False, True))
         self.out = nn.Linear(width, width)
 
@@ -44,10 +44,10 @@ class TinyModel(nn.Module):
         return self.out(h)
 
 
-def _model(backend_name: str, device, seed: int = 0) -> TinyModel:
+def _model(backend_name: str, device, seed: int = 0, layer: type = TTTLinear) -> TinyModel:
     """Every parameter off its initial value (zeros and ones would hide faults)."""
     torch.manual_seed(seed)
-    model = TinyModel(backend_name).to(device)
+    model = TinyModel(backend_name, layer=layer).to(device)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
@@ -144,7 +144,13 @@ def test_layer_cuda_graph_training_step(ttt_backend, ttt_backend_name, ttt_devic
     if ttt_device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
     _skip_unless_layer_runs(ttt_backend, ttt_device)
-    eager = _model(ttt_backend_name, ttt_device)
+    check_cuda_graph_training_step(_model(ttt_backend_name, ttt_device), ttt_backend,
+                                   ttt_device)
+
+
+def check_cuda_graph_training_step(eager, backend, device) -> None:
+    """A model's training step in a CUDA graph, replayed, against eager (the test above)."""
+    ttt_backend, ttt_device = backend, device
     graphed = copy.deepcopy(eager)
     batches = [_inputs(ttt_device, seed=20 + i) for i in range(3)]
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
@@ -192,8 +198,13 @@ def test_layer_generation_cache(ttt_backend, ttt_backend_name, ttt_device):
     """Prefill of 21 tokens, then 19 tokens one at a time through a TTTCache, equals one
     forward over the 40 tokens (float32 bounds)."""
     _skip_unless_layer_runs(ttt_backend, ttt_device)
-    model = _model(ttt_backend_name, ttt_device)
-    x = _inputs(ttt_device)
+    check_generation_cache(_model(ttt_backend_name, ttt_device), ttt_device)
+
+
+def check_generation_cache(model, device) -> None:
+    """Prefill then one-token steps through a TTTCache against one forward (the test
+    above)."""
+    x = _inputs(device)
     want = model(x)
     cache = TTTCache()
     pieces = [model(x[:, :21], cache=cache)]

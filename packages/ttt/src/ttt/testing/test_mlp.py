@@ -16,6 +16,14 @@ from ..oracle import oracle_chunk_ttt_mlp
 from ..tolerances import TOLERANCES
 from .cases import BF16, F16, F32, F64, Case, make_inputs
 from .compare import expect, expect_close
+from .test_layer import (
+    HEADS,
+    MINI_BATCH,
+    WIDTH,
+    _model,
+    check_cuda_graph_training_step,
+    check_generation_cache,
+)
 
 MLP_STATE = ("W1", "b1", "W2", "b2")
 
@@ -292,3 +300,28 @@ def test_mlp_compiles_as_one_graph(ttt_backend_name, ttt_device):
     for name, g, w in zip(leaves, grads, grads_eager):
         if w is not None:
             expect_close(f"compiled d{name}", g, w, TOLERANCES[MLP_CASES[0].case.dtype][1])
+
+
+def _skip_unless_mlp_layer_runs(backend, device) -> None:
+    """Skip with the backend's reasons for TTTMLP's calls (eta_key, query_residual)."""
+    mc = MlpCase(Case(2, 8, HEADS, WIDTH // HEADS, MINI_BATCH, F32, eta_key=True,
+                      output="query_residual"), 4 * (WIDTH // HEADS))
+    _skip_unsupported(mlp_inputs(mc, device), backend)
+
+
+@torch.no_grad()
+def test_mlp_layer_generation_cache(ttt_backend, ttt_backend_name, ttt_device):
+    """A model of two ``ttt.nn.TTTMLP`` layers: prefill, then one token at a time through a
+    TTTCache, equals one forward."""
+    _skip_unless_mlp_layer_runs(ttt_backend, ttt_device)
+    check_generation_cache(_model(ttt_backend_name, ttt_device, layer=ttt.nn.TTTMLP),
+                           ttt_device)
+
+
+def test_mlp_layer_cuda_graph_training_step(ttt_backend, ttt_backend_name, ttt_device):
+    """The same model's training step captured in a CUDA graph and replayed equals eager."""
+    if ttt_device.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    _skip_unless_mlp_layer_runs(ttt_backend, ttt_device)
+    check_cuda_graph_training_step(_model(ttt_backend_name, ttt_device, layer=ttt.nn.TTTMLP),
+                                   ttt_backend, ttt_device)
