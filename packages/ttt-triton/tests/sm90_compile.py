@@ -86,14 +86,14 @@ CASES = (
     Case("mlp", calls="mlp"),
     Case("mlp train", layer=True, calls="mlp train"),
     Case("mlp train packed fp32", "fp32", B=1, D=32, packed=(9, 31), calls="mlp train"),
-    Case("mlp fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True,
-         calls="mlp train"),
     Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
 )
 
 SLOW_CASES = (
     Case("train fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True),
     Case("train fp32 d64 c64", "fp32", B=1, T=130, chunk=64),
+    Case("mlp fp32 d128 c64", "fp32", B=1, T=130, D=128, chunk=64, layer=True,
+         calls="mlp train"),
 )
 """Float32 at chunk 64 (tuning.IEEE_WIDE), whose kernels take minutes to compile on a CPU:
 test_sm90_compile.py marks them ``big``."""
