@@ -6,14 +6,17 @@ out) beside TTT-Linear's step on the same backend.
     python -m benchmarks.mlp --shapes 4,4096,16,64 1,16384,8,64 --backends triton reference
 
 The ``reference`` backend is the chunked dual form of the official ``TTTMLP`` in eager
-PyTorch (per chunk the same matrix products). Prints a markdown table; ``error`` is the
-largest difference of the forward's output from the reference backend's in float64 on the
-same inputs. Needs a CUDA device (exits 2 without).
+PyTorch (per chunk the same matrix products); ``reference-compiled`` is the same with its
+per-chunk step under ``torch.compile``, as the official code compiles its mini-batch step.
+Prints a markdown table; ``error`` is the largest difference of the forward's output from
+the reference backend's in float64 on the same inputs. Needs a CUDA device (exits 2
+without).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -62,28 +65,50 @@ def step_us(fn, device, graph: bool) -> str:
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
 
 
-def shape_row(backend: str, shape: tuple[int, ...], dtype, device) -> list[str]:
+COMPILED = "reference-compiled"
+_COMPILED_CHUNK = []
+
+
+@contextlib.contextmanager
+def _backend(provider: str):
+    """The ttt backend of a provider; for ``reference-compiled``, the reference with its chunk
+    step (``ttt.reference_mlp``'s per-chunk function) under ``torch.compile`` meanwhile."""
+    if provider != COMPILED:
+        yield provider
+        return
+    import ttt.reference_mlp as reference_mlp
+
+    original = reference_mlp._chunk
+    if not _COMPILED_CHUNK:
+        _COMPILED_CHUNK.append(torch.compile(original))
+    reference_mlp._chunk = _COMPILED_CHUNK[0]
+    try:
+        yield "reference"
+    finally:
+        reference_mlp._chunk = original
+
+
+def shape_row(provider: str, shape: tuple[int, ...], dtype, device) -> list[str]:
     x = inputs(*shape, dtype, device)
-
-    def forward():
-        with torch.no_grad():
-            return ttt.chunk_ttt_mlp(**x, backend=backend)
-
     leaves = {n: x[n].detach().requires_grad_() for n in ("q", "k", "v")}
-
-    def training():
-        o, final = ttt.chunk_ttt_mlp(**{**x, **leaves}, backend=backend)
-        torch.autograd.grad([o, *final], list(leaves.values()),
-                            [torch.ones_like(o), *(torch.zeros_like(f) for f in final)])
-
     with torch.no_grad():
-        o = forward()[0].double()
         as64 = {n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
         as64["initial_state"] = tuple(s.double() for s in x["initial_state"])
         ref = ttt.chunk_ttt_mlp(**as64, backend="reference")[0]
-    error = (o - ref).abs().max().item()
-    return [backend, ",".join(map(str, shape)), timed(forward, device),
-            timed(training, device), f"{error:.1e}"]
+    with _backend(provider) as backend:
+
+        def forward():
+            with torch.no_grad():
+                return ttt.chunk_ttt_mlp(**x, backend=backend)
+
+        def training():
+            o, final = ttt.chunk_ttt_mlp(**{**x, **leaves}, backend=backend)
+            torch.autograd.grad([o, *final], list(leaves.values()),
+                                [torch.ones_like(o), *(torch.zeros_like(f) for f in final)])
+
+        error = (forward()[0].double() - ref).abs().max().item()
+        times = [timed(forward, device), timed(training, device)]
+    return [provider, ",".join(map(str, shape)), *times, f"{error:.1e}"]
 
 
 def step_row(backend: str, B: int, H: int, D: int, dtype, device) -> list[str]:
@@ -109,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["4,4096,16,64"])
     parser.add_argument("--steps", nargs="+", default=["4,16,64", "64,16,64"],
                         help="generation steps B,H,D")
-    parser.add_argument("--backends", nargs="+", default=["triton", "reference"])
+    parser.add_argument("--backends", nargs="+", default=["triton", "reference", COMPILED],
+                        help=f"ttt backends, or {COMPILED}")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -122,16 +148,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{triton.__version__}, {args.dtype}, chunk 16")
     print("\n| backend | B,T,H,D | forward ms | fwd+bwd ms | error |\n|---|---|---|---|---|")
     for shape in args.shapes:
-        for backend in args.backends:
-            row = shape_row(backend, tuple(int(n) for n in shape.split(",")), dtype, device)
+        for provider in args.backends:
+            row = shape_row(provider, tuple(int(n) for n in shape.split(",")), dtype, device)
             print("| " + " | ".join(row) + " |", flush=True)
     print("\n| backend | B,T,H,D | MLP step us | MLP step, graph | linear step us | "
           "linear step, graph |\n|---|---|---|---|---|---|")
     for step in args.steps:
         B, H, D = (int(n) for n in step.split(","))
         for backend in args.backends:
-            print("| " + " | ".join(step_row(backend, B, H, D, dtype, device)) + " |",
-                  flush=True)
+            if backend != COMPILED:
+                print("| " + " | ".join(step_row(backend, B, H, D, dtype, device)) + " |",
+                      flush=True)
     return 0
 
 
