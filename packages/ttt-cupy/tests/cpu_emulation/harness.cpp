@@ -409,39 +409,33 @@ static S params_as(const void* from, unsigned long long smem_bytes) {
     }
 
 // The SIMT instances (T = float) and the tensor-core ones (_mma: T = the fake __half, MMA =
-// true, with the emulated mma.sync above); fwd_chain's fused instances (_fused: they write o;
-// ck, ckb, xbuf, rbuf all null for a forward without backward) and bwd_chain's
-// (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain; MMA only, D_PAD <= 64). The
-// stand-in half has 4 bytes: fwd_out's staged rows take more room than a real half's.
+// true, with the emulated mma.sync above), side by side: ENTRIES gives the two their threads
+// (kThreads; NT_MMA), shared memory (BYTES; BYTES_MMA) and template arguments after MMA.
+// fwd_chain's fused instances (_fused: they write o; ck, ckb, xbuf, rbuf all null for a forward
+// without backward) and bwd_chain's (ttt_linear_bwd_chain_fused: bwd_grads' work in the chain;
+// MMA only, D_PAD <= 64). The stand-in half has 4 bytes: fwd_out's staged rows take more room
+// than a real half's.
+#define ENTRIES(NAME, S, NT_MMA, BYTES, BYTES_MMA, KERNEL, ...)                               \
+    ENTRY(NAME, S, float, kThreads, BYTES, 128, KERNEL, false, __VA_ARGS__)                   \
+    ENTRY(NAME##_mma, S, __half, NT_MMA, BYTES_MMA, 128, KERNEL, true, __VA_ARGS__)
+
 #if EMU_IN_PART(0)
-ENTRY(fwd_chain, FwdParams, float, kThreads, Tr::kFwdChainBytes, 128, ttt_linear_fwd_chain,
-      false, false, KEY)
-ENTRY(fwd_chain_fused, FwdParams, float, kThreads, Tr::kFwdChainFusedBytes, 128,
-      ttt_linear_fwd_chain, false, true, KEY, OUT)
-ENTRY(fwd_chain_mma, FwdParams, __half, kTcThreads, Tr::kFwdChainTcBytes, 128,
-      ttt_linear_fwd_chain, true, false, KEY)
-ENTRY(fwd_chain_fused_mma, FwdParams, __half, kTcThreads, Tr::kFwdChainFusedTcBytes, 128,
-      ttt_linear_fwd_chain, true, true, KEY, OUT)
-ENTRY(fwd_out, FwdParams, float, kThreads, Tr::kFwdOutBytes, 128, ttt_linear_fwd_out, false,
-      OUT)
-ENTRY(fwd_out_mma, FwdParams, __half, kThreads,
-      4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>, 128, ttt_linear_fwd_out, true, OUT)
+ENTRIES(fwd_chain, FwdParams, kTcThreads, Tr::kFwdChainBytes, Tr::kFwdChainTcBytes,
+        ttt_linear_fwd_chain, false, KEY)
+ENTRIES(fwd_chain_fused, FwdParams, kTcThreads, Tr::kFwdChainFusedBytes,
+        Tr::kFwdChainFusedTcBytes, ttt_linear_fwd_chain, true, KEY, OUT)
+ENTRIES(fwd_out, FwdParams, kThreads, Tr::kFwdOutBytes,
+        4ull * Tr::template kFwdOutTcFloatsT<sizeof(__half)>, ttt_linear_fwd_out, OUT)
 #endif
 #if EMU_IN_PART(1)
-ENTRY(bwd_local, BwdParams, float, kThreads, Tr::kBwdLocalBytes, 128, ttt_linear_bwd_local,
-      false, OUT)
-ENTRY(bwd_local_mma, BwdParams, __half, kThreads, Tr::kBwdLocalTcBytes, 128,
-      ttt_linear_bwd_local, true, OUT)
-ENTRY(bwd_chain, BwdParams, float, kThreads, Tr::kBwdChainBytes, 128, ttt_linear_bwd_chain,
-      false, KEY)
-ENTRY(bwd_chain_mma, BwdParams, __half, kTcThreads, Tr::kBwdChainTcBytes, 128,
-      ttt_linear_bwd_chain, true, KEY)
+ENTRIES(bwd_local, BwdParams, kThreads, Tr::kBwdLocalBytes, Tr::kBwdLocalTcBytes,
+        ttt_linear_bwd_local, OUT)
+ENTRIES(bwd_chain, BwdParams, kTcThreads, Tr::kBwdChainBytes, Tr::kBwdChainTcBytes,
+        ttt_linear_bwd_chain, KEY)
 ENTRY(bwd_chain_fused_mma, BwdParams, __half, kTcThreads, Tr::kBwdChainFusedTcBytes, 64,
       ttt_linear_bwd_chain_fused, true, KEY)
-ENTRY(bwd_grads, BwdParams, float, kThreads, Tr::kBwdGradsBytes, 128, ttt_linear_bwd_grads,
-      false, KEY)
-ENTRY(bwd_grads_mma, BwdParams, __half, kThreads, Tr::kBwdGradsBytes, 128,
-      ttt_linear_bwd_grads, true, KEY)
+ENTRIES(bwd_grads, BwdParams, kThreads, Tr::kBwdGradsBytes, Tr::kBwdGradsBytes,
+        ttt_linear_bwd_grads, KEY)
 #endif
 
 // fwd_decode (a short generation step: no chunk size, bt ignored), every variant at every D_PAD

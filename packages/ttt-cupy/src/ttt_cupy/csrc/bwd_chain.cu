@@ -296,8 +296,7 @@ __device__ __forceinline__ void bwd_chain_tc(
     const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
-    const long long p_base = (sq.bos * H + i_h) * D;
-    const long long p_ebase = sq.bos * H + i_h;
+    const long long p_base = (sq.bos * H + i_h) * D, p_ebase = sq.bos * H + i_h;
     const float inv_d = 1.f / (float)D;
     const int rs = H * D;                                // row stride (32-bit in a chunk)
     constexpr bool kExact = is_half_type<T>::value;  // q's, k's tiles hold tf32 values
@@ -523,8 +522,7 @@ __device__ __forceinline__ void bwd_chain_simt(TTT_BWD_CHAIN_PARAMS, int* sync) 
     }
 
     const long long row_stride = (long long)H * D;
-    const long long p_base = (sq.bos * H + i_h) * D;
-    const long long p_ebase = sq.bos * H + i_h;
+    const long long p_base = (sq.bos * H + i_h) * D, p_ebase = sq.bos * H + i_h;
     for (long long i_c = c_hi - 1; i_c >= c_lo; --i_c) {
         const long long row0 = i_c * BT;
         const int L = (int)min((long long)BT, sq.len - row0);

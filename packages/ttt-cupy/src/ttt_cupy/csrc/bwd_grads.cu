@@ -129,8 +129,7 @@ __device__ __forceinline__ void bwd_grads_kernel(
     ttt::load_ln_rows<D_PAD, LPR>(b_w, b_b, lnw, lnb, i_h, D);
     float b_dw[PL] = {}, b_db[PL] = {};                              // this lane's partials
     const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long p_base = (gr.seq.bos * H + i_h) * D, p_ebase = gr.seq.bos * H + i_h;
     // a chunk's unstaged rows asked into L1 in one pass, a step early
     constexpr int kLpr = (D_PAD * 4 + 126) / 128 + 1;  // line slots of an fp32 row
     auto ask_rows = [&](long long r0, int Lr) {

@@ -81,11 +81,9 @@ __device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
     const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
                                   grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
-    const long long gid = gr.gid;
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long p_base = (gr.seq.bos * H + i_h) * D, p_ebase = gr.seq.bos * H + i_h;
     const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
@@ -134,8 +132,7 @@ __device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
         if constexpr (STAGE) stage_tiles(g_row0, min(R, rows));
         if constexpr (STAGE_SAVED) stage_saved(g_row0, min(R, rows));
     }
-    const long long i_ck = gr.slot * H + i_h;
-    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_slot<D_PAD, NT>(s_W, s_hb, ck, ckb, gr.slot * H + i_h, DD, D);
 
     for (int b0 = 0; b0 < rows; b0 += R) {
         const long long row0 = g_row0 + b0;
@@ -251,7 +248,7 @@ __device__ __forceinline__ void bwd_local_tc(TTT_BWD_LOCAL_PARAMS) {
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0,
+    store_partials<D_PAD, NW, NT, LPR>(s_q, s_k, b_dw, b_db, dwp, dbp, (gr.gid * H + i_h) * D, 0,
                                        D);
 }
 
@@ -275,72 +272,58 @@ __device__ __forceinline__ void bwd_local_simt(TTT_BWD_LOCAL_PARAMS) {
     const Group gr = group_coords(blockIdx.x / H, T_len, BT, G, cu_seqlens, grp_offsets,
                                   grp_seq, g_lo, g_hi);
     if (gr.nc <= 0) return;  // a segment past the end of this sequence
-    const long long gid = gr.gid;
     const long long DD = (long long)D * D;
 
     float b_w[P], b_b[P];                                            // [D] per lane
     load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
     float b_dw[P] = {}, b_db[P] = {};                                // this warp's partials
-    const long long i_ck = gr.slot * H + i_h;
-    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_slot<D_PAD, NT>(s_W, s_hb, ck, ckb, gr.slot * H + i_h, DD, D);
 
     const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long p_base = (gr.seq.bos * H + i_h) * D, p_ebase = gr.seq.bos * H + i_h;
     for (int j = 0; j < gr.nc; ++j) {
-        const long long row0 = (gr.c0 + j) * BT;
-        const int L = (int)min((long long)BT, gr.seq.len - row0);
-        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        load_tile<D_PAD, BT, NT>(s_do, dout, p_base, row0, L, row_stride, D, 1.f);
-        load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
-        __syncthreads();
-        const float e_l = s_e[L - 1];
-
-        // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
-        tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
-                                             row0, row_stride, L, H, D);
-        __syncthreads();
+        const SimtChunk ch = replay_chunk_simt<D_PAD, BT, NT, NW, true>(
+            gr, j, s_q, s_k, s_do, s_A, s_g, s_e, q, k, dout, v, eta, xbuf, rbuf, b_w, b_b,
+            p_base, p_ebase, row_stride, H, D, scale);
 
         // row pass: o_pre -> post norm-residual backward -> do_pre (s_do; dopbuf); dw, db
-        for (int i = warp; i < L; i += NW) {
+        for (int i = warp; i < ch.L; i += NW) {
             float b_o[P], b_do[P];
             out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
             load_row<D_PAD>(b_do, s_do + i * LD, D, 1.f);
             post_norm_bwd_row<32, OUT>(b_o, b_do, b_w, b_dw, b_db, D, eps);
             put_row<D_PAD>(s_do + i * LD, b_do);
-            store_row<D_PAD>(dopbuf + p_base + (row0 + i) * row_stride, b_do, D);
+            store_row<D_PAD>(dopbuf + p_base + (ch.row0 + i) * row_stride, b_do, D);
         }
         __syncthreads();
 
         // dS = do_pre g^T (lower triangle) -> s_P
-        tri_dots<D_PAD, BT, NT, true>(s_P, s_do, s_g, L, 0.f);
+        tri_dots<D_PAD, BT, NT, true>(s_P, s_do, s_g, ch.L, 0.f);
         __syncthreads();
 
         // deta_i = -sum_j A_ij dS_ij; dP = -tril(e dS) in place (one thread a row)
-        for (int i = tid; i < L; i += NT) {
+        for (int i = tid; i < ch.L; i += NT) {
             float de = 0.f;
             for (int jj = 0; jj <= i; ++jj) {
                 const float ds = s_P[i * LA + jj];
                 de -= s_A[i * LA + jj] * ds;
                 s_P[i * LA + jj] = -s_e[i] * ds;
             }
-            deta[p_ebase + (row0 + i) * H] = de;
+            deta[p_ebase + (ch.row0 + i) * H] = de;
         }
         __syncthreads();
 
         // dq = scale (do_pre W^T + dP k);  dg_loc = -A^T (e do_pre)   (tile passes)
         for (int idx = tid; idx < BT * D_PAD; idx += NT) {
             const int i = idx / D_PAD, d = idx % D_PAD;
-            if (i < L && d < D) {
+            if (i < ch.L && d < D) {
                 float acc = 0.f, acc2 = 0.f, acc3 = 0.f;
 #pragma unroll 8
                 for (int c = 0; c < D_PAD; ++c) acc += s_do[i * LD + c] * s_W[d * LD + c];
                 for (int jj = 0; jj <= i; ++jj) acc2 += s_P[i * LA + jj] * s_k[jj * LD + d];
-                for (int jj = i; jj < L; ++jj)
+                for (int jj = i; jj < ch.L; ++jj)
                     acc3 += s_A[jj * LA + i] * (s_e[jj] * s_do[jj * LD + d]);
-                const long long o_x = p_base + (row0 + i) * row_stride + d;
+                const long long o_x = p_base + (ch.row0 + i) * row_stride + d;
                 if constexpr (OUT == kOutQuery)  // q is the residual: + do
                     dq[o_x] = from_f32<T>(scale * (acc + acc2) + to_f32(dout[o_x]));
                 else
@@ -350,12 +333,12 @@ __device__ __forceinline__ void bwd_local_simt(TTT_BWD_LOCAL_PARAMS) {
         }
         __syncthreads();
 
-        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -ch.e_l, s_k, s_g, D);
         __syncthreads();
     }
 
     // dw, db: the warps' partials summed in a fixed order (s_q, s_k reused as [NW, LD])
-    store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gid * H + i_h) * D, 0, D);
+    store_partials<D_PAD, NW, NT>(s_q, s_k, b_dw, b_db, dwp, dbp, (gr.gid * H + i_h) * D, 0, D);
 }
 
 }  // namespace ttt

@@ -142,13 +142,11 @@ __device__ __forceinline__ void fwd_chain_tc(TTT_FWD_CHAIN_PARAMS) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int n0 = 16 * wid + g;                         // this lane's columns n0, n0 + 8
     const long long i_nh = blockIdx.x;
-    const long long i_n = i_nh / H;
     const int i_h = (int)(i_nh % H);
-    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const Seq sq = seq_coords(i_nh / H, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
-    const long long p_base = (sq.bos * H + i_h) * D;
-    const long long p_ebase = sq.bos * H + i_h;
+    const long long p_base = (sq.bos * H + i_h) * D, p_ebase = sq.bos * H + i_h;
 
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
     if (cr.skip) return;
@@ -351,9 +349,8 @@ __device__ __forceinline__ void fwd_chain_simt(TTT_FWD_CHAIN_PARAMS) {
     const bool save = !FUSE || ck != nullptr;
 
     const long long i_nh = blockIdx.x;
-    const long long i_n = i_nh / H;
     const int i_h = (int)(i_nh % H);
-    const Seq sq = seq_coords(i_n, T_len, BT, G, cu_seqlens, grp_offsets);
+    const Seq sq = seq_coords(i_nh / H, T_len, BT, G, cu_seqlens, grp_offsets);
     const long long DD = (long long)D * D;
 
     const ChunkRange cr = chunk_range(sq, G, g_lo, g_hi);
@@ -412,12 +409,9 @@ __device__ __forceinline__ void fwd_chain_simt(TTT_FWD_CHAIN_PARAMS) {
 
         if constexpr (FUSE) {
             // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
-            for (int i = threadIdx.x >> 5; i < L; i += NW) {
-                float b_o[P];
-                out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-                output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride, true);
-                store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
-            }
+            output_rows_simt<D_PAD, BT, NW, OUT>(o, q, s_q, s_W, s_A, s_g, s_hb, s_e, b_w, b_b,
+                                                 p_base, row0, row_stride, L, D, eps,
+                                                 (int)(threadIdx.x >> 5));
             __syncthreads();
         }
 

@@ -60,8 +60,7 @@ __device__ __forceinline__ void fwd_out_tc(TTT_FWD_OUT_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long DD = (long long)D * D;
     const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long p_base = (gr.seq.bos * H + i_h) * D, p_ebase = gr.seq.bos * H + i_h;
     const long long g_row0 = gr.c0 * BT;                                  // the group's rows:
     const int rows = (int)min((long long)gr.nc * BT, gr.seq.len - g_row0);  // g_row0 + [0, rows)
 
@@ -109,8 +108,7 @@ __device__ __forceinline__ void fwd_out_tc(TTT_FWD_OUT_PARAMS) {
             ask_rows(g_row0, min(R, rows));
         }
     }
-    const long long i_ck = gr.slot * H + i_h;
-    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_slot<D_PAD, NT>(s_W, s_hb, ck, ckb, gr.slot * H + i_h, DD, D);
 
     for (int b0 = 0; b0 < rows; b0 += R) {
         const long long row0 = g_row0 + b0;
@@ -194,37 +192,21 @@ __device__ __forceinline__ void fwd_out_simt(TTT_FWD_OUT_PARAMS) {
 
     float b_w[P], b_b[P];                                            // [D] per lane
     load_ln_rows<D_PAD>(b_w, b_b, lnw, lnb, i_h, D);
-    const long long i_ck = gr.slot * H + i_h;
-    load_state<D_PAD, NT>(s_W, s_hb, ck + i_ck * DD, ckb + i_ck * D, D);
+    load_slot<D_PAD, NT>(s_W, s_hb, ck, ckb, gr.slot * H + i_h, DD, D);
 
     const long long row_stride = (long long)H * D;
-    const long long p_base = (gr.seq.bos * H + i_h) * D;
-    const long long p_ebase = gr.seq.bos * H + i_h;
+    const long long p_base = (gr.seq.bos * H + i_h) * D, p_ebase = gr.seq.bos * H + i_h;
     for (int j = 0; j < gr.nc; ++j) {
-        const long long row0 = (gr.c0 + j) * BT;
-        const int L = (int)min((long long)BT, gr.seq.len - row0);
-        load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
-        load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
-        load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
-        __syncthreads();
-        const float e_l = s_e[L - 1];
-
-        // A -> s_A (tile pass); row pass: g from xh, r, k, v -> s_g
-        tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
-        inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
-                                             row0, row_stride, L, H, D);
-        __syncthreads();
+        const SimtChunk ch = replay_chunk_simt<D_PAD, BT, NT, NW>(
+            gr, j, s_q, s_k, nullptr, s_A, s_g, s_e, q, k, static_cast<const T*>(nullptr), v,
+            eta, xbuf, rbuf, b_w, b_b, p_base, p_ebase, row_stride, H, D, scale);
 
         // row pass: o_pre = q W + hb - e (A g), then the post norm-residual -> o
-        for (int i = warp; i < L; i += NW) {
-            float b_o[P];
-            out_pre_row<D_PAD, BT, false>(b_o, i, s_q, s_W, s_A, s_g, s_hb, s_e, D);
-            output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride, true);
-            store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
-        }
+        output_rows_simt<D_PAD, BT, NW, OUT>(o, q, s_q, s_W, s_A, s_g, s_hb, s_e, b_w, b_b,
+                                             p_base, ch.row0, row_stride, ch.L, D, eps, warp);
         __syncthreads();
 
-        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -e_l, s_k, s_g, D);
+        state_axpy<D_PAD, BT, NT>(s_W, s_hb, -ch.e_l, s_k, s_g, D);
         __syncthreads();
     }
 }

@@ -314,6 +314,23 @@ __device__ __forceinline__ void output_row(float (&o)[P], const float (&w)[P],
     }
 }
 
+// The SIMT output rows of a chunk (fwd_chain's FUSE instance, fwd_out), a warp a row (warp:
+// this warp's index): o_pre of row i < L (out_pre_row), its output form OUT (q's row row0 + i)
+// -> o's row row0 + i.
+template <int D_PAD, int BT, int NW, int OUT, typename T, int P>
+__device__ __forceinline__ void output_rows_simt(
+    T* __restrict__ o, const T* __restrict__ q, const float* sQ, const float* sW,
+    const float* sA, const float* sG, const float* sHb, const float* sE, const float (&b_w)[P],
+    const float (&b_b)[P], long long p_base, long long row0, long long row_stride, int L, int D,
+    float eps, int warp) {
+    for (int i = warp; i < L; i += NW) {
+        float b_o[P];
+        out_pre_row<D_PAD, BT, false>(b_o, i, sQ, sW, sA, sG, sHb, sE, D);
+        output_row<OUT>(b_o, b_w, b_b, D, eps, q + p_base + (row0 + i) * row_stride, true);
+        store_row<D_PAD>(o + p_base + (row0 + i) * row_stride, b_o, D);
+    }
+}
+
 // The post norm-residual's backward for one row: o (o_pre in) becomes oh = LN(o_pre), dout
 // (do in) do_pre = do + r_o (do w - mean(do w) - oh mean(do w oh)); dw += do oh, db += do.
 // kOutQuery drops the leading do (bwd_local adds do to dq), kOutRaw leaves do_pre = do alone.

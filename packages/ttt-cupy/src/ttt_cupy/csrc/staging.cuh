@@ -119,6 +119,13 @@ __device__ __forceinline__ void load_state(float* sW, float* sHb, const float* s
     }
 }
 
+// load_state from slot i_ck of ck, ckb ([slots, H, D, D], [slots, H, D]; DD = D * D).
+template <int D_PAD, int NT>
+__device__ __forceinline__ void load_slot(float* sW, float* sHb, const float* ck,
+                                          const float* ckb, long long i_ck, long long DD, int D) {
+    load_state<D_PAD, NT>(sW, sHb, ck + i_ck * DD, ckb + i_ck * D, D);
+}
+
 // dst[a * D + d] = sW[a, d]; dstb[d] = sHb[d] when dstb is given.
 template <int D_PAD, int NT>
 __device__ __forceinline__ void store_state(float* dst, float* dstb, const float* sW,

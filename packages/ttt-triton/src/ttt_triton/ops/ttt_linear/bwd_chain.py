@@ -80,40 +80,15 @@ def _load_step(q, k, v, xbuf, rbuf, dopbuf, dgbuf, p_base, p_ebase, r0, o_t, o_d
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_chain_kernel(
-    q, k, v, eta, w, b,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    deta_key,           # [B, T, H, 1] fp32 its gradient (when NEED_DETA_KEY)
-    xbuf, rbuf, dopbuf,  # from bwd_local
-    dgbuf,              # dg_loc from bwd_local in, the full dg out
-    desum,              # [B * T, H] fp32: g_i . (k_i dW + dhb) per row
-    dht, dhbt,          # [N, H, D, D], [N, H, 1, D] cotangents of the final states
-    dck,                # [slots, H, D, D] fp32 cotangents of the slots
-    dh0, dhb0,          # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_DH0)
-    ck,                 # [slots, H, D, D] fp32 state slots (when FUSE_GRADS)
-    dk, dv,             # [B, T, H, D] (when FUSE_GRADS)
-    deta,               # [B, T, H] fp32 from bwd_local; last-row terms added (FUSE_GRADS)
-    dwc, dbc,           # [N, H, D] fp32 per-chain partials of dw, db (when FUSE_GRADS)
-    cu_seqlens, grp_offsets,
-    scale,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    G: tl.constexpr,
-    USE_DHT: tl.constexpr,
-    STORE_DH0: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    FUSE_GRADS: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    NEED_DETA_KEY: tl.constexpr,
-    STORE_DHB0: tl.constexpr,
-    NEED_DK: tl.constexpr,
-    NEED_DV: tl.constexpr,
-    NEED_DETA: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, eta_key, deta_key, xbuf, rbuf, dopbuf, dgbuf, desum, dht, dhbt, dck, dh0,
+    dhb0, ck, dk, dv, deta, dwc, dbc,
+    cu_seqlens, grp_offsets, scale, T,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, G: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FUSE_GRADS: tl.constexpr, PREC: tl.constexpr, HAS_ETA_KEY: tl.constexpr,
+    NEED_DETA_KEY: tl.constexpr, STORE_DHB0: tl.constexpr, NEED_DK: tl.constexpr,
+    NEED_DV: tl.constexpr, NEED_DETA: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     FEED_GRADS: tl.constexpr,
 ):
     (i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,

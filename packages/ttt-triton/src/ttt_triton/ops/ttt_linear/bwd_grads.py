@@ -58,33 +58,13 @@ from .common import (
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_grads_kernel(
-    q, k, v, eta, w, b,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    ck,                 # state slots (forward chain)
-    dck,                # cotangent slots (backward chain)
-    xbuf, rbuf, dopbuf, dgbuf,  # xhat, r, do_pre (bwd_local) and the full dg (bwd_chain)
-    desum,              # [B * T, H] fp32 per-row parts of the last-row deta (bwd_chain)
-    dk, dv,             # [B, T, H, D]
-    deta,               # [B, T, H] fp32 from bwd_local; the last-row terms are added
-    dwp, dbp,           # [groups, H, D] fp32 partials of dw, db
-    cu_seqlens, grp_offsets, grp_seq,
-    scale,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BD: tl.constexpr,
-    G: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    NEED_DK: tl.constexpr,
-    NEED_DV: tl.constexpr,
-    NEED_DETA: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, eta_key, ck, dck, xbuf, rbuf, dopbuf, dgbuf, desum, dk, dv, deta, dwp, dbp,
+    cu_seqlens, grp_offsets, grp_seq, scale, T,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr,
+    NEED_DETA: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
 ):
     gid, i_h = tl.program_id(0), tl.program_id(1)
     # SPLIT programs per (group, head), program i_p owning the columns o_k of k (the rows of

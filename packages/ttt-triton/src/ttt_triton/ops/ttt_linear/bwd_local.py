@@ -49,33 +49,13 @@ from .common import (
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_bwd_local_kernel(
-    q, k, v, eta, w, b, do,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    ck, ckb,            # checkpoint slots of the forward chain
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r (forward chain)
-    dopbuf, dgbuf,      # [B * T, H, D] fp32: do_pre and dg_loc
-    dq,                 # [B, T, H, D]
-    deta,               # [B, T, H] fp32
-    dwp, dbp,           # [groups, H, D] fp32 partials of dw, db
-    cu_seqlens, grp_offsets, grp_seq,
-    scale, eps,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BD: tl.constexpr,
-    G: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HALF: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
-    NEED_DQ: tl.constexpr,
-    NEED_DETA: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr,
-    STORE_BUFS: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, do, eta_key, ck, ckb, xbuf, rbuf, dopbuf, dgbuf, dq, deta, dwp, dbp,
+    cu_seqlens, grp_offsets, grp_seq, scale, eps, T,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, HALF: tl.constexpr, PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr, NEED_DQ: tl.constexpr, NEED_DETA: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, STORE_BUFS: tl.constexpr,
 ):
     (gid, i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase,
      r_beg, r_end) = group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H, D, BT,

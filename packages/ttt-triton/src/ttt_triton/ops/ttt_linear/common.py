@@ -21,6 +21,31 @@ Output forms (``OUTPUT``, :func:`output_form`), with ``o_pre`` the inner model's
 Checkpoint *slots*: every sequence owns ``NG + 1`` slots (``NG = cdiv(chunks, G)``); slot
 ``s < NG`` holds the state before chunk ``s * G`` and slot ``NG`` the final state. A
 *group* is the run of ``G`` chunks between two slots.
+
+The kernels' tensor arguments besides ``q, k, v`` (``[B, T, H, D]`` in the input dtype),
+``eta`` ``[B, T, H]`` and ``w, b`` ``[H, D]``; each kernel takes those it uses, a flag in
+parentheses tells when one is given::
+
+    o, do, dq, dk, dv       [B, T, H, D] in the input dtype (fwd_chain's o: FUSE_OUT;
+                            bwd_chain's dk, dv, ck, dwc, dbc: FUSE_GRADS)
+    eta_key, deta_key       [B, T, H, 1] per-key factor (HAS_ETA_KEY), its fp32 gradient
+                            (NEED_DETA_KEY)
+    h0, hb0 / ht, hbt       [N, H, D, D], [N, H, 1, D] fp32 initial (USE_INITIAL,
+                            USE_INITIAL_BIAS) and final (STORE_FINAL) states
+    dht, dhbt / dh0, dhb0   their cotangents (USE_DHT / STORE_DH0)
+    ck, ckb / dck           [slots, H, D, D], [slots, H, D] fp32 state slots (fwd_chain; SAVE)
+                            and the state's cotangent at each slot (bwd_chain)
+    xbuf, rbuf              [B * T, H, D], [B * T, H] fp32 xhat and r of every valid row
+                            (fwd_chain; SAVE)
+    dopbuf, dgbuf           [B * T, H, D] fp32 do_pre and dg_loc (bwd_local); bwd_chain makes
+                            dgbuf the full dg
+    desum                   [B * T, H] fp32 per-row parts of the last-row deta (bwd_chain)
+    deta                    [B, T, H] fp32 (bwd_local); the last-row terms are added by
+                            bwd_grads or by the fused bwd_chain
+    dwp, dbp / dwc, dbc     [groups, H, D] / [N, H, D] fp32 per-program partials of dw, db
+    cu_seqlens, grp_offsets [N + 1] int64 sequence starts and each sequence's first group
+                            (IS_VARLEN)
+    grp_seq                 [groups] int32 sequence of each group (IS_VARLEN)
 """
 
 import triton

@@ -53,32 +53,13 @@ from .common import (
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_chain_kernel(
-    q, k, v, eta, w, b,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    o,                  # [B, T, H, D] input dtype (when FUSE_OUT)
-    h0, hb0,            # [N, H, D, D] fp32 (USE_INITIAL), [N, H, 1, D] (USE_INITIAL_BIAS)
-    ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
-    ck, ckb,            # [slots, H, D, D], [slots, H, D] fp32 checkpoint slots (SAVE)
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat, r of every valid row (SAVE)
-    cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
-    grp_offsets,        # [N + 1] int64 first group of each sequence (when IS_VARLEN)
-    scale, eps,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    G: tl.constexpr,
-    USE_INITIAL: tl.constexpr,
-    USE_INITIAL_BIAS: tl.constexpr,
-    STORE_FINAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    FUSE_OUT: tl.constexpr,
-    SAVE: tl.constexpr,
-    HALF: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, ck, ckb, xbuf, rbuf,
+    cu_seqlens, grp_offsets, scale, eps, T,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, G: tl.constexpr,
+    USE_INITIAL: tl.constexpr, USE_INITIAL_BIAS: tl.constexpr, STORE_FINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FUSE_OUT: tl.constexpr, SAVE: tl.constexpr, HALF: tl.constexpr,
+    PREC: tl.constexpr, HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr,
 ):
     (i_nh, i_h, bos, seq_len, NC, slot_base, o_t, o_d, m_d, o_dd,
      m_dd) = chain_start(cu_seqlens, grp_offsets, T, H, D, BT, BD, G, IS_VARLEN)

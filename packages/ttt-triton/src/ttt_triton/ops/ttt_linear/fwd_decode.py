@@ -37,23 +37,12 @@ from .common import (
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_decode_kernel(
-    q, k, v, eta, w, b,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    o,                  # [B, T, H, D] input dtype
-    h0, hb0,            # [N, H, D, D] fp32 (USE_INITIAL), [N, H, 1, D] (USE_INITIAL_BIAS)
-    ht, hbt,            # [N, H, D, D], [N, H, 1, D] fp32 (when STORE_FINAL)
-    cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
-    scale, eps,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BD: tl.constexpr,
-    USE_INITIAL: tl.constexpr,
-    USE_INITIAL_BIAS: tl.constexpr,
-    STORE_FINAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, eta_key, o, h0, hb0, ht, hbt, cu_seqlens,
+    scale, eps, T,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, USE_INITIAL: tl.constexpr,
+    USE_INITIAL_BIAS: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr,
 ):
     # (no slots: cu_seqlens stands in for the group offsets, whose slot index goes unused)
     # (names of their own for the unused values: a name assigned here and in the loop would

@@ -39,26 +39,12 @@ from .common import (
 
 @triton.jit(do_not_specialize=["T"])
 def ttt_linear_fwd_out_kernel(
-    q, k, v, eta, w, b,
-    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
-    ck, ckb,            # checkpoint slots of the chain kernel
-    xbuf, rbuf,         # [B * T, H, D], [B * T, H] fp32: xhat and r
-    o,                  # [B, T, H, D] input dtype
-    cu_seqlens, grp_offsets,
-    grp_seq,            # [groups] int32 sequence of each group (when IS_VARLEN)
-    scale, eps,
-    T,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BD: tl.constexpr,
-    G: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HALF: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
+    # the tensors (common.py's table), offsets, scalars and T; then the constexprs
+    q, k, v, eta, w, b, eta_key, ck, ckb, xbuf, rbuf, o,
+    cu_seqlens, grp_offsets, grp_seq, scale, eps, T,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, HALF: tl.constexpr, PREC: tl.constexpr,
+    HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr,
 ):
     (_gid, _i_h, seq_len, o_s, o_d, m_d, m_same, m_prev, b_w, b_b, b_W, b_hb, p_base, p_ebase,
      r_beg, r_end) = group_start(w, b, ck, ckb, cu_seqlens, grp_offsets, grp_seq, T, H, D, BT,
