@@ -36,15 +36,13 @@ import triton.language as tl
 from ..ttt_linear.common import (
     inner_grad_bwd,
     inner_norm_grads,
-    load_norm_params,
     mm,
     post_norm,
     post_norm_bwd,
     qk_plus_one,
-    row_bases,
 )
 from .common import (
-    chain_rows,
+    chain_start,
     chunk_inputs,
     first_walk,
     gelu_and_slope,
@@ -106,25 +104,12 @@ def ttt_mlp_bwd_chain_kernel(
     cu_seqlens,               # [N + 1] int64 (when IS_VARLEN)
     scale, eps,
     T, F, NG,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    BF: tl.constexpr,
-    G: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HALF: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HALF: tl.constexpr, PREC: tl.constexpr, HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr,
 ):
-    i_nh, i_h, bos, seq_len, NC = chain_rows(cu_seqlens, T, H, BT, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
-    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
-    p_base, p_ebase = row_bases(bos, i_h, H, D)
+    (i_nh, i_h, seq_len, NC, o_t, o_d, m_d, m_tril, b_w, b_b, p_base,
+     p_ebase) = chain_start(w, b, cu_seqlens, T, H, D, BT, BD, IS_VARLEN)
     b_db2 = tl.load(db2 + i_nh * D + o_d, mask=m_d, other=0.)             # [BD] carry
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)

@@ -35,8 +35,10 @@ import triton.language as tl
 from ..ttt_linear.common import (
     inner_grad,
     last_row_eta,
+    load_norm_params,
     mm,
     qk_plus_one,
+    row_bases,
     row_offsets,
 )
 
@@ -76,6 +78,22 @@ def chain_rows(cu_seqlens, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.c
         bos = i_n * T
         seq_len = T
     return i_nh, i_h, bos, seq_len, tl.cdiv(seq_len, BT)
+
+
+@triton.jit
+def chain_start(w, b, cu_seqlens, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a chain's program starts from: :func:`chain_rows` but the first row, a chunk's
+    row offsets ``o_t``, the head dim's ``o_d`` and mask ``m_d``, the causal mask ``m_tril``
+    [BT, BT], the norm parameters and the row bases (``row_bases``)."""
+    i_nh, i_h, bos, seq_len, NC = chain_rows(cu_seqlens, T, H, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    p_base, p_ebase = row_bases(bos, i_h, H, D)
+    return i_nh, i_h, seq_len, NC, o_t, o_d, m_d, m_tril, b_w, b_b, p_base, p_ebase
 
 
 @triton.jit

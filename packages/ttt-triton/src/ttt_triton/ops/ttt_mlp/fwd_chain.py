@@ -12,10 +12,10 @@ program also copies the state before every ``G``-th chunk into checkpoint slot
 import triton
 import triton.language as tl
 
-from ..ttt_linear.common import load_norm_params, mm, output_form, row_bases
+from ..ttt_linear.common import mm, output_form
 from .common import (
     attention_like,
-    chain_rows,
+    chain_start,
     chunk_inputs,
     first_walk,
     second_walk,
@@ -35,31 +35,16 @@ def ttt_mlp_fwd_chain_kernel(
     cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
     scale, eps,
     T, F, NG,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    BF: tl.constexpr,
-    G: tl.constexpr,
-    USE_INITIAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    SAVE: tl.constexpr,
-    HALF: tl.constexpr,
-    PREC: tl.constexpr,
-    HAS_ETA_KEY: tl.constexpr,
-    OUTPUT: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    G: tl.constexpr, USE_INITIAL: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE: tl.constexpr,
+    HALF: tl.constexpr, PREC: tl.constexpr, HAS_ETA_KEY: tl.constexpr, OUTPUT: tl.constexpr,
 ):
-    i_nh, i_h, bos, seq_len, NC = chain_rows(cu_seqlens, T, H, BT, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_tril = o_t[:, None] >= o_t[None, :]                                  # [BT, BT] j <= i
-    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    (i_nh, i_h, seq_len, NC, o_t, o_d, m_d, m_tril, b_w, b_b, p_base,
+     p_ebase) = chain_start(w, b, cu_seqlens, T, H, D, BT, BD, IS_VARLEN)
     if USE_INITIAL:
         b_b2 = tl.load(b2_0 + i_nh * D + o_d, mask=m_d, other=0.).to(tl.float32)  # [BD]
     else:
         b_b2 = tl.zeros([BD], dtype=tl.float32)
-    p_base, p_ebase = row_bases(bos, i_h, H, D)
     for i_c in range(0, NC):
         first = i_c == 0
         if SAVE and i_c % G == 0:
