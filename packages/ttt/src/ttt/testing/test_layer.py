@@ -201,14 +201,14 @@ def test_layer_generation_cache(ttt_backend, ttt_backend_name, ttt_device):
     check_generation_cache(_model(ttt_backend_name, ttt_device), ttt_device)
 
 
-def check_generation_cache(model, device) -> None:
-    """Prefill then one-token steps through a TTTCache against one forward (the test
-    above)."""
-    x = _inputs(device)
+def check_generation_cache(model, device, T: int = 40, prefill: int = 21) -> None:
+    """Prefill then one-token steps through a TTTCache against one forward over ``T``
+    tokens (the test above)."""
+    x = _inputs(device, T=T)
     want = model(x)
     cache = TTTCache()
-    pieces = [model(x[:, :21], cache=cache)]
-    pieces += [model(x[:, t:t + 1], cache=cache) for t in range(21, x.shape[1])]
+    pieces = [model(x[:, :prefill], cache=cache)]
+    pieces += [model(x[:, t:t + 1], cache=cache) for t in range(prefill, x.shape[1])]
     got = torch.cat(pieces, dim=1)
     expect(cache.seen_tokens == x.shape[1], f"cache saw {cache.seen_tokens} tokens")
     out_tol, _ = TOLERANCES[F32]

@@ -311,11 +311,12 @@ def _skip_unless_mlp_layer_runs(backend, device) -> None:
 
 @torch.no_grad()
 def test_mlp_layer_generation_cache(ttt_backend, ttt_backend_name, ttt_device):
-    """A model of two ``ttt.nn.TTTMLP`` layers: prefill, then one token at a time through a
-    TTTCache, equals one forward."""
+    """A model of two ``ttt.nn.TTTMLP`` layers: prefill of 19 tokens (a partial chunk), then
+    7 tokens one at a time through a TTTCache (across a chunk boundary), equals one
+    forward."""
     _skip_unless_mlp_layer_runs(ttt_backend, ttt_device)
     check_generation_cache(_model(ttt_backend_name, ttt_device, layer=ttt.nn.TTTMLP),
-                           ttt_device)
+                           ttt_device, T=26, prefill=19)
 
 
 def test_mlp_layer_cuda_graph_training_step(ttt_backend, ttt_backend_name, ttt_device):
