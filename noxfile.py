@@ -146,11 +146,13 @@ GENERATION_BENCHMARKS = {
                      "--iters", "300"],
     "cold_start.md": ["-m", "benchmarks.cold_start", "--dtype", "bf16", "--head-dim", "64",
                       "--heads", "4", "--shape", "2,256", "--timeout", "200"],
+    "mlp.md": ["-m", "benchmarks.mlp"],
 }
 """The bench session's tables besides run.py's (each module's markdown, in the same folder):
 a decode step, the host time of short calls (a maintainers' tool, ``tools/host_time.py gpu``,
-whose table docs/benchmarks.md quotes), and a new process's first call (empty caches, a
-second process, after ``python -m ttt warmup``) at the bf16 head-dim-64 configuration."""
+whose table docs/benchmarks.md quotes), a new process's first call (empty caches, a
+second process, after ``python -m ttt warmup``) at the bf16 head-dim-64 configuration, and
+TTT-MLP (forward, forward+backward and a generation step per backend)."""
 
 
 @nox.session
