@@ -23,7 +23,7 @@ import torch
 
 import ttt
 from benchmarks import _timing
-from benchmarks.decode import graph_replay
+from benchmarks.decode import measure
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -51,16 +51,6 @@ def timed(fn, device) -> str:
     try:
         return f"{_timing.bench(fn, device, _timing.Budget())[1]:.3f}"
     except Exception as exc:  # noqa: BLE001 - one cell failing is a cell, not the run
-        torch.cuda.synchronize(device)
-        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-
-
-def step_us(fn, device, graph: bool) -> str:
-    try:
-        with torch.no_grad():
-            run = graph_replay(fn, device) if graph else fn
-            return f"{1e3 * _timing.back_to_back(run, device, _timing.Budget())[1]:.1f}"
-    except Exception as exc:  # noqa: BLE001
         torch.cuda.synchronize(device)
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
 
@@ -124,8 +114,9 @@ def step_row(backend: str, B: int, H: int, D: int, dtype, device) -> list[str]:
                                     initial_state=h0, initial_state_bias=hb0,
                                     output_final_state=True, backend=backend)
 
-    return [backend, f"{B},1,{H},{D}", *(step_us(f, device, g) for f in (mlp, linear)
-                                          for g in (False, True))]
+    budget = _timing.Budget()
+    return [backend, f"{B},1,{H},{D}",
+            *(measure(f, device, budget, g) for f in (mlp, linear) for g in (False, True))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,25 +44,13 @@ from ..ttt_linear.common import (
 from .common import (
     chain_start,
     chunk_inputs,
+    copy_blocks,
     first_walk,
     gelu_and_slope,
     gelu_slope_and_curve,
     hidden_block,
     second_walk,
 )
-
-
-@triton.jit
-def copy_state(sW1, sb1, sW2, sb2, i_src, dW1, db1, dW2, db2, i_dst, F, D: tl.constexpr,
-               o_d, m_d, BF: tl.constexpr):
-    """State ``i_src`` of ``sW1, sb1, sW2, sb2`` into state ``i_dst`` of ``dW1, ..``."""
-    for f0 in range(0, F, BF):
-        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
-            sW1, sb1, sW2, i_src, f0, F, D, o_d, m_d, BF, True)
-        tl.store(dW1 + (i_dst - i_src) * D * F + o_w1, b_W1, mask=m_w1)
-        tl.store(db1 + (i_dst - i_src) * F + o_b1, b_b1, mask=m_f)
-        tl.store(dW2 + (i_dst - i_src) * D * F + o_w2, b_W2, mask=m_w2)
-    tl.store(db2 + i_dst * D + o_d, tl.load(sb2 + i_src * D + o_d, mask=m_d), mask=m_d)
 
 
 @triton.jit
@@ -73,7 +61,9 @@ def recompute_group(q, k, v, eta, w, b, eta_key, cW1, cb1, cW2, cb2, sW1, sb1, s
                     HAS_ETA_KEY: tl.constexpr):
     """Scratch slots ``i_s0 ..``: the states before chunks ``c0 .. c0 + nc - 1``, from
     checkpoint ``i_ck``."""
-    copy_state(cW1, cb1, cW2, cb2, i_ck, sW1, sb1, sW2, sb2, i_s0, F, D, o_d, m_d, BF)
+    copy_blocks(cW1, cb1, cW2, cW1, cb1, cW2, False, i_ck, sW1, sb1, sW2, i_s0, F, D, o_d, m_d,
+                BF, True)
+    tl.store(sb2 + i_s0 * D + o_d, tl.load(cb2 + i_ck * D + o_d, mask=m_d), mask=m_d)
     tl.debug_barrier()
     for i in range(0, nc - 1):
         i_s = i_s0 + i

@@ -156,6 +156,19 @@ def source_block(W1_0, b1_0, W2_0, W1, b1, W2, first, idx, f0, F, D: tl.constexp
 
 
 @triton.jit
+def copy_blocks(W1_0, b1_0, W2_0, W1, b1, W2, first, idx, cW1, cb1, cW2, i_dst, F,
+                D: tl.constexpr, o_d, m_d, BF: tl.constexpr, HAS_0: tl.constexpr):
+    """The source state's (:func:`source_block`) ``W1, b1, W2`` into state ``i_dst`` of
+    ``cW1, cb1, cW2`` (``b2`` is the caller's)."""
+    for f0 in range(0, F, BF):
+        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = source_block(
+            W1_0, b1_0, W2_0, W1, b1, W2, first, idx, f0, F, D, o_d, m_d, BF, HAS_0)
+        tl.store(cW1 + (i_dst - idx) * D * F + o_w1, b_W1, mask=m_w1)
+        tl.store(cb1 + (i_dst - idx) * F + o_b1, b_b1, mask=m_f)
+        tl.store(cW2 + (i_dst - idx) * D * F + o_w2, b_W2, mask=m_w2)
+
+
+@triton.jit
 def first_walk(W1_0, b1_0, W2_0, W1, b1, W2, first, idx, F, b_b2, b_k, b_v, b_l, b_w, b_b,
                m_2d, eps, D: tl.constexpr, o_d, m_d, BT: tl.constexpr, BD: tl.constexpr,
                BF: tl.constexpr, HAS_0: tl.constexpr, PREC: tl.constexpr):

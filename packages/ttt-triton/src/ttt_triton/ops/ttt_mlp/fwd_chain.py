@@ -17,9 +17,9 @@ from .common import (
     attention_like,
     chain_start,
     chunk_inputs,
+    copy_blocks,
     first_walk,
     second_walk,
-    source_block,
 )
 
 
@@ -49,13 +49,8 @@ def ttt_mlp_fwd_chain_kernel(
         first = i_c == 0
         if SAVE and i_c % G == 0:
             i_ck = i_nh * NG + i_c // G
-            for f0 in range(0, F, BF):
-                b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = source_block(
-                    W1_0, b1_0, W2_0, W1, b1, W2, first, i_nh, f0, F, D, o_d, m_d, BF,
-                    USE_INITIAL)
-                tl.store(cW1 + (i_ck - i_nh) * D * F + o_w1, b_W1, mask=m_w1)
-                tl.store(cb1 + (i_ck - i_nh) * F + o_b1, b_b1, mask=m_f)
-                tl.store(cW2 + (i_ck - i_nh) * D * F + o_w2, b_W2, mask=m_w2)
+            copy_blocks(W1_0, b1_0, W2_0, W1, b1, W2, first, i_nh, cW1, cb1, cW2, i_ck, F, D,
+                        o_d, m_d, BF, USE_INITIAL)
             tl.store(cb2 + i_ck * D + o_d, b_b2, mask=m_d)
         (o_x, m_2d, o_e, m_t, r_q, r_k, b_qs, b_k, b_v, b_e, b_el,
          b_l) = chunk_inputs(q, k, v, eta, eta_key, p_base, p_ebase, i_c, o_t, o_d, m_d,

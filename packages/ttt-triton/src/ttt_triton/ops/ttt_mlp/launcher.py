@@ -7,13 +7,14 @@ see opaque calls, autograd the usual graph."""
 from __future__ import annotations
 
 import torch
+import triton
 from torch import Tensor
 
 from ttt.problem import MlpProblem
 
 from ..._env import kernels_interpreted
 from ..ttt_linear.launches import Launch
-from ..ttt_linear.tuning import dot_precision
+from ..ttt_linear.tuning import block_sizes, dot_precision
 from .bwd_chain import ttt_mlp_bwd_chain_kernel
 from .fwd_chain import ttt_mlp_fwd_chain_kernel
 
@@ -34,10 +35,6 @@ def hidden_block(BD: int) -> int:
     return 32 if BD <= 64 else 16
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
     H, D = q.shape[2], q.shape[3]
     return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
@@ -47,9 +44,10 @@ def _constants(q: Tensor, chunk_size: int, hidden: int, cu_seqlens, eta_key,
                output: str) -> dict:
     """The constexprs and options both kernels share."""
     H, D = q.shape[2], q.shape[3]
-    BD = _pow2(D)
+    BT, BD = block_sizes(D, chunk_size)
     options = {} if kernels_interpreted() else {"num_warps": num_warps(BD, chunk_size)}
-    return dict(H=H, D=D, BT=chunk_size, BD=BD, BF=min(hidden_block(BD), _pow2(hidden)),
+    BF = min(hidden_block(BD), max(16, triton.next_power_of_2(hidden)))
+    return dict(H=H, D=D, BT=BT, BD=BD, BF=BF,
                 G=CHECKPOINT_EVERY, IS_VARLEN=cu_seqlens is not None,
                 HALF=q.dtype != torch.float32, PREC=dot_precision(q.dtype, BD),
                 HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
