@@ -40,6 +40,20 @@ EVERY_INSTANCE = [(arch, pass_, dtype) for arch in ("90", "80") for pass_ in ("b
 """The parts of the full check, (arch, pass, dtype), one test each (sm_90 and the backward
 first: the longest), so that pytest-xdist spreads them over its workers."""
 
+ONE_SHAPE = dict(d_pads=[64], block_ts=[16])
+ONE_SHAPE_PARTS = [("80", "bfloat16"), ("80", "float16"), ("80", "float32"), ("90", "float16")]
+"""The parts of the full check that are ``big`` (GPU runs include them) are compiled at one
+shape on CPU: sm_80, whose source differs from sm_90's only where ``__CUDA_ARCH__ >= 800``,
+the same side for both; and sm_90's float16 forward and backward, the bfloat16 templates with
+another T (its ``dec`` pass, and every other variant of it at one shape, stay in full)."""
+
+
+def _every_instance_params():
+    return [pytest.param(arch, pass_, dtype, id=f"sm{arch}-{pass_}-{dtype}",
+                         marks=[pytest.mark.big] if (arch, dtype) in ONE_SHAPE_PARTS
+                         and (arch, pass_) != ("90", "dec") else [])
+            for arch, pass_, dtype in EVERY_INSTANCE]
+
 
 def _instances(pass_: str, dtype: str) -> int:
     """The kernel instances of one pass and dtype at every (D_PAD, BT): the pass's kernels (+
@@ -83,8 +97,7 @@ def test_every_instance_is_in_a_part():
 
 
 @pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
-@pytest.mark.parametrize(("arch", "pass_", "dtype"), EVERY_INSTANCE,
-                         ids=[f"sm{a}-{p}-{d}" for a, p, d in EVERY_INSTANCE])
+@pytest.mark.parametrize(("arch", "pass_", "dtype"), _every_instance_params())
 def test_every_instance_compiles(arch, pass_, dtype):
     """Every instance of the pass for the dtype, at every (D_PAD, BT): for sm_90 (the H200
     this backend is tuned on) through ptxas to cubins; for sm_80 to PTX for compute_80 (the
@@ -99,6 +112,28 @@ def test_every_instance_compiles(arch, pass_, dtype):
     except nvrtc_check.CheckError as err:
         pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
     assert counts == {arch: _instances(pass_, dtype)}, out.getvalue()
+
+
+@pytest.mark.skipif(_nvrtc_available() is not None, reason=str(_nvrtc_available()))
+@pytest.mark.parametrize(("arch", "dtype"), ONE_SHAPE_PARTS,
+                         ids=[f"sm{a}-{d}" for a, d in ONE_SHAPE_PARTS])
+def test_every_kernel_compiles_at_one_shape(arch, dtype):
+    """Every kernel of every pass, tensor-core and SIMT, at D_PAD 64 and chunk 16, for the
+    ``big`` parts of test_every_instance_compiles (ONE_SHAPE_PARTS): to PTX for compute_80,
+    through ptxas to a cubin for sm_90."""
+    from ttt_cupy import nvrtc_check
+
+    out = io.StringIO()
+    try:
+        counts = nvrtc_check.run((arch,), jobs=1, out=out, ptx_only=("80",),
+                                 only=dict(dtypes=[dtype], **ONE_SHAPE))
+    except nvrtc_check.CheckError as err:
+        pytest.fail(f"NVRTC compile failed:\n{err}\n{out.getvalue()}")
+    # fwd: fwd_chain, fwd_out, the fused chain; bwd: bwd_local, bwd_chain, bwd_grads (+ the
+    # half types' fused chain); dec: fwd_decode; x 2 for the half types (their SIMT and
+    # native_params instances)
+    expected = 3 + 3 + 1 if dtype == "float32" else 2 * (3 + 3 + 1) + 1
+    assert counts == {arch: expected}, out.getvalue()
 
 
 VARIANT_SHAPES = {  # id: (the programs, compiled through ptxas to a cubin)

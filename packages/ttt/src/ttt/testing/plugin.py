@@ -44,8 +44,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "big: long sequences (T >= 2048); deselect on CPU "
-                                       "with -m 'not big'")
+    config.addinivalue_line("markers", "big: slow on CPU (long sequences, whole compile "
+                                       "checks); deselect on CPU with -m 'not big'")
     config.addinivalue_line("markers", "whole_device: needs most of the device's memory; run "
                                        "these alone, with no other test process on the "
                                        "device (-m whole_device -n 0)")
