@@ -7,7 +7,8 @@ limits through ptxas). Here the launcher runs on CPU tensors with its launch ste
 by a recorder (nothing runs), then each distinct launch is compiled as Triton would compile
 it on a GPU: the argument types of the recorded tensors and scalars, ``None`` and the
 constexprs as constants, the 16-byte alignment of the pointers, the launch's compiler
-options. Each must compile within :data:`STACK_LIMIT` bytes of stack per thread. Prints one
+options. Each must compile within :data:`STACK_LIMIT` bytes of stack per thread and
+:data:`SHARED_LIMIT` bytes of shared memory (Triton refuses a launch above it). Prints one
 line per compiled launch; exits 1 naming each launch that fails.
 
     python packages/ttt-triton/tests/sm90_compile.py               # every case below
@@ -207,6 +208,11 @@ H100), so spilling kernels exhaust a GPU that several processes share. The rules
 is 6.0 KB (``tuning.IEEE_WIDE``)."""
 
 
+SHARED_LIMIT = 232448
+"""The most shared memory a block may opt in to on sm_90 (227 KiB); the GPU's own limit is
+checked by Triton at launch, this one on CPU."""
+
+
 def stack_bytes(kernel) -> int:
     """The stack frame per thread of a compiled kernel (``cuobjdump -res-usage``)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -252,8 +258,14 @@ def main() -> int:
                 print(f"FAILED {name}: {stack} bytes of stack per thread, more than "
                       f"{STACK_LIMIT} (tuning.IEEE_WIDE)", flush=True)
                 continue
-            print(f"ok {name} ({time.perf_counter() - start:.1f} s, stack {stack} B)",
-                  flush=True)
+            shared = kernel.metadata.shared
+            if shared > SHARED_LIMIT:
+                failed.append(name)
+                print(f"FAILED {name}: {shared} bytes of shared memory, more than "
+                      f"{SHARED_LIMIT}", flush=True)
+                continue
+            print(f"ok {name} ({time.perf_counter() - start:.1f} s, stack {stack} B, "
+                  f"shared {shared} B)", flush=True)
     print(f"{len(seen)} launches compiled for sm_90, {len(failed)} failed")
     for name in failed:
         print(f"FAILED {name}")
