@@ -231,6 +231,17 @@ def test_warmup_forward_only(capsys):
     assert "(forward, 12 calls)" in out.out and out.err == ""
 
 
+def test_warmup_ttt_mlp(capsys):
+    """``--op ttt_mlp`` (repeatable, with ttt_linear): TTT-MLP's calls, 4 layouts x 6 forms."""
+    assert cli.main([*WARMUP_SMALL, "--dtype", "fp32", "--no-backward", "--op", "ttt_mlp",
+                     "--op", "ttt_linear"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("warmed up ttt_mlp float32 D=16 chunk=16 H=2 on reference "
+                               "(forward, 24 calls): ")
+    assert lines[1].startswith("warmed up float32 D=16 chunk=16 H=2 on reference "
+                               "(forward, 12 calls): ")
+
+
 def test_warmup_lists_default_dtypes_the_backend_cannot_take(capsys, register):
     class _Fp32Reference(ReferenceBackend):
         name = "fp32only"

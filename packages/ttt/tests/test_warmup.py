@@ -25,6 +25,7 @@ from ttt.warmup import (
     ProgressBar,
     _call_groups,
     _Plan,
+    mlp_warmup_shapes,
     param_dtypes,
     warmup,
 )
@@ -45,6 +46,10 @@ class _Recorder(ReferenceBackend):
     def backward(self, problem, saved, do, dht, dhbt, needs):
         self.calls.append(("backward", problem, dht is not None))
         return super().backward(problem, saved, do, dht, dhbt, needs)
+
+    def chunk_ttt_mlp(self, problem):
+        self.calls.append(("mlp", problem, torch.is_grad_enabled()))
+        return super().chunk_ttt_mlp(problem)
 
 
 @pytest.fixture
@@ -84,6 +89,43 @@ def test_reference_warmup_runs_every_form(recorder):
     assert {dht for _, dht in backwards} == {False, True}             # final-state cotangents
     assert all(p.q.dtype in (torch.float32, torch.bfloat16) and p.D == 16 and p.H == 2
                for p, _ in forwards)
+
+
+def test_mlp_warmup_runs_every_form(recorder):
+    """``ops=("ttt_mlp",)``: TTT-MLP's calls, every form (its four-tensor states, the
+    TTTMLP layer's eta_key and output), on its own layouts (mlp_warmup_shapes) or those
+    given, with and without gradients, and no TTT-Linear call."""
+    report = warmup("recorder", dtypes=[torch.float32], head_dims=[8], heads=[2],
+                    device="cpu", ops=["ttt_mlp"])
+    (entry,) = report.entries
+    assert entry.config.op == "ttt_mlp"
+    assert entry.config.describe().startswith("ttt_mlp float32 D=8")
+    shapes = mlp_warmup_shapes(16)
+    assert {(s.sequences, s.seq_len, s.packed) for s in shapes} == {
+        (1, 40, False), (2, 1, False), (1, 40, True), (2, 1, True)}
+    assert entry.calls == len(shapes) * len(FORMS) * 2
+    assert {kind for kind, _, _ in recorder.calls} == {"mlp"}
+    problems = [p for _, p, _ in recorder.calls]
+    assert len(problems) == entry.calls and {p.hidden for p in problems} == {32}
+    assert {(p.mlp_state is not None, p.output_final_state) for p in problems} == {
+        (False, False), (True, False), (False, True), (True, True)}
+    assert {p.output for p in problems if p.eta_key is not None} == {"query_residual"}
+    assert {grad for _, _, grad in recorder.calls} == {False, True}
+    assert {(p.N, p.is_varlen) for p in problems} == {(1, False), (2, False), (1, True),
+                                                      (2, True)}
+    recorder.calls.clear()
+    both = warmup("recorder", dtypes=[torch.float32], head_dims=[8], heads=[2], device="cpu",
+                  shapes=SMALL, ops=("ttt_linear", "ttt_mlp"), backward=False)
+    assert [e.config.op for e in both.entries] == ["ttt_linear", "ttt_mlp"]
+    assert {kind for kind, _, _ in recorder.calls} == {"forward", "mlp"}
+
+
+def test_mlp_warmup_in_workers(recorder):
+    """The workers' calls carry the op (the JSON of call_of)."""
+    report = warmup("reference", dtypes=[torch.float32], head_dims=[8], heads=[1],
+                    device="cpu", shapes=SMALL[:1], workers=2, ops=["ttt_mlp"],
+                    backward=False)
+    assert report.workers == 2 and report.entries[0].config.op == "ttt_mlp"
 
 
 def test_forward_only(recorder):
@@ -245,6 +287,9 @@ def test_a_failed_worker_warns_and_this_process_runs_every_call(recorder):
     (dict(device="gpu0"), ValueError, "device"),
     (dict(backward=1), TypeError, "backward"),
     (dict(shapes=[(1, 16)]), TypeError, "shapes"),
+    (dict(ops="ttt_mlp"), TypeError, "ops: expected an iterable of op names"),
+    (dict(ops=["ttt_rnn"]), ValueError, "ops: expected names among"),
+    (dict(ops=[]), ValueError, "ops: expected at least one op"),
 ])
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):

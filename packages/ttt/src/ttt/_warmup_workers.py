@@ -17,8 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from .backend import WarmupShape
+from .mlp import HIDDEN_FACTOR, chunk_ttt_mlp
 from .ops import chunk_ttt_linear
 from .validation import dtype_name
+
+OPS = {"ttt_linear": chunk_ttt_linear, "ttt_mlp": chunk_ttt_mlp}
+"""The ops a warm-up calls, by the name backends declare in ``Capabilities.ops``."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,12 @@ class Config:
     head_dim: int
     chunk_size: int
     heads: int
+    op: str = "ttt_linear"
 
     def describe(self) -> str:
-        return f"{dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} H={self.heads}"
+        op = "" if self.op == "ttt_linear" else f"{self.op} "
+        return (f"{op}{dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} "
+                f"H={self.heads}")
 
 
 def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
@@ -71,14 +78,18 @@ def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
                   w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
                   eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
                                         dtype=rates))
-    if form.initial:
+    if form.initial and config.op == "ttt_mlp":
+        F = HIDDEN_FACTOR * D
+        inputs["initial_state"] = tuple(0.1 * rand(N, H, *shape, dtype=state_dt)
+                                        for shape in ((D, F), (1, F), (F, D), (1, D)))
+    elif form.initial:
         inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
                       initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
     if form.layer:
         inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
                                              dtype=rates)
     if grad:
-        for t in inputs.values():
+        for t in _tensors(inputs.values()):
             t.requires_grad_(True)
     if layout.packed:
         inputs["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=device, dtype=torch.int64)
@@ -94,13 +105,24 @@ def run_call(backend: str, config: Config, layout: WarmupShape, form: CallForm,
     if form.layer:
         kwargs.update(scale=1.0, output="query_residual")
     with torch.set_grad_enabled(grad):
-        outputs = [t for t in chunk_ttt_linear(**inputs, **kwargs) if t is not None]
+        outputs = _tensors(OPS[config.op](**inputs, **kwargs))
         if grad:
-            leaves = [t for t in inputs.values() if t.requires_grad]
+            leaves = [t for t in _tensors(inputs.values()) if t.requires_grad]
             cotangents = [torch.randn_like(t) for t in outputs]
             torch.autograd.grad(outputs, leaves, cotangents)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors of ``values``, those of tuples (TTT-MLP's states) in order."""
+    flat = []
+    for value in values:
+        if isinstance(value, tuple):
+            flat += _tensors(value)
+        elif value is not None:
+            flat.append(value)
+    return flat
 
 
 DEFAULT_MAX_WORKERS = 12      # the parts of one half-dtype configuration (docs/warmup.md)
@@ -192,7 +214,7 @@ def call_of(backend: str, config, layout, form, params, grad: bool) -> dict:
     """One warm-up call (:func:`run_call`'s arguments) as JSON-able values."""
     return {"backend": backend,
             "config": [dtype_name(config.dtype), config.head_dim, config.chunk_size,
-                       config.heads],
+                       config.heads, config.op],
             "layout": [layout.sequences, layout.seq_len, layout.packed],
             "form": form.name, "params": [dtype_name(d) for d in params], "grad": grad}
 
@@ -203,8 +225,8 @@ def _main() -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     for call in job["calls"]:
-        dtype, head_dim, chunk_size, heads = call["config"]
-        config = Config(getattr(torch, dtype), head_dim, chunk_size, heads)
+        dtype, head_dim, chunk_size, heads, op = call["config"]
+        config = Config(getattr(torch, dtype), head_dim, chunk_size, heads, op)
         layout = WarmupShape(*call["layout"])
         params = tuple(getattr(torch, name) for name in call["params"])
         run_call(call["backend"], config, layout, FORMS_BY_NAME[call["form"]], params,

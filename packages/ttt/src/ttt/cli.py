@@ -219,7 +219,7 @@ def cmd_warmup(args) -> int:
                     chunk_sizes=args.chunk_size or DEFAULT_CHUNK_SIZES,
                     heads=args.heads or DEFAULT_HEADS, backward=not args.no_backward,
                     device=device, progress=ProgressBar(quiet=args.quiet),
-                    workers=args.workers)
+                    workers=args.workers, ops=args.op or ("ttt_linear",))
     passes = "forward" if args.no_backward else "forward + backward"
     for entry in report.entries:
         print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "
@@ -309,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("--heads", "number of heads, repeatable (default: 32; Triton compiles "
                                    "per number of heads)")):
         warm.add_argument(flag, type=_positive_int, action="append", help=help)
+    warm.add_argument("--op", choices=("ttt_linear", "ttt_mlp"), action="append",
+                      help="the op whose kernels to compile, repeatable (default: ttt_linear)")
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--workers", type=_positive_int, default=None,
                       help="processes compiling in parallel before this one loads their "

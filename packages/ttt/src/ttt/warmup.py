@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from . import _warmup_workers as _workers
-from ._warmup_workers import FORMS, CallForm, Config, call_inputs, run_call
+from ._warmup_workers import FORMS, OPS, CallForm, Config, call_inputs, run_call
 from .backend import Backend, WarmupShape
 from .choice import select_backend
 from .errors import BackendNotSupportedError
+from .mlp import make_mlp_problem
 from .registry import load_backend
 from .validation import make_problem
 
@@ -58,7 +59,8 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
            heads: Iterable[int] = DEFAULT_HEADS, backward: bool = True,
            device: str | torch.device | None = None,
            shapes: Sequence[WarmupShape] | None = None,
-           progress: Progress | None = None, workers: int | None = None) -> WarmupReport:
+           progress: Progress | None = None, workers: int | None = None,
+           ops: Iterable[str] = ("ttt_linear",)) -> WarmupReport:
     """Compile ahead of time the kernels calls of these configurations will use, on
     ``backend`` (None: the one each configuration's calls would get); the arguments and their
     defaults: docs/warmup.md. Raises ``BackendNotSupportedError`` for a configuration asked
@@ -71,7 +73,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     if workers is not None and workers < 1:
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
-                       heads)
+                       heads, ops)
     progress = _silent if progress is None else progress
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
@@ -143,8 +145,13 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
                 raise
             skipped.append((config, str(exc)))
             continue
-        layouts = list(shapes) if shapes is not None else chosen.warmup_shapes(
-            config.heads, config.head_dim, config.chunk_size, config.dtype)
+        if shapes is not None:
+            layouts = list(shapes)
+        elif config.op == "ttt_mlp":
+            layouts = mlp_warmup_shapes(config.chunk_size)
+        else:
+            layouts = chosen.warmup_shapes(config.heads, config.head_dim, config.chunk_size,
+                                           config.dtype)
         if not layouts or not all(isinstance(s, WarmupShape) for s in layouts):
             raise TypeError(f"shapes: expected a non-empty list of ttt.backend.WarmupShape, "
                             f"got {layouts!r}")
@@ -158,6 +165,13 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
         reasons = "; ".join(f"{c.describe()}: {why}" for c, why in skipped)
         raise BackendNotSupportedError(f"nothing to warm up: {reasons}")
     return plans, skipped
+
+
+def mlp_warmup_shapes(chunk_size: int) -> list[WarmupShape]:
+    """TTT-MLP's layouts: one sequence of 2.5 chunks and a generation step of two sequences,
+    each dense and packed (its kernels depend on no other trait of the batch)."""
+    shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2), WarmupShape(2, 1)]
+    return shapes + [WarmupShape(s.sequences, s.seq_len, packed=True) for s in shapes]
 
 
 def param_dtypes(dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
@@ -191,14 +205,23 @@ def _positive_ints(name: str, values) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _configs(dtypes, head_dims, chunk_sizes, heads) -> list[Config]:
+def _configs(dtypes, head_dims, chunk_sizes, heads, ops) -> list[Config]:
+    if isinstance(ops, str):
+        raise TypeError(f"ops: expected an iterable of op names such as ('ttt_mlp',), got "
+                        f"the string {ops!r}")
+    ops = list(dict.fromkeys(ops))
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"ops: expected names among {tuple(OPS)}, got {op!r}")
+    if not ops:
+        raise ValueError("ops: expected at least one op, got none")
     dtypes = list(dict.fromkeys(dtypes))
     for d in dtypes:
         if not isinstance(d, torch.dtype) or not d.is_floating_point:
             raise TypeError(f"dtypes: expected floating torch dtypes, got {d!r}")
     if not dtypes:
         raise ValueError("dtypes: expected at least one dtype, got none")
-    return [Config(dt, d, c, h) for dt in dtypes
+    return [Config(dt, d, c, h, op) for op in ops for dt in dtypes
             for d in _positive_ints("head_dims", head_dims)
             for c in _positive_ints("chunk_sizes", chunk_sizes)
             for h in _positive_ints("heads", heads)]
@@ -208,7 +231,8 @@ def _backend_for(config: Config, name: str | None, device: torch.device) -> Back
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
     inputs = call_inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
                          (config.dtype, config.dtype), device, grad=True)
-    problem = make_problem(**inputs, chunk_size=config.chunk_size)
+    make = make_mlp_problem if config.op == "ttt_mlp" else make_problem
+    problem = make(**inputs, chunk_size=config.chunk_size)
     if name is not None:
         load_backend(name)
     return select_backend(problem, name)
