@@ -9,8 +9,10 @@ The ``reference`` backend is the chunked dual form of the official ``TTTMLP`` in
 PyTorch (per chunk the same matrix products); ``reference-compiled`` is the same with its
 per-chunk step under ``torch.compile``, as the official code compiles its mini-batch step.
 Prints a markdown table; ``error`` is the largest difference of the forward's output from
-the reference backend's in float64 on the same inputs. Needs a CUDA device (exits 2
-without).
+the reference backend's in float64 on the same inputs, ``peak MiB`` the memory a
+forward+backward allocates beyond its inputs, ``x reference`` and ``x compiled`` the
+forward+backward speed-up over those two providers in the same run. Needs a CUDA device
+(exits 2 without).
 """
 
 from __future__ import annotations
@@ -98,7 +100,23 @@ def shape_row(provider: str, shape: tuple[int, ...], dtype, device) -> list[str]
 
         error = (forward()[0].double() - ref).abs().max().item()
         times = [timed(forward, device), timed(training, device)]
-    return [provider, ",".join(map(str, shape)), *times, f"{error:.1e}"]
+        peak = "-" if times[1].startswith("error") else \
+            f"{_timing.peak_extra_mib(training, device):.0f}"
+    return [provider, ",".join(map(str, shape)), *times, peak, f"{error:.1e}"]
+
+
+def speed_ups(rows: list[list[str]]) -> list[list[str]]:
+    """Each row with its forward+backward speed-up over ``reference`` and
+    ``reference-compiled`` (of the same shape, when both were measured)."""
+    fwd_bwd = {row[0]: row[3] for row in rows}
+
+    def ratio(base: str, ms: str) -> str:
+        try:
+            return f"{float(fwd_bwd[base]) / float(ms):.1f}x"
+        except (KeyError, ValueError):
+            return "-"
+
+    return [row + [ratio("reference", row[3]), ratio(COMPILED, row[3])] for row in rows]
 
 
 def step_row(backend: str, B: int, H: int, D: int, dtype, device) -> list[str]:
@@ -137,10 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton "
           f"{triton.__version__}, {args.dtype}, chunk 16")
-    print("\n| backend | B,T,H,D | forward ms | fwd+bwd ms | error |\n|---|---|---|---|---|")
+    print("\n| backend | B,T,H,D | forward ms | fwd+bwd ms | peak MiB | error | x reference | "
+          "x compiled |\n|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
-        for provider in args.backends:
-            row = shape_row(provider, tuple(int(n) for n in shape.split(",")), dtype, device)
+        rows = [shape_row(provider, tuple(int(n) for n in shape.split(",")), dtype, device)
+                for provider in args.backends]
+        for row in speed_ups(rows):
             print("| " + " | ".join(row) + " |", flush=True)
     print("\n| backend | B,T,H,D | MLP step us | MLP step, graph | linear step us | "
           "linear step, graph |\n|---|---|---|---|---|---|")
