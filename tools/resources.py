@@ -33,10 +33,13 @@ from ttt_triton.ops.ttt_linear.bwd_grads import ttt_linear_bwd_grads_kernel
 from ttt_triton.ops.ttt_linear.bwd_local import ttt_linear_bwd_local_kernel
 from ttt_triton.ops.ttt_linear.fwd_chain import ttt_linear_fwd_chain_kernel
 from ttt_triton.ops.ttt_linear.fwd_out import ttt_linear_fwd_out_kernel
+from ttt_triton.ops.ttt_mlp import launcher as mlp_launcher
+from ttt_triton.ops.ttt_mlp.bwd_chain import ttt_mlp_bwd_chain_kernel
+from ttt_triton.ops.ttt_mlp.fwd_chain import ttt_mlp_fwd_chain_kernel
 
 INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
 INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i32",
-        "scale": "fp32", "eps": "fp32"}
+        "scale": "fp32", "eps": "fp32", "F": "i32", "NG": "i32"}
 # (name, kernel, launch kind, tunable of its rows per block or None, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", None,
@@ -51,6 +54,15 @@ KERNELS = (
      dict(USE_DHT=True, STORE_DH0=True, FUSE_GRADS=True)),
     ("bwd_grads", ttt_linear_bwd_grads_kernel, "group", "S_grads", {}),
 )
+
+MLP_KERNELS = (
+    ("mlp_fwd", ttt_mlp_fwd_chain_kernel, dict(USE_INITIAL=True, SAVE=True)),   # training
+    ("mlp_infer", ttt_mlp_fwd_chain_kernel, dict(USE_INITIAL=True, SAVE=False)),
+    ("mlp_bwd", ttt_mlp_bwd_chain_kernel, {}),
+)
+"""TTT-MLP's launches (hidden width 4 D): the forward saving checkpoints for a backward, the
+forward alone, the backward."""
+MLP_INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do"}   # its dq, dk, dv are fp32
 
 DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm_residual",
                     NEED_DETA_KEY=False, NEED_DQ=True, NEED_DK=True, NEED_DV=True,
@@ -93,7 +105,27 @@ def compile_inputs(name: str, fn, kind: str, rows: str | None, extra: dict, dtyp
     return src, options, consts
 
 
-def _signature(fn, dtype: str, consts: dict) -> dict:
+def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
+                       form: dict = DEFAULT_FORM, aligned: bool = True, H: int = 16):
+    """``(ASTSource, options, constexprs)`` of one row of :data:`MLP_KERNELS`, with the
+    TTT-MLP launcher's constexprs and options (``mlp_launcher._constants``) for a dense
+    batch of head dim ``BD``."""
+    q = torch.empty(1, 1, H, BD, device="meta",
+                    dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    eta_key = q if form["HAS_ETA_KEY"] else None
+    consts = mlp_launcher._constants(q, BT, 4 * BD, None, eta_key, form["OUTPUT"])
+    options = {"num_warps": consts.pop("num_warps")}
+    consts.update(extra)
+    consts.update({k: v for k, v in form.items() if k in ("eta_key", "deta_key")
+                   and k in fn.arg_names})
+    sig = _signature(fn, dtype, consts, MLP_INPUTS)
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=_aligned(fn, sig) if aligned else None)
+    return src, options, consts
+
+
+def _signature(fn, dtype: str, consts: dict, inputs: set[str] = INPUTS) -> dict:
     sig = {}
     for name in fn.arg_names:
         if name in consts:
@@ -101,7 +133,7 @@ def _signature(fn, dtype: str, consts: dict) -> dict:
         elif name in INTS:
             sig[name] = INTS[name]
         else:
-            sig[name] = f"*{dtype}" if name in INPUTS else "*fp32"
+            sig[name] = f"*{dtype}" if name in inputs else "*fp32"
     return sig
 
 
@@ -175,14 +207,25 @@ def main() -> None:
                              f"warps={options['num_warps']}")
                     if "BS" in consts:
                         label += f" BS={consts['BS']}"
-                    try:
-                        kernel = triton.compile(
-                            src, target=GPUTarget("cuda", args.arch, 32), options=options)
-                        note = "" if picked(name, dtype, BD, BT) else " (not picked)"
-                        print(f"{label}: {_usage(kernel)}{note}", flush=True)
-                    except Exception as exc:  # noqa: BLE001 - a report line
-                        print(f"{label}: FAILED {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:120]}", flush=True)
+                    _report(label, src, options, args.arch,
+                             "" if picked(name, dtype, BD, BT) else " (not picked)")
+                for name, fn, extra in MLP_KERNELS:
+                    if only and name not in only:
+                        continue
+                    src, options, consts = mlp_compile_inputs(
+                        fn, extra, dtype, BD, BT, form=form, aligned=args.aligned)
+                    label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
+                             f"warps={options['num_warps']} BF={consts['BF']}")
+                    _report(label, src, options, args.arch, "")
+
+
+def _report(label: str, src, options: dict, arch: int, note: str) -> None:
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        print(f"{label}: {_usage(kernel)}{note}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a report line
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,32 @@ def test_one_launch_per_pass(monkeypatch):
     seen.clear()
     _outputs_and_grads(inputs, F32, "triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]
+
+
+def test_backward_beyond_the_largest_tile_is_refused():
+    """Training at chunk 64 and a padded head dim of 128 needs more shared memory than a
+    GPU block has: the backend refuses it with the reason (the automatic choice then takes
+    another backend); the forward alone, and training at chunk 32, are taken."""
+    from ttt.errors import BackendNotSupportedError
+    from ttt.mlp import make_mlp_problem
+
+    backend = ttt.registry.load_backend("triton")
+
+    def problem(D, chunk, grad):
+        x = torch.randn(1, chunk, 2, D, device=DEVICE, requires_grad=grad)
+        w = torch.ones(2, D, device=DEVICE)
+        eta = torch.full((1, chunk, 2, 1), 0.1, device=DEVICE)
+        return make_mlp_problem(x, x, x, w, w, eta, chunk_size=chunk), x
+
+    assert not launcher.backward_fits(128, 64) and not launcher.backward_fits(65, 64)
+    assert launcher.backward_fits(64, 64) and launcher.backward_fits(128, 32)
+    refused, x = problem(100, 64, grad=True)
+    reasons = backend.not_supported_reasons(refused)
+    assert any("ttt_mlp backward at head dim 100 with chunk_size 64" in r for r in reasons)
+    with pytest.raises(BackendNotSupportedError, match="more shared memory"):
+        ttt.chunk_ttt_mlp(x, x, x, torch.ones(2, 100, device=DEVICE),
+                          torch.zeros(2, 100, device=DEVICE), 0.1, chunk_size=64,
+                          backend="triton")
+    for D, chunk, grad in ((100, 64, False), (128, 32, True), (64, 64, True)):
+        assert not any("ttt_mlp backward" in r
+                       for r in backend.not_supported_reasons(problem(D, chunk, grad)[0]))

@@ -54,7 +54,9 @@ CAPABILITIES = Capabilities(
         "ttt_mlp: one program per (sequence, head) streams the fp32 state from global "
         "memory in hidden blocks; a forward is one launch (with checkpoint slots every 16 "
         "chunks when autograd needs them), the backward one launch that recomputes each "
-        "group's states from its slot",
+        "group's states from its slot; the backward takes chunk tiles up to "
+        "ops.ttt_mlp.launcher.BACKWARD_MAX_TILE (shared memory): chunk 64 at head dims "
+        "above 64 runs forward only",
     ),
 )
 """As declared on a CUDA machine; under the Triton interpreter an instance adds cpu."""
@@ -86,6 +88,14 @@ class TritonBackend(Backend):
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")
+        if problem.op == "ttt_mlp" and problem.requires_grad:
+            from .ops.ttt_mlp.launcher import BACKWARD_MAX_TILE, backward_fits
+
+            if not backward_fits(problem.D, problem.chunk_size):
+                why.append(f"ttt_mlp backward at head dim {problem.D} with chunk_size "
+                           f"{problem.chunk_size}: its kernel needs more shared memory than a "
+                           f"GPU block has (chunk_size x head dim padded to a power of two at "
+                           f"most {BACKWARD_MAX_TILE}; a smaller chunk_size fits)")
         return why
 
     def forward(self, problem: Problem, needs_backward: bool):
