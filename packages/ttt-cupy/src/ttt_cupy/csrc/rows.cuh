@@ -1,7 +1,10 @@
-// Row passes: the LayerNorm, g and their backward, one row per warp or per lane group.
+// Row passes: the LayerNorm, g and their backward, one row per warp or per lane group; a
+// chunk's SIMT replay from the saved xh, r (replay_chunk_simt).
 #pragma once
 
 #include "types.cuh"
+#include "tiles.cuh"
+#include "staging.cuh"
 
 namespace ttt {
 
@@ -383,6 +386,40 @@ __device__ __forceinline__ float inner_grad_bwd_row(
     for (int e = 0; e < P; ++e)
         dkh[e] = row_col<LPR>(e) < D ? r_ln * (dxh[e] - c1 - xh[e] * c2) - dr * xh[e] : 0.f;
     return dgg;
+}
+
+// A chunk of the SIMT replay from the saved xh, r (fwd_out, bwd_local): rows row0 .. row0 + L - 1
+// of its sequence, e_l the eta of the last one.
+struct SimtChunk {
+    long long row0;
+    int L;
+    float e_l;
+};
+
+// Chunk j of the group gr in the SIMT replay: its rows of q * scale, k (X: and of x -> s_x)
+// and eta -> s_q, s_k, s_e; A = tril(q k^T) + tril(1) -> s_A; g from xh, r, k, v -> s_g.
+// Ends with a barrier.
+template <int D_PAD, int BT, int NT, int NW, bool X = false, typename T, int P>
+__device__ __forceinline__ SimtChunk replay_chunk_simt(
+    const Group& gr, int j, float* s_q, float* s_k, float* s_x, float* s_A, float* s_g,
+    float* s_e, const T* q, const T* k, const T* x, const T* v, const float* eta,
+    const float* xbuf, const float* rbuf, const float (&b_w)[P], const float (&b_b)[P],
+    long long p_base, long long p_ebase, long long row_stride, int H, int D, float scale) {
+    const long long row0 = (gr.c0 + j) * BT;
+    const int L = (int)min((long long)BT, gr.seq.len - row0);
+    load_tile<D_PAD, BT, NT>(s_q, q, p_base, row0, L, row_stride, D, scale);
+    load_tile<D_PAD, BT, NT>(s_k, k, p_base, row0, L, row_stride, D, 1.f);
+    if constexpr (X) load_tile<D_PAD, BT, NT>(s_x, x, p_base, row0, L, row_stride, D, 1.f);
+    load_eta<BT, NT>(s_e, eta, p_ebase, row0, L, H);
+    __syncthreads();
+    const float e_l = s_e[L - 1];
+
+    // A -> s_A (tile pass); row pass: g -> s_g
+    tri_dots<D_PAD, BT, NT, true>(s_A, s_q, s_k, L, 1.f);
+    inner_grad_rows_saved<D_PAD, BT, NW>(s_g, s_k, v, xbuf, rbuf, b_w, b_b, p_base, p_ebase,
+                                         row0, row_stride, L, H, D);
+    __syncthreads();
+    return SimtChunk{row0, L, e_l};
 }
 
 }  // namespace ttt
