@@ -8,8 +8,9 @@ dim 16..128, bf16 and fp32) ahead of time with Triton's bundled ptxas and prints
 shared memory, and ``reserve``, the device memory CUDA keeps for that stack in a process
 that launched the kernel (stack x 2048 resident threads x 132 SMs of an H100; kept for the
 process's life, so it adds up over the processes sharing a GPU). ``(not picked)`` marks a
-configuration the launcher's rules never choose (a fused chain where they split it), which
-only a forced ``Tuning`` compiles. Pointers carry the 16-byte
+configuration the launcher's rules never choose (a fused chain where they split it, which
+only a forced ``Tuning`` compiles; a TTT-MLP backward past ``BACKWARD_MAX_TILE``, which the
+backend refuses). The TTT-MLP rows (``mlp_*``) take hidden width 4 D. Pointers carry the 16-byte
 alignment hint that a launch with torch tensors gets (``--unaligned`` drops it). The numbers
 come from the Triton installed here, which may differ from the GPU runner's.
 """
@@ -94,10 +95,7 @@ def compile_inputs(name: str, fn, kind: str, rows: str | None, extra: dict, dtyp
         consts["BS"] = tuning.rows_per_block(rows, BT, G, tune, BD=BD, ieee=dtype == "fp32")
     if "SPLIT" in fn.arg_names:
         consts["SPLIT"] = tuning.grads_split(torch_dtype, BD, BT, tune)
-    sig = _signature(fn, dtype, consts)
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=_aligned(fn, sig) if aligned else None)
+    src = _source(fn, dtype, consts, aligned)
     options = tuning.launch_options("local" if name in ("fwd_out", "bwd_local") else kind, BD,
                                     dtype == "fp32", tune, fused_bwd=name == "bwd_fused", BT=BT)
     if name in ("bwd_local", "bwd_grads") and tuning.wide_backward(torch_dtype, BD, BT):
@@ -118,11 +116,16 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
     consts.update(extra)
     consts.update({k: v for k, v in form.items() if k in ("eta_key", "deta_key")
                    and k in fn.arg_names})
-    sig = _signature(fn, dtype, consts, MLP_INPUTS)
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=_aligned(fn, sig) if aligned else None)
-    return src, options, consts
+    return _source(fn, dtype, consts, aligned, MLP_INPUTS), options, consts
+
+
+def _source(fn, dtype: str, consts: dict, aligned: bool, inputs: set[str] = INPUTS):
+    """The ``ASTSource`` of ``fn`` with these constexprs (pointers 16-byte aligned when
+    ``aligned``)."""
+    sig = _signature(fn, dtype, consts, inputs)
+    return ASTSource(fn=fn, signature=sig,
+                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                     attrs=_aligned(fn, sig) if aligned else None)
 
 
 def _signature(fn, dtype: str, consts: dict, inputs: set[str] = INPUTS) -> dict:
@@ -216,7 +219,8 @@ def main() -> None:
                         fn, extra, dtype, BD, BT, form=form, aligned=args.aligned)
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
                              f"warps={options['num_warps']} BF={consts['BF']}")
-                    _report(label, src, options, args.arch, "")
+                    refused = name == "mlp_bwd" and not mlp_launcher.backward_fits(BD, BT)
+                    _report(label, src, options, args.arch, " (not picked)" * refused)
 
 
 def _report(label: str, src, options: dict, arch: int, note: str) -> None:

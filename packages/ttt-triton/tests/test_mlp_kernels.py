@@ -108,11 +108,9 @@ def test_backward_beyond_the_largest_tile_is_refused():
         eta = torch.full((1, chunk, 2, 1), 0.1, device=DEVICE)
         return make_mlp_problem(x, x, x, w, w, eta, chunk_size=chunk), x
 
-    from ttt_triton.backend import mlp_backward_fits
-
-    assert not mlp_backward_fits(128, 64) and not mlp_backward_fits(65, 64)
-    assert mlp_backward_fits(64, 64) and mlp_backward_fits(128, 32)
-    assert mlp_backward_fits(8, 64)                     # padded to 16
+    assert not launcher.backward_fits(128, 64) and not launcher.backward_fits(65, 64)
+    assert launcher.backward_fits(64, 64) and launcher.backward_fits(128, 32)
+    assert launcher.backward_fits(8, 64)                # padded to 16
     refused, x = problem(100, 64, grad=True)
     reasons = backend.not_supported_reasons(refused)
     assert any("ttt_mlp backward at head dim 100 with chunk_size 64" in r for r in reasons)

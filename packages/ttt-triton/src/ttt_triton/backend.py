@@ -55,24 +55,11 @@ CAPABILITIES = Capabilities(
         "memory in hidden blocks; a forward is one launch (with checkpoint slots every 16 "
         "chunks when autograd needs them), the backward one launch that recomputes each "
         "group's states from its slot; the backward takes chunk tiles up to "
-        "MLP_BACKWARD_MAX_TILE (shared memory): chunk 64 at head dims above 64 runs "
-        "forward only",
+        "ops.ttt_mlp.launcher.BACKWARD_MAX_TILE (shared memory): chunk 64 at head dims "
+        "above 64 runs forward only",
     ),
 )
 """As declared on a CUDA machine; under the Triton interpreter an instance adds cpu."""
-
-MLP_BACKWARD_MAX_TILE = 64 * 64
-"""The largest chunk tile ``BT * BD`` (chunk size by the head dim padded to a power of two,
-at least 16) the TTT-MLP backward takes: its kernel's shared memory grows with the tile (at
-64 x 64, 208 KiB in bf16; at 64 x 128, 257 KiB in float32 and 268 KiB in bf16, more than
-the 227 KiB an sm_90 block may have), so chunk 64 at head dims above 64 runs forward only."""
-
-
-def mlp_backward_fits(D: int, chunk_size: int) -> bool:
-    """Whether the TTT-MLP backward's kernel fits a GPU block at head dim ``D``."""
-    BD = max(16, 1 << (D - 1).bit_length())        # the kernels' padded head dim
-    return chunk_size * BD <= MLP_BACKWARD_MAX_TILE
-
 
 TRITON_INSTALL_HINT = "pip install triton"
 
@@ -101,12 +88,15 @@ class TritonBackend(Backend):
         if interpreting() and problem.dtype == torch.bfloat16:
             why.append("bfloat16 not supported under the Triton interpreter "
                        "(TRITON_INTERPRET=1): its tl.dot gives wrong results on bf16 tiles")
-        if (problem.op == "ttt_mlp" and problem.requires_grad
-                and not mlp_backward_fits(problem.D, problem.chunk_size)):
-            why.append(f"ttt_mlp backward at head dim {problem.D} with chunk_size "
-                       f"{problem.chunk_size}: its kernel needs more shared memory than a GPU "
-                       f"block has (chunk_size x head dim padded to a power of two at most "
-                       f"{MLP_BACKWARD_MAX_TILE}; a smaller chunk_size fits)")
+        if not why and problem.op == "ttt_mlp" and problem.requires_grad:
+            # (the kernels' own limits, asked only where they can run: they import triton)
+            from .ops.ttt_mlp.launcher import BACKWARD_MAX_TILE, backward_fits
+
+            if not backward_fits(problem.D, problem.chunk_size):
+                why.append(f"ttt_mlp backward at head dim {problem.D} with chunk_size "
+                           f"{problem.chunk_size}: its kernel needs more shared memory than a "
+                           f"GPU block has (chunk_size x head dim padded to a power of two at "
+                           f"most {BACKWARD_MAX_TILE}; a smaller chunk_size fits)")
         return why
 
     def forward(self, problem: Problem, needs_backward: bool):

@@ -25,6 +25,19 @@ def num_warps(BD: int, BT: int) -> int:
     return 8 if BT * BD <= 2048 else 16
 
 
+BACKWARD_MAX_TILE = 64 * 64
+"""The largest chunk tile ``BT * BD`` the backward takes: its shared memory grows with the
+tile (at 64 x 64, 208 KiB in bf16; at 64 x 128, 257 KiB in float32 and 268 KiB in bf16,
+more than the 227 KiB an sm_90 block may have), so chunk 64 at padded head dim 128 runs
+forward only (the backend refuses training there)."""
+
+
+def backward_fits(D: int, chunk_size: int) -> bool:
+    """Whether the backward's kernel fits a GPU block at head dim ``D``, ``chunk_size``."""
+    BT, BD = block_sizes(D, chunk_size)
+    return BT * BD <= BACKWARD_MAX_TILE
+
+
 CHECKPOINT_EVERY = 16
 """G: chunks between two of the forward's checkpoint slots (a forward for the backward). The
 backward recomputes a group's states from its slot into G scratch slots per chain."""
