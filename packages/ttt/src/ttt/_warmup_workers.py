@@ -19,9 +19,10 @@ import torch
 from .backend import WarmupShape
 from .mlp import HIDDEN_FACTOR, chunk_ttt_mlp
 from .ops import chunk_ttt_linear
+from .problem import MlpProblem, Problem
 from .validation import dtype_name
 
-OPS = {"ttt_linear": chunk_ttt_linear, "ttt_mlp": chunk_ttt_mlp}
+OPS = {Problem.op: chunk_ttt_linear, MlpProblem.op: chunk_ttt_mlp}
 """The ops a warm-up calls, by the name backends declare in ``Capabilities.ops``."""
 
 
@@ -52,10 +53,10 @@ class Config:
     head_dim: int
     chunk_size: int
     heads: int
-    op: str = "ttt_linear"
+    op: str = Problem.op
 
     def describe(self) -> str:
-        op = "" if self.op == "ttt_linear" else f"{self.op} "
+        op = "" if self.op == Problem.op else f"{self.op} "
         return (f"{op}{dtype_name(self.dtype)} D={self.head_dim} chunk={self.chunk_size} "
                 f"H={self.heads}")
 
@@ -78,7 +79,7 @@ def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
                   w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
                   eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
                                         dtype=rates))
-    if form.initial and config.op == "ttt_mlp":
+    if form.initial and config.op == MlpProblem.op:
         F = HIDDEN_FACTOR * D
         inputs["initial_state"] = tuple(0.1 * rand(N, H, *shape, dtype=state_dt)
                                         for shape in ((D, F), (1, F), (F, D), (1, D)))

@@ -27,7 +27,15 @@ from .registry import KNOWN_BACKENDS, declared_capabilities
 from .status import available_backends, backend_status
 from .tolerances import TOLERANCES
 from .validation import dtype_name, make_problem
-from .warmup import DEFAULT_CHUNK_SIZES, DEFAULT_HEAD_DIMS, DEFAULT_HEADS, ProgressBar, warmup
+from .warmup import (
+    DEFAULT_CHUNK_SIZES,
+    DEFAULT_HEAD_DIMS,
+    DEFAULT_HEADS,
+    DEFAULT_OPS,
+    OPS,
+    ProgressBar,
+    warmup,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -219,7 +227,7 @@ def cmd_warmup(args) -> int:
                     chunk_sizes=args.chunk_size or DEFAULT_CHUNK_SIZES,
                     heads=args.heads or DEFAULT_HEADS, backward=not args.no_backward,
                     device=device, progress=ProgressBar(quiet=args.quiet),
-                    workers=args.workers, ops=args.op or ("ttt_linear",))
+                    workers=args.workers, ops=args.op or DEFAULT_OPS)
     passes = "forward" if args.no_backward else "forward + backward"
     for entry in report.entries:
         print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "
@@ -309,7 +317,7 @@ def _parser() -> argparse.ArgumentParser:
                        ("--heads", "number of heads, repeatable (default: 32; Triton compiles "
                                    "per number of heads)")):
         warm.add_argument(flag, type=_positive_int, action="append", help=help)
-    warm.add_argument("--op", choices=("ttt_linear", "ttt_mlp"), action="append",
+    warm.add_argument("--op", choices=sorted(OPS), action="append",
                       help="the op whose kernels to compile, repeatable (default: ttt_linear)")
     warm.add_argument("--no-backward", action="store_true", help="forward only")
     warm.add_argument("--workers", type=_positive_int, default=None,

@@ -20,6 +20,7 @@ from .backend import Backend, WarmupShape
 from .choice import select_backend
 from .errors import BackendNotSupportedError
 from .mlp import make_mlp_problem
+from .problem import MlpProblem, Problem
 from .registry import load_backend
 from .validation import make_problem
 
@@ -27,6 +28,7 @@ DEFAULT_DTYPES = (torch.bfloat16, torch.float32)
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_CHUNK_SIZES = (16,)     # the official TTT-Linear layer's mini-batch
 DEFAULT_HEADS = (32,)           # the official TTT-Linear 1B's (Triton compiles per head count)
+DEFAULT_OPS = (Problem.op,)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
            device: str | torch.device | None = None,
            shapes: Sequence[WarmupShape] | None = None,
            progress: Progress | None = None, workers: int | None = None,
-           ops: Iterable[str] = ("ttt_linear",)) -> WarmupReport:
+           ops: Iterable[str] = DEFAULT_OPS) -> WarmupReport:
     """Compile ahead of time the kernels calls of these configurations will use, on
     ``backend`` (None: the one each configuration's calls would get); the arguments and their
     defaults: docs/warmup.md. Raises ``BackendNotSupportedError`` for a configuration asked
@@ -147,7 +149,7 @@ def _plans(configs: list[Config], backend: str | None, device: torch.device,
             continue
         if shapes is not None:
             layouts = list(shapes)
-        elif config.op == "ttt_mlp":
+        elif config.op == MlpProblem.op:
             layouts = mlp_warmup_shapes(config.chunk_size)
         else:
             layouts = chosen.warmup_shapes(config.heads, config.head_dim, config.chunk_size,
@@ -231,7 +233,7 @@ def _backend_for(config: Config, name: str | None, device: torch.device) -> Back
     """The backend a call of ``config`` gets (raises BackendNotSupportedError)."""
     inputs = call_inputs(config, WarmupShape(1, config.chunk_size), FORMS[0],
                          (config.dtype, config.dtype), device, grad=True)
-    make = make_mlp_problem if config.op == "ttt_mlp" else make_problem
+    make = make_mlp_problem if config.op == MlpProblem.op else make_problem
     problem = make(**inputs, chunk_size=config.chunk_size)
     if name is not None:
         load_backend(name)
