@@ -18,15 +18,29 @@ With ``dS'`` the cotangent of the state after the chunk and ``dz`` that of its `
     dX_2 &= -e_{last}\, g_2\, dW_2'^\top + D_2^\top \bar X_2 + dZ_2 W_2^\top,\quad
     dZ_1 = dX_2 \odot s_1 + (dg_1 \odot g_2 W_2^\top) \odot gelu''(Z_1)
 
-with ``dZ_2`` the inner loss's backward of ``l dg_2`` (``inner_grad_bwd``); every product over
-the hidden width runs in hidden blocks ``j``. Three walks over the blocks per chunk:
-``z`` and ``\bar X_2 X_2^\top`` (for ``dz`` and ``A_2``), then each block's terms above
-but ``dZ_2``'s (``dZ_1`` without it goes to the chain's ``tmp``), then, ``dZ_2`` known,
-``dZ_1`` and the rest of ``dS``:
-``dW_1 = dW_1' + q^\top d\bar Z_1 + k^\top dZ_1``, ``db_1 = db_1' + \sum (d\bar Z_1 + dZ_1)``,
-``dW_2 = dW_2' + (dg_1 \odot s_1)^\top g_2 + \bar X_2^\top dz + X_2^\top dZ_2``,
-``db_2 = db_2' + \sum (dz + dZ_2)``. The inputs' gradients follow the same products (q
-scaled); ``eta`` gets ``A_1``'s and ``A_2``'s row terms and, at the chunk's last valid row,
+with ``dZ_2`` the inner loss's backward of ``l dg_2`` (``inner_grad_bwd``), and
+
+.. math::
+
+    dW_1 &= dW_1' + q^\top d\bar Z_1 + k^\top dZ_1,\quad
+    db_1 = db_1' + \textstyle\sum (d\bar Z_1 + dZ_1)\\
+    dW_2 &= dW_2' + (dg_1 \odot s_1)^\top g_2 + \bar X_2^\top dz + X_2^\top dZ_2,\quad
+    db_2 = db_2' + \textstyle\sum (dz + dZ_2)
+
+Every product over the hidden width runs in hidden blocks ``j``, in four walks over the
+blocks per chunk after ``common.first_walk``'s ``g_2``:
+
+1. ``z`` and ``\bar X_2 X_2^\top`` (for ``dz`` and ``A_2``; ``common.second_walk``);
+2. :func:`terms_walk`: each block's terms above but ``dZ_2``'s, reading ``dS'``; it writes
+   ``dZ_1`` without its ``dZ_2`` term and the block's ``d\bar Z_1``,
+   ``dg_1 \odot s_1`` and ``\bar X_2`` to the chain's ``tmp``;
+3. :func:`dstate_walk`: from those, ``dS``'s ``q^\top d\bar Z_1``, ``\sum d\bar Z_1``
+   and ``(dg_1 \odot s_1)^\top g_2 + \bar X_2^\top dz``, and ``q``'s
+   ``d\bar Z_1 W_1^\top``;
+4. ``dZ_2`` known, ``dZ_1`` and the rest of ``dS``.
+
+The inputs' gradients follow the same products (q scaled); ``eta`` gets ``A_1``'s and
+``A_2``'s row terms and, at the chunk's last valid row,
 ``-(<dW_1', k^\top g_1> + <db_1', \sum g_1> + <dW_2', X_2^\top g_2> + <db_2', \sum g_2>)``.
 """
 
@@ -88,7 +102,8 @@ def ttt_mlp_bwd_chain_kernel(
     sW1, sb1, sW2, sb2,       # scratch: a group's states [N * H * G, ...]
     dW1, db1, dW2, db2,       # the state's cotangent [N, H, ...], from the final state's;
                               # the initial state's gradient at the end
-    tmp,                      # [N * H, BT, F] fp32 scratch: dZ1 but its dZ2 term
+    tmp,                      # [N * H, 4, BT, F] fp32 scratch: dZ1 but its dZ2 term, and
+                              # terms_walk's dZ1b, dG, x2b for dstate_walk
     dq, dk, dv, deta, deta_key,   # [B, T, H, D] fp32; [B, T, H] fp32 (deta_key: HAS_ETA_KEY)
     dwp, dbp,                 # [N * H, D] fp32 partial sums of dw, db
     cu_seqlens,               # [N + 1] int64 (when IS_VARLEN)
@@ -164,43 +179,14 @@ def chunk_vjp(q, k, v, eta, eta_key, do, sW1, sb1, sW2, sb2, dW1, db1, dW2, tmp,
     b_D2 = b_P * b_dA2                                                     # [BT, BT]
     b_dg2 = -mm(tl.trans(b_A2), b_dz, PREC)                                # [BT, BD]
 
-    # second walk of the VJP: every block's terms but dZ2's
-    b_dA1 = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dqs = tl.zeros([BT, BD], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BD], dtype=tl.float32)
-    b_del = b_el * 0.                                                      # e_last's
-    o_tmp = (i_nh * BT + o_t[:, None]) * F                                 # [BT, 1]
-    for f0 in range(0, F, BF):
-        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
-            sW1, sb1, sW2, i_s, f0, F, D, o_d, m_d, BF, True)
-        b_dW1, b_db1, b_dW2, o_v1, m_v1, o_c1, m_c1, o_v2, m_v2 = hidden_block(
-            dW1, db1, dW2, i_nh, f0, F, D, o_d, m_d, BF, True)             # dS' of the block
-        b_z1 = mm(b_k, b_W1, PREC) + b_b1[None, :]                         # [BT, BF]
-        b_x2, b_s1 = gelu_and_slope(b_z1)
-        b_gW = mm(b_g2, tl.trans(b_W2), PREC)                              # [BT, BF]
-        b_g1 = b_gW * b_s1
-        b_x2b, b_s1b = gelu_and_slope(mm(b_qs, b_W1, PREC) + b_b1[None, :]
-                                      - mm(b_A1, b_g1, PREC))              # [BT, BF]
-        b_dZ1b = (mm(b_dz, tl.trans(b_W2), PREC) + mm(b_D2, b_x2, PREC)) * b_s1b
-        b_dA1 -= mm(b_dZ1b, tl.trans(b_g1), PREC)
-        b_kdW1 = mm(b_k, b_dW1, PREC)                                      # [BT, BF]
-        b_dg1 = -mm(tl.trans(b_A1), b_dZ1b, PREC) - b_el * (b_kdW1 + b_db1[None, :])
-        b_dg1 = tl.where(m_t[:, None], b_dg1, 0.)
-        b_del -= tl.sum(tl.sum(b_kdW1 * b_g1, 1), 0) + tl.sum(b_db1 * tl.sum(b_g1, 0), 0)
-        b_dqs += mm(b_dZ1b, tl.trans(b_W1), PREC)
-        b_dk -= b_el * mm(b_g1, tl.trans(b_dW1), PREC)
-        b_dG = b_dg1 * b_s1                                                # [BT, BF]
-        b_x2dW2 = mm(b_x2, b_dW2, PREC)                                    # [BT, BD]
-        b_dg2 += mm(b_dG, b_W2, PREC) - b_el * b_x2dW2
-        b_del -= tl.sum(tl.sum(b_x2dW2 * b_g2, 1), 0)
-        b_dX2 = -b_el * mm(b_g2, tl.trans(b_dW2), PREC) + mm(tl.trans(b_D2), b_x2b, PREC)
-        b_sl, b_cu = gelu_slope_and_curve(b_z1)
-        tl.store(tmp + o_tmp + (f0 + tl.arange(0, BF))[None, :],
-                 b_dX2 * b_sl + b_dg1 * b_gW * b_cu, mask=m_f[None, :])
-        tl.store(dW1 + o_v1, b_dW1 + mm(tl.trans(b_qs), b_dZ1b, PREC), mask=m_v1)
-        tl.store(db1 + o_c1, b_db1 + tl.sum(b_dZ1b, 0), mask=m_c1)
-        tl.store(dW2 + o_v2, b_dW2 + mm(tl.trans(b_dG), b_g2, PREC)
-                 + mm(tl.trans(b_x2b), b_dz, PREC), mask=m_v2)
+    # every block's terms but dZ2's, then the dS terms of q's side from them
+    o_tmp = (i_nh * 4 * BT + o_t[:, None]) * F                             # [BT, 1] tmp's rows
+    b_dA1, b_dk, b_dg2, b_del = terms_walk(
+        sW1, sb1, sW2, dW1, db1, dW2, tmp, i_s, i_nh, o_tmp, F, b_k, b_qs, b_g2, b_dz, b_A1,
+        b_D2, b_dg2, b_el, m_t, D, o_d, m_d, BT, BD, BF, PREC)
+    tl.debug_barrier()               # tmp as the other threads wrote it; dS' read by all
+    b_dqs = dstate_walk(sW1, sb1, sW2, dW1, db1, dW2, tmp, i_s, i_nh, o_tmp, F, b_qs, b_g2,
+                        b_dz, D, o_d, m_d, BT, BD, BF, PREC)
     b_del -= tl.sum(b_db2 * tl.sum(b_g2, 0), 0)
     b_dg2 = tl.where(m_2d, b_dg2 - b_el * b_db2[None, :], 0.)
     b_db2 += tl.sum(b_dz, 0)
@@ -218,7 +204,7 @@ def chunk_vjp(q, k, v, eta, eta_key, do, sW1, sb1, sW2, sb2, dW1, db1, dW2, tmp,
     b_dk += mm(tl.trans(b_dN), b_qs, PREC)
     tl.debug_barrier()               # tmp, dW1, db1, dW2 as the other threads wrote them
 
-    # third walk: dZ1 and the rest of dS
+    # last walk: dZ1 and the rest of dS
     for f0 in range(0, F, BF):
         b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
             sW1, sb1, sW2, i_s, f0, F, D, o_d, m_d, BF, True)
@@ -249,3 +235,74 @@ def chunk_vjp(q, k, v, eta, eta_key, do, sW1, sb1, sW2, sb2, dW1, db1, dW2, tmp,
     if HAS_ETA_KEY:
         tl.store(deta_key + p_ebase + o_e, b_dl, mask=m_t)
     return b_db2, b_dw, b_db
+
+
+@triton.jit
+def terms_walk(sW1, sb1, sW2, dW1, db1, dW2, tmp, i_s, i_nh, o_tmp, F, b_k, b_qs, b_g2, b_dz,
+               b_A1, b_D2, b_dg2, b_el, m_t, D: tl.constexpr, o_d, m_d, BT: tl.constexpr,
+               BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+    """Each hidden block's terms but ``dZ2``'s, at the state in scratch slot ``i_s`` and
+    the carried ``dS'`` (state ``i_nh``, read only): returns ``dA1`` [BT, BT], ``dk``'s
+    ``-e_last g1 dW1'^T`` [BT, BD], ``dg2`` (``b_dg2`` plus the blocks') and ``e_last``'s
+    sum; writes ``dZ1`` but its ``dZ2`` term to ``tmp``'s slot 0 (rows ``o_tmp``) and the
+    block's ``dZ1b``, ``dG = dg1 s1``, ``x2b`` to slots 1-3 (each [BT, F])."""
+    b_dA1 = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BD], dtype=tl.float32)
+    b_del = b_el * 0.                                                      # e_last's
+    for f0 in range(0, F, BF):
+        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
+            sW1, sb1, sW2, i_s, f0, F, D, o_d, m_d, BF, True)
+        b_dW1, b_db1, b_dW2, o_v1, m_v1, o_c1, m_c1, o_v2, m_v2 = hidden_block(
+            dW1, db1, dW2, i_nh, f0, F, D, o_d, m_d, BF, True)             # dS' of the block
+        b_z1 = mm(b_k, b_W1, PREC) + b_b1[None, :]                         # [BT, BF]
+        b_x2, b_s1 = gelu_and_slope(b_z1)
+        b_gW = mm(b_g2, tl.trans(b_W2), PREC)                              # [BT, BF]
+        b_g1 = b_gW * b_s1
+        b_x2b, b_s1b = gelu_and_slope(mm(b_qs, b_W1, PREC) + b_b1[None, :]
+                                      - mm(b_A1, b_g1, PREC))              # [BT, BF]
+        b_dZ1b = (mm(b_dz, tl.trans(b_W2), PREC) + mm(b_D2, b_x2, PREC)) * b_s1b
+        b_dA1 -= mm(b_dZ1b, tl.trans(b_g1), PREC)
+        b_kdW1 = mm(b_k, b_dW1, PREC)                                      # [BT, BF]
+        b_dg1 = -mm(tl.trans(b_A1), b_dZ1b, PREC) - b_el * (b_kdW1 + b_db1[None, :])
+        b_dg1 = tl.where(m_t[:, None], b_dg1, 0.)
+        b_del -= tl.sum(tl.sum(b_kdW1 * b_g1, 1), 0) + tl.sum(b_db1 * tl.sum(b_g1, 0), 0)
+        b_dk -= b_el * mm(b_g1, tl.trans(b_dW1), PREC)
+        b_dG = b_dg1 * b_s1                                                # [BT, BF]
+        b_dX2 = -b_el * mm(b_g2, tl.trans(b_dW2), PREC) + mm(tl.trans(b_D2), b_x2b, PREC)
+        b_sl, b_cu = gelu_slope_and_curve(b_z1)
+        o_s = o_tmp + (f0 + tl.arange(0, BF))[None, :]                     # [BT, BF]
+        tl.store(tmp + o_s, b_dX2 * b_sl + b_dg1 * b_gW * b_cu, mask=m_f[None, :])
+        tl.store(tmp + BT * F + o_s, b_dZ1b, mask=m_f[None, :])
+        tl.store(tmp + 2 * BT * F + o_s, b_dG, mask=m_f[None, :])
+        tl.store(tmp + 3 * BT * F + o_s, b_x2b, mask=m_f[None, :])
+        # the [BT, BD] products last: Triton gives a loop's chained tile products the warps
+        # of the last one (second_walk), along its columns where it is wider than tall
+        b_x2dW2 = mm(b_x2, b_dW2, PREC)                                    # [BT, BD]
+        b_del -= tl.sum(tl.sum(b_x2dW2 * b_g2, 1), 0)
+        b_dg2 += mm(b_dG, b_W2, PREC) - b_el * b_x2dW2
+    return b_dA1, b_dk, b_dg2, b_del
+
+
+@triton.jit
+def dstate_walk(sW1, sb1, sW2, dW1, db1, dW2, tmp, i_s, i_nh, o_tmp, F, b_qs, b_g2, b_dz,
+                D: tl.constexpr, o_d, m_d, BT: tl.constexpr, BD: tl.constexpr,
+                BF: tl.constexpr, PREC: tl.constexpr):
+    """With :func:`terms_walk`'s ``dZ1b, dG, x2b`` from ``tmp``, each block's ``dS'``
+    (state ``i_nh``) plus ``(q^T dZ1b, sum dZ1b, dG^T g2 + x2b^T dz)``; returns ``dqs``'s
+    ``sum_j dZ1b_j W1_j^T`` [BT, BD] (``W1`` at scratch slot ``i_s``)."""
+    b_dqs = tl.zeros([BT, BD], dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
+            sW1, sb1, sW2, i_s, f0, F, D, o_d, m_d, BF, True)              # W1 only read
+        b_dW1, b_db1, b_dW2, o_v1, m_v1, o_c1, m_c1, o_v2, m_v2 = hidden_block(
+            dW1, db1, dW2, i_nh, f0, F, D, o_d, m_d, BF, True)             # dS' of the block
+        o_s = o_tmp + (f0 + tl.arange(0, BF))[None, :]                     # [BT, BF]
+        b_dZ1b = tl.load(tmp + BT * F + o_s, mask=m_f[None, :], other=0.)  # [BT, BF]
+        b_dG = tl.load(tmp + 2 * BT * F + o_s, mask=m_f[None, :], other=0.)
+        b_x2b = tl.load(tmp + 3 * BT * F + o_s, mask=m_f[None, :], other=0.)
+        tl.store(dW1 + o_v1, b_dW1 + mm(tl.trans(b_qs), b_dZ1b, PREC), mask=m_v1)
+        tl.store(db1 + o_c1, b_db1 + tl.sum(b_dZ1b, 0), mask=m_c1)
+        tl.store(dW2 + o_v2, b_dW2 + mm(tl.trans(b_dG), b_g2, PREC)
+                 + mm(tl.trans(b_x2b), b_dz, PREC), mask=m_v2)
+        b_dqs += mm(b_dZ1b, tl.trans(b_W1), PREC)                          # last (terms_walk)
+    return b_dqs

@@ -27,8 +27,8 @@ def num_warps(BD: int, BT: int) -> int:
 
 BACKWARD_MAX_TILE = 64 * 64
 """The largest chunk tile ``BT * BD`` the backward takes: its shared memory grows with the
-tile (at 64 x 64, 208 KiB in bf16; at 64 x 128, 257 KiB in float32 and 268 KiB in bf16,
-more than the 227 KiB an sm_90 block may have), so chunk 64 at padded head dim 128 runs
+tile (at 64 x 64, 192 KiB in bf16; at 64 x 128, 256 KiB in bf16, more than the 227 KiB an
+sm_90 block may have, and 220 KiB in float32), so chunk 64 at padded head dim 128 runs
 forward only (the backend refuses training there)."""
 
 
@@ -117,7 +117,7 @@ def _backward(do: Tensor, dfinal: list[Tensor], q: Tensor, k: Tensor, v: Tensor,
     deta_key = None if eta_key is None else torch.empty_like(deta)
     partials = [q.new_empty((N * H, q.shape[3]), dtype=torch.float32) for _ in range(2)]
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
-    tmp = q.new_empty((N * H, consts["BT"], hidden), dtype=torch.float32)
+    tmp = q.new_empty((N * H, 4, consts["BT"], hidden), dtype=torch.float32)
     run_launch(Launch(ttt_mlp_bwd_chain_kernel, (N * H,), (
         q, k, v, eta, w, b, eta_key, do, *slots, *_slots(q, N, CHECKPOINT_EVERY, hidden),
         *carry, tmp, *rows, deta, deta_key, *partials, cu_seqlens, scale, eps, q.shape[1],
