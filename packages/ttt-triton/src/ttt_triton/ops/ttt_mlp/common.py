@@ -212,15 +212,17 @@ def second_walk(W1_0, b1_0, W2_0, W1, b1, W2, dW1, db1, dW2, first, idx, idx_dst
         if WITH_OUT:
             b_x2b, b_s1b = gelu_and_slope(mm(b_qs, b_W1, PREC) + b_b1[None, :]
                                           - mm(b_A1, b_g1, PREC))          # [BT, BF]
-            if STORE:
+            if STORE or BT > 16:
                 b_z += mm(b_x2b, b_W2, PREC)
                 b_M2 += mm(b_x2b, tl.trans(b_x2), PREC)
             else:
                 # the [BT, BT] product first: Triton gives a loop's chained tile products
                 # (mma v2) the warps of the last one, along its rows where its tile is at
-                # least as tall as wide (at BT 16 all 8 warps then hold the whole tile, 8
-                # copies, and ptxas spills), along its columns otherwise; with STORE the
-                # update's products come last
+                # least as tall as wide. With the [16, 16] one last, all 8 warps held every
+                # whole tile (8 copies; ptxas spilled): the backward at bf16, chunk 16 ran
+                # 13% (head dim 64) and 3% (128) slower on an H100. At chunk 32 the order
+                # below ran 21% slower at head dim 128 (bf16), so longer chunks keep the
+                # other. With STORE the update's products come last anyway.
                 b_M2 += mm(b_x2b, tl.trans(b_x2), PREC)
                 b_z += mm(b_x2b, b_W2, PREC)
         if STORE:
