@@ -9,8 +9,8 @@ the launchers would. Where ``tools.step_proxy`` follows the one chain loop of th
 chains, this lists each loop that holds no other (the TTT-MLP kernels walk the hidden
 blocks in several such loops per chunk). Each is printed with its instruction count,
 tensor-core instructions, shared and local memory traffic, and its source: the kernel
-files' functions its instructions were generated from (``nvdisasm -gi`` line info), with
-the line range in the outermost file. Local memory (LDL, STL) inside a loop is the spill
+files' functions its instructions were generated from (``nvdisasm -gi`` line info), those
+with the most instructions first. Local memory (LDL, STL) inside a loop is the spill
 traffic that costs the most. For example, Triton gives a loop's chained tile products the
 warps of its last product. In the TTT-MLP backward, a square [16, 16] product last put
 every warp on the same 16 rows, and that loop issued 1,986 instructions with 121 LDL and
@@ -37,38 +37,21 @@ _LINE = re.compile(r'\s*//## File "(.*?)", line (\d+)')
 _ADDR = re.compile(r"\s*/\*([0-9a-f]+)\*/")
 
 
-def compiled(kernel: str, dtype: str, BD: int, BT: int):
-    """The Triton kernel of ``tools.resources``' row ``kernel`` for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from tools.resources import KERNELS, MLP_KERNELS, compile_inputs, mlp_compile_inputs
-
-    if kernel.startswith("mlp_"):
-        _, fn, extra = next(k for k in MLP_KERNELS if k[0] == kernel)
-        src, options, _ = mlp_compile_inputs(fn, extra, dtype, BD, BT)
-    else:
-        name, fn, kind, rows, extra = next(k for k in KERNELS if k[0] == kernel)
-        src, options, _ = compile_inputs(name, fn, kind, rows, extra, dtype, BD, BT)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options), options
-
-
 def sass_with_lines(cubin: bytes) -> tuple[str, dict[int, tuple[str, int]]]:
-    """``nvdisasm`` text and {instruction address: (source file, line)}."""
+    """``nvdisasm -gi`` text (its line comments are no instructions to :func:`parse`) and
+    {instruction address: (source file, line)}."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        plain = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
-                               text=True, check=True).stdout
-        annotated = subprocess.run([_tool("nvdisasm"), "-c", "-gi", f.name],
-                                   capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", "-gi", f.name], capture_output=True,
+                              text=True, check=True).stdout
     where, current = {}, None
-    for line in annotated.splitlines():
+    for line in sass.splitlines():
         if m := _LINE.match(line):
             current = (m.group(1), int(m.group(2)))
         elif (m := _ADDR.match(line)) and current:
             where[int(m.group(1), 16)] = current
-    return plain, where
+    return sass, where
 
 
 def functions(path: str) -> list[tuple[int, int, str]]:
@@ -82,23 +65,21 @@ def functions(path: str) -> list[tuple[int, int, str]]:
 
 
 def source_of(insns, where: dict, defs: dict) -> str:
-    """The functions (and the line range of the first file) ``insns`` come from."""
-    names, lines = collections.Counter(), collections.defaultdict(set)
+    """The functions ``insns`` come from, those with the most instructions first."""
+    names = collections.Counter()
     for ins in insns:
-        if ins.addr not in where:
-            continue
-        path, line = where[ins.addr]
-        if path not in defs:
-            defs[path] = functions(path)
-        lines[os.path.join(*path.split(os.sep)[-2:])].add(line)
-        names.update(n for lo, hi, n in defs[path] if lo <= line <= hi)
-    first = next(iter(lines), None)
-    span = f"{first}:{min(lines[first])}-{max(lines[first])} " if first else ""
-    return span + ", ".join(n for n, _ in names.most_common(6))
+        if ins.addr in where:
+            path, line = where[ins.addr]
+            if path not in defs:
+                defs[path] = functions(path)
+            names.update(n for lo, hi, n in defs[path] if lo <= line <= hi)
+    return ", ".join(n for n, _ in names.most_common(6))
 
 
 def report(kernel: str, dtype: str, BD: int, BT: int) -> list[str]:
-    k, options = compiled(kernel, dtype, BD, BT)
+    from tools.resources import row_kernel  # (imports the kernels: after the pop above)
+
+    k, options = row_kernel(kernel, dtype, BD, BT)
     sass, where = sass_with_lines(k.asm["cubin"])
     bl = blocks(*parse(sass))
     found, defs = loops(bl), {}

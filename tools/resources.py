@@ -119,6 +119,18 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
     return _source(fn, dtype, consts, aligned, MLP_INPUTS), options, consts
 
 
+def row_kernel(name: str, dtype: str, BD: int, BT: int, arch: int = 90):
+    """``(compiled kernel, options)`` of the row ``name`` of :data:`KERNELS` or
+    :data:`MLP_KERNELS` (an ``mlp_`` name) for ``arch``, in the default form."""
+    if name.startswith("mlp_"):
+        _, fn, extra = next(k for k in MLP_KERNELS if k[0] == name)
+        src, options, _ = mlp_compile_inputs(fn, extra, dtype, BD, BT)
+    else:
+        _, fn, kind, rows, extra = next(k for k in KERNELS if k[0] == name)
+        src, options, _ = compile_inputs(name, fn, kind, rows, extra, dtype, BD, BT)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), options
+
+
 def _source(fn, dtype: str, consts: dict, aligned: bool, inputs: set[str] = INPUTS):
     """The ``ASTSource`` of ``fn`` with these constexprs (pointers 16-byte aligned when
     ``aligned``)."""

@@ -274,14 +274,9 @@ def analyze(cubin: bytes) -> dict:
 
 
 def triton_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
-    import triton
-    from triton.backends.compiler import GPUTarget
+    from tools.resources import row_kernel
 
-    from tools.resources import KERNELS, compile_inputs
-
-    name, fn, kind, rows, extra = next(k for k in KERNELS if k[0] == kernel)
-    src, options, _ = compile_inputs(name, fn, kind, rows, extra, dtype, BD, BT)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    return row_kernel(kernel, dtype, BD, BT)[0].asm["cubin"]
 
 
 def cupy_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
