@@ -1,25 +1,24 @@
 """``chunk_ttt_linear`` as two PyTorch custom ops, ``ttt::chunk_ttt_linear_fwd`` and
 ``ttt::chunk_ttt_linear_bwd``, opaque to dynamo and inductor.
 
-The forward op runs a backend's ``forward`` and returns, besides the output, the final
-states and the tensors the backend keeps for its backward (``saved``, a list). Its fake
-implementation builds the same shapes from the arguments and the backend's
-``saved_shapes``. The autograd formula calls the backward op, which hands ``saved`` back to
-the backend. The backend is chosen before the op (``ttt.ops``) and comes in by name; the
-op's arguments are plain tensors, numbers, strings and ``seq_lens`` (the packed sequences'
-lengths as host ints, empty for a dense batch), so nothing in the ops reads the device.
-Autocast is off inside both ops: the inputs arrive in the dtypes the wrapper chose.
+The forward op returns the output, the final states and the tensors the backend keeps for
+its backward (``saved``, a list; the fake implementation builds them from the backend's
+``saved_shapes``); the autograd formula hands ``saved`` to the backward op. The backend is
+chosen before the op (``ttt.ops``) and comes in by name; the op's arguments are plain
+tensors, numbers, strings and ``seq_lens`` (a packed batch's lengths as host ints, empty
+for a dense one), so nothing in the ops reads the device. Autocast is off inside both ops:
+the inputs arrive in the dtypes the wrapper chose.
 """
 
 from __future__ import annotations
 
 import contextlib
-import operator
+import functools
 
 import torch
 
 from .arguments import GRAD_INPUTS, GRADIENT_FIELDS, OPTIONS, TENSORS, GradNeeds, declared
-from .problem import Problem
+from .problem import Problem, attribute_reader
 from .registry import load_backend
 
 _NAMES = (*TENSORS, *OPTIONS)
@@ -42,26 +41,13 @@ def problem_of(args, requires_grad: bool) -> Problem:
     return Problem._of_fields(fields)
 
 
-_TENSORS_OF = operator.attrgetter(*TENSORS)
-_OPTIONS_OF = operator.attrgetter(*OPTIONS[:-1])     # (backend: no Problem field)
-
-
-def _fields(problem: Problem, getter: operator.attrgetter, names) -> tuple:
-    """``problem``'s fields ``names`` by ``getter`` (their attrgetter: one C call), or one by
-    one while torch.compile traces (dynamo cannot trace an attrgetter)."""
-    if torch.compiler.is_compiling():
-        return tuple(getattr(problem, name) for name in names)
-    return getter(problem)
-
-
-def _tensors(problem: Problem) -> tuple:
-    """The forward op's tensor arguments (TENSORS) of ``problem``."""
-    return _fields(problem, _TENSORS_OF, TENSORS)
+_tensors = attribute_reader(TENSORS)                # the forward op's tensor arguments
+_option_fields = attribute_reader(OPTIONS[:-1])     # (backend: no Problem field)
 
 
 def _options(problem: Problem, backend: str) -> tuple:
     """The forward op's options and ``needs_backward`` for ``problem`` on ``backend``."""
-    options = list(_fields(problem, _OPTIONS_OF, OPTIONS[:-1]))
+    options = list(_option_fields(problem))
     options[_SEQ_LENS] = list(problem.seq_lens) if problem.is_varlen else []
     return (*options, backend, problem.requires_grad)
 
@@ -77,15 +63,23 @@ def device_type(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda else t.device.type
 
 
-def _autocast_on(t: torch.Tensor) -> bool:
-    """Whether an autocast region is on for ``t``'s device type."""
-    return torch.is_autocast_enabled(device_type(t))
+def autocast_on(t) -> bool:
+    """Whether an autocast region is on for tensor ``t``'s device type (False for no
+    tensor, or where autocast raises: meta)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    kind = device_type(t)
+    if kind in ("cpu", "cuda"):
+        return torch.is_autocast_enabled(kind)
+    try:
+        return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    except RuntimeError:
+        return False
 
 
-def _no_autocast(t: torch.Tensor, autocast: bool):
-    """Autocast off for ``t``'s device type inside the ops, where ``autocast`` (a region is
-    on for it); nothing to switch where it is off already: the common case, without the
-    cost of entering an autocast region."""
+def no_autocast(t: torch.Tensor, autocast: bool):
+    """Autocast off for ``t``'s device type where ``autocast`` (a region is on for it); no
+    region to enter where it is off already, the common case."""
     if autocast:
         return torch.autocast(device_type(t), enabled=False)
     return _NOTHING_TO_SWITCH
@@ -113,7 +107,7 @@ def _with_autograd():
 def _forward_impl(*args) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """``(o, [final_state, final_state_bias] or [], saved or [])`` from the backend
     ``args`` name; ``args``: the tensors and options, then ``needs_backward``."""
-    return _run_forward(problem_of(args[:-1], args[-1]), args[-2], _autocast_on(args[0]))
+    return _run_forward(problem_of(args[:-1], args[-1]), args[-2], autocast_on(args[0]))
 
 
 def _run_forward(problem: Problem, backend: str, autocast: bool):
@@ -121,7 +115,7 @@ def _run_forward(problem: Problem, backend: str, autocast: bool):
     region is on for the problem's device type (switched off around the backend)."""
     chosen = load_backend(backend)
     needs_backward = problem.requires_grad
-    with _no_autocast(problem.q, autocast):
+    with no_autocast(problem.q, autocast):
         o, ht, hbt, saved = chosen.forward(problem, needs_backward=needs_backward)
     saved = list(saved) if needs_backward else []
     finals = [ht.contiguous(), hbt.contiguous()] if problem.output_final_state else []
@@ -153,16 +147,8 @@ def _fwd_fake(*args):
     return torch.empty_like(q), finals, saved
 
 
-_GRAD_NEEDS: dict[tuple[bool, ...], GradNeeds] = {}
 _GRADIENT_FIELDS = tuple(GRADIENT_FIELDS[name] for name in GRAD_INPUTS)
-
-
-def _grad_needs(needs: tuple[bool, ...]) -> GradNeeds:
-    """The (frozen) GradNeeds of ``needs`` in GRAD_INPUTS order, made once per pattern."""
-    found = _GRAD_NEEDS.get(needs)
-    if found is None:
-        found = _GRAD_NEEDS[needs] = GradNeeds.of_flags(needs)
-    return found
+_grad_needs = functools.cache(GradNeeds.of_flags)   # (frozen: one per pattern of flags)
 
 
 def _backward_parts(args):
@@ -178,7 +164,7 @@ def _backward_impl(*args) -> list[torch.Tensor]:
     (do, dht, dhbt), tensors, saved, options, needs = _backward_parts(args)
     problem = problem_of((*tensors, *options), True)
     backend = options[-1]
-    with _no_autocast(problem.q, _autocast_on(problem.q)), _with_autograd():
+    with no_autocast(problem.q, autocast_on(problem.q)), _with_autograd():
         grads = load_backend(backend).backward(problem, list(saved), do.contiguous(), dht,
                                                dhbt, _grad_needs(tuple(needs)))
     result = []
@@ -283,13 +269,6 @@ def _checked(name: str, args: tuple, run, *run_args):
     return result
 
 
-def _checked_forward(tensors: tuple, problem: Problem, backend: str, autocast: bool):
-    """The forward op's implementation, given its tensor arguments ``tensors`` and their
-    Problem (the wrapper's)."""
-    return _checked("chunk_ttt_linear_fwd", tensors, _run_forward, problem, backend,
-                    autocast)
-
-
 class _EagerForward(torch.autograd.Function):
     """The forward op's autograd node for an eager call that needs a backward: its
     implementation, ``_setup_context`` and ``_backward``; the op's tensor arguments, then
@@ -299,7 +278,8 @@ class _EagerForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *arguments):
         *tensors, options, problem, autocast = arguments
-        o, finals, saved = _checked_forward(tuple(tensors), problem, options[-2], autocast)
+        o, finals, saved = _checked("chunk_ttt_linear_fwd", tuple(tensors), _run_forward,
+                                    problem, options[-2], autocast)
         _setup_context(ctx, (*tensors, *options), (o, finals, saved))
         ctx.final_count = len(finals)
         return (o, *finals, *saved)
@@ -319,7 +299,8 @@ def forward(problem: Problem, backend: str, autocast: bool
     if not _eager_and_plain(tensors, problem.q):
         return chunk_ttt_linear_fwd(*tensors, *_options(problem, backend))
     if not (torch.is_grad_enabled() and problem.requires_grad):
-        return _checked_forward(tensors, problem, backend, autocast)
+        return _checked("chunk_ttt_linear_fwd", tensors, _run_forward, problem, backend,
+                        autocast)
     o, *rest = _EagerForward.apply(*tensors, _options(problem, backend), problem, autocast)
     final_count = 2 if problem.output_final_state else 0
     return o, rest[:final_count], rest[final_count:]

@@ -1,34 +1,8 @@
-"""The interface every backend implements, and its declared capabilities.
-
-A backend is an object with a ``name``, a :class:`Capabilities` and three methods:
-
-``forward(problem, needs_backward) -> (o, final_state, final_state_bias, saved)``
-    the whole operator (inner recurrence *and* output form). ``o`` in the input dtype; the
-    states None unless ``problem.output_final_state``. ``saved``: new tensors (no input or
-    view of one) for ``backward``, as ``saved_shapes`` declares (anything, e.g. ``[]``,
-    unless ``needs_backward``).
-
-``saved_shapes(problem) -> [(shape, dtype), ...]``
-    what ``forward(problem, needs_backward=True)`` saves, without running it (the custom
-    op's fake implementation builds ``saved`` from it). Default ``[]``.
-
-``warmup_shapes(heads, head_dim, chunk_size, dtype) -> [WarmupShape, ...]`` (optional)
-    batch layouts whose calls compile every kernel variant such calls may use
-    (``ttt.warmup``); default :func:`generic_warmup_shapes`.
-
-``chunk_ttt_mlp(problem) -> (o, final_state)`` (backends whose ``Capabilities.ops`` hold
-    ``"ttt_mlp"``)
-    TTT-MLP (:class:`ttt.mlp.MlpProblem`): ``o`` in the input dtype and the final state
-    ``(W1, b1, W2, b2)`` in the state dtype, differentiable by autograd with respect to
-    every tensor of the problem. Never given an empty sequence.
-
-``backward(problem, saved, do, dht, dhbt, needs) -> Gradients``
-    ``do``: the cotangent of ``o`` (contiguous, never None); ``dht``, ``dhbt``: the final
-    states' (None when not requested or not used). ``needs`` is a :class:`GradNeeds`:
-    gradients not needed may be None, needed ones may not.
-
-The core (``ttt.ops``, ``ttt._custom_op``) owns validation, the custom op, its autograd,
-autocast and gradient dtype casts; nothing in it special-cases a backend.
+"""The interface every backend implements (:class:`Backend`: ``forward``, ``backward``,
+``saved_shapes``, ``warmup_shapes``, ``chunk_ttt_mlp``) and its declared
+:class:`Capabilities`; the contract of each method: docs/backends.md. The core
+(``ttt.ops``, ``ttt._custom_op``) owns validation, the custom op, its autograd, autocast
+and gradient dtype casts; nothing in it special-cases a backend.
 """
 
 from __future__ import annotations
@@ -112,21 +86,14 @@ class WarmupShape:
 
 
 WARMUP_CHAINS = (32, 64, 128, 256, 1024)
-"""(sequence, head) chain counts of the generic warm-up shapes: kernel backends switch
-kernels (fused chains, checkpoint groups, overlapped or segmented schedules) by the number
-and length of chains at thresholds within this range."""
-
+"""(sequence, head) chain counts: kernel backends switch kernels (fused chains, checkpoint
+groups, overlapped or segmented schedules) at thresholds within this range."""
 WARMUP_LONG_CHAIN_CHUNKS = 2**15        # chunks over all chains of each long shape
-
-WARMUP_TWO_GROUP_CHUNKS = 16
-"""Whole chunks (and one partial) of the second one-sequence shape: past 16, its few chains
-span two checkpoint groups as a long sequence's do (cupy overlaps only such chains)."""
+WARMUP_TWO_GROUP_CHUNKS = 16            # past 16 chunks, a sequence spans two groups
 
 
 def generic_warmup_shapes(heads: int, chunk_size: int) -> list[WarmupShape]:
-    """One sequence of 2.5 chunks, one of :data:`WARMUP_TWO_GROUP_CHUNKS` and a half; for
-    each of :data:`WARMUP_CHAINS`, sequences of one token (a generation step), 1.5 chunks and
-    long ones (:data:`WARMUP_LONG_CHAIN_CHUNKS` in all); each dense and packed."""
+    """The default warm-up layouts (docs/warmup.md, "batch layouts")."""
     shapes = [WarmupShape(1, 2 * chunk_size + chunk_size // 2),
               WarmupShape(1, WARMUP_TWO_GROUP_CHUNKS * chunk_size + chunk_size // 2)]
     for chains in WARMUP_CHAINS:
@@ -144,9 +111,8 @@ class Backend:
     name: str = "?"
     capabilities: Capabilities
     engines: Mapping[str, str] = MappingProxyType({})
-    """The modules the backend runs on, each with how to install it (``{"triton": "pip
-    install triton"}``): the default ``unavailable_reason`` names the first that does not
-    import, the default ``versions`` reports their ``__version__``."""
+    """Module -> install hint (``{"triton": "pip install triton"}``), read by the default
+    ``unavailable_reason`` and ``versions``."""
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run at all on this machine (None: it can)."""
@@ -158,8 +124,7 @@ class Backend:
         return None
 
     def versions(self) -> dict[str, str]:
-        """Versions of the engine(s) the backend uses, for reports (those that import: the
-        unavailable reason says why the others do not)."""
+        """Versions of the engines that import, for reports."""
         found = {}
         for module in self.engines:
             try:
@@ -176,6 +141,8 @@ class Backend:
     def forward(self, problem: Problem, needs_backward: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                            Sequence[torch.Tensor]]:
+        """``(o, final_state, final_state_bias, saved)``: the states None unless
+        ``problem.output_final_state``; ``saved``, new tensors for ``backward``."""
         raise NotImplementedError
 
     def saved_shapes(self, problem: Problem) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -193,5 +160,7 @@ class Backend:
     def backward(self, problem: Problem, saved: list[torch.Tensor], do: torch.Tensor,
                  dht: torch.Tensor | None, dhbt: torch.Tensor | None,
                  needs: GradNeeds) -> Gradients:
+        """``do`` contiguous, never None; ``dht``, ``dhbt`` None when not requested or not
+        used; the gradients ``needs`` leaves out may be None."""
         raise NotImplementedError
 

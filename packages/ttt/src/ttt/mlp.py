@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from . import _empty
-from ._custom_op import _no_autocast
-from .ops import _autocast, _backend_name, _in_autocast_region
+from ._custom_op import no_autocast
+from .ops import _backend_name, autocast_inputs
 from .problem import MlpProblem, as_mlp_problem, mlp_initial_states
 from .registry import load_backend
 from .validation import (
@@ -103,15 +103,13 @@ def chunk_ttt_mlp(
     final state is its initial state); inputs are never modified. Under autocast, q, k and v
     are cast to its dtype. Differentiable with respect to every tensor argument.
     """
-    autocast = _in_autocast_region(q)
-    if autocast:
-        q, k, v = _autocast(q, k, v)
+    autocast, q, k, v = autocast_inputs(q, k, v)
     problem = make_mlp_problem(q, k, v, w, b, eta, scale=scale, eps=eps,
                                chunk_size=chunk_size, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                eta_key=eta_key, output=output)
     chosen = load_backend(_backend_name(problem, backend))
-    with _no_autocast(problem.q, autocast):           # the backend computes as it chooses
+    with no_autocast(problem.q, autocast):           # the backend computes as it chooses
         o, final = _run(chosen, problem)
     return o, (final if problem.output_final_state else None)
 

@@ -12,33 +12,20 @@ from .problem import Problem
 from .validation import make_problem
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (False where it raises: meta)."""
-    if device_type in ("cpu", "cuda"):
-        return torch.is_autocast_enabled(device_type)
-    try:
-        return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
-            device_type)
-    except RuntimeError:
-        return False
-
-
-def _in_autocast_region(q) -> bool:
-    return isinstance(q, torch.Tensor) and _autocast_enabled(_custom_op.device_type(q))
-
-
-def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q, k, v in the autocast dtype, as a matmul takes them (not float64); as given where k
-    or v is no tensor (``make_problem`` says what is wrong)."""
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return q, k, v
+def autocast_inputs(q, k, v) -> tuple[bool, Tensor, Tensor, Tensor]:
+    """Whether an autocast region is on for q's device type, and q, k, v in its dtype, as a
+    matmul takes them (not float64); as given where one is no tensor (``make_problem`` says
+    what is wrong)."""
+    autocast = _custom_op.autocast_on(q)
+    if not (autocast and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return autocast, q, k, v
     dtype = torch.get_autocast_dtype(_custom_op.device_type(q))
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
+    def cast(t: Tensor) -> Tensor:
         eligible = t.is_floating_point() and t.dtype != torch.float64
         return t.to(dtype) if eligible and t.dtype != dtype else t
 
-    return cast(q), cast(k), cast(v)
+    return True, cast(q), cast(k), cast(v)
 
 
 def _backend_name(problem: Problem, requested: str | None) -> str:
@@ -60,45 +47,15 @@ def chunk_ttt_linear(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     r"""Chunked TTT-linear: a linear inner model trained by one gradient step per chunk.
 
-    Args:
-        q, k, v: ``[B, T, H, D]``, one dtype (float32, bfloat16, float16; float64 on
-            backends that support it). Key dim equals value dim.
-        w, b: ``[H, D]`` LayerNorm weight and bias, used by the inner loss and by the post
-            norm-residual.
-        eta: per-token inner learning rate ``[B, T, H, 1]``, or a float for a constant.
-        scale: query scale, default ``D ** -0.5``; must be positive.
-        eps: LayerNorm epsilon (inner loss and post norm).
-        chunk_size: tokens per inner mini-batch (backends declare which sizes they take).
-        initial_state, initial_state_bias: ``[N, H, D, D]`` and ``[N, H, 1, D]`` float32.
-        output_final_state: also return the states after the last token.
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (``B == 1``).
-        eta_key: per-key factor ``[B, T, H, 1]`` of the inner learning rate, or None: token
-            j's inner gradient enters the outputs and the state update scaled by
-            ``eta_key[j]`` (the rank-1 learning rate ``eta[i] * eta_key[j]`` of the official
-            TTT-Linear layer).
-        output: ``"norm_residual"`` (``z + LN(z) * w + b``), ``"query_residual"``
-            (``q + LN(z) * w + b``, q as given) or ``"raw"`` (``z``), z being the inner
-            model's prediction for the scaled query.
-        backend: a backend name for this call, overriding ``set_backend``/``TTT_BACKEND``.
-
-    Returns:
-        ``(o, final_state, final_state_bias)``: ``o`` ``[B, T, H, D]`` in q's dtype; the
-        states float32 (float64 for float64 inputs), or None unless requested.
-
-    Positions past a sequence's end take no part in any update; inputs are never modified.
-    An empty sequence (``T == 0``, or equal offsets) computes nothing on every backend: empty
-    outputs, final states = initial states (or zeros), zero gradients but the initial
-    states' (the final states' cotangents). docs/math.md defines the operator.
-
-    Under autocast, q, k and v are cast to its dtype (as a matmul takes them), nothing else.
-    The work is one custom op, ``torch.ops.ttt.chunk_ttt_linear_fwd`` (backward
-    ``ttt::chunk_ttt_linear_bwd``): ``torch.compile(fullgraph=True)`` traces a dense call
-    without a graph break (a tensor ``cu_seqlens`` is read on the host: a break); the
-    backend is chosen when the call is traced and kept by the compiled graph.
+    ``q, k, v [B, T, H, D]``, ``w, b [H, D]`` (the LayerNorm weight and bias), ``eta``
+    ``[B, T, H, 1]`` or a float, the states ``[N, H, D, D]`` and ``[N, H, 1, D]``,
+    ``cu_seqlens [N + 1]`` offsets of packed sequences (``B == 1``), ``eta_key`` the
+    per-key factor of the inner learning rate, ``output`` the output form, ``backend`` a
+    name for this call. Returns ``(o, final_state, final_state_bias)``, the states None
+    unless ``output_final_state``. Every argument, dtype, empty sequences, autocast and
+    torch.compile: docs/api.md; the operator: docs/math.md.
     """
-    autocast = _in_autocast_region(q)
-    if autocast:
-        q, k, v = _autocast(q, k, v)
+    autocast, q, k, v = autocast_inputs(q, k, v)
     problem = make_problem(q, k, v, w, b, eta, scale=scale, eps=eps, chunk_size=chunk_size,
                            initial_state=initial_state, initial_state_bias=initial_state_bias,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,

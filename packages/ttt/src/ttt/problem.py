@@ -13,6 +13,25 @@ import torch
 
 from .arguments import GRAD_INPUTS
 
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The state dtype of ``dtype`` inputs: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attribute_reader(names: tuple[str, ...]):
+    """A function reading attributes ``names`` of an object as a tuple: by one attrgetter
+    (one C call), or one by one while torch.compile traces (dynamo cannot trace one)."""
+    getter = operator.attrgetter(*names)
+
+    def read(obj) -> tuple:
+        if torch.compiler.is_compiling():
+            return tuple(getattr(obj, name) for name in names)
+        return getter(obj)
+
+    return read
+
+
 OUTPUTS = ("norm_residual", "query_residual", "raw")
 """The output forms, with z the inner model's prediction for the scaled query:
 ``"norm_residual"`` z + LN(z) * w + b; ``"query_residual"`` q + LN(z) * w + b (q as given,
@@ -23,11 +42,9 @@ before ``scale``); ``"raw"`` z."""
 class Problem:
     """One call of ``chunk_ttt_linear`` after validation.
 
-    Built by :func:`ttt.make_problem`, the one way to a validated Problem (the op builds
-    it so; a backend's tests may too). Inside the core, :meth:`_of_fields` alone builds one
-    from fields already checked: the custom op re-creates the Problem the wrapper validated
-    from its own arguments (``ttt._custom_op.problem_of``), and a derived one comes from
-    ``dataclasses.replace``. The dataclass constructor checks nothing.
+    Built by :func:`ttt.make_problem`, the one way to a validated Problem (the dataclass
+    constructor checks nothing; inside the core, :meth:`_of_fields` builds one from fields
+    already checked).
 
     Shapes (``D`` is the head dim, key dim == value dim):
 
@@ -69,69 +86,37 @@ class Problem:
 
     @classmethod
     def _of_fields(cls, fields: dict) -> Problem:
-        """The Problem of ``fields`` (a new dict holding every field by name, already
-        checked: by ``make_problem``, whose result it builds, or by the wrapper whose
-        Problem the custom op re-creates from its arguments), which becomes its
-        ``__dict__``: the same object as ``Problem(**fields)``, built without the frozen
-        dataclass's ``object.__setattr__`` per field or a call's keyword arguments, as the
-        core builds a few per call (validation, the op's forward and its backward). Under
-        ``torch.compile`` the plain constructor: dynamo (torch 2.11) cannot trace
-        ``__dict__.update``. The core's only constructor besides ``make_problem``; nothing
-        outside the core should call it."""
+        """``Problem(**fields)`` for a new dict of every field, already checked, which
+        becomes its ``__dict__``: without the frozen dataclass's ``object.__setattr__`` per
+        field, as the core builds a few per call. Under ``torch.compile`` the plain
+        constructor (dynamo cannot trace ``__dict__.update``). Core only."""
         if torch.compiler.is_compiling():
             return cls(**fields)
         problem = object.__new__(cls)
         problem.__dict__.update(fields)
         return problem
 
-    @property
-    def B(self) -> int:  # noqa: N802 - the field's own name
-        return self.q.shape[0]
-
-    @property
-    def T(self) -> int:  # noqa: N802
-        return self.q.shape[1]
-
-    @property
-    def H(self) -> int:  # noqa: N802
-        return self.q.shape[2]
-
-    @property
-    def D(self) -> int:  # noqa: N802
-        return self.q.shape[3]
-
-    @property
-    def N(self) -> int:  # noqa: N802
-        """Number of sequences: B, or len(cu_seqlens) - 1 for packed batches."""
-        return len(self.seq_lens)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def is_varlen(self) -> bool:
-        return self.cu_seqlens is not None
+    B = property(lambda self: self.q.shape[0])      # (q: [B, T, H, D])
+    T = property(lambda self: self.q.shape[1])
+    H = property(lambda self: self.q.shape[2])
+    D = property(lambda self: self.q.shape[3])
+    N = property(lambda self: len(self.seq_lens))   # sequences: B, or len(cu_seqlens) - 1
+    dtype = property(lambda self: self.q.dtype)
+    device = property(lambda self: self.q.device)
+    is_varlen = property(lambda self: self.cu_seqlens is not None)
 
     @property
     def state_dtype(self) -> torch.dtype:
-        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        return state_dtype(self.q.dtype)
 
     def signature(self) -> tuple:
-        """What the backend's choice reads of this problem, as plain values, but its batch
-        size and length, scale and eps: head count and dim, the dtypes of
-        :data:`GRAD_INPUTS` (None where absent), device, chunk size, options and the packed
-        sequences' lengths (None for a dense batch); another op's problem adds its name and
-        what is its own (:class:`MlpProblem`). The backend choice is kept
-        by it and the rest (``ttt.choice._choice_key``); under torch.compile the
-        choice is made once per trace from it alone (``ttt._compiled_choice``). Head count
-        and dim through ``operator.index``: there they specialize, a guard each."""
+        """What the backend's choice reads of this problem as plain values, but its batch
+        size and length, scale and eps (``ttt.choice._choice_key`` adds those); under
+        torch.compile the choice is made from it alone (``ttt._compiled_choice``). Head
+        count and dim through ``operator.index``: there they specialize, a guard each."""
         shape = self.q.shape
-        return (operator.index(shape[2]), operator.index(shape[3]), _input_dtypes(self),
+        dtypes = tuple([None if t is None else t.dtype for t in _grad_inputs(self)])
+        return (operator.index(shape[2]), operator.index(shape[3]), dtypes,
                 self.q.device, self.chunk_size, self.output_final_state,
                 self.seq_lens if self.cu_seqlens is not None else None, self.eta_is_tensor,
                 self.requires_grad, self.output)
@@ -146,18 +131,7 @@ class Problem:
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device}")
 
 
-_GRAD_TENSORS = operator.attrgetter(*GRAD_INPUTS)
-
-
-def _input_dtypes(p: Problem) -> tuple:
-    """The dtypes of ``p``'s :data:`ttt.arguments.GRAD_INPUTS` (None where absent), in that
-    order: read by one attrgetter, or one by one while torch.compile traces (dynamo cannot
-    trace an attrgetter)."""
-    if torch.compiler.is_compiling():
-        tensors = [getattr(p, name) for name in GRAD_INPUTS]
-    else:
-        tensors = _GRAD_TENSORS(p)
-    return tuple([None if t is None else t.dtype for t in tensors])
+_grad_inputs = attribute_reader(GRAD_INPUTS)
 
 
 @dataclass(frozen=True)
