@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .arguments import GRAD_INPUTS, GRADIENT_FIELDS, OPTIONS, TENSORS, GradNeeds, declared
-from .problem import Problem, attribute_reader
+from .problem import Problem, attribute_reader, state_shapes
 from .registry import load_backend
 
 _NAMES = (*TENSORS, *OPTIONS)
@@ -135,11 +135,10 @@ chunk_ttt_linear_fwd = torch.library.custom_op("ttt::chunk_ttt_linear_fwd", muta
 @chunk_ttt_linear_fwd.register_fake
 def _fwd_fake(*args):
     problem = problem_of(args[:-1], args[-1])
-    q, N, H, D = problem.q, problem.N, problem.H, problem.D
-    finals = []
+    q, finals = problem.q, []
     if problem.output_final_state:
-        finals = [q.new_empty(N, H, D, D, dtype=problem.state_dtype),
-                  q.new_empty(N, H, 1, D, dtype=problem.state_dtype)]
+        finals = [q.new_empty(shape, dtype=problem.state_dtype)
+                  for shape in state_shapes(problem.N, problem.H, problem.D)]
     saved = []
     if problem.requires_grad:
         saved = [q.new_empty(shape, dtype=dtype)

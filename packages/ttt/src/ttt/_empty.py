@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from .problem import Problem
+from .problem import Problem, state_shapes
 
 
 def has_no_tokens(problem: Problem) -> bool:
@@ -26,11 +26,6 @@ def _initial_states(h0, hb0, shapes: tuple[tuple, tuple], dtype: torch.dtype,
     """New tensors (never the inputs themselves) of the initial states, or zeros."""
     return tuple(torch.zeros(shape, dtype=dtype, device=device) if given is None
                  else given.to(dtype, copy=True) for given, shape in zip((h0, hb0), shapes))
-
-
-def _state_shapes(problem: Problem) -> tuple[tuple, tuple]:
-    N, H, D = problem.N, problem.H, problem.D
-    return (N, H, D, D), (N, H, 1, D)
 
 
 class _NoTokens(torch.autograd.Function):
@@ -61,11 +56,10 @@ class _NoTokens(torch.autograd.Function):
 def no_tokens(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, final_state, final_state_bias)`` of a call without tokens."""
     p = problem
-    tensors = (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, p.initial_state,
-               p.initial_state_bias)
-    shapes = _state_shapes(p)
+    shapes = state_shapes(p.N, p.H, p.D)
     if p.requires_grad:
-        return _NoTokens.apply(shapes, p.state_dtype, *tensors)
+        return _NoTokens.apply(shapes, p.state_dtype, p.q, p.k, p.v, p.w, p.b, p.eta,
+                               p.eta_key, p.initial_state, p.initial_state_bias)
     return (torch.empty_like(p.q), *_initial_states(p.initial_state, p.initial_state_bias,
                                                     shapes, p.state_dtype, p.device))
 
@@ -89,6 +83,6 @@ def scatter_final_states(problem: Problem, index: torch.Tensor, ht: torch.Tensor
                          hbt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's final states: ``ht, hbt`` at rows ``index``, else the initial ones."""
     p = problem
-    base, base_bias = _initial_states(p.initial_state, p.initial_state_bias, _state_shapes(p),
-                                      p.state_dtype, p.device)
+    base, base_bias = _initial_states(p.initial_state, p.initial_state_bias,
+                                      state_shapes(p.N, p.H, p.D), p.state_dtype, p.device)
     return base.index_copy(0, index, ht), base_bias.index_copy(0, index, hbt)

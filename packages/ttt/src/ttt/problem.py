@@ -19,6 +19,16 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def state_shapes(N, H, D, hidden=None) -> tuple[tuple, ...]:
+    """The inner model's state: TTT-Linear's ``[N, H, D, D], [N, H, 1, D]`` or, of hidden
+    width F, TTT-MLP's ``[N, H, D, F], [N, H, 1, F], [N, H, F, D], [N, H, 1, D]`` (of sizes,
+    or of the sizes' names for a message)."""
+    if hidden is None:
+        return (N, H, D, D), (N, H, 1, D)
+    F = hidden
+    return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
+
+
 def attribute_reader(names: tuple[str, ...]):
     """A function reading attributes ``names`` of an object as a tuple: by one attrgetter
     (one C call), or one by one while torch.compile traces (dynamo cannot trace one)."""
@@ -153,8 +163,7 @@ class MlpProblem(Problem):
         return f"{self.op} hidden={self.hidden} {super().describe()}"
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        N, H, D, F = self.N, self.H, self.D, self.hidden
-        return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
+        return state_shapes(self.N, self.H, self.D, self.hidden)
 
 
 _PROBLEM_FIELDS = tuple(f.name for f in fields(Problem))

@@ -10,12 +10,10 @@ import numbers
 import torch
 from torch import Tensor
 
-from .problem import OUTPUTS, Problem
+from .problem import OUTPUTS, Problem, state_dtype, state_shapes
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
-_STATE_DTYPES = (torch.float32,)
-_STATE_DTYPES_OF_FLOAT64 = (torch.float32, torch.float64)     # (for float64 inputs)
 _Q_SHAPE = ("B", "T", "H", "D")
 
 
@@ -42,8 +40,7 @@ def _broken_rule(t, dtypes, shape: tuple[int, ...], device: torch.device) -> str
 
 def _tensor_error(name: str, t, rule: str, shape: tuple, meaning: str = "",
                   device: torch.device | None = None, expected_dtype: str = "") -> Exception:
-    """The error of argument ``name`` breaking ``rule`` (:func:`_broken_rule`); ``meaning``
-    says what ``shape`` is."""
+    """The error of argument ``name`` breaking ``rule``; ``meaning`` says what ``shape`` is."""
     if rule == "type":
         return TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if rule == "floating":
@@ -58,19 +55,6 @@ def _tensor_error(name: str, t, rule: str, shape: tuple, meaning: str = "",
         return TypeError(f"{name}: expected dtype {expected_dtype}, got {dtype_name(t.dtype)}")
     return ValueError(f"{name}: expected a tensor on {device} (the device of q), "
                       f"got one on {t.device}")
-
-
-def _key_value_error(name: str, t, rule: str, other, shape: torch.Size, dtype: torch.dtype,
-                     device: torch.device) -> Exception:
-    """The error of k or v (``other``: the other one): a wrong shape whose last dim differs
-    from a 4-d ``other``'s is a key dim other than the value dim."""
-    if (rule == "shape" and isinstance(other, Tensor) and other.dim() == 4
-            and other.shape[-1] != t.shape[-1]):
-        K, V = (t, other) if name == "k" else (other, t)
-        return ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
-                          f"K = {K.shape[-1]} and V = {V.shape[-1]}")
-    return _tensor_error(name, t, rule, shape, "[B, T, H, D] like q", device,
-                         f"{dtype_name(dtype)} (the dtype of q)")
 
 
 def _checked_tensors(q, k, v, w, b, eta, eta_key
@@ -92,28 +76,33 @@ def _checked_tensors(q, k, v, w, b, eta, eta_key
         raise ValueError(f"q: expected [B, T, H, D] with H >= 1 heads and head dim D >= 1 "
                          f"(B and T may be 0), got shape {tuple(shape)}")
     device = q.device
-    q_dtype = (dtype,)
-    rule = _broken_rule(k, q_dtype, shape, device)
-    if rule is not None:
-        raise _key_value_error("k", k, rule, v, shape, dtype, device)
-    rule = _broken_rule(v, q_dtype, shape, device)
-    if rule is not None:
-        raise _key_value_error("v", v, rule, k, shape, dtype, device)
-    HD = (H, D)
-    rule = _broken_rule(w, _FLOAT_DTYPE_SET, HD, device)
-    if rule is not None:
-        raise _tensor_error("w", w, rule, HD, "[H, D]", device)
-    rule = _broken_rule(b, _FLOAT_DTYPE_SET, HD, device)
-    if rule is not None:
-        raise _tensor_error("b", b, rule, HD, "[H, D]", device)
+    for name, t, other in (("k", k, v), ("v", v, k)):
+        rule = _broken_rule(t, (dtype,), shape, device)
+        if (rule == "shape" and isinstance(other, Tensor) and other.dim() == 4
+                and other.shape[-1] != t.shape[-1]):      # a key dim other than the value dim
+            K, V = (t, other) if name == "k" else (other, t)
+            raise ValueError(f"k, v: the key dim must equal the value dim (K == V), got "
+                             f"K = {K.shape[-1]} and V = {V.shape[-1]}")
+        if rule is not None:
+            raise _tensor_error(name, t, rule, shape, "[B, T, H, D] like q", device,
+                                f"{dtype_name(dtype)} (the dtype of q)")
+    for name, t in (("w", w), ("b", b)):
+        rule = _broken_rule(t, _FLOAT_DTYPE_SET, (H, D), device)
+        if rule is not None:
+            raise _tensor_error(name, t, rule, (H, D), "[H, D]", device)
     eta_shape = (B, T, H, 1)
     if isinstance(eta, Tensor):
         rule = _broken_rule(eta, _FLOAT_DTYPE_SET, eta_shape, device)
         if rule is not None:
             raise _tensor_error("eta", eta, rule, eta_shape, "[B, T, H, 1]", device)
-    else:       # float32 (float64 for float64 inputs) keeps the constant exact
-        eta_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        eta = _constant_eta(float(_finite_float_eta(eta)), eta_shape, eta_dtype, device)
+    else:       # a finite real number, not a bool; the state dtype keeps it exact
+        if type(eta) is not float and (isinstance(eta, bool)
+                                       or not isinstance(eta, numbers.Real)):
+            raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
+                            f"got {type(eta).__name__}")
+        if not math.isfinite(eta):
+            raise ValueError(f"eta: expected a finite float, got {eta}")
+        eta = _constant_eta(float(eta), eta_shape, state_dtype(dtype), device)
     if eta_key is not None:
         rule = _broken_rule(eta_key, _FLOAT_DTYPE_SET, eta_shape, device)
         if rule == "type":
@@ -123,16 +112,6 @@ def _checked_tensors(q, k, v, w, b, eta, eta_key
             raise _tensor_error("eta_key", eta_key, rule, eta_shape, "[B, T, H, 1] like eta",
                                 device)
     return shape, dtype, device, eta
-
-
-def _finite_float_eta(eta) -> float:
-    """A float eta as given: a finite real number, not a bool."""
-    if type(eta) is not float and (isinstance(eta, bool) or not isinstance(eta, numbers.Real)):
-        raise TypeError(f"eta: expected a [B, T, H, 1] tensor or a float, "
-                        f"got {type(eta).__name__}")
-    if not math.isfinite(eta):
-        raise ValueError(f"eta: expected a finite float, got {eta}")
-    return eta
 
 
 MAX_CONSTANT_ETAS = 4          # constant eta tensors kept at most (CPU only)
@@ -233,29 +212,22 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple
     return lengths
 
 
-def _check_states(initial_state, initial_state_bias, NHD: tuple[int, int, int],
-                  dtype: torch.dtype, device: torch.device, what_n: str) -> None:
-    """The initial states given (either may be None): float32 (or float64 with float64
-    inputs) ``[N, H, D, D]`` and ``[N, H, 1, D]``, N counting ``what_n``, on q's device."""
-    N, H, D = NHD
-    dtypes = _STATE_DTYPES_OF_FLOAT64 if dtype == torch.float64 else _STATE_DTYPES
-    for name, state, shape, meaning in (
-            ("initial_state", initial_state, (N, H, D, D), "[N, H, D, D]"),
-            ("initial_state_bias", initial_state_bias, (N, H, 1, D), "[N, H, 1, D]")):
-        rule = None if state is None else _broken_rule(state, dtypes, shape, device)
+def check_states(names, states, N: int, H: int, D: int, hidden: int | None,
+                 dtype: torch.dtype, device: torch.device, packed: bool) -> None:
+    """Initial states of :func:`~ttt.problem.state_shapes` (``hidden`` None: TTT-Linear's,
+    either of which may be None), float32 (or float64 with float64 inputs) on q's device;
+    N counts the batch or the ``packed`` sequences."""
+    dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    what_n = "sequences in cu_seqlens" if packed else "batch"
+    names_of_sizes = state_shapes("N", "H", "D", None if hidden is None else "F")
+    for name, state, shape, dims in zip(names, states, state_shapes(N, H, D, hidden),
+                                        names_of_sizes):
+        optional = state is None and hidden is None
+        rule = None if optional else _broken_rule(state, dtypes, shape, device)
         if rule is not None:
-            raise _tensor_error(name, state, rule, shape, f"{meaning}, N = {N} {what_n}",
-                                device, str([dtype_name(d) for d in dtypes]))
-
-
-def _any_requires_grad(q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias
-                       ) -> bool:
-    """Whether any of the inputs (the last three may be None) requires grad."""
-    return (q.requires_grad or k.requires_grad or v.requires_grad or w.requires_grad
-            or b.requires_grad or eta.requires_grad
-            or (eta_key is not None and eta_key.requires_grad)
-            or (initial_state is not None and initial_state.requires_grad)
-            or (initial_state_bias is not None and initial_state_bias.requires_grad))
+            raise _tensor_error(name, state, rule, shape,
+                                f"[{', '.join(map(str, dims))}], N = {N} {what_n}", device,
+                                str([dtype_name(d) for d in dtypes]))
 
 
 def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
@@ -275,10 +247,14 @@ def make_problem(q, k, v, w, b, eta, *, scale=None, eps=1e-6, chunk_size=16,
     else:
         seq_lens = (T,) * B
     if initial_state is not None or initial_state_bias is not None:
-        _check_states(initial_state, initial_state_bias, (len(seq_lens), H, D), dtype, device,
-                      "sequences in cu_seqlens" if cu_seqlens is not None else "batch")
-    requires_grad = torch.is_grad_enabled() and _any_requires_grad(
-        q, k, v, w, b, eta, eta_key, initial_state, initial_state_bias)
+        check_states(("initial_state", "initial_state_bias"), (initial_state, initial_state_bias),
+                     len(seq_lens), H, D, None, dtype, device, cu_seqlens is not None)
+    requires_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or w.requires_grad
+        or b.requires_grad or eta.requires_grad
+        or (eta_key is not None and eta_key.requires_grad)
+        or (initial_state is not None and initial_state.requires_grad)
+        or (initial_state_bias is not None and initial_state_bias.requires_grad))
     return Problem._of_fields({
         "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "w": w.contiguous(),
         "b": b.contiguous(), "eta": eta.contiguous(), "scale": scale, "eps": eps,
