@@ -1,36 +1,14 @@
-r"""The float64 oracle: TTT-linear written from its definition, independent of every backend.
+"""The float64 oracle: TTT-linear written from its definition (docs/math.md), independent of
+every backend.
 
-It does not use the closed-form LayerNorm gradient the backends use. Per chunk it states
-the inner loss of each token and lets autograd differentiate it:
-
-.. math::
-
-    \ell_j(W, hb) = \tfrac12\, l_j \big\| \mathrm{LN}(k_j W + hb) \odot w + b - (v_j - k_j)
-                    \big\|^2
-
-where LN normalises over the head dim (mean, biased variance, ``eps``) without affine and
-``l_j`` is token j's per-key factor ``eta_key`` (1 when None).
-Token ``i`` of a chunk reads the state after a gradient step over tokens ``j <= i`` of its
-chunk with its own learning rate; the state then moves by the step of the chunk's last
-(valid) token:
-
-.. math::
-
-    W_i = W - \eta_i \sum_{j \le i} \nabla_W \ell_j, \quad
-    hb_i = hb - \eta_i \sum_{j \le i} \nabla_{hb} \ell_j, \quad
-    o_i = (\text{scale}\, q_i) W_i + hb_i
-
-    W \leftarrow W_{last}, \quad hb \leftarrow hb_{last}
-
-and the result, per head, is ``o + LN(o) * w + b`` (``output="norm_residual"``),
-``q + LN(o) * w + b`` with the unscaled q (``"query_residual"``) or ``o`` (``"raw"``).
-Each sequence is cut into chunks on its own (a packed batch restarts at every
-``cu_seqlens`` offset) and a partial last chunk holds only real tokens: positions past a
-sequence's end take no part. An empty sequence (``T == 0``, or two equal offsets) has no
-chunk: its final states are its initial states.
-
-Gradients of the oracle come from autograd through ``create_graph=True`` inner gradients.
-Everything runs in float64 on the inputs' device; it is slow and meant for tests.
+It does not use the closed-form LayerNorm gradient the backends use: per chunk it states
+each token's inner loss ``l_j * 1/2 ||LN(k_j W + hb) * w + b - (v_j - k_j)||^2`` on its own
+copy of the state and lets autograd differentiate it; token ``i`` reads the state after the
+step over tokens ``j <= i`` with its own learning rate, and the state moves by the chunk's
+last (valid) token's step. Each sequence is cut into chunks on its own; an empty sequence's
+final states are its initial states. Its own gradients come from autograd through
+``create_graph=True`` inner gradients. Everything runs in float64 on the inputs' device; it
+is slow and meant for tests.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-r"""TTT-MLP in plain PyTorch: the chunked dual form, any device, differentiable by autograd.
-
-Per (sequence, head), with the state ``W1 [D, F], b1 [F], W2 [F, D], b2 [D]`` and each chunk
-of ``L <= chunk_size`` valid rows (q scaled by ``scale``, ``l`` the per-key factor
-``eta_key``, 1 when None; every gradient at the state the chunk starts from):
+r"""TTT-MLP in plain PyTorch: the chunked dual form of docs/math.md ("TTT-MLP"), any device,
+differentiable by autograd; half inputs compute in float32. Per chunk, every gradient at
+the state the chunk starts from, with ``Z1 = k W1 + b1``, ``X2 = gelu(Z1)``, ``g2`` the
+LayerNorm-L2 closed form at ``X2 W2 + b2`` (times ``eta_key``) and
+``g1 = (g2 W2^T) * gelu'(Z1)``:
 
 .. math::
 
-    Z_1 &= k W_1 + b_1, \quad X_2 = \mathrm{gelu}(Z_1), \quad Z_2 = X_2 W_2 + b_2\\
-    g_2 &= l \odot \partial\ell/\partial Z_2 \quad (\text{the LayerNorm-L2 closed form}),
-    \qquad g_1 = (g_2 W_2^\top) \odot \mathrm{gelu}'(Z_1)\\
     \bar Z_1 &= q W_1 + b_1 - \eta \odot \big((\mathrm{tril}(q k^\top) + \mathrm{tril}(1))\,
                g_1\big), \quad \bar X_2 = \mathrm{gelu}(\bar Z_1)\\
     z &= \bar X_2 W_2 + b_2 - \eta \odot \big((\mathrm{tril}(\bar X_2 X_2^\top)
-         + \mathrm{tril}(1))\, g_2\big)\\
-    W_1 &\leftarrow W_1 - \eta_{last}\, k^\top g_1, \quad
-    b_1 \leftarrow b_1 - \eta_{last} \textstyle\sum_i g_{1,i}
-    \quad (W_2, b_2 \text{ likewise with } X_2, g_2)
+         + \mathrm{tril}(1))\, g_2\big)
 
-with gelu the tanh approximation, then the output form of TTT-Linear (docs/math.md,
-"TTT-MLP"). Half inputs compute in float32. The reference backend's ``ttt_mlp`` op
-(:func:`mlp_forward`); the float64 definition it is checked against is
-:func:`ttt.oracle.oracle_chunk_ttt_mlp`.
+The reference backend's ``ttt_mlp`` op (:func:`mlp_forward`); the float64 definition it is
+checked against is :func:`ttt.oracle.oracle_chunk_ttt_mlp`.
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ import math
 
 import torch
 
-from .inner_loss import layer_norm_l2_grad, output_form
-from .problem import MlpProblem, mlp_initial_states
+from .inner_loss import chunked, layer_norm_l2_grad
+from .problem import MlpProblem, mlp_initial_states, state_dtype
 
 _GELU_C = math.sqrt(2 / math.pi)
 
@@ -63,17 +55,6 @@ def _chunk(state, q, k, v, eta, key, w, b, eps):
                W2 - last * (x2.transpose(-1, -2) @ g2), b2 - last * g2.sum(-2, keepdim=True))
 
 
-def _sequences(state, q, k, v, eta, key, w, b, scale, eps, chunk_size):
-    """Equal-length sequences [N, H, T, ...]: z [N, H, T, D] and the final state."""
-    pieces = []
-    for start in range(0, q.shape[2], chunk_size):
-        rows = slice(start, start + chunk_size)
-        z, state = _chunk(state, q[:, :, rows] * scale, k[:, :, rows], v[:, :, rows],
-                          eta[:, :, rows], None if key is None else key[:, :, rows], w, b, eps)
-        pieces.append(z)
-    return (torch.cat(pieces, 2) if pieces else q.new_zeros(q.shape)), state
-
-
 def chunk_ttt_mlp(q, k, v, w, b, eta, initial_state, scale=None, eps=1e-6, chunk_size=16,
                   cu_seqlens=None, *, eta_key=None, output="norm_residual"):
     """TTT-MLP over a batch: ``(o, (W1, b1, W2, b2))``, ``o`` in q's dtype, the final state in
@@ -82,29 +63,14 @@ def chunk_ttt_mlp(q, k, v, w, b, eta, initial_state, scale=None, eps=1e-6, chunk
     [B, T, H, 1]; ``initial_state`` (W1 [N, H, D, F], b1 [N, H, 1, F], W2 [N, H, F, D],
     b2 [N, H, 1, D]); cu_seqlens [N + 1] for a packed batch (B = 1)."""
     B, T, H, D = q.shape
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = D ** -0.5 if scale is None else scale
     if not isinstance(eta, torch.Tensor):
-        eta = torch.full((B, T, H, 1), float(eta), dtype=cdt, device=q.device)
-    q_t, k_t, v_t, eta_t = (t.to(cdt).transpose(1, 2) for t in (q, k, v, eta))
-    key = None if eta_key is None else eta_key.to(cdt).transpose(1, 2)
-    w4, b4 = (t.to(cdt).reshape(1, H, 1, D) for t in (w, b))
-    state = tuple(s.to(cdt) for s in initial_state)
-    if cu_seqlens is None:
-        z, final = _sequences(state, q_t, k_t, v_t, eta_t, key, w4, b4, scale, eps, chunk_size)
-    else:
+        eta = torch.full((B, T, H, 1), float(eta), dtype=state_dtype(q.dtype), device=q.device)
+    seq_lens = None
+    if cu_seqlens is not None:
         offsets = [int(x) for x in cu_seqlens.tolist()]
-        results = []
-        for n, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
-            rows = slice(start, stop)
-            results.append(_sequences(
-                tuple(s[n:n + 1] for s in state), q_t[:, :, rows], k_t[:, :, rows],
-                v_t[:, :, rows], eta_t[:, :, rows], None if key is None else key[:, :, rows],
-                w4, b4, scale, eps, chunk_size))
-        z = torch.cat([r[0] for r in results], 2)
-        final = tuple(torch.cat(parts) for parts in zip(*(r[1] for r in results)))
-    o = output_form(output, z, q_t, w4, b4, eps).transpose(1, 2).to(q.dtype)
-    return o, final
+        seq_lens = [stop - start for start, stop in zip(offsets[:-1], offsets[1:])]
+    return chunked(_chunk, q, k, v, w, b, eta, eta_key, initial_state,
+                   D ** -0.5 if scale is None else scale, eps, chunk_size, seq_lens, output)
 
 
 def mlp_forward(problem: MlpProblem):
