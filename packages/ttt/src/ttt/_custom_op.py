@@ -206,13 +206,10 @@ def _backward(ctx, do, d_finals, _d_saved):
     no_option_grads = ([] if not ctx.options[0] else None, *(None,) * len(OPTIONS))
     if not any(grad_flags):
         return (*(None,) * _TENSOR_ARGS, *no_option_grads)
-    dht = dhbt = None
-    if d_finals is not None and len(d_finals):
-        dht, dhbt = d_finals[0], d_finals[1]
-    if do is None:
-        do = torch.zeros_like(inputs[0])
+    dht, dhbt = d_finals if d_finals is not None and len(d_finals) else (None, None)
     grads = iter(backward((
-        do, None if dht is None else dht.contiguous(),
+        torch.zeros_like(inputs[0]) if do is None else do,
+        None if dht is None else dht.contiguous(),
         None if dhbt is None else dhbt.contiguous(), *inputs, saved, *ctx.options,
         grad_flags)))
     result = [next(grads) if flag else None for flag in grad_flags]

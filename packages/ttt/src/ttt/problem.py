@@ -1,8 +1,5 @@
-"""The validated inputs of one call, as every backend receives them.
-
-The core (`ttt.validation`) builds a :class:`Problem` once per call; backends never see bad
-input. Tensors in a Problem are contiguous and never to be written by a backend.
-"""
+"""The validated inputs of one call, as every backend receives them: built once per call
+by ``ttt.validation``; its tensors are contiguous and never to be written by a backend."""
 
 from __future__ import annotations
 
@@ -50,26 +47,14 @@ before ``scale``); ``"raw"`` z."""
 
 @dataclass(frozen=True)
 class Problem:
-    """One call of ``chunk_ttt_linear`` after validation.
+    """One call of ``chunk_ttt_linear`` after validation (docs/backends.md), built by
+    :func:`ttt.make_problem` (the dataclass constructor checks nothing).
 
-    Built by :func:`ttt.make_problem`, the one way to a validated Problem (the dataclass
-    constructor checks nothing; inside the core, :meth:`_of_fields` builds one from fields
-    already checked).
-
-    Shapes (``D`` is the head dim, key dim == value dim):
-
-    - ``q, k, v``: ``[B, T, H, D]``, one dtype (the *input dtype*), contiguous.
-    - ``w, b``: ``[H, D]`` (the LayerNorm weight and bias, used by the inner loss and by
-      the post norm-residual), any floating dtype.
-    - ``eta``: ``[B, T, H, 1]`` always a tensor; when the user passed a float it is a
-      constant tensor and ``eta_is_tensor`` is False (no gradient is returned for it).
-    - ``initial_state``: ``[N, H, D, D]`` or None; ``initial_state_bias``: ``[N, H, 1, D]``
-      or None. Float32 (float64 with float64 inputs).
-    - ``cu_seqlens``: ``[N + 1]`` int64 on the inputs' device, or None; ``seq_lens`` the
-      per-sequence lengths as Python ints (N of them), available without a device sync.
-    - ``eta_key``: ``[B, T, H, 1]`` per-key factor of the inner learning rate, or None
-      (a factor of one, computed as no factor at all).
-    - ``output``: the output form, one of :data:`OUTPUTS`.
+    ``q, k, v [B, T, H, D]`` in the input dtype; ``w, b [H, D]`` any floating dtype;
+    ``eta [B, T, H, 1]`` always a tensor (a float's constant where not ``eta_is_tensor``);
+    ``initial_state [N, H, D, D]``, ``initial_state_bias [N, H, 1, D]`` or None, in the
+    state dtype; ``cu_seqlens [N + 1]`` int64 or None, ``seq_lens`` the N lengths as host
+    ints; ``eta_key [B, T, H, 1]`` or None (no factor); ``output`` one of :data:`OUTPUTS`.
     """
 
     q: torch.Tensor
@@ -90,9 +75,7 @@ class Problem:
     requires_grad: bool = field(default=False)
     eta_key: torch.Tensor | None = None
     output: str = "norm_residual"
-    op = "ttt_linear"
-    """The operator (``Capabilities.ops``): ``"ttt_linear"``, or ``"ttt_mlp"`` for
-    :class:`ttt.mlp.MlpProblem`."""
+    op = "ttt_linear"          # the operator (``Capabilities.ops``): MlpProblem's "ttt_mlp"
 
     @classmethod
     def _of_fields(cls, fields: dict) -> Problem:

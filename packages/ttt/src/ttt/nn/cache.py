@@ -1,12 +1,6 @@
-"""Generation cache for TTT layers: committed inner states plus the open mini-batch.
-
-The inner model steps once per full mini-batch; token ``i`` reads the mini-batch's starting
-state stepped by its tokens ``j <= i``. So generation keeps, per layer, the **committed**
-state after the last full mini-batch (TTT-Linear's ``W [B, H, D, D]``, ``b [B, H, 1, D]``,
-TTT-MLP's ``W1, b1, W2, b2``; float32, float64 for a float64 layer), the **pending**
-tokens of the open mini-batch (rotated q, k, v and key learning-rate factor) and the tokens
-seen (the next token's place in its mini-batch). A step recomputes the pending and new
-tokens from the committed state; a mini-batch that fills up commits its final state.
+"""Generation cache for TTT layers: per layer, the inner state committed after the last full
+mini-batch, the pending tokens of the open one and the tokens seen; a step recomputes the
+pending and new tokens from the committed state (docs/nn.md, "Generation cache").
 """
 
 from __future__ import annotations
@@ -42,18 +36,8 @@ class LayerState:
 
 class TTTCache:
     """Cache for generation through a stack of :class:`ttt.nn.TTTLinear` or
-    :class:`ttt.nn.TTTMLP` layers.
-
-    One object serves a whole model (``layer(x, cache=cache)`` for every layer), keeping a
-    :class:`LayerState` per layer module; an empty cache starts each from its parameters' state
-    (``W1, b1``, and ``W2, b2`` for TTT-MLP).
-    Generation is meant to run under ``torch.no_grad()``. Whatever the grad mode, stored
-    tensors are detached, never keeping earlier steps' graphs alive; ``requires_grad=True``
-    keeps their history instead, to backpropagate through the cache across calls (the graph
-    then grows with every call until the cache is reset or dropped).
-
-    Args:
-        requires_grad: keep the stored tensors' autograd history (default: detach them).
+    :class:`ttt.nn.TTTMLP` layers: one :class:`LayerState` per layer module. Stored tensors
+    are detached unless ``requires_grad`` (to backpropagate through the cache across calls).
     """
 
     def __init__(self, requires_grad: bool = False) -> None:
@@ -77,8 +61,7 @@ class TTTCache:
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch of every stored state (beam search): row ``i`` becomes row
-        ``beam_idx[i]`` (a 1-d integer tensor or sequence of ints; its length is the new
-        batch size: repeat an index to expand a row into several beams)."""
+        ``beam_idx[i]`` (1-d integer tensor or sequence of ints: the new batch)."""
         if not isinstance(beam_idx, torch.Tensor):
             if isinstance(beam_idx, (str, bytes)) or not hasattr(beam_idx, "__len__"):
                 raise TypeError(f"beam_idx: expected a 1-d integer tensor or a sequence of "

@@ -1,25 +1,7 @@
-r"""TTT-Linear: the sequence-mixing layer of "Learning to (Learn at Test Time)".
-
-Same parameters, names and shapes as ``TTTLinear`` in the official implementation
-(test-time-training/ttt-lm-pytorch, ``ttt.py``), so its state dict loads unchanged. For an
-input ``x [B, T, width]`` with ``H`` heads of ``D = width / H`` features:
-
-.. math::
-
-    q, k, v &= \mathrm{split}(x W_q),\ \mathrm{split}(x W_k),\ \mathrm{split}(x W_v)
-        \quad \text{(rotary on } q, k \text{ at position mod mini\_batch)}\\
-    e_i &= \max(1 / (p_i + 1) + \mathrm{learnable\_token\_idx}[p_i],\ 0)
-        \quad (p_i = \text{position of token } i \text{ in its mini-batch})\\
-    l_j &= \mathrm{ttt\_base\_lr} \cdot \sigma(x_j \cdot a_h + c_h) / D
-        \quad (a, c = \text{learnable\_ttt\_lr\_weight, \_bias})\\
-    z &= \text{chunked TTT-linear with } \eta_{ij} = e_i l_j,
-        \text{ initial state } (W1, b1)\\
-    y &= \mathrm{o\_proj}\big(\mathrm{post\_norm}(q + \mathrm{LN}(z) \cdot w + b)
-        \ [\odot\ \mathrm{gelu_{tanh}}(\mathrm{g\_proj}(x))]\big)
-
-with ``w, b = ttt_norm_weight, ttt_norm_bias``, the inner steps in
-:func:`ttt.chunk_ttt_linear` (``scale = 1``, ``eta_key = l``, ``output="query_residual"``).
-docs/nn.md maps every piece to the official code.
+"""TTT-Linear and TTT-MLP: the sequence-mixing layers of "Learning to (Learn at Test Time)",
+with the parameters, names and shapes of the official implementation
+(test-time-training/ttt-lm-pytorch, ``ttt.py``), so its state dicts load unchanged. What
+they compute and how each piece maps to the official code: docs/nn.md.
 """
 
 from __future__ import annotations
@@ -47,18 +29,9 @@ def _positive_float(name: str, value) -> float:
 
 
 class TTTLinear(nn.Module):
-    """The official TTT-Linear layer on ttt's chunked operator.
-
-    Args:
-        width: model width (``hidden_size``); input and output features.
-        num_heads: heads; the head dim ``width / num_heads`` must be an even integer.
-        mini_batch_size: tokens per inner gradient step (the op's ``chunk_size``), the
-            period of the rotary positions and the length of ``token_idx``.
-        rope_theta: rotary base.
-        ttt_base_lr: base inner learning rate.
-        use_gate: multiply by ``gelu_tanh(g_proj(x))`` before ``o_proj``.
-        backend: ttt backend name for every call; None lets the registry choose.
-        device, dtype: for the parameters.
+    """The official TTT-Linear layer on :func:`ttt.chunk_ttt_linear` (``scale = 1``,
+    ``eta_key`` the token's learning rate, ``output="query_residual"``); its arguments:
+    docs/nn.md. ``backend``: a ttt backend name for every call, None: the registry's choice.
     """
 
     def __init__(self, width: int, num_heads: int, mini_batch_size: int = 16, *,
@@ -95,7 +68,7 @@ class TTTLinear(nn.Module):
         if self.use_gate:
             self.g_proj = nn.Linear(C, C, bias=False, **factory)
         self.post_norm = nn.LayerNorm(C, eps=INNER_EPS, **factory)
-        token_idx = 1.0 / torch.arange(1, K + 1, device=device, dtype=dtype or torch.float32)
+        token_idx = torch.empty(K, device=device, dtype=dtype or torch.float32)   # (1 / (p + 1))
         self.register_buffer("token_idx", token_idx, persistent=False)
         self.learnable_token_idx = nn.Parameter(torch.empty(K, **factory))
         self.learnable_ttt_lr_weight = nn.Parameter(torch.empty(H, 1, C, **factory))
@@ -257,11 +230,10 @@ class TTTLinear(nn.Module):
 
 
 class TTTMLP(TTTLinear):
-    """The official TTT-MLP layer on ttt's chunked operator: :class:`TTTLinear` with the
-    two-layer inner model ``gelu_tanh(x W1 + b1) W2 + b2`` of hidden width ``4 D``
-    (:func:`ttt.chunk_ttt_mlp`). Same arguments; the parameters of the official ``TTTMLP``
-    (``W1 [H, D, 4D]``, ``b1 [H, 1, 4D]``, ``W2 [H, 4D, D]``, ``b2 [H, 1, D]`` and those
-    shared with TTT-Linear), so its state dict loads unchanged."""
+    """The official TTT-MLP layer on :func:`ttt.chunk_ttt_mlp`: :class:`TTTLinear` with the
+    inner model ``gelu_tanh(x W1 + b1) W2 + b2`` of hidden width ``4 D`` and the official
+    ``TTTMLP``'s parameters (``W1 [H, D, 4D]``, ``b1 [H, 1, 4D]``, ``W2 [H, 4D, D]``,
+    ``b2 [H, 1, D]``)."""
 
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
         H, D = self.num_heads, self.head_dim
