@@ -19,7 +19,7 @@ import torch
 from .backend import WarmupShape
 from .mlp import HIDDEN_FACTOR, chunk_ttt_mlp
 from .ops import chunk_ttt_linear
-from .problem import MlpProblem, Problem
+from .problem import MlpProblem, Problem, state_dtype, state_shapes
 from .validation import dtype_name
 
 OPS = {Problem.op: chunk_ttt_linear, MlpProblem.op: chunk_ttt_mlp}
@@ -69,7 +69,6 @@ def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
     B, L = (1, N * T) if layout.packed else (N, T)
     gen = torch.Generator(device).manual_seed(0)
     dt, (affine, rates) = config.dtype, params
-    state_dt = torch.float64 if dt == torch.float64 else torch.float32
 
     def rand(*shape, dtype=dt):
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
@@ -79,13 +78,14 @@ def call_inputs(config: Config, layout: WarmupShape, form: CallForm,
                   w=1 + 0.1 * rand(H, D, dtype=affine), b=0.1 * rand(H, D, dtype=affine),
                   eta=0.05 * torch.rand((B, L, H, 1), generator=gen, device=device,
                                         dtype=rates))
-    if form.initial and config.op == MlpProblem.op:
-        F = HIDDEN_FACTOR * D
-        inputs["initial_state"] = tuple(0.1 * rand(N, H, *shape, dtype=state_dt)
-                                        for shape in ((D, F), (1, F), (F, D), (1, D)))
-    elif form.initial:
-        inputs.update(initial_state=0.1 * rand(N, H, D, D, dtype=state_dt),
-                      initial_state_bias=0.1 * rand(N, H, 1, D, dtype=state_dt))
+    if form.initial:
+        mlp = config.op == MlpProblem.op
+        states = tuple(0.1 * rand(*shape, dtype=state_dtype(dt))
+                       for shape in state_shapes(N, H, D, HIDDEN_FACTOR * D if mlp else None))
+        if mlp:
+            inputs["initial_state"] = states
+        else:
+            inputs["initial_state"], inputs["initial_state_bias"] = states
     if form.layer:
         inputs["eta_key"] = 0.5 + torch.rand((B, L, H, 1), generator=gen, device=device,
                                              dtype=rates)

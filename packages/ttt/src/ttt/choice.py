@@ -21,7 +21,7 @@ from .registry import (
     AUTO,
     Undo,
     _forget_choices,
-    _priority,
+    _known,
     _state,
     known_names,
     load_backend,
@@ -90,18 +90,6 @@ def _named_choice(name: str, problem: Problem, requested: str | None) -> Backend
     return backend
 
 
-def _load_for_automatic_choice(name: str) -> Backend:
-    """``load_backend``, raising at once for a backend found not installed before."""
-    reason = _state.not_installed.get(name)
-    if reason is not None:
-        raise BackendNotInstalledError(name, reason)
-    try:
-        return load_backend(name)
-    except BackendNotInstalledError as exc:
-        _state.not_installed[name] = exc.reason
-        raise
-
-
 def _reasons_text(reasons: dict[str, list[str]]) -> str:
     return "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
 
@@ -109,10 +97,15 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 def _automatic_choice(problem: Problem) -> Backend:
     """The first backend by priority that takes ``problem``, else every backend's reasons."""
     skipped: dict[str, list[str]] = {}
-    for candidate in sorted(known_names(), key=_priority):
+    for candidate in sorted(known_names(), key=lambda name: _known(name).priority):
         try:
-            backend = _load_for_automatic_choice(candidate)
+            reason = _state.not_installed.get(candidate)
+            if reason is not None:             # found not installed before: no import again
+                raise BackendNotInstalledError(candidate, reason)
+            backend = load_backend(candidate)
         except ImportError as exc:
+            if isinstance(exc, BackendNotInstalledError):
+                _state.not_installed[candidate] = exc.reason
             skipped[candidate] = [f"not installed: {getattr(exc, 'reason', exc)}"]
             continue
         reasons = backend.not_supported_reasons(problem)

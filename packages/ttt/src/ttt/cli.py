@@ -46,9 +46,6 @@ class CommandError(Exception):
     """An expected failure of a command: reported in one line, exit status 2."""
 
 
-EXPECTED_ERRORS = (CommandError, BackendError)
-
-
 def _device_line() -> str:
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -119,11 +116,6 @@ def cmd_capabilities(_args) -> int:
     return 0
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    return ((x - ref).norm() / ref.norm()).item()
-
-
 def _demo_device(requested: str | None) -> torch.device:
     """The demo's device: ``requested``, checked to be present, else cuda if present."""
     if requested is None:
@@ -144,8 +136,7 @@ def _demo_device(requested: str | None) -> torch.device:
 
 def _require_runnable(name: str | None) -> None:
     """CommandError unless backend ``name`` (None: any) is installed and can run here."""
-    status = None if name is None else backend_status(name)
-    if status is not None and not status.available:
+    if name is not None and not (status := backend_status(name)).available:
         raise CommandError(f"backend {name!r} cannot run here: {status.reason}")
 
 
@@ -210,7 +201,8 @@ def cmd_demo(args) -> int:
     for label, x, r, tol in [("o", o, ref[0], out_tol), ("final_state", ht, ref[1], out_tol),
                              ("final_state_bias", hbt, ref[2], out_tol)] + [
             (f"d{n}", gx, gr, grad_tol) for n, gx, gr in zip(inputs, grads, ref_grads)]:
-        err = _rel(x, r)
+        x, r = x.detach().double().cpu(), r.detach().double().cpu()
+        err = ((x - r).norm() / r.norm()).item()
         good = err <= tol
         ok &= good
         print(f"    {label:<22} {err:.2e}  (bound {tol:.0e}) {'ok' if good else 'FAIL'}")
@@ -334,7 +326,7 @@ def main(argv=None) -> int:
     try:
         try:
             status = args.func(args)
-        except EXPECTED_ERRORS as exc:
+        except (CommandError, BackendError) as exc:
             message = " ".join(str(exc).split())
             print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
             status = 2

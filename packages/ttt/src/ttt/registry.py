@@ -1,11 +1,6 @@
-"""Backend registry: the backends ttt knows of, and how each is loaded.
-
-A name is looked up among the backends registered in this process (:func:`register_backend`),
-the built-in ``KNOWN_BACKENDS``, then the entry points of group ``ttt.backends`` (read on
-first need, never at ``import ttt``); a backend is loaded once, on first use. What the
-choice (:mod:`ttt.choice`) keeps lives here, dropped only by :func:`_forget_choices`: on
-``set_backend``, (un)registering, reading the entry points again, and :func:`clear_cache`.
-"""
+"""Backend registry: the backends ttt knows of (registered in this process, built in, then
+entry points of group ``ttt.backends``, read on first need) and how each is loaded, once.
+What the choice (:mod:`ttt.choice`) keeps lives here too (docs/api.md, "Backends")."""
 
 from __future__ import annotations
 
@@ -28,9 +23,7 @@ from .errors import (  # noqa: F401 - also ttt.registry's names, as the backends
 
 ENTRY_POINT_GROUP = "ttt.backends"
 AUTO = "auto"                  # the automatic choice's name (no backend may take it)
-PLUGIN_PRIORITY = 500
-"""The automatic choice's place (lower first) of entry points and, by default, registered
-backends: after the built-in GPU backends, before ``reference``."""
+PLUGIN_PRIORITY = 500         # entry points' and registrations' place: after triton, cupy
 
 
 @dataclass(frozen=True)
@@ -68,7 +61,7 @@ _state = _State()
 
 
 def _forget_choices() -> None:
-    """Drops what the choice keeps: choices, backends found not installed, warnings given."""
+    """Drops the choices kept, the backends found not installed, the warnings given."""
     _state.kept.clear()
     _state.not_installed.clear()
     _state.warned.clear()
@@ -76,8 +69,7 @@ def _forget_choices() -> None:
 
 def clear_cache() -> None:
     """Forgets what the choice keeps, the entry points and the backends loaded from them:
-    call it after installing or removing a backend package in a running process. (A call
-    running meanwhile may keep its choice once more.)"""
+    call it after installing or removing a backend package in a running process."""
     for name in set(_state.entry_points or ()) - set(_state.registered):
         _state.loaded.pop(name, None)
     _state.entry_points = None
@@ -129,10 +121,6 @@ def _known(name: str) -> KnownBackend:
     return known
 
 
-def _priority(name: str) -> int:
-    return _known(name).priority
-
-
 def _factory(name: str):
     """What backend ``name``'s target names (a factory or a Backend), imported."""
     known = _known(name)
@@ -165,23 +153,23 @@ def load_backend(name: str) -> Backend:
     return backend
 
 
+@dataclass(frozen=True, repr=False, eq=False)
 class Undo:
     """What :func:`register_backend` and ``set_backend`` return: a context manager that
     undoes the call on exit."""
 
-    def __init__(self, what: str, name: str, undo: Callable[[], None]):
-        self.name = name
-        self._what = what
-        self._undo = undo
+    what: str
+    name: str
+    undo: Callable[[], None]
 
     def __enter__(self) -> Undo:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._undo()
+        self.undo()
 
     def __repr__(self) -> str:
-        return f"<ttt backend {self._what} {self.name!r}>"
+        return f"<ttt backend {self.what} {self.name!r}>"
 
 
 def _set_registration(name: str, known: KnownBackend | None) -> None:
@@ -215,12 +203,10 @@ def _check_registration(name, backend, priority, install_hint) -> None:
 def register_backend(name: str, backend, *, priority: int = PLUGIN_PRIORITY,
                      install_hint: str | None = None, replace: bool = False) -> Undo:
     """Registers ``backend`` under ``name`` in this process: a :class:`~ttt.Backend`, a
-    zero-argument factory (a Backend subclass works) or a ``"module:attribute"`` str naming
-    one, imported on first use (``install_hint``: shown when that import fails).
-    ``priority`` places it in the automatic choice (lower first: triton 10, cupy 20,
-    ``reference`` 1000). A name ttt knows already raises ValueError unless ``replace=True``
-    or it is the same registration again. Returns a context manager that undoes it on exit;
-    :func:`unregister_backend` removes one. The choices kept are dropped."""
+    zero-argument factory or a ``"module:attribute"`` str naming one, imported on first use
+    (``install_hint``: shown when that import fails); ``priority``: its place in the
+    automatic choice (lower first). Returns a context manager that undoes it (docs/api.md,
+    "Backends")."""
     _check_registration(name, backend, priority, install_hint)
     hint = install_hint or f"reinstall the package that provides {name!r}"
     known = KnownBackend(backend, hint, priority)
