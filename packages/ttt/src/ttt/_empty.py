@@ -71,9 +71,8 @@ def without_empty_sequences(problem: Problem) -> tuple[Problem, torch.Tensor]:
     lengths = tuple(p.seq_lens[n] for n in kept)
     offsets = [0, *itertools.accumulate(lengths)]
     index = torch.tensor(kept, dtype=torch.int64, device=p.device)
-    h0 = None if p.initial_state is None else p.initial_state.index_select(0, index)
-    hb0 = (None if p.initial_state_bias is None
-           else p.initial_state_bias.index_select(0, index))
+    h0, hb0 = (None if s is None else s.index_select(0, index)
+               for s in (p.initial_state, p.initial_state_bias))
     cu_seqlens = torch.tensor(offsets, dtype=torch.int64, device=p.device)
     return dataclasses.replace(p, cu_seqlens=cu_seqlens, seq_lens=lengths, initial_state=h0,
                                initial_state_bias=hb0), index

@@ -17,15 +17,7 @@ from .errors import (
     UnknownBackendError,
 )
 from .problem import Problem
-from .registry import (
-    AUTO,
-    Undo,
-    _forget_choices,
-    _known,
-    _state,
-    known_names,
-    load_backend,
-)
+from .registry import AUTO, Undo, _forget_choices, _known, _state, known_names, load_backend
 
 MAX_KEPT_CHOICES = 1024     # (packed batches of new lengths are new signatures)
 

@@ -1,18 +1,8 @@
-"""The schedule decisions every chunked GPU backend makes, in one vocabulary.
-
-A backend with a sequential *chain* kernel per (sequence, head) and parallel kernels per
-group of chunks (both built-in GPU backends) decides, per pass:
-
-- **fuse or split**: whether the chain kernel does the parallel kernels' work too, which
-  pays only when enough chains run at once to hide it (:class:`FuseThresholds`, measured
-  per backend; :func:`fuse_forward`, :func:`fuse_backward`);
-- **the generation step** (:func:`generation_step`: no backward, every sequence within one
-  chunk, as a decode step of ``ttt.nn.TTTLinear``) is fused whatever the chain count;
-- **the row step** (:func:`row_step`): such a step of at most ``rows`` rows per sequence
-  runs a kernel that walks the rows one by one instead of a padded chunk's tile products.
-
-``forced`` (a backend's tests' and benchmarks' ``Tuning`` / ``Schedule``): None lets the
-rule decide.
+"""The schedule decisions every chunked GPU backend makes, in one vocabulary: per pass,
+whether a (sequence, head) *chain* kernel fuses the parallel kernels' work
+(:class:`FuseThresholds`, measured per backend), which a generation step always does, and
+whether such a step of few rows runs the row-step kernel. ``forced`` (a backend's tests' and
+benchmarks' ``Tuning`` / ``Schedule``): None lets the rule decide.
 """
 
 from __future__ import annotations
@@ -55,9 +45,7 @@ def fuse_forward(p: Problem, save_for_backward: bool, thresholds: FuseThresholds
 def fuse_backward(p: Problem, thresholds: FuseThresholds, forced: bool | None = None) -> bool:
     """Whether the backward chain does the parallel gradient kernel's work (a backend checks
     first that its fused kernel exists for ``p``'s shape)."""
-    if forced is not None:
-        return forced
-    return chains(p) >= thresholds.backward
+    return forced if forced is not None else chains(p) >= thresholds.backward
 
 
 def row_step(p: Problem, save_for_backward: bool, rows: int,

@@ -14,8 +14,7 @@ from ..mlp import HIDDEN_FACTOR, chunk_ttt_mlp
 from ..ops import chunk_ttt_linear
 from ..validation import positive_int
 from .cache import LayerState, TTTCache
-from .positions import sequence_positions
-from .rotary import apply_rotary, rotary_cos_sin
+from .rotary import apply_rotary, rotary_cos_sin, sequence_positions
 
 INNER_EPS = 1e-6        # LayerNorm eps of the inner loss and the output norm (official)
 

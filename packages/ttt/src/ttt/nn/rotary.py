@@ -1,16 +1,8 @@
-r"""Rotary embedding of the official TTT-Linear layer (ttt-lm-pytorch, ``ttt.py``).
-
-Per head, the pair of features ``(x[2i], x[2i + 1])`` is rotated by the angle
-``p * theta ** (-2i / D)``, with ``p`` the token's position within its mini-batch:
-
-.. math::
-
-    x'_{2i} = x_{2i} \cos\phi_i - x_{2i+1} \sin\phi_i, \qquad
-    x'_{2i+1} = x_{2i+1} \cos\phi_i + x_{2i} \sin\phi_i
-
-The official code reaches the same numbers by permuting the features to the half-split
-layout (``permute_qk``), applying the Hugging Face ``rotate_half`` rotation and permuting
-back; the angles are computed in float32 and ``cos``/``sin`` cast to the input's dtype.
+"""Rotary embedding of the official TTT-Linear layer (ttt-lm-pytorch, ``ttt.py``): each pair
+``(x[2i], x[2i + 1])`` of a head rotated by ``p * theta ** (-2i / D)``, the official
+``permute_qk`` / ``rotate_half`` / ``undo_permute_qk`` without the permutations (docs/nn.md);
+and the positions ``p`` it and ``token_idx`` read (``position % mini_batch_size``), counted
+from the sequence's start (packed sequences restart at 0) plus the tokens a cache has seen.
 """
 
 from __future__ import annotations
@@ -34,3 +26,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos[:, None, :], sin[:, None, :]                      # [T, 1, D / 2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
     return rotated.flatten(-2)                                       # [B, T, H, D]
+
+
+def sequence_positions(num_tokens: int, device: torch.device, *, offset: int = 0,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Position of each token in its sequence, ``[T]`` int64, without a host sync: from
+    ``offset`` (tokens already seen), or restarting at 0 at each ``cu_seqlens`` offset."""
+    steps = torch.arange(num_tokens, device=device)                  # [T]
+    if cu_seqlens is None:
+        return steps + offset
+    starts = cu_seqlens.to(device=device, dtype=torch.int64)         # [N + 1]
+    sequence = torch.searchsorted(starts[1:], steps, right=True)    # [T] sequence of each token
+    return steps - starts[sequence]
