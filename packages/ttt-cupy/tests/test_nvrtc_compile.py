@@ -1,4 +1,5 @@
-"""Every kernel instance compiles with NVRTC for sm_80 and sm_90 (no GPU, no driver needed).
+"""Every kernel instance compiles with NVRTC for sm_80 and sm_90 (no GPU, no driver needed),
+through the compile check ``tools/nvrtc_check.py`` (imported from the repository root).
 
 Needs cuda-python and the NVRTC wheel: pip install './packages/ttt-cupy[compile-check]'.
 """
@@ -27,7 +28,7 @@ def test_a_compile_with_an_empty_log_leaves_the_interpreter_intact():
     """NVRTC writes its log (here only the terminating NUL) into a buffer we hand it; a
     one-byte ``b" "`` would be CPython's shared object, and every ``" ".encode()`` of the
     process would then give ``b"\\x00"``."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
 
     code = 'extern "C" __global__ void empty_log_kernel() {}'
     compiled = nvrtc_check.compile_instance(code, [], "90", [], cubin=False)
@@ -74,7 +75,7 @@ def _instances(pass_: str, dtype: str) -> int:
 def _names(pass_: str, dtype: str) -> list[str]:
     """The name expressions of every instance of one pass and dtype, as the backend builds
     them (nvrtc_check.programs, the default variant)."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
 
     only = dict(passes=[pass_], dtypes=[dtype])
     return [name for _, names in nvrtc_check.programs(only) for name in names]
@@ -84,7 +85,7 @@ def test_every_instance_is_in_a_part():
     """No NVRTC needed: the parts of test_every_instance_compiles cover every (arch, pass,
     dtype); each part's instances as the backend names them are distinct and as many as
     _instances counts, and together they are every instance of the default variant."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
     from ttt_cupy.compile import CTYPES, PASSES
 
     assert sorted(EVERY_INSTANCE) == sorted((arch, pass_, dtype) for arch in ("80", "90")
@@ -103,7 +104,7 @@ def test_every_instance_compiles(arch, pass_, dtype):
     this backend is tuned on) through ptxas to cubins; for sm_80 to PTX for compute_80 (the
     front end and code generation under __CUDA_ARCH__ 800, where the arch-specific source
     differs; its ptxas run would add about 2 minutes to CI)."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
 
     out = io.StringIO()
     try:
@@ -121,7 +122,7 @@ def test_every_kernel_compiles_at_one_shape(arch, dtype):
     """Every kernel of every pass, tensor-core and SIMT, at D_PAD 64 and chunk 16, for the
     ``big`` parts of test_every_instance_compiles (ONE_SHAPE_PARTS): to PTX for compute_80,
     through ptxas to a cubin for sm_90."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
 
     out = io.StringIO()
     try:
@@ -152,7 +153,7 @@ def test_variant_instances_compile(shape):
     test_every_instance_compiles), at a fused-chain shape (D_PAD 64, chunk 16: float16)
     through ptxas to a cubin for sm_90, and at the split bwd_grads one (D_PAD 128, chunk 64:
     float32, bfloat16) to PTX for compute_90; the tf32 mma.sync where expected."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
     from ttt_cupy.compile import variants
 
     only, cubin = VARIANT_SHAPES[shape]
@@ -182,7 +183,7 @@ def test_decode_instances_compile(dtype):
     D_PAD, through ptxas to cubins for sm_90 (its default variant for sm_80 is in
     test_every_instance_compiles), for the half types both instances (eta, w, b, eta_key in
     fp32, and in the input type: native_params); no tf32 mma.sync in any (SIMT fp32)."""
-    from ttt_cupy import nvrtc_check
+    from tools import nvrtc_check
     from ttt_cupy.compile import D_PADS, variants
 
     out = io.StringIO()
@@ -201,6 +202,7 @@ def test_decode_names():
     left out: P = float unless native_params, where it is T), the ``dec`` pass's table and
     programs whatever BT and mma (both P for the half types), and the compile check's
     selection of its programs (no BT: in every chunk's)."""
+    from tools.nvrtc_check import instances, is_mma_instance
     from ttt_cupy.compile import (
         DECODE_KERNEL,
         DECODE_PASS,
@@ -209,7 +211,6 @@ def test_decode_names():
         pass_names,
         program_names,
     )
-    from ttt_cupy.nvrtc_check import instances, is_mma_instance
 
     assert decode_name("float", 64) == "ttt_linear_fwd_decode<float, 64>"
     assert decode_name("__half", 32, key=True) == "ttt_linear_fwd_decode<__half, 32, true>"
@@ -269,8 +270,8 @@ def test_variant_names():
     assert program_names("fwd", "__half", 16, 16, False, "norm_residual") == \
         program_names("fwd", "__half", 16, 16)
     # every variant's instances once; with skip_default, without the default's
+    from tools.nvrtc_check import programs
     from ttt_cupy.compile import variants
-    from ttt_cupy.nvrtc_check import programs
 
     only = dict(dtypes=["float16"], d_pads=[64], block_ts=[16])
     every = programs(only, variants())
@@ -347,9 +348,9 @@ def test_name_expressions_and_smem_formula():
 
 def test_mma_instances_and_switch(monkeypatch):
     """No NVRTC needed: which instance of each kernel runs for which dtype, and TTT_CUPY_MMA."""
+    from tools.nvrtc_check import is_mma_instance
     from ttt_cupy.compile import kernel_name, pass_names, program_names, use_mma
     from ttt_cupy.config import MMA_ENV, CupyConfig
-    from ttt_cupy.nvrtc_check import is_mma_instance
 
     assert (kernel_name("fwd_chain", "__half", 64, 16)
             == "ttt_linear_fwd_chain<__half, 64, 16, true>")

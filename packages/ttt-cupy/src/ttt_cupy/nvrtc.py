@@ -1,6 +1,6 @@
 """NVRTC through cuda-python: a program's compile with its name expressions, its cubin or PTX,
-its log (for :mod:`ttt_cupy.diskcache` and :mod:`ttt_cupy.nvrtc_check`; imports nothing of
-the package)."""
+its log (for :mod:`ttt_cupy.diskcache` and the compile check, ``tools/nvrtc_check.py``;
+imports nothing of the package)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
-"""Compile every kernel instance with NVRTC, without a GPU or a driver.
+"""Compile every kernel instance of the cupy backend with NVRTC, without a GPU or a driver.
 
-``python -m ttt_cupy.nvrtc_check`` compiles one program per (pass, dtype, D_PAD, BT) holding
-every instance the backend compiles at run time (the half types' tensor-core and SIMT ones;
-fwd_decode per dtype and D_PAD), for each ``--arch`` (default sm_80 and sm_90), to cubins or
-with ``--ptx-only ARCH`` to PTX only. It checks the C++ traits against the generated table
-and that a kernel's PTX holds tf32 ``mma.sync`` exactly when it is a tensor-core instance.
-Needs ``pip install './packages/ttt-cupy[compile-check]'``; exits 1 with the NVRTC log on the
-first failure. ``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some programs.
+    python -m tools.nvrtc_check                  # every instance, sm_80 and sm_90 cubins
+
+compiles one program per (pass, dtype, D_PAD, BT) holding every instance the backend compiles
+at run time (the half types' tensor-core and SIMT ones; fwd_decode per dtype and D_PAD), for
+each ``--arch`` (default sm_80 and sm_90), to cubins or with ``--ptx-only ARCH`` to PTX only.
+It checks the C++ traits against the generated table and that a kernel's PTX holds tf32
+``mma.sync`` exactly when it is a tensor-core instance. Needs ``pip install
+'./packages/ttt-cupy[compile-check]'``; exits 1 with the NVRTC log on the first failure.
+``--pass``, ``--dtype``, ``--d-pad`` and ``--chunk`` select some programs. The backend's
+tests (packages/ttt-cupy/tests/test_nvrtc_compile.py) run it on every kernel variant.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from ._traits_table import FIELDS, TRAITS
-from .compile import (
+from ttt_cupy._traits_table import FIELDS, TRAITS
+from ttt_cupy.compile import (
     BLOCK_TS,
     CTYPES,
     D_PADS,
@@ -34,8 +37,8 @@ from .compile import (
     program_names,
     source,
 )
-from .nvrtc import NvrtcError, bindings, log, output
-from .nvrtc import program as nvrtc_program
+from ttt_cupy.nvrtc import NvrtcError, bindings, log, output
+from ttt_cupy.nvrtc import program as nvrtc_program
 
 DEFAULT_ARCHS = ("80", "90")
 
@@ -178,7 +181,7 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ttt_cupy.nvrtc_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.nvrtc_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", action="append", dest="archs", metavar="SM",
                         help="compute capability without a dot (repeatable; default 80 and 90)")
