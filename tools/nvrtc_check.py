@@ -29,12 +29,11 @@ from ttt_cupy.compile import (
     D_PADS,
     DECODE_KERNEL,
     DECODE_PASS,
-    NVRTC_OPTIONS,
     OUT_FORMS,
     PASSES,
+    compile_options,
     cuda_include_dir,
-    include_options,
-    program_names,
+    pass_names,
     source,
 )
 from ttt_cupy.nvrtc import NvrtcError, bindings, log, output
@@ -103,6 +102,23 @@ def _compile_task(task) -> tuple[tuple[str, str, int, int], Compiled]:
                                      cubin)
 
 
+def variants() -> list[tuple[bool, str]]:
+    """Every (key, out) variant, the default first."""
+    return [(key, out) for key in (False, True) for out in OUT_FORMS]
+
+
+def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
+                  out: str = "norm_residual") -> list[str]:
+    """Every name expression the backend may launch for one (pass, type, D_PAD, BT, variant):
+    for half types also the SIMT instances (``dec``: the ``native_params`` one)."""
+    names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
+    if ctype != "float":
+        native = pass_ == DECODE_PASS
+        names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out, native).values()
+                  if n not in names]
+    return names
+
+
 def instances(passes=None, dtypes=None, d_pads=None,
               block_ts=None) -> list[tuple[str, str, int, int]]:
     """(pass, C++ type, D_PAD, BT) of every program, or of those in the given passes, dtype
@@ -141,7 +157,7 @@ def run(archs=DEFAULT_ARCHS, jobs: int = 0, ptxas_verbose: bool = False,
     nvrtc = bindings()
     _, major, minor = nvrtc.nvrtcVersion()
     inc = cuda_include_dir()
-    options = [*NVRTC_OPTIONS, *include_options()]
+    options = list(compile_options())
     codes = {pass_: source(pass_) + smem_asserts() for pass_ in PASSES}
     print(f"NVRTC {major}.{minor}; CUDA headers: {inc or 'NVRTC built-ins'}; "
           f"options {options}", file=out)

@@ -280,13 +280,13 @@ def triton_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
 
 
 def cupy_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
-    from ttt_cupy.compile import NVRTC_OPTIONS, include_options, pass_names, source
+    from ttt_cupy.compile import compile_options, pass_names, source
     from ttt_cupy.nvrtc import cubin
 
     ctype = {"bf16": "__nv_bfloat16", "fp16": "__half"}[dtype]
     pass_ = "fwd" if kernel.startswith("fwd") else "bwd"
     name = pass_names(pass_, ctype, BD, BT, True)[kernel]
-    return cubin(source(pass_), [name], "90", NVRTC_OPTIONS + include_options())[0]
+    return cubin(source(pass_), [name], "90", compile_options())[0]
 
 
 def picked(backend: str, kernel: str, BD: int, BT: int) -> bool:

@@ -154,7 +154,7 @@ def test_variant_instances_compile(shape):
     through ptxas to a cubin for sm_90, and at the split bwd_grads one (D_PAD 128, chunk 64:
     float32, bfloat16) to PTX for compute_90; the tf32 mma.sync where expected."""
     from tools import nvrtc_check
-    from ttt_cupy.compile import variants
+    from tools.nvrtc_check import variants
 
     only, cubin = VARIANT_SHAPES[shape]
     out = io.StringIO()
@@ -184,7 +184,8 @@ def test_decode_instances_compile(dtype):
     test_every_instance_compiles), for the half types both instances (eta, w, b, eta_key in
     fp32, and in the input type: native_params); no tf32 mma.sync in any (SIMT fp32)."""
     from tools import nvrtc_check
-    from ttt_cupy.compile import D_PADS, variants
+    from tools.nvrtc_check import variants
+    from ttt_cupy.compile import D_PADS
 
     out = io.StringIO()
     try:
@@ -202,15 +203,8 @@ def test_decode_names():
     left out: P = float unless native_params, where it is T), the ``dec`` pass's table and
     programs whatever BT and mma (both P for the half types), and the compile check's
     selection of its programs (no BT: in every chunk's)."""
-    from tools.nvrtc_check import instances, is_mma_instance
-    from ttt_cupy.compile import (
-        DECODE_KERNEL,
-        DECODE_PASS,
-        decode_name,
-        kernel_name,
-        pass_names,
-        program_names,
-    )
+    from tools.nvrtc_check import instances, is_mma_instance, program_names
+    from ttt_cupy.compile import DECODE_KERNEL, DECODE_PASS, decode_name, kernel_name, pass_names
 
     assert decode_name("float", 64) == "ttt_linear_fwd_decode<float, 64>"
     assert decode_name("__half", 32, key=True) == "ttt_linear_fwd_decode<__half, 32, true>"
@@ -251,7 +245,8 @@ def test_decode_names():
 def test_variant_names():
     """No NVRTC needed: the variant's template arguments, only where a kernel takes them, the
     default variant's names unchanged, and the programs of the variants' compile check."""
-    from ttt_cupy.compile import kernel_name, pass_names, program_names
+    from tools.nvrtc_check import program_names
+    from ttt_cupy.compile import kernel_name, pass_names
 
     assert kernel_name("fwd_out", "float", 32, 16, out="raw") == \
         "ttt_linear_fwd_out<float, 32, 16, false, 2>"
@@ -270,8 +265,7 @@ def test_variant_names():
     assert program_names("fwd", "__half", 16, 16, False, "norm_residual") == \
         program_names("fwd", "__half", 16, 16)
     # every variant's instances once; with skip_default, without the default's
-    from tools.nvrtc_check import programs
-    from ttt_cupy.compile import variants
+    from tools.nvrtc_check import programs, variants
 
     only = dict(dtypes=["float16"], d_pads=[64], block_ts=[16])
     every = programs(only, variants())
@@ -348,8 +342,8 @@ def test_name_expressions_and_smem_formula():
 
 def test_mma_instances_and_switch(monkeypatch):
     """No NVRTC needed: which instance of each kernel runs for which dtype, and TTT_CUPY_MMA."""
-    from tools.nvrtc_check import is_mma_instance
-    from ttt_cupy.compile import kernel_name, pass_names, program_names, use_mma
+    from tools.nvrtc_check import is_mma_instance, program_names
+    from ttt_cupy.compile import kernel_name, pass_names, use_mma
     from ttt_cupy.config import MMA_ENV, CupyConfig
 
     assert (kernel_name("fwd_chain", "__half", 64, 16)

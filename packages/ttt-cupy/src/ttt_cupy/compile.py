@@ -22,34 +22,28 @@ from typing import Any
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
-PASSES = {
-    "fwd": ("fwd_chain", "fwd_out"),
-    "bwd": ("bwd_local", "bwd_chain", "bwd_grads"),
-    "dec": ("fwd_decode",),
-}
+PASSES = {"fwd": ("fwd_chain", "fwd_out"), "bwd": ("bwd_local", "bwd_chain", "bwd_grads"),
+          "dec": ("fwd_decode",)}
 """The kernels of each pass, in launch order; kernel ``x`` is the template ``ttt_linear_x<T,
-D_PAD, BT, MMA, ...>`` of ``csrc/x.cu`` (``dec``: ``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT,
-P>``)."""
+D_PAD, BT, MMA, ...>`` of ``csrc/x.cu``; ``MMA`` instances (half types only) run tf32
+mma.sync."""
 
-DECODE_PASS = "dec"
-DECODE_KERNEL = "fwd_decode"
-"""The kernel of a short generation step (placement.row_step): no chunk size, no ``MMA``; ``P``
-is the type it reads eta, w, b and eta_key in: float, or T (``native_params``)."""
+DECODE_PASS, DECODE_KERNEL = "dec", "fwd_decode"
+"""The pass and kernel of a short generation step (placement.row_step):
+``ttt_linear_fwd_decode<T, D_PAD, KEY, OUT, P>``, no chunk size, no ``MMA``; ``P`` is the
+type it reads eta, w, b and eta_key in: float, or T (``native_params``)."""
 
 KERNELS = tuple(k for pass_, ks in PASSES.items() if pass_ != DECODE_PASS for k in ks)
-"""The chunked passes' kernels; ``MMA`` instances (half types only) run tf32 mma.sync."""
 
 REGISTER_STATE_KERNELS = ("fwd_chain", "bwd_chain")
 """Their MMA instances keep the state in registers (one warp per 16 state columns)."""
 
-FUSED_KERNEL = "fwd_chain"
-"""Its ``FUSE`` instances (a fifth template parameter) also write the outputs."""
-
-FUSED_NAME = "fwd_chain_fused"
-"""Its FUSE instance's key in the forward's kernel table."""
+FUSED_KERNEL, FUSED_NAME = "fwd_chain", "fwd_chain_fused"
+"""Its ``FUSE`` instances (a fifth template parameter) also write the outputs; the key of
+that instance in the forward's kernel table."""
 
 FUSED_BWD_NAME = "bwd_chain_fused"
-"""The key of ``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true>`` (bwd_grads' work in the
+"""The key of ``ttt_linear_bwd_chain_fused<T, D_PAD, BT, true, KEY>`` (bwd_grads' work in the
 chain; half types at D_PAD <= :data:`FUSED_BWD_MAX_D_PAD`) in the backward's kernel table."""
 
 FUSED_BWD_MAX_D_PAD = 64
@@ -73,16 +67,14 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 """torch dtype name -> the C++ type of the kernels' template parameter T."""
 
 NVRTC_OPTIONS = ("-std=c++17",)
-"""Options of every compile besides the include path and the arch (no --use_fast_math: IEEE
-divisions and sqrt)."""
+"""No --use_fast_math: IEEE divisions and sqrt (:func:`compile_options` adds the headers)."""
 
 
 def d_pad(D: int) -> int:
     """The padded head dim: the smallest of :data:`D_PADS` that holds ``D``."""
-    for p in D_PADS:
-        if D <= p:
-            return p
-    raise ValueError(f"head dim: expected at most {D_PADS[-1]}, got {D}")
+    if D > D_PADS[-1]:
+        raise ValueError(f"head dim: expected at most {D_PADS[-1]}, got {D}")
+    return next(p for p in D_PADS if D <= p)
 
 
 def _check_pass(pass_: str) -> None:
@@ -130,18 +122,16 @@ def kernel_name(kernel: str, ctype: str, dp: int, bt: int, mma: bool | None = No
     if native_params and kernel != DECODE_KERNEL:
         raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
                          f"type, not {kernel!r}")
-    if kernel == DECODE_KERNEL:
-        if mma:
-            raise ValueError(f"{DECODE_KERNEL} has no MMA instance (SIMT fp32 for every type)")
-        return decode_name(ctype, dp, key, out, native_params)
-    if mma is None:
-        mma = ctype != "float"
+    if kernel == DECODE_KERNEL and mma:
+        raise ValueError(f"{DECODE_KERNEL} has no MMA instance (SIMT fp32 for every type)")
     if mma and ctype == "float":
         raise ValueError("float inputs have no MMA instance (float32-exact arithmetic)")
+    if kernel == DECODE_KERNEL:
+        p = ctype if native_params and ctype != "float" else ""    # float: the default
+        return _spell(kernel, [ctype, dp], [key, OUT_FORMS[out], p])
     values = {"KEY": key, "OUT": OUT_FORMS[out] if fused or kernel != FUSED_KERNEL else 0}
-    extra = ([fused] if kernel == FUSED_KERNEL else []) + [values[p]
-                                                            for p in VARIANT_KERNELS[kernel]]
-    return _spell(kernel, [ctype, dp, bt, mma], extra)
+    extra = [fused] * (kernel == FUSED_KERNEL) + [values[p] for p in VARIANT_KERNELS[kernel]]
+    return _spell(kernel, [ctype, dp, bt, ctype != "float" if mma is None else mma], extra)
 
 
 def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residual",
@@ -149,45 +139,22 @@ def decode_name(ctype: str, dp: int, key: bool = False, out: str = "norm_residua
     """The name expression of a :data:`DECODE_KERNEL` instance, e.g.
     ``ttt_linear_fwd_decode<__half, 64, false, 0, __half>`` (``P``: float unless
     ``native_params``)."""
-    _check_variant(key, out)
-    p = ctype if native_params and ctype != "float" else ""    # float: the default
-    return _spell(DECODE_KERNEL, [ctype, dp], [key, OUT_FORMS[out], p])
+    return kernel_name(DECODE_KERNEL, ctype, dp, 0, False, False, key, out, native_params)
 
 
 def pass_names(pass_: str, ctype: str, dp: int, bt: int, mma: bool, key: bool = False,
                out: str = "norm_residual", native_params: bool = False) -> dict[str, str]:
-    """{kernel: name expression} of one pass as launched, with :data:`FUSED_NAME` (forward)
-    or :data:`FUSED_BWD_NAME` (backward) where it exists."""
+    """{kernel: name expression} of one pass as launched (``dec``: whatever ``bt`` and
+    ``mma``), with :data:`FUSED_NAME` (forward) or :data:`FUSED_BWD_NAME` (backward) where it
+    exists."""
     _check_pass(pass_)
-    if pass_ == DECODE_PASS:
-        return {DECODE_KERNEL: decode_name(ctype, dp, key, out, native_params)}
-    if native_params:
-        raise ValueError(f"native_params: only {DECODE_KERNEL} reads eta, w, b in the input "
-                         f"type, not {PASSES[pass_][0]!r}")
-    mma = mma and ctype != "float"
-    v = dict(key=key, out=out)
+    mma = mma and ctype != "float" and pass_ != DECODE_PASS
+    v = dict(key=key, out=out, native_params=native_params)
     names = {k: kernel_name(k, ctype, dp, bt, mma, **v) for k in PASSES[pass_]}
     if FUSED_KERNEL in PASSES[pass_]:
-        names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, fused=True, **v)
+        names[FUSED_NAME] = kernel_name(FUSED_KERNEL, ctype, dp, bt, mma, True, **v)
     if pass_ == "bwd" and mma and dp <= FUSED_BWD_MAX_D_PAD:
         names[FUSED_BWD_NAME] = _spell("bwd_chain_fused", [ctype, dp, bt, True], [key])
-    return names
-
-
-def variants() -> list[tuple[bool, str]]:
-    """Every (key, out) variant, the default first."""
-    return [(key, out) for key in (False, True) for out in OUT_FORMS]
-
-
-def program_names(pass_: str, ctype: str, dp: int, bt: int, key: bool = False,
-                  out: str = "norm_residual") -> list[str]:
-    """Every name expression the backend may launch for one (pass, type, D_PAD, BT, variant):
-    for half types also the SIMT instances (``dec``: the ``native_params`` one)."""
-    names = list(pass_names(pass_, ctype, dp, bt, ctype != "float", key, out).values())
-    if ctype != "float":
-        native = pass_ == DECODE_PASS
-        names += [n for n in pass_names(pass_, ctype, dp, bt, False, key, out, native).values()
-                  if n not in names]
     return names
 
 
@@ -235,14 +202,15 @@ def cuda_include_dir() -> str | None:
     return next((str(inc) for inc in candidates if (inc / "cuda_fp16.h").is_file()), None)
 
 
-def include_options() -> tuple[str, ...]:
-    """-I for the CUDA headers (cuda_fp16.h, cuda_bf16.h), when found."""
+def compile_options() -> tuple[str, ...]:
+    """The options of every compile but the arch: :data:`NVRTC_OPTIONS` and -I for the CUDA
+    headers (cuda_fp16.h, cuda_bf16.h), when found."""
     inc = cuda_include_dir()
-    return () if inc is None else (f"-I{inc}",)
+    return NVRTC_OPTIONS + (() if inc is None else (f"-I{inc}",))
 
 
 _PREFETCHES: dict[tuple, threading.Thread] = {}   # compiles under way, by _modules' key
-_PREFETCHED: set[tuple] = set()
+_PREFETCHED: set[tuple] = set()                    # every one started
 _PREFETCH_LOCK = threading.Lock()
 
 
@@ -276,7 +244,7 @@ def _compile_programs(pass_: str, names: list[str], arch: str) -> None:
     from .diskcache import compile_into
 
     args = (config().cache_dir, source(pass_))
-    options = NVRTC_OPTIONS + include_options()
+    options = compile_options()
     threads = [threading.Thread(target=compile_into, args=(*args, [name], options, arch),
                                 name="ttt-cupy-compile") for name in names]
     for thread in threads:
@@ -306,7 +274,7 @@ def _modules(pass_: str, ctype: str, dp: int, bt: int, arch: str, mma: bool, key
     names = list(pass_names(pass_, ctype, dp, bt, mma, key, out, native_params).values())
     if not _prefetched((pass_, ctype, dp, bt, arch, mma, key, out)):
         _compile_programs(pass_, names, arch)
-    code, options = source(pass_), NVRTC_OPTIONS + include_options()
+    code, options = source(pass_), compile_options()
     return {name: load_or_compile(config().cache_dir, code, [name], options, arch)
             for name in names}
 
