@@ -447,11 +447,11 @@ class NoLaunchDevice:
         from ttt_cupy.device import CudaDevice
 
         self._cc = cc
-        # the device's own launch arguments of tensors (``pointers``: one call for many,
-        # where the revision has it)
-        self.pointer = CudaDevice.pointer
-        if hasattr(CudaDevice, "pointers"):
-            self.pointers = CudaDevice.pointers
+        # the device's own launch arguments of tensors, where the revision's launcher asks
+        # the device for them (``pointer``; ``pointers``: one call for many)
+        for name in ("pointer", "pointers"):
+            if hasattr(CudaDevice, name):
+                setattr(self, name, getattr(CudaDevice, name))
         self.chain_stream = _Stream()
         self.group_streams = tuple(_Stream() for _ in range(8))
 

@@ -36,8 +36,8 @@ from ttt_cupy.compile import (
     pass_names,
     source,
 )
-from ttt_cupy.nvrtc import NvrtcError, bindings, log, output
-from ttt_cupy.nvrtc import program as nvrtc_program
+from ttt_cupy.diskcache import NvrtcError, bindings, log, output
+from ttt_cupy.diskcache import program as nvrtc_program
 
 DEFAULT_ARCHS = ("80", "90")
 

@@ -281,12 +281,12 @@ def triton_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
 
 def cupy_cubin(kernel: str, dtype: str, BD: int, BT: int) -> bytes:
     from ttt_cupy.compile import compile_options, pass_names, source
-    from ttt_cupy.nvrtc import cubin
+    from ttt_cupy.diskcache import compile_cubin
 
     ctype = {"bf16": "__nv_bfloat16", "fp16": "__half"}[dtype]
     pass_ = "fwd" if kernel.startswith("fwd") else "bwd"
     name = pass_names(pass_, ctype, BD, BT, True)[kernel]
-    return cubin(source(pass_), [name], "90", compile_options())[0]
+    return compile_cubin(source(pass_), [name], "90", compile_options())[0]
 
 
 def picked(backend: str, kernel: str, BD: int, BT: int) -> bool:
@@ -333,9 +333,9 @@ def versions(backends) -> str:
 
     line = f"sm_90 SASS; triton {triton.__version__} (nvdisasm, cuobjdump, ptxas)"
     if "cupy" in backends:
-        from ttt_cupy.nvrtc import version
+        from ttt_cupy.diskcache import nvrtc_version
 
-        line += f"; NVRTC {version()}"
+        line += f"; NVRTC {nvrtc_version()}"
     return line
 
 

@@ -208,7 +208,7 @@ def _no_cuda_python(*args):
 
 
 def _nvrtc_fails(*args):
-    raise diskcache.nvrtc.NvrtcError("nvrtcCompileProgram: NVRTC_ERROR_COMPILATION\nthe log")
+    raise diskcache.NvrtcError("nvrtcCompileProgram: NVRTC_ERROR_COMPILATION\nthe log")
 
 
 @pytest.mark.parametrize("failure", ["no-cuda-python", "nvrtc-fails", "load-fails"])

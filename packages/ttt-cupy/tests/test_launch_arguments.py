@@ -97,7 +97,7 @@ def test_struct_layouts_match_through_nvrtc():
     """The same layouts in device code: NVRTC (compute_90 PTX) folds each offset, width and
     size into a constant stored by a kernel; the stores' constants match ctypes'."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python's NVRTC")
-    from ttt_cupy import nvrtc
+    from ttt_cupy import diskcache as nvrtc
 
     kernel, want = _layout_kernel()
     code = (cc.CSRC / "params.cuh").read_text() + kernel

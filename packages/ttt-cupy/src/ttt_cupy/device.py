@@ -105,11 +105,6 @@ class CudaDevice:
 
         return cupy.cuda.Device(self.index)
 
-    @staticmethod
-    def pointer(t: torch.Tensor | None) -> int:
-        """A tensor's address, 0 for None (what the argument structs hold)."""
-        return 0 if t is None else t.data_ptr()
-
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.index)
 
@@ -151,13 +146,9 @@ class CudaDevice:
                                     stream=_cupy_stream(stream.cuda_stream, self.index))
 
 
-_DEVICES: dict[int, CudaDevice] = {}
+_cuda_device = functools.cache(CudaDevice)
 
 
 def cuda_device(device: torch.device) -> CudaDevice:
     """The :class:`CudaDevice` of a torch device (one per index per process)."""
-    index = device_index(device)
-    found = _DEVICES.get(index)
-    if found is None:
-        found = _DEVICES[index] = CudaDevice(index)
-    return found
+    return _cuda_device(device_index(device))

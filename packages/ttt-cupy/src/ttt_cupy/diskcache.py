@@ -1,12 +1,14 @@
-"""Compiled programs on disk, shared between processes: the backend's one compile path (CuPy's
-own cache never serves programs compiled with ``name_expressions``).
+"""The backend's one compile path: NVRTC through cuda-python (a program's compile with its
+name expressions, its cubin or PTX, its log; the compile check ``tools/nvrtc_check.py`` uses
+it too), and the compiled programs on disk, shared between processes (CuPy's own cache never
+serves programs compiled with ``name_expressions``).
 
-A program's cubin (NVRTC through :mod:`ttt_cupy.nvrtc`) is stored under
-:attr:`CupyConfig.cache_dir <ttt_cupy.config.CupyConfig>`, keyed by :func:`cache_key`, as
-``<key>-<sha256 of the cubin, 16 hex>.cubin`` and then ``<key>.json`` (the lowered names, the
-cubin's name and hash): an entry exists once its ``.json`` does. Files are written beside
-their place and moved in with ``os.replace``. A missing or damaged entry is compiled and stored
-again; where the directory cannot be written, the cubin loads from a temporary file.
+A program's cubin is stored under :attr:`CupyConfig.cache_dir <ttt_cupy.config.CupyConfig>`,
+keyed by :func:`cache_key`, as ``<key>-<sha256 of the cubin, 16 hex>.cubin`` and then
+``<key>.json`` (the lowered names, the cubin's name and hash): an entry exists once its
+``.json`` does. Files are written beside their place and moved in with ``os.replace``. A
+missing or damaged entry is compiled and stored again; where the directory cannot be written,
+the cubin loads from a temporary file. Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -19,9 +21,91 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import nvrtc
-from .nvrtc import cubin as compile_cubin  # (the seams the tests replace)
-from .nvrtc import version as nvrtc_version
+SOURCE_NAME = "ttt_cupy_pass.cu"   # NVRTC's name for a program
+
+
+class NvrtcError(RuntimeError):
+    """cuda-python is missing or an NVRTC step failed; the message holds the NVRTC log."""
+
+
+def bindings():
+    """cuda-python's NVRTC module (NvrtcError without cuda-python)."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # cuda-python < 12.6
+        except ImportError as err:
+            raise NvrtcError(
+                "cuda-python is not installed: pip install './packages/ttt-cupy[compile-check]'"
+            ) from err
+    return nvrtc
+
+
+def nvrtc_version() -> str:
+    """NVRTC's version, e.g. ``"13.5"`` (a seam the tests replace)."""
+    _, major, minor = bindings().nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def check(result, what: str, nvrtc, prog=None) -> tuple:
+    """An NVRTC call's values after its status; NvrtcError (with ``prog``'s log) if it failed."""
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        text = log(nvrtc, prog) if prog is not None else ""
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        raise NvrtcError(f"{what}: {msg.decode() if isinstance(msg, bytes) else msg}\n{text}")
+    return result[1:]
+
+
+def output(nvrtc, prog, kind: str) -> bytearray:
+    """The compiled program's ``kind``: "CUBIN" or "PTX"."""
+    (size,) = check(getattr(nvrtc, f"nvrtcGet{kind}Size")(prog), f"nvrtcGet{kind}Size", nvrtc)
+    data = bytearray(size)
+    check(getattr(nvrtc, f"nvrtcGet{kind}")(prog, data), f"nvrtcGet{kind}", nvrtc)
+    return data
+
+
+def log(nvrtc, prog) -> str:
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    # (a fresh buffer, never b" " * size: for size 1 that is CPython's shared one-byte b" ",
+    # and NVRTC's write would turn every b" " of the process into b"\x00")
+    buf = bytearray(size)
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\x00").strip()
+
+
+@contextlib.contextmanager
+def program(code: str, names: list[str], options: list[str], target: str):
+    """``code`` compiled with ``names`` as name expressions, ``options`` and ``-arch=target``:
+    yields ``(nvrtc, program, {name: lowered name})``; NvrtcError when a step fails."""
+    nvrtc = bindings()
+    (prog,) = check(nvrtc.nvrtcCreateProgram(code.encode(), SOURCE_NAME.encode(), 0, [], []),
+                    "nvrtcCreateProgram", nvrtc)
+    try:
+        for name in names:
+            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()),
+                  f"nvrtcAddNameExpression({name})", nvrtc)
+        opts = [o.encode() for o in (*options, f"-arch={target}")]
+        check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts),
+              f"nvrtcCompileProgram({names}, {target})", nvrtc, prog)
+        lowered = {}
+        for name in names:
+            (low,) = check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
+                           f"nvrtcGetLoweredName({name})", nvrtc)
+            lowered[name] = low.decode() if isinstance(low, bytes) else str(low)
+        yield nvrtc, prog, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_cubin(code: str, names: list[str], arch: str,
+                  options: tuple[str, ...] | list[str]) -> tuple[bytes, dict[str, str]]:
+    """(cubin for sm_``arch``, {name expression: lowered name}) of ``code`` (a seam the tests
+    replace)."""
+    with program(code, names, list(options), f"sm_{arch}") as (nvrtc, prog, lowered):
+        return bytes(output(nvrtc, prog, "CUBIN")), lowered
+
 
 FORMAT = 1
 """The entries' format; part of the key, so that a new format never reads an old entry."""
@@ -136,7 +220,7 @@ def load_or_compile(directory: Path, code: str, names: list[str],
                     path = Path(tmp) / f"{key}.cubin"
                     path.write_bytes(cubin)
                     return _load_checked(path, lowered, arch)
-    except (ImportError, nvrtc.NvrtcError) as err:
+    except (ImportError, NvrtcError) as err:
         raise RuntimeError(f"NVRTC could not compile {names} for sm_{arch}:\n{err}") from err
     # (an intact entry that does not load, say for a driver older than the NVRTC that built
     # it, would not load compiled again either)
