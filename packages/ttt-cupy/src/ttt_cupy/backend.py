@@ -1,9 +1,5 @@
 """The ``cupy`` backend of ttt: raw CUDA C++ kernels (csrc/*.cu) compiled at run time by NVRTC
-and launched by CuPy, both on first use. The Triton backend's chain/group split: a sequential
-kernel per (sequence, head) carries the state (or its cotangent) and stores fp32 checkpoint
-slots every G chunks; a block per (group of G chunks, head) does the rest. SIMT fp32, but
-half inputs' tile products run on tensor cores (tf32 mma.sync; ``TTT_CUPY_MMA=0``: off).
-"""
+and launched by CuPy, both on first use (:attr:`CupyBackend.capabilities`' notes say more)."""
 
 from __future__ import annotations
 

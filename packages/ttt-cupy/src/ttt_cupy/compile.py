@@ -296,10 +296,9 @@ def get_kernels(pass_: str, dtype_name: str, dp: int, bt: int, device_index: int
     _check_pass(pass_)
     if dtype_name not in CTYPES:
         raise TypeError(f"dtype: expected one of {sorted(CTYPES)}, got {dtype_name}")
-    if dp not in D_PADS:
-        raise ValueError(f"D_PAD: expected one of {D_PADS}, got {dp}")
-    if bt not in BLOCK_TS:
-        raise ValueError(f"chunk_size: expected one of {BLOCK_TS}, got {bt}")
+    for what, value, allowed in (("D_PAD", dp, D_PADS), ("chunk_size", bt, BLOCK_TS)):
+        if value not in allowed:
+            raise ValueError(f"{what}: expected one of {allowed}, got {value}")
     _check_variant(key, out)
     ctype = CTYPES[dtype_name]
     bt, mma = _pass_key(pass_, ctype, bt, mma)

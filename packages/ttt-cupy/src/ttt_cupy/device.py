@@ -91,13 +91,14 @@ class CudaDevice:
         return use_mma(CTYPES[dtype_name], device_arch(self.index), requested)
 
     def kernels(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
-                key: bool = False, out: str = "norm_residual",
-                native_params: bool = False) -> Mapping[str, Any]:
-        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, key, out, native_params)
+                **variant) -> Mapping[str, Any]:
+        """:func:`~ttt_cupy.compile.get_kernels` on this device (``variant``: key, out,
+        native_params)."""
+        return get_kernels(pass_, dtype_name, dp, bt, self.index, mma, **variant)
 
     def prefetch(self, pass_: str, dtype_name: str, dp: int, bt: int, mma: bool,
-                 key: bool = False, out: str = "norm_residual") -> None:
-        prefetch(pass_, dtype_name, dp, bt, self.index, mma, key, out)
+                 **variant) -> None:
+        prefetch(pass_, dtype_name, dp, bt, self.index, mma, **variant)
 
     def active(self):
         """A context holding this device current in CuPy."""

@@ -1,14 +1,10 @@
 """The forward and backward passes: torch buffers, kernels launched through CuPy on torch's
 current stream (zero copy), in the schedule :mod:`ttt_cupy.placement` picks, on the side
-streams it needs.
-
-Forward: fwd_chain then fwd_out; or fwd_chain's fused instance; or fwd_decode alone
-(placement.row_step). Backward: bwd_local, bwd_chain, bwd_grads; or the fused backward chain
-for the last two; no bwd_grads without dk, dv, dw, db, no chain for dq alone. Every tensor
-returned is a new one. A dense batch's setup (grouping, plan, kernels, block and shared
-memory sizes) is kept per configuration, so a repeated call only allocates and launches.
-``device`` (default: the inputs' :class:`~ttt_cupy.device.CudaDevice`) is the one seam to
-the GPU: tests pass a stand-in that records the launches or runs them in the CPU emulation.
+streams it needs. Every tensor returned is a new one. A dense batch's setup (grouping, plan,
+kernels, block and shared memory sizes) is kept per configuration, so a repeated call only
+allocates and launches. ``device`` (default: the inputs'
+:class:`~ttt_cupy.device.CudaDevice`) is the one seam to the GPU: tests pass a stand-in that
+records the launches or runs them in the CPU emulation.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import torch
 from ttt import Gradients, GradNeeds, Problem
 from ttt.chunking import ChunkGroups
 
-from .compile import DECODE_KERNEL, DECODE_PASS, FUSED_BWD_NAME, FUSED_NAME, d_pad
+from .compile import CTYPES, DECODE_KERNEL, DECODE_PASS, FUSED_BWD_NAME, FUSED_NAME, d_pad
 from .config import AUTO, Schedule, config
 from .device import cuda_device
 from .layout import Saved, f32
@@ -37,8 +33,6 @@ from .smem import (
     threads,
 )
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
 Segment = tuple[int, int]   # groups [g_lo, g_hi) of each sequence; WHOLE: every group
 WHOLE: Segment = (0, 0)
 
@@ -47,20 +41,16 @@ MAX_SETUPS = 64
 
 
 def _dtype_name(q: torch.Tensor) -> str:
-    if q.dtype not in _DTYPE_NAMES:
+    name = str(q.dtype).removeprefix("torch.")
+    if name not in CTYPES:
         raise TypeError(f"q: expected float32, float16 or bfloat16 for the cupy kernels, "
                         f"got {q.dtype}")
-    return _DTYPE_NAMES[q.dtype]
+    return name
 
 
 def _variant(p: Problem) -> dict:
-    """``p``'s variant as keyword arguments of ``device.kernels`` (none for the default)."""
-    v = {}
-    if p.eta_key is not None:
-        v["key"] = True
-    if p.output != "norm_residual":
-        v["out"] = p.output
-    return v
+    """``p``'s variant as keyword arguments of ``device.kernels``."""
+    return dict(key=p.eta_key is not None, out=p.output)
 
 
 def _setup_key(p: Problem, device, *options) -> tuple | None:

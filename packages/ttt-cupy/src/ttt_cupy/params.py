@@ -92,15 +92,16 @@ _BWD = ("q k v dout eta lnw lnb ck ckb xbuf rbuf rlbuf dopbuf dgbuf dq dk dv det
 _DEC = "q k v eta lnw lnb ekey h0 hb0 ht hbt o cu_seqlens"
 
 
+_CHUNKED = ("T_len g_lo g_hi n_chains smem_bytes", "scale eps", "H D G mode wait_spins")
+
+
 class FwdParams(Params):
-    _fields_ = _fields(_FWD, "T_len g_lo g_hi n_chains smem_bytes", "scale eps",
-                       "H D G mode wait_spins")
+    _fields_ = _fields(_FWD, *_CHUNKED)
     _n_pointers = len(_FWD.split())
 
 
 class BwdParams(Params):
-    _fields_ = _fields(_BWD, "T_len g_lo g_hi n_chains smem_bytes", "scale eps",
-                       "H D G mode wait_spins")
+    _fields_ = _fields(_BWD, *_CHUNKED)
     _n_pointers = len(_BWD.split())
 
 

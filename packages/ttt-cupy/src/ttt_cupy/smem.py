@@ -1,7 +1,5 @@
 """Threads and shared memory of every kernel instance, from the C++ ``Traits``
-(csrc/traits.cuh) through the generated :mod:`ttt_cupy._traits_table`; fwd_decode's by the
-step's rows (:func:`decode_smem_bytes`).
-"""
+(csrc/traits.cuh) through the generated :mod:`ttt_cupy._traits_table`."""
 
 from __future__ import annotations
 
@@ -23,11 +21,9 @@ _TRAITS = {key: dict(zip(FIELDS, row)) for key, row in TRAITS.items()}
 
 def traits(dp: int, bt: int) -> dict[str, int]:
     """The Traits<dp, bt> members of the table (e.g. ``kBwdGradsBytes``)."""
-    try:
-        return _TRAITS[(dp, bt)]
-    except KeyError:
-        raise ValueError(f"(D_PAD, BT): expected one of {sorted(_TRAITS)}, "
-                         f"got {(dp, bt)}") from None
+    if (dp, bt) not in _TRAITS:
+        raise ValueError(f"(D_PAD, BT): expected one of {sorted(_TRAITS)}, got {(dp, bt)}")
+    return _TRAITS[(dp, bt)]
 
 
 def traits_field(kernel: str, tc: bool = False, fused: bool = False) -> str:
@@ -43,7 +39,7 @@ def threads(dp: int, kernel: str | None = None, mma: bool = False) -> int:
 
 
 def grads_split(dp: int, bt: int) -> int:
-    """Blocks per (group, head) of bwd_grads (kGradsSplit)."""
+    """Blocks per (group, head) of bwd_grads."""
     return traits(dp, bt)["kGradsSplit"]
 
 
@@ -58,7 +54,7 @@ def smem_bytes(kernel: str, dp: int, bt: int, mma: bool = False, fused: bool = F
 
 
 def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
-    """Dynamic shared memory of the fused backward chain (kBwdChainFusedTcBytes)."""
+    """Dynamic shared memory of the fused backward chain."""
     if dp > FUSED_BWD_MAX_D_PAD:
         raise ValueError(f"D_PAD: the fused backward chain needs at most {FUSED_BWD_MAX_D_PAD}, "
                          f"got {dp}")
@@ -66,7 +62,6 @@ def bwd_chain_fused_smem_bytes(dp: int, bt: int) -> int:
 
 
 def decode_threads(dp: int) -> int:
-    """Threads per block of fwd_decode (kDecThreads)."""
     return traits(dp, 16)["kDecThreads"]
 
 
