@@ -88,6 +88,8 @@ CASES = (
     Case("mlp train", layer=True, calls="mlp train"),
     Case("mlp train packed fp32", "fp32", B=1, D=32, packed=(9, 31), calls="mlp train"),
     Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
+    Case("mlp step d64", B=4, T=1, layer=True, calls="mlp"),
+    Case("mlp step fp32 d128", "fp32", B=4, T=1, D=128, calls="mlp"),
     # the largest tile the TTT-MLP backward takes (launcher.BACKWARD_MAX_TILE), the most
     # shared memory of its launches
     Case("mlp train d64 c64", B=1, T=70, chunk=64, layer=True, calls="mlp train"),

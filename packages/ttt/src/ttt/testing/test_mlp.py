@@ -50,6 +50,14 @@ MLP_CASES = [
     MlpCase(Case(1, 30, 2, 16, 16, F32, states=False, final_state=False, eta_key=True), 64),
 ]
 
+MLP_STEP_CASES = [   # generation steps: one token per sequence, checked without autograd
+    MlpCase(Case(2, 1, 2, 16, 16, F32, eta_key=True), 64),
+    MlpCase(Case(1, 2, 2, 8, 16, F16, seq_lens=(1, 0, 1), output="query_residual"), 36),
+    MlpCase(Case(3, 1, 2, 32, 16, BF16, output="raw"), 128),
+    MlpCase(Case(2, 1, 2, 16, 16, F32, states=False, eta_tensor=False), 64),
+    MlpCase(Case(2, 1, 2, 64, 16, F32), 256),
+]
+
 
 def mlp_inputs(mc: MlpCase, device, seed: int = 0) -> dict:
     """Fresh random inputs of ``chunk_ttt_mlp`` (never zeros): the case's, with an MLP
@@ -127,10 +135,11 @@ def _expect_outputs(mc: MlpCase, o, final, o_ref, final_ref) -> tuple[list, list
     return outputs, refs
 
 
-@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id) for mc in MLP_CASES])
+@pytest.mark.parametrize("mc", [pytest.param(mc, id=mc.id)
+                                for mc in MLP_CASES + MLP_STEP_CASES])
 def test_mlp_forward_matches_oracle(mc: MlpCase, ttt_backend, ttt_backend_name, ttt_device):
-    """Without autograd (inference, prefill: a backend may take another path there): o and
-    the final state against the oracle."""
+    """Without autograd (inference, prefill and generation steps: a backend may take other
+    paths there): o and the final state against the oracle."""
     inputs = mlp_inputs(mc, ttt_device, seed=mc.case.seed + 7)
     _skip_unsupported(inputs, ttt_backend)
     leaves = _leaves(inputs)

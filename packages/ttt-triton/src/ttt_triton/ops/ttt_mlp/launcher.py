@@ -1,6 +1,7 @@
 """The TTT-MLP launchers: the forward (one launch of :mod:`.fwd_chain`'s kernel, one program
-per (sequence, head)) and the backward (one launch of :mod:`.bwd_chain`'s), as the custom
-ops ``ttt_triton::ttt_mlp_fwd`` and ``ttt_triton::ttt_mlp_bwd``, the first differentiable
+per (sequence, head); for a generation step of one token per sequence, :mod:`.fwd_decode`'s)
+and the backward (one launch of :mod:`.bwd_chain`'s), as the custom ops
+``ttt_triton::ttt_mlp_fwd`` and ``ttt_triton::ttt_mlp_bwd``, the first differentiable
 through the second (``torch.library.register_autograd``): ``torch.compile`` and CUDA graphs
 see opaque calls, autograd the usual graph."""
 
@@ -10,6 +11,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ttt import schedule
 from ttt.problem import MlpProblem
 
 from ..._env import kernels_interpreted
@@ -17,6 +19,7 @@ from ..ttt_linear.launches import Launch
 from ..ttt_linear.tuning import block_sizes, dot_precision
 from .bwd_chain import ttt_mlp_bwd_chain_kernel
 from .fwd_chain import ttt_mlp_fwd_chain_kernel
+from .fwd_decode import ttt_mlp_fwd_decode_kernel
 
 
 def num_warps(BD: int, BT: int) -> int:
@@ -49,6 +52,26 @@ def hidden_block(BD: int) -> int:
     return 32 if BD <= 64 else 16
 
 
+STEP_ROWS = 1
+"""The most rows of a sequence the generation step's kernel (:mod:`.fwd_decode`) takes; a
+longer step runs the chain (``ttt.schedule.row_step``)."""
+
+STEP_TILE = 64 * 64
+"""Entries of each state block ([BD, BF], [BF, BD] fp32) the step's kernel holds in registers
+at once, over its 8 warps: 16 per thread each. Twice that spills at padded head dims 64 and
+128 (sm_90, ``tests/sm90_compile.py``), with 8 warps or 16."""
+
+
+def _step_constants(q: Tensor, hidden: int, cu_seqlens, eta_key, output: str) -> dict:
+    """The step kernel's constexprs and options (:data:`STEP_TILE`)."""
+    H, D = q.shape[2], q.shape[3]
+    BD = block_sizes(D, 16)[1]
+    BF = max(16, min(STEP_TILE // BD, triton.next_power_of_2(hidden)))
+    options = {} if kernels_interpreted() else {"num_warps": 8, "num_stages": 1}
+    return dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=cu_seqlens is not None,
+                HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
+
+
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
     H, D = q.shape[2], q.shape[3]
     return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
@@ -79,13 +102,21 @@ def _slots(q: Tensor, N: int, count: int, hidden: int) -> list[Tensor]:
 def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
              eta_key: Tensor | None, state: list[Tensor], cu_seqlens: Tensor | None,
              scale: float, eps: float, chunk_size: int, hidden: int, N: int, NG: int,
-             output: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+             output: str, step: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """``(o, W1, b1, W2, b2, slots)``: ``state`` the four fp32 initial tensors, or empty
-    (zeros); ``NG`` checkpoint slots per chain (0: none, a forward without backward)."""
+    (zeros); ``NG`` checkpoint slots per chain (0: none, a forward without backward);
+    ``step``: a generation step of at most :data:`STEP_ROWS` rows per sequence (no slots)."""
     final = [torch.empty(shape, dtype=torch.float32, device=q.device)
              for shape in _state_shapes(q, N, hidden)]
-    slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     o = torch.empty_like(q)
+    if step:
+        run_launch(Launch(ttt_mlp_fwd_decode_kernel, (N * q.shape[2],), (
+            q, k, v, eta, w, b, eta_key, o, *(state or final), *final, cu_seqlens, scale, eps,
+            q.shape[1], hidden), dict(_step_constants(q, hidden, cu_seqlens, eta_key, output),
+                                      USE_INITIAL=bool(state))))
+        return o, *final, []
+    slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
     run_launch(Launch(ttt_mlp_fwd_chain_kernel, (N * q.shape[2],), (
         q, k, v, eta, w, b, eta_key, o, *(state or final), *final, *slots, cu_seqlens, scale,
@@ -96,7 +127,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
 
 @_forward.register_fake
 def _forward_fake(q, k, v, w, b, eta, eta_key, state, cu_seqlens, scale, eps, chunk_size,
-                  hidden, N, NG, output):
+                  hidden, N, NG, output, step=False):
     final = [q.new_empty(shape, dtype=torch.float32) for shape in _state_shapes(q, N, hidden)]
     return torch.empty_like(q), *final, (_slots(q, N, NG, hidden) if NG else [])
 
@@ -139,7 +170,7 @@ def _backward_fake(do, dfinal, q, k, v, w, b, eta, eta_key, slots, cu_seqlens, s
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, w, b, eta, eta_key, state, cu_seqlens = inputs[:9]
-    ctx.options = inputs[9:]            # scale, eps, chunk_size, hidden, N, NG, output
+    ctx.options = inputs[9:16]          # scale, eps, chunk_size, hidden, N, NG, output
     ctx.has_state = bool(state)
     ctx.has_key = eta_key is not None
     ctx.has_cu = cu_seqlens is not None
@@ -159,8 +190,8 @@ def _backward_of_forward(ctx, do, dW1, db1, dW2, db2, dslots):
                       *ctx.options)
     dq, dk, dv, dw, db, deta, *dstate = grads
     d_key = dstate.pop() if ctx.has_key else None
-    return (dq, dk, dv, dw, db, deta, d_key, dstate if ctx.has_state else [], None,
-            None, None, None, None, None, None, None)
+    return (dq, dk, dv, dw, db, deta, d_key, dstate if ctx.has_state else [],
+            *[None] * len(ctx.needs_input_grad[8:]))
 
 
 _forward.register_autograd(_backward_of_forward, setup_context=_setup_context)
@@ -180,7 +211,8 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
     if p.requires_grad:
         chunks = max(p.chunk_counts())
         NG = max(1, -(-chunks // CHECKPOINT_EVERY))
+    step = schedule.row_step(p, p.requires_grad, STEP_ROWS)
     o, *final, _ = _forward(p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens,
                             float(p.scale), float(p.eps), p.chunk_size, p.hidden, p.N, NG,
-                            p.output)
+                            p.output, step)
     return o, tuple(final)

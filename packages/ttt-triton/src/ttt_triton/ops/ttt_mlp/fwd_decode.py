@@ -1,0 +1,97 @@
+r"""TTT-MLP forward of a generation step: every sequence holds at most one token, no backward.
+
+One program per (sequence, head). With one row, the chunk's tile products (``common.py``)
+become products of that row with the state's hidden blocks, in fp32 without dot
+instructions, so no padded chunk is computed (``q`` scaled, ``e`` the row's eta, ``l`` its
+per-key factor, 1 without ``HAS_ETA_KEY``):
+
+.. math::
+
+    Z_1 &= k W_1 + b_1,\quad X_2 = \mathrm{gelu}(Z_1),\quad
+    g_2 = l\, \partial\ell/\partial(X_2 W_2 + b_2),\quad
+    g_1 = (g_2 W_2^\top) \odot \mathrm{gelu}'(Z_1)\\
+    \bar Z_1 &= q W_1 + b_1 - e\,(q \cdot k + 1)\, g_1,\quad \bar X_2 = \mathrm{gelu}(\bar Z_1),
+    \quad z = \bar X_2 W_2 + b_2 - e\,(\bar X_2 \cdot X_2 + 1)\, g_2\\
+    W_1 &\mathrel{-}= e\, k^\top g_1,\ b_1 \mathrel{-}= e\, g_1,\quad
+    W_2 \mathrel{-}= e\, X_2^\top g_2,\ b_2 \mathrel{-}= e\, g_2
+
+and ``o`` is ``z`` in the output form ``OUTPUT``. The first walk over the hidden blocks sums
+``Z_2``; the second computes each block's ``g_1``, its share of ``z`` and of
+``\bar X_2 \cdot X_2``, and writes the block's update. A packed sequence of no token passes
+its state through (``e`` is zero there).
+"""
+
+import triton
+import triton.language as tl
+
+from ..ttt_linear.common import inner_grad, load_norm_params, output_form
+from .common import chain_rows, gelu_and_slope, hidden_block
+
+
+@triton.jit
+def row_times(b_x, b_M):
+    """The row ``b_x`` [1, K] times the tile ``b_M`` [K, N]: [1, N]."""
+    return tl.sum(tl.trans(b_x) * b_M, 0)[None, :]
+
+
+@triton.jit(do_not_specialize=["T", "F"])
+def ttt_mlp_fwd_decode_kernel(
+    q, k, v, eta, w, b,
+    eta_key,            # [B, T, H, 1] per-key factor (when HAS_ETA_KEY)
+    o,                  # [B, T, H, D] input dtype
+    W1_0, b1_0, W2_0, b2_0,   # initial state (when USE_INITIAL), fp32, as fwd_chain's
+    W1, b1, W2, b2,           # the final state, same shapes, fp32
+    cu_seqlens,         # [N + 1] int64 (when IS_VARLEN)
+    scale, eps,
+    T, F,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    USE_INITIAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA_KEY: tl.constexpr,
+    OUTPUT: tl.constexpr,
+):
+    i_nh, i_h, bos, seq_len, _nc = chain_rows(cu_seqlens, T, H, 1, IS_VARLEN)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    has_row = seq_len > 0
+    m_x = m_d[None, :] & has_row                                           # [1, BD]
+    p_e = bos * H + i_h
+    p_x = p_e * D + o_d[None, :]                                           # [1, BD]
+    r_q = tl.load(q + p_x, mask=m_x, other=0.)                             # [1, BD]
+    b_k = tl.load(k + p_x, mask=m_x, other=0.).to(tl.float32)              # [1, BD]
+    b_v = tl.load(v + p_x, mask=m_x, other=0.).to(tl.float32)              # [1, BD]
+    b_e = tl.load(eta + p_e, mask=has_row, other=0.).to(tl.float32)
+    b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
+    if USE_INITIAL:
+        b_b2 = tl.load(b2_0 + i_nh * D + o_d, mask=m_d, other=0.)[None, :]  # [1, BD]
+    else:
+        b_b2 = tl.zeros([1, BD], dtype=tl.float32)
+
+    b_z2 = tl.zeros([1, BD], dtype=tl.float32)                             # [1, BD]
+    for f0 in range(0, F, BF):
+        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
+            W1_0, b1_0, W2_0, i_nh, f0, F, D, o_d, m_d, BF, USE_INITIAL)
+        b_x2, _s1 = gelu_and_slope(row_times(b_k, b_W1) + b_b1[None, :])    # [1, BF]
+        b_z2 += row_times(b_x2, b_W2)
+    b_g2, _xh, _r, _y = inner_grad(b_z2 + b_b2, b_k, b_v, b_w, b_b, m_x, D, eps)  # [1, BD]
+    if HAS_ETA_KEY:
+        b_g2 = b_g2 * tl.load(eta_key + p_e, mask=has_row, other=0.).to(tl.float32)
+
+    b_qs = r_q.to(tl.float32) * scale                                      # [1, BD]
+    b_a1 = b_e * (tl.sum(b_qs * b_k) + 1.)
+    b_z = tl.zeros([1, BD], dtype=tl.float32)                              # [1, BD]
+    b_m2 = 0.                                                              # X2bar . X2
+    for f0 in range(0, F, BF):
+        b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
+            W1_0, b1_0, W2_0, i_nh, f0, F, D, o_d, m_d, BF, USE_INITIAL)
+        b_x2, b_s1 = gelu_and_slope(row_times(b_k, b_W1) + b_b1[None, :])   # [1, BF]
+        b_g1 = tl.sum(b_g2 * b_W2, 1)[None, :] * b_s1                      # [1, BF]
+        b_x2b, _s1b = gelu_and_slope(row_times(b_qs, b_W1) + b_b1[None, :] - b_a1 * b_g1)
+        b_z += row_times(b_x2b, b_W2)
+        b_m2 += tl.sum(b_x2b * b_x2)
+        tl.store(W1 + o_w1, b_W1 - b_e * tl.trans(b_k) * b_g1, mask=m_w1)
+        tl.store(b1 + o_b1, b_b1 - b_e * tl.sum(b_g1, 0), mask=m_f)
+        tl.store(W2 + o_w2, b_W2 - b_e * tl.trans(b_x2) * b_g2, mask=m_w2)
+
+    b_z = b_z + b_b2 - b_e * (b_m2 + 1.) * b_g2                            # [1, BD]
+    b_o = output_form(b_z, r_q, b_w, b_b, m_x, D, eps, OUTPUT)
+    tl.store(o + p_x, b_o.to(o.dtype.element_ty), mask=m_x)
+    tl.store(b2 + i_nh * D + o_d[None, :], b_b2 - b_e * b_g2, mask=m_d[None, :])
