@@ -66,7 +66,7 @@ def ttt_mlp_fwd_decode_kernel(
         b_b2 = tl.zeros([1, BD], dtype=tl.float32)
 
     b_z2 = tl.zeros([1, BD], dtype=tl.float32)                             # [1, BD]
-    for f0 in range(0, F, BF):
+    for f0 in tl.range(0, F, BF, num_stages=2):
         b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
             W1_0, b1_0, W2_0, i_nh, f0, F, D, o_d, m_d, BF, USE_INITIAL)
         b_x2, _s1 = gelu_and_slope(row_times(b_k, b_W1) + b_b1[None, :])    # [1, BF]
@@ -79,7 +79,7 @@ def ttt_mlp_fwd_decode_kernel(
     b_a1 = b_e * (tl.sum(b_qs * b_k) + 1.)
     b_z = tl.zeros([1, BD], dtype=tl.float32)                              # [1, BD]
     b_m2 = 0.                                                              # X2bar . X2
-    for f0 in range(0, F, BF):
+    for f0 in tl.range(0, F, BF, num_stages=2):
         b_W1, b_b1, b_W2, o_w1, m_w1, o_b1, m_f, o_w2, m_w2 = hidden_block(
             W1_0, b1_0, W2_0, i_nh, f0, F, D, o_d, m_d, BF, USE_INITIAL)
         b_x2, b_s1 = gelu_and_slope(row_times(b_k, b_W1) + b_b1[None, :])   # [1, BF]

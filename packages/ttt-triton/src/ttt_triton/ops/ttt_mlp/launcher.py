@@ -63,11 +63,12 @@ at once, over its 8 warps: 16 per thread each. Twice that spills at padded head 
 
 
 def _step_constants(q: Tensor, hidden: int, cu_seqlens, eta_key, output: str) -> dict:
-    """The step kernel's constexprs and options (:data:`STEP_TILE`)."""
+    """The step kernel's constexprs and options (:data:`STEP_TILE`; two stages: the next
+    hidden block's loads go out by cp.async while one is computed)."""
     H, D = q.shape[2], q.shape[3]
     BD = block_sizes(D, 16)[1]
     BF = max(16, min(STEP_TILE // BD, triton.next_power_of_2(hidden)))
-    options = {} if kernels_interpreted() else {"num_warps": 8, "num_stages": 1}
+    options = {} if kernels_interpreted() else {"num_warps": 8, "num_stages": 2}
     return dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=cu_seqlens is not None,
                 HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
 
