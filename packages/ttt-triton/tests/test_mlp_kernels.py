@@ -1,6 +1,7 @@
 """The TTT-MLP kernels beyond the shared suite: the backward's recompute across checkpoint
 groups (a small ``CHECKPOINT_EVERY`` puts group boundaries, and a partial last group, into
-short sequences), and the launches per call (one forward, one backward). Against the
+short sequences), the launches per call (one forward, one backward) and the generation
+step's kernel and eager path. Against the
 float64 reference backend. Runs on CUDA when there is a GPU, else in the Triton interpreter
 (float32)."""
 
@@ -88,6 +89,42 @@ def test_one_launch_per_pass(monkeypatch):
     with torch.no_grad():
         ttt.chunk_ttt_mlp(**cast, backend="triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel"]
+    seen.clear()
+    _outputs_and_grads(inputs, F32, "triton")
+    assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]
+
+
+class _ThroughTheDispatcher(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing: with a mode on, the forward takes the custom op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_generation_step(monkeypatch):
+    """A step of at most one token per sequence without autograd is one launch of the step
+    kernel; the eager call (the op's implementation run directly) equals the custom op's
+    bitwise; with autograd the step runs the chain and its backward."""
+    seen = []
+    run = launcher.run_launch
+    monkeypatch.setattr(launcher, "run_launch", lambda launch: (seen.append(
+        launch.kernel.__name__), run(launch)))
+    inputs = _inputs((1, 0, 1), seed=2)
+    cast = {n: (t.float().to(DEVICE) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                else t) for n, t in inputs.items()}
+    cast["initial_state"] = tuple(t.float().to(DEVICE) for t in inputs["initial_state"])
+    cast["cu_seqlens"] = inputs["cu_seqlens"].to(DEVICE)
+    with torch.no_grad():
+        o, final = ttt.chunk_ttt_mlp(**cast, backend="triton")
+        with _ThroughTheDispatcher():
+            o_op, final_op = ttt.chunk_ttt_mlp(**cast, backend="triton")
+    assert seen == ["ttt_mlp_fwd_decode_kernel"] * 2
+    for got, want in zip((o, *final), (o_op, *final_op)):
+        assert torch.equal(got, want)
+    ref_o, ref_final = ttt.chunk_ttt_mlp(**inputs, backend="reference")
+    expect_close("o", o, ref_o, TOLERANCES[F32][0])
+    for name, got, want in zip(("W1", "b1", "W2", "b2"), final, ref_final):
+        expect_close(f"final {name}", got, want, TOLERANCES[F32][0])
     seen.clear()
     _outputs_and_grads(inputs, F32, "triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]

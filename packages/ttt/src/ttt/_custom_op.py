@@ -239,11 +239,12 @@ SHORTCUT_AVAILABLE = (hasattr(torch._library.utils, "_c_check_aliasing_constrain
 ``_c_check_aliasing_constraint``); without them every call takes the op."""
 
 
-def _eager_and_plain(tensors, first: torch.Tensor) -> bool:
+def eager_and_plain(tensors, first: torch.Tensor) -> bool:
     """Whether the dispatcher would take an op on ``tensors`` straight to its autograd
     formula and implementation, nothing watching or transforming it. ``tensors`` (None
     where absent) are on the device of ``first``, one of them: the validated inputs, their
-    cotangents and what the backend saved; so ``first`` alone says whether it is meta."""
+    cotangents and what the backend saved; so ``first`` alone says whether it is meta.
+    (Backends' own custom ops ask it too, e.g. the Triton TTT-MLP forward's.)"""
     if not SHORTCUT_AVAILABLE:
         return False
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
@@ -292,7 +293,7 @@ def forward(problem: Problem, backend: str, autocast: bool
     ``(o, finals, saved)``; ``autocast``: whether an autocast region is on for the
     problem's device type (the wrapper read it)."""
     tensors = _tensors(problem)
-    if not _eager_and_plain(tensors, problem.q):
+    if not eager_and_plain(tensors, problem.q):
         return chunk_ttt_linear_fwd(*tensors, *_options(problem, backend))
     if not (torch.is_grad_enabled() and problem.requires_grad):
         return _checked("chunk_ttt_linear_fwd", tensors, _run_forward, problem, backend,
@@ -305,7 +306,7 @@ def forward(problem: Problem, backend: str, autocast: bool
 def backward(args: tuple) -> list[torch.Tensor]:
     """The backward op on ``args``; the op itself where a graph of it is to be recorded
     (a double backward, which it refuses)."""
-    if torch.is_grad_enabled() or not _eager_and_plain(
+    if torch.is_grad_enabled() or not eager_and_plain(
             (*args[:3 + _TENSOR_ARGS], *args[3 + _TENSOR_ARGS]), args[3]):
         return chunk_ttt_linear_bwd(*args)
     return _checked("chunk_ttt_linear_bwd", args, _backward_impl, *args)

@@ -7,11 +7,14 @@ see opaque calls, autograd the usual graph."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
 
 from ttt import schedule
+from ttt._custom_op import eager_and_plain
 from ttt.problem import MlpProblem
 
 from ..._env import kernels_interpreted
@@ -62,15 +65,16 @@ at once, over its 8 warps: 16 per thread each. Twice that spills at padded head 
 128 (sm_90, ``tests/sm90_compile.py``), with 8 warps or 16."""
 
 
-def _step_constants(q: Tensor, hidden: int, cu_seqlens, eta_key, output: str) -> dict:
+@functools.lru_cache(maxsize=256)
+def _step_constants(H: int, D: int, hidden: int, varlen: bool, key: bool, output: str,
+                    interpreted: bool) -> dict:
     """The step kernel's constexprs and options (:data:`STEP_TILE`; two stages: the next
-    hidden block's loads go out by cp.async while one is computed)."""
-    H, D = q.shape[2], q.shape[3]
+    hidden block's loads go out by cp.async while one is computed), made once per key."""
     BD = block_sizes(D, 16)[1]
     BF = max(16, min(STEP_TILE // BD, triton.next_power_of_2(hidden)))
-    options = {} if kernels_interpreted() else {"num_warps": 8, "num_stages": 2}
-    return dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=cu_seqlens is not None,
-                HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
+    options = {} if interpreted else {"num_warps": 8, "num_stages": 2}
+    return dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=varlen, HAS_ETA_KEY=key, OUTPUT=output,
+                **options)
 
 
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
@@ -99,12 +103,11 @@ def _slots(q: Tensor, N: int, count: int, hidden: int) -> list[Tensor]:
             for shape in ((rows, D, hidden), (rows, hidden), (rows, hidden, D), (rows, D))]
 
 
-@torch.library.custom_op("ttt_triton::ttt_mlp_fwd", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
-             eta_key: Tensor | None, state: list[Tensor], cu_seqlens: Tensor | None,
-             scale: float, eps: float, chunk_size: int, hidden: int, N: int, NG: int,
-             output: str, step: bool = False
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
+                  eta_key: Tensor | None, state: list[Tensor], cu_seqlens: Tensor | None,
+                  scale: float, eps: float, chunk_size: int, hidden: int, N: int, NG: int,
+                  output: str, step: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """``(o, W1, b1, W2, b2, slots)``: ``state`` the four fp32 initial tensors, or empty
     (zeros); ``NG`` checkpoint slots per chain (0: none, a forward without backward);
     ``step``: a generation step of at most :data:`STEP_ROWS` rows per sequence (no slots)."""
@@ -112,10 +115,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
              for shape in _state_shapes(q, N, hidden)]
     o = torch.empty_like(q)
     if step:
+        consts = _step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
+                                 eta_key is not None, output, kernels_interpreted())
         run_launch(Launch(ttt_mlp_fwd_decode_kernel, (N * q.shape[2],), (
             q, k, v, eta, w, b, eta_key, o, *(state or final), *final, cu_seqlens, scale, eps,
-            q.shape[1], hidden), dict(_step_constants(q, hidden, cu_seqlens, eta_key, output),
-                                      USE_INITIAL=bool(state))))
+            q.shape[1], hidden), dict(consts, USE_INITIAL=bool(state))))
         return o, *final, []
     slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
@@ -124,6 +128,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Tensor,
         eps, q.shape[1], hidden, max(NG, 1)), dict(
         consts, USE_INITIAL=bool(state), SAVE=NG > 0)))
     return o, *final, (slots if NG else [])
+
+
+_forward = torch.library.custom_op("ttt_triton::ttt_mlp_fwd", _forward_impl, mutates_args=())
 
 
 @_forward.register_fake
@@ -213,7 +220,10 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
         chunks = max(p.chunk_counts())
         NG = max(1, -(-chunks // CHECKPOINT_EVERY))
     step = schedule.row_step(p, p.requires_grad, STEP_ROWS)
-    o, *final, _ = _forward(p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens,
-                            float(p.scale), float(p.eps), p.chunk_size, p.hidden, p.N, NG,
-                            p.output, step)
+    args = (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens, float(p.scale),
+            float(p.eps), p.chunk_size, p.hidden, p.N, NG, p.output, step)
+    # without autograd, an eager call runs the op's implementation itself: the dispatcher's
+    # generic glue would be most of a generation step's host time
+    plain = not p.requires_grad and eager_and_plain((*args[:7], *state), p.q)
+    o, *final, _ = (_forward_impl if plain else _forward)(*args)
     return o, tuple(final)
