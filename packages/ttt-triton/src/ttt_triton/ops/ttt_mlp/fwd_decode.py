@@ -52,13 +52,13 @@ def ttt_mlp_fwd_decode_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     has_row = seq_len > 0
-    m_x = m_d[None, :] & has_row                                           # [1, BD]
-    p_e = bos * H + i_h
+    m_x = m_d[None, :] & (tl.zeros([1, BD], dtype=tl.int32) < seq_len)     # [1, BD]
+    p_e = tl.where(has_row, bos, 0) * H + i_h     # (no row: any row's scalars, unused)
     p_x = p_e * D + o_d[None, :]                                           # [1, BD]
     r_q = tl.load(q + p_x, mask=m_x, other=0.)                             # [1, BD]
     b_k = tl.load(k + p_x, mask=m_x, other=0.).to(tl.float32)              # [1, BD]
     b_v = tl.load(v + p_x, mask=m_x, other=0.).to(tl.float32)              # [1, BD]
-    b_e = tl.load(eta + p_e, mask=has_row, other=0.).to(tl.float32)
+    b_e = tl.where(has_row, tl.load(eta + p_e).to(tl.float32), 0.)
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     if USE_INITIAL:
         b_b2 = tl.load(b2_0 + i_nh * D + o_d, mask=m_d, other=0.)[None, :]  # [1, BD]
@@ -73,7 +73,7 @@ def ttt_mlp_fwd_decode_kernel(
         b_z2 += row_times(b_x2, b_W2)
     b_g2, _xh, _r, _y = inner_grad(b_z2 + b_b2, b_k, b_v, b_w, b_b, m_x, D, eps)  # [1, BD]
     if HAS_ETA_KEY:
-        b_g2 = b_g2 * tl.load(eta_key + p_e, mask=has_row, other=0.).to(tl.float32)
+        b_g2 = b_g2 * tl.load(eta_key + p_e).to(tl.float32)
 
     b_qs = r_q.to(tl.float32) * scale                                      # [1, BD]
     b_a1 = b_e * (tl.sum(b_qs * b_k) + 1.)
