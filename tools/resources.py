@@ -37,6 +37,7 @@ from ttt_triton.ops.ttt_linear.fwd_out import ttt_linear_fwd_out_kernel
 from ttt_triton.ops.ttt_mlp import launcher as mlp_launcher
 from ttt_triton.ops.ttt_mlp.bwd_chain import ttt_mlp_bwd_chain_kernel
 from ttt_triton.ops.ttt_mlp.fwd_chain import ttt_mlp_fwd_chain_kernel
+from ttt_triton.ops.ttt_mlp.fwd_decode import ttt_mlp_fwd_decode_kernel
 
 INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
 INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i32",
@@ -60,9 +61,10 @@ MLP_KERNELS = (
     ("mlp_fwd", ttt_mlp_fwd_chain_kernel, dict(USE_INITIAL=True, SAVE=True)),   # training
     ("mlp_infer", ttt_mlp_fwd_chain_kernel, dict(USE_INITIAL=True, SAVE=False)),
     ("mlp_bwd", ttt_mlp_bwd_chain_kernel, {}),
+    ("mlp_step", ttt_mlp_fwd_decode_kernel, dict(USE_INITIAL=True)),
 )
 """TTT-MLP's launches (hidden width 4 D): the forward saving checkpoints for a backward, the
-forward alone, the backward."""
+forward alone, the backward, and the generation step (no chunk: one row per line)."""
 MLP_INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do"}   # its dq, dk, dv are fp32
 
 DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm_residual",
@@ -111,8 +113,14 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
     q = torch.empty(1, 1, H, BD, device="meta",
                     dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     eta_key = q if form["HAS_ETA_KEY"] else None
-    consts = mlp_launcher._constants(q, BT, 4 * BD, None, eta_key, form["OUTPUT"])
-    options = {"num_warps": consts.pop("num_warps")}
+    if fn is ttt_mlp_fwd_decode_kernel:
+        consts = dict(mlp_launcher._step_constants(H, BD, 4 * BD, False, eta_key is not None,
+                                                   form["OUTPUT"], False))
+        options = {"num_warps": consts.pop("num_warps"),
+                   "num_stages": consts.pop("num_stages")}
+    else:
+        consts = mlp_launcher._constants(q, BT, 4 * BD, None, eta_key, form["OUTPUT"])
+        options = {"num_warps": consts.pop("num_warps")}
     consts.update(extra)
     consts.update({k: v for k, v in form.items() if k in ("eta_key", "deta_key")
                    and k in fn.arg_names})
@@ -225,11 +233,12 @@ def main() -> None:
                     _report(label, src, options, args.arch,
                              "" if picked(name, dtype, BD, BT) else " (not picked)")
                 for name, fn, extra in MLP_KERNELS:
-                    if only and name not in only:
+                    step = name == "mlp_step"               # (no chunk: once per BD)
+                    if only and name not in only or step and BT != args.bt[0]:
                         continue
                     src, options, consts = mlp_compile_inputs(
                         fn, extra, dtype, BD, BT, form=form, aligned=args.aligned)
-                    label = (f"{name:9} {dtype} BD={BD:>3} BT={BT:>2} "
+                    label = (f"{name:9} {dtype} BD={BD:>3} BT={'-' if step else BT:>2} "
                              f"warps={options['num_warps']} BF={consts['BF']}")
                     refused = name == "mlp_bwd" and not mlp_launcher.backward_fits(BD, BT)
                     _report(label, src, options, args.arch, " (not picked)" * refused)
