@@ -214,7 +214,8 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``(o, (W1, b1, W2, b2))`` of ``problem``: the outputs and the final state (fp32),
     differentiable when ``problem.requires_grad``."""
     p = problem
-    state = [] if p.mlp_state is None else [s.to(torch.float32) for s in p.mlp_state]
+    state = [] if p.mlp_state is None else [
+        s if s.dtype == torch.float32 else s.to(torch.float32) for s in p.mlp_state]
     NG = 0
     if p.requires_grad:
         chunks = max(p.chunk_counts())
