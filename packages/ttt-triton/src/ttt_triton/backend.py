@@ -53,7 +53,9 @@ CAPABILITIES = Capabilities(
         "cpu only under the Triton interpreter (TRITON_INTERPRET=1), for tests",
         "ttt_mlp: one program per (sequence, head) streams the fp32 state from global "
         "memory in hidden blocks; a forward is one launch (with checkpoint slots every 16 "
-        "chunks when autograd needs them), the backward one launch that recomputes each "
+        "chunks when autograd needs them; a generation step of one token per sequence "
+        "without autograd: ops.ttt_mlp.fwd_decode, no padded chunk), the backward one "
+        "launch that recomputes each "
         "group's states from its slot; the backward takes chunk tiles up to "
         "ops.ttt_mlp.launcher.BACKWARD_MAX_TILE (shared memory): chunk 64 at head dims "
         "above 64 runs forward only",
