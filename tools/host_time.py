@@ -57,7 +57,7 @@ bfloat16 inputs (q, k, v, w, b, eta, as ``benchmarks/decode.py`` passes them). P
 and shape:
 
 - ``decode``: a forward without backward, with initial and final states (a generation step
-  at 4,1,16,64);
+  at 4,1,16,64; ``triton mlp``: TTT-MLP's, hidden width 4 D);
 - ``fwd``: a forward that saves for the backward;
 - ``bwd``: the backward of that forward, every gradient.
 
@@ -421,9 +421,10 @@ def core_table(after: list[float], before: list[float] | None = None) -> str:
 
 LAUNCHER_SHAPES = ((4, 1, 16, 64), (2, 1024, 8, 64))
 CALLS = ("decode", "fwd", "bwd")
-BACKENDS = ("cupy", "triton")
+BACKENDS = ("cupy", "triton", "triton mlp")
 LAUNCHER_CASES = [(backend, shape, call) for backend in BACKENDS for shape in LAUNCHER_SHAPES
-                  for call in CALLS if call != "decode" or shape[1] == 1]
+                  for call in CALLS if (call != "decode" or shape[1] == 1)
+                  and (backend != "triton mlp" or call != "bwd")]
 
 
 class _Stream:
@@ -495,8 +496,26 @@ def _problem(shape, decode: bool):
                             **states)
 
 
+def _mlp_problem(shape, decode: bool):
+    """A TTT-MLP call's problem (hidden width 4 D): a generation step with a state, or a
+    forward for a backward (q requires grad)."""
+    p = _problem(shape, decode=False)
+    B, _, H, D = shape
+    state = tuple(torch.zeros(size) for size in ((B, H, D, 4 * D), (B, H, 1, 4 * D),
+                                                 (B, H, 4 * D, D), (B, H, 1, D)))
+    q = p.q if decode else p.q.detach().requires_grad_()
+    return ttt.mlp.make_mlp_problem(q, p.k, p.v, p.w, p.b, p.eta, initial_state=state,
+                                    output_final_state=True)
+
+
 def _launchers(backend: str):
-    """(forward, backward) of ``backend``'s launcher, launching nothing."""
+    """(forward, backward) of ``backend``'s launcher, launching nothing (``triton mlp``:
+    the TTT-MLP forward; no backward)."""
+    if backend == "triton mlp":
+        from ttt_triton.ops.ttt_mlp import launcher as mlp_launcher
+
+        mlp_launcher.run_launch = lambda launch: None
+        return (lambda p, save: mlp_launcher.ttt_mlp_fwd(p)), None
     if backend == "cupy":
         from ttt_cupy import launcher
 
@@ -516,7 +535,8 @@ def launcher_call(case: int):
     """A zero-argument function making one call of launcher case ``case``."""
     backend, shape, call = LAUNCHER_CASES[case]
     forward, backward = _launchers(backend)
-    p = _problem(shape, decode=call == "decode")
+    make = _mlp_problem if backend == "triton mlp" else _problem
+    p = make(shape, decode=call == "decode")
     if call == "decode":
         return lambda: forward(p, False)
     if call == "fwd":
