@@ -56,6 +56,7 @@ MLP_STEP_CASES = [   # generation steps: one token per sequence, checked without
     MlpCase(Case(3, 1, 2, 32, 16, BF16, output="raw"), 128),
     MlpCase(Case(2, 1, 2, 16, 16, F32, states=False, eta_tensor=False), 64),
     MlpCase(Case(2, 1, 2, 64, 16, F32), 256),
+    MlpCase(Case(1, 1, 2, 128, 16, F32, eta_key=True, output="raw"), 400),   # partial block
 ]
 
 
