@@ -2,8 +2,8 @@ r"""TTT-MLP forward: one program per (sequence, head) carries the inner MLP thro
 and writes every output (the math and the state's layout: ``common.py``).
 
 The state lives in global memory (fp32), in the final-state tensors (the launcher makes them
-whether or not the caller keeps them). Each chunk walks it twice in hidden blocks (``common.first_walk``,
-``common.second_walk``); the chain's first chunk reads the initial state (zeros without
+whether or not the caller keeps them). Each chunk walks it twice in hidden blocks
+(``common.first_walk``, ``common.second_walk``); the chain's first chunk reads the initial state (zeros without
 ``USE_INITIAL``), so a call is one launch. With ``SAVE`` (a forward for the backward) the
 program also copies the state before every ``G``-th chunk into checkpoint slot
 ``i_nh * NG + c / G``, from which the backward recomputes the states between.

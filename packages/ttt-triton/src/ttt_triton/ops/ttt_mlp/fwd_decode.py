@@ -20,8 +20,8 @@ and ``o`` is ``z`` in the output form ``OUTPUT``. The first walk over the hidden
 ``\bar X_2 \cdot X_2``, and writes the block's update. The products with ``W_2`` are kept
 as [BF, BD] tiles of per-unit terms and summed over the hidden units once, after each walk:
 a block's work then sums across warps only for ``k W_1`` and ``q W_1`` (sm_90: a quarter
-fewer barriers and a tenth fewer instructions per block than summing each block's share). A packed sequence of no token passes
-its state through (``e`` is zero there).
+fewer barriers and a tenth fewer instructions per block than summing each block's share).
+A packed sequence of no token passes its state through (``e`` is zero there).
 """
 
 import triton
