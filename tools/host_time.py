@@ -501,8 +501,8 @@ def _mlp_problem(shape, decode: bool):
     forward for a backward (q requires grad)."""
     p = _problem(shape, decode=False)
     B, _, H, D = shape
-    state = tuple(torch.zeros(size) for size in ((B, H, D, 4 * D), (B, H, 1, 4 * D),
-                                                 (B, H, 4 * D, D), (B, H, 1, D)))
+    state = tuple(torch.zeros(size)
+                  for size in ttt.problem.state_shapes(B, H, D, ttt.mlp.HIDDEN_FACTOR * D))
     q = p.q if decode else p.q.detach().requires_grad_()
     return ttt.mlp.make_mlp_problem(q, p.k, p.v, p.w, p.b, p.eta, initial_state=state,
                                     output_final_state=True)

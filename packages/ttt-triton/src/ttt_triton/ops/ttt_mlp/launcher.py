@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ttt import schedule
 from ttt._custom_op import eager_and_plain
-from ttt.problem import MlpProblem
+from ttt.problem import MlpProblem, state_shapes
 
 from ..._env import kernels_interpreted
 from ..ttt_linear.launches import Launch
@@ -78,8 +78,7 @@ def _step_constants(H: int, D: int, hidden: int, varlen: bool, key: bool, output
 
 
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
-    H, D = q.shape[2], q.shape[3]
-    return (N, H, D, F), (N, H, 1, F), (N, H, F, D), (N, H, 1, D)
+    return state_shapes(N, q.shape[2], q.shape[3], F)
 
 
 def _constants(q: Tensor, chunk_size: int, hidden: int, cu_seqlens, eta_key,
@@ -178,7 +177,7 @@ def _backward_fake(do, dfinal, q, k, v, w, b, eta, eta_key, slots, cu_seqlens, s
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, w, b, eta, eta_key, state, cu_seqlens = inputs[:9]
-    ctx.options = inputs[9:16]          # scale, eps, chunk_size, hidden, N, NG, output
+    ctx.options = inputs[9:-1]          # scale, eps, chunk_size, hidden, N, NG, output
     ctx.has_state = bool(state)
     ctx.has_key = eta_key is not None
     ctx.has_cu = cu_seqlens is not None
@@ -214,8 +213,7 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``(o, (W1, b1, W2, b2))`` of ``problem``: the outputs and the final state (fp32),
     differentiable when ``problem.requires_grad``."""
     p = problem
-    state = [] if p.mlp_state is None else [
-        s if s.dtype == torch.float32 else s.to(torch.float32) for s in p.mlp_state]
+    state = [] if p.mlp_state is None else list(p.mlp_state)    # (float32: validated)
     NG = 0
     if p.requires_grad:
         chunks = max(p.chunk_counts())
