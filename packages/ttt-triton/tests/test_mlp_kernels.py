@@ -15,6 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 import ttt  # noqa: E402
+from ttt.mlp import STATE_NAMES  # noqa: E402
+from ttt.testing.calls import ThroughTheDispatcher  # noqa: E402
 from ttt.testing.compare import expect_close  # noqa: E402
 from ttt.tolerances import TOLERANCES  # noqa: E402
 from ttt_triton.ops.ttt_mlp import launcher  # noqa: E402
@@ -75,56 +77,54 @@ def test_backward_across_checkpoint_groups(monkeypatch):
                      grad_tol)
 
 
-def test_one_launch_per_pass(monkeypatch):
-    """Inference is one forward launch; training adds one backward launch."""
+def _recorded_launches(monkeypatch) -> list[str]:
+    """The names of the kernels the TTT-MLP launcher launches from now on, in order."""
     seen = []
     run = launcher.run_launch
     monkeypatch.setattr(launcher, "run_launch", lambda launch: (seen.append(
         launch.kernel.__name__), run(launch)))
-    inputs = _inputs((20, 13))
+    return seen
+
+
+def _float32_on_device(inputs: dict) -> dict:
+    """``inputs`` (:func:`_inputs`) in float32 on the test device."""
     cast = {n: (t.float().to(DEVICE) if isinstance(t, torch.Tensor) and t.is_floating_point()
                 else t) for n, t in inputs.items()}
     cast["initial_state"] = tuple(t.float().to(DEVICE) for t in inputs["initial_state"])
     cast["cu_seqlens"] = inputs["cu_seqlens"].to(DEVICE)
+    return cast
+
+
+def test_one_launch_per_pass(monkeypatch):
+    """Inference is one forward launch; training adds one backward launch."""
+    seen = _recorded_launches(monkeypatch)
+    inputs = _inputs((20, 13))
     with torch.no_grad():
-        ttt.chunk_ttt_mlp(**cast, backend="triton")
+        ttt.chunk_ttt_mlp(**_float32_on_device(inputs), backend="triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel"]
     seen.clear()
     _outputs_and_grads(inputs, F32, "triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]
 
 
-class _ThroughTheDispatcher(torch.overrides.TorchFunctionMode):
-    """A mode that changes nothing: with a mode on, the forward takes the custom op."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def test_generation_step(monkeypatch):
     """A step of at most one token per sequence without autograd is one launch of the step
     kernel; the eager call (the op's implementation run directly) equals the custom op's
     bitwise; with autograd the step runs the chain and its backward."""
-    seen = []
-    run = launcher.run_launch
-    monkeypatch.setattr(launcher, "run_launch", lambda launch: (seen.append(
-        launch.kernel.__name__), run(launch)))
+    seen = _recorded_launches(monkeypatch)
     inputs = _inputs((1, 0, 1), seed=2)
-    cast = {n: (t.float().to(DEVICE) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                else t) for n, t in inputs.items()}
-    cast["initial_state"] = tuple(t.float().to(DEVICE) for t in inputs["initial_state"])
-    cast["cu_seqlens"] = inputs["cu_seqlens"].to(DEVICE)
+    cast = _float32_on_device(inputs)
     with torch.no_grad():
         o, final = ttt.chunk_ttt_mlp(**cast, backend="triton")
-        with _ThroughTheDispatcher():
+        with ThroughTheDispatcher():
             o_op, final_op = ttt.chunk_ttt_mlp(**cast, backend="triton")
     assert seen == ["ttt_mlp_fwd_decode_kernel"] * 2
     for got, want in zip((o, *final), (o_op, *final_op)):
         assert torch.equal(got, want)
     ref_o, ref_final = ttt.chunk_ttt_mlp(**inputs, backend="reference")
-    expect_close("o", o, ref_o, TOLERANCES[F32][0])
-    for name, got, want in zip(("W1", "b1", "W2", "b2"), final, ref_final):
-        expect_close(f"final {name}", got, want, TOLERANCES[F32][0])
+    expect_close("o", o.cpu(), ref_o, TOLERANCES[F32][0])
+    for name, got, want in zip(STATE_NAMES, final, ref_final):
+        expect_close(f"final {name}", got.cpu(), want, TOLERANCES[F32][0])
     seen.clear()
     _outputs_and_grads(inputs, F32, "triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]

@@ -23,6 +23,15 @@ def skip_unless_supported(backend: ttt.Backend, inputs: dict, requires_grad: boo
         pytest.skip(f"{backend.name} declares: {'; '.join(reasons)}")
 
 
+class ThroughTheDispatcher(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing; with any mode active, an eager call of an op takes the
+    dispatcher's path (the custom op and its registered autograd formula) instead of the
+    eager shortcut past it (``ttt._custom_op.eager_and_plain``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def run_op(backend_name: str, inputs: dict):
     return ttt.chunk_ttt_linear(**inputs, backend=backend_name)
 

@@ -15,7 +15,7 @@ import torch
 import ttt
 
 from ..tolerances import TOLERANCES
-from .calls import gradients, op_arguments, run_op, skip_unless_supported
+from .calls import ThroughTheDispatcher, gradients, op_arguments, run_op, skip_unless_supported
 from .cases import (
     BF16,
     F16,
@@ -125,15 +125,6 @@ def test_opcheck_backward(name, final_cotangents, ttt_backend, ttt_backend_name,
 # --- the eager shortcut and the dispatcher's path ------------------------------------------
 
 
-class _ThroughTheDispatcher(torch.overrides.TorchFunctionMode):
-    """A mode that changes nothing; with any mode active, an eager call of the op takes the
-    dispatcher's path (the custom op and its registered autograd formula) instead of the
-    core's eager shortcut."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in OPCHECK_CASES.items()])
 def test_eager_shortcut_equals_the_dispatcher_path(case, ttt_backend, ttt_backend_name,
                                                    ttt_device):
@@ -148,7 +139,7 @@ def test_eager_shortcut_equals_the_dispatcher_path(case, ttt_backend, ttt_backen
         return ttt.chunk_ttt_linear(**x, backend=ttt_backend_name)
 
     shortcut = _loss_and_grads(fn, inputs)
-    with _ThroughTheDispatcher():
+    with ThroughTheDispatcher():
         dispatched = _loss_and_grads(fn, inputs, shortcut[2])
     _compare_runs("dispatcher path against the eager shortcut", dispatched, shortcut,
                   case.dtype, bitwise=ttt_backend.capabilities.deterministic)
