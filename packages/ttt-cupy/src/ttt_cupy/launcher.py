@@ -40,9 +40,12 @@ MAX_SETUPS = 64
 """Setups kept per pass (dense batches); past this many they are all made again."""
 
 
+_DTYPE_NAMES = {getattr(torch, name): name for name in CTYPES}
+
+
 def _dtype_name(q: torch.Tensor) -> str:
-    name = str(q.dtype).removeprefix("torch.")
-    if name not in CTYPES:
+    name = _DTYPE_NAMES.get(q.dtype)
+    if name is None:
         raise TypeError(f"q: expected float32, float16 or bfloat16 for the cupy kernels, "
                         f"got {q.dtype}")
     return name
