@@ -218,13 +218,12 @@ def check_states(names, states, N: int, H: int, D: int, hidden: int | None,
     either of which may be None), float32 (or float64 with float64 inputs) on q's device;
     N counts the batch or the ``packed`` sequences."""
     dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
-    what_n = "sequences in cu_seqlens" if packed else "batch"
-    names_of_sizes = state_shapes("N", "H", "D", None if hidden is None else "F")
-    for name, state, shape, dims in zip(names, states, state_shapes(N, H, D, hidden),
-                                        names_of_sizes):
+    for i, (name, state, shape) in enumerate(zip(names, states, state_shapes(N, H, D, hidden))):
         optional = state is None and hidden is None
         rule = None if optional else _broken_rule(state, dtypes, shape, device)
         if rule is not None:
+            dims = state_shapes("N", "H", "D", None if hidden is None else "F")[i]
+            what_n = "sequences in cu_seqlens" if packed else "batch"
             raise _tensor_error(name, state, rule, shape,
                                 f"[{', '.join(map(str, dims))}], N = {N} {what_n}", device,
                                 str([dtype_name(d) for d in dtypes]))
