@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..mlp import HIDDEN_FACTOR, chunk_ttt_mlp
+from ..mlp import HIDDEN_FACTOR, STATE_NAMES, chunk_ttt_mlp
 from ..ops import chunk_ttt_linear
+from ..problem import state_shapes
 from ..validation import positive_int
 from .cache import LayerState, TTTCache
 from .rotary import apply_rotary, rotary_cos_sin, sequence_positions
@@ -77,10 +78,16 @@ class TTTLinear(nn.Module):
         for name, shape in self._state_shapes().items():
             setattr(self, name, nn.Parameter(torch.empty(shape, **factory)))
 
+    _hidden_factor: int | None = None
+    """The inner MLP's hidden width in head dims; None: the linear inner model."""
+
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The inner model's initial state, by its official parameter name."""
-        H, D = self.num_heads, self.head_dim
-        return {"W1": (H, D, D), "b1": (H, 1, D)}
+        """The inner model's initial state, by its official parameter name: the op's state
+        shapes (``ttt.problem.state_shapes``) without their sequence dim."""
+        D = self.head_dim
+        hidden = None if self._hidden_factor is None else self._hidden_factor * D
+        return {name: shape[1:] for name, shape in
+                zip(STATE_NAMES, state_shapes(1, self.num_heads, D, hidden))}
 
     def reset_parameters(self) -> None:
         """The official initialisation (the projections and post_norm keep their own)."""
@@ -234,10 +241,7 @@ class TTTMLP(TTTLinear):
     ``TTTMLP``'s parameters (``W1 [H, D, 4D]``, ``b1 [H, 1, 4D]``, ``W2 [H, 4D, D]``,
     ``b2 [H, 1, D]``)."""
 
-    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
-        H, D = self.num_heads, self.head_dim
-        F = HIDDEN_FACTOR * D
-        return {"W1": (H, D, F), "b1": (H, 1, F), "W2": (H, F, D), "b2": (H, 1, D)}
+    _hidden_factor = HIDDEN_FACTOR
 
     def _inner(self, q, k, v, eta_key, chunk_positions, states, *, cu_seqlens=None,
                output_final_state=False):
