@@ -119,7 +119,8 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
         options = {"num_warps": consts.pop("num_warps"),
                    "num_stages": consts.pop("num_stages")}
     else:
-        consts = mlp_launcher._constants(q, BT, 4 * BD, None, eta_key, form["OUTPUT"])
+        consts = mlp_launcher._constants(q, BT, 4 * BD, None, eta_key, form["OUTPUT"],
+                                         backward=fn is ttt_mlp_bwd_chain_kernel)
         options = {"num_warps": consts.pop("num_warps")}
     consts.update(extra)
     consts.update({k: v for k, v in form.items() if k in ("eta_key", "deta_key")

@@ -86,6 +86,7 @@ CASES = (
     Case("step chain", B=4, T=16, layer=True, calls="infer"),
     Case("mlp", calls="mlp"),
     Case("mlp train", layer=True, calls="mlp train"),
+    Case("mlp train d128", B=1, T=40, D=128, calls="mlp train"),
     Case("mlp train packed fp32", "fp32", B=1, D=32, packed=(9, 31), calls="mlp train"),
     Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
     Case("mlp step d64", B=4, T=1, layer=True, calls="mlp"),

@@ -48,6 +48,8 @@ MLP_CASES = [
     MlpCase(Case(1, 50, 2, 12, 16, F32, seq_lens=(20, 0, 30), output="query_residual"), 36),
     MlpCase(Case(2, 40, 2, 32, 32, F32, eta_tensor=False, output="raw"), 128),   # 2 blocks
     MlpCase(Case(1, 30, 2, 16, 16, F32, states=False, final_state=False, eta_key=True), 64),
+    MlpCase(Case(1, 20, 1, 64, 16, F16, eta_key=True), 200),     # partial hidden blocks
+    MlpCase(Case(1, 18, 1, 128, 16, F16, output="raw"), 80),     # at head dims 64, 128
 ]
 
 MLP_STEP_CASES = [   # generation steps: one token per sequence, checked without autograd

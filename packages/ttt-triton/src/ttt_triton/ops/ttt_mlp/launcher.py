@@ -49,10 +49,18 @@ CHECKPOINT_EVERY = 16
 backward recomputes a group's states from its slot into G scratch slots per chain."""
 
 
-def hidden_block(BD: int) -> int:
+def hidden_block(BD: int, *, backward: bool = False, half: bool = False,
+                 chunk_size: int = 16) -> int:
     """Hidden columns (of W1; rows of W2) per block of the state the kernels stream: 32 at a
-    padded head dim up to 64, 16 above (the [BD, BF] and [BF, BD] blocks in registers)."""
-    return 32 if BD <= 64 else 16
+    padded head dim up to 64, 16 above (the [BD, BF] and [BF, BD] blocks in registers).
+
+    The backward on half inputs at chunk 16 and padded head dim 64 or 128 takes twice as
+    many: fewer, longer walks (H100, bf16 fwd+bwd: 4,4096,16,64 59.4 -> 48.5 ms, 2,2048,8,128
+    129 -> 97 ms). With float32 tiles the doubled block spills (4,4096,16,64: 144 -> 566 ms);
+    smaller head dims and longer chunks keep the forward's block (not measured)."""
+    block = 32 if BD <= 64 else 16
+    doubled = backward and half and chunk_size == 16 and BD >= 64
+    return 2 * block if doubled else block
 
 
 STEP_ROWS = 1
@@ -82,15 +90,17 @@ def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _constants(q: Tensor, chunk_size: int, hidden: int, cu_seqlens, eta_key,
-               output: str) -> dict:
-    """The constexprs and options both kernels share."""
+               output: str, backward: bool = False) -> dict:
+    """The constexprs and options of the forward's chain kernel, or the backward's."""
     H, D = q.shape[2], q.shape[3]
     BT, BD = block_sizes(D, chunk_size)
+    half = q.dtype != torch.float32
     options = {} if kernels_interpreted() else {"num_warps": num_warps(BD, chunk_size)}
-    BF = min(hidden_block(BD), max(16, triton.next_power_of_2(hidden)))
+    block = hidden_block(BD, backward=backward, half=half, chunk_size=chunk_size)
+    BF = min(block, max(16, triton.next_power_of_2(hidden)))
     return dict(H=H, D=D, BT=BT, BD=BD, BF=BF,
                 G=CHECKPOINT_EVERY, IS_VARLEN=cu_seqlens is not None,
-                HALF=q.dtype != torch.float32, PREC=dot_precision(q.dtype, BD),
+                HALF=half, PREC=dot_precision(q.dtype, BD),
                 HAS_ETA_KEY=eta_key is not None, OUTPUT=output, **options)
 
 
@@ -154,7 +164,7 @@ def _backward(do: Tensor, dfinal: list[Tensor], q: Tensor, k: Tensor, v: Tensor,
     deta = torch.empty(eta.shape, dtype=torch.float32, device=q.device)
     deta_key = None if eta_key is None else torch.empty_like(deta)
     partials = [q.new_empty((N * H, q.shape[3]), dtype=torch.float32) for _ in range(2)]
-    consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
+    consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output, backward=True)
     tmp = q.new_empty((N * H, 4, consts["BT"], hidden), dtype=torch.float32)
     run_launch(Launch(ttt_mlp_bwd_chain_kernel, (N * H,), (
         q, k, v, eta, w, b, eta_key, do, *slots, *_slots(q, N, CHECKPOINT_EVERY, hidden),
