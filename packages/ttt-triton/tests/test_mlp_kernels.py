@@ -128,6 +128,10 @@ def test_generation_step(monkeypatch):
     seen.clear()
     _outputs_and_grads(inputs, F32, "triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel", "ttt_mlp_bwd_chain_kernel"]
+    seen.clear()
+    with torch.no_grad():      # past launcher.STEP_MAX_BD (padded to 128): the chain
+        ttt.chunk_ttt_mlp(**_float32_on_device(_inputs((1, 1), D=72, F=16)), backend="triton")
+    assert seen == ["ttt_mlp_fwd_chain_kernel"]
 
 
 def test_backward_beyond_the_largest_tile_is_refused():

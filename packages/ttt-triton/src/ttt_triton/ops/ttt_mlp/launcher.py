@@ -67,6 +67,11 @@ STEP_ROWS = 1
 """The most rows of a sequence the generation step's kernel (:mod:`.fwd_decode`) takes; a
 longer step runs the chain (``ttt.schedule.row_step``)."""
 
+STEP_MAX_BD = 64
+"""The largest padded head dim whose generation steps run the step kernel: at 128 the
+chain's padded chunk was faster (H100, bf16, B 4, H 16, a step in a CUDA graph: the chain
+173 us, the step kernel 189)."""
+
 STEP_TILE = 64 * 64
 """Entries of each state block ([BD, BF], [BF, BD] fp32) the step's kernel holds in registers
 at once, over its 8 warps: 16 per thread each. Twice that spills at padded head dims 64 and
@@ -228,7 +233,8 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
     if p.requires_grad:
         chunks = max(p.chunk_counts())
         NG = max(1, -(-chunks // CHECKPOINT_EVERY))
-    step = schedule.row_step(p, p.requires_grad, STEP_ROWS)
+    step = (schedule.row_step(p, p.requires_grad, STEP_ROWS)
+            and block_sizes(p.q.shape[3], 16)[1] <= STEP_MAX_BD)
     args = (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens, float(p.scale),
             float(p.eps), p.chunk_size, p.hidden, p.N, NG, p.output, step)
     # without autograd, an eager call runs the op's implementation itself: the dispatcher's
