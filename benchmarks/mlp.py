@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import sys
 
 import torch
@@ -154,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device("cuda"), DTYPES[args.dtype]
     import triton
 
-    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton "
-          f"{triton.__version__}, {args.dtype}, chunk 16")
+    from benchmarks.run import _git_commit
+
+    commit, dirty = _git_commit()
+    print(f"# ttt TTT-MLP: {torch.cuda.get_device_name(device)}\n\ntorch {torch.__version__}, "
+          f"triton {triton.__version__}; commit {commit}"
+          f"{' (uncommitted changes)' if dirty else ''}; "
+          f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; {args.dtype}, chunk 16")
     print("\n| backend | B,T,H,D | forward ms | fwd+bwd ms | peak MiB | rel error | x reference | "
           "x compiled |\n|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
