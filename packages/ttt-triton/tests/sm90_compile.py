@@ -51,7 +51,8 @@ class Case(NamedTuple):
     generation steps are "infer" with T within one chunk. H sets the chain count, and with it
     the fused chains (tuning.FUSED). ``packed``: the packed lengths (None: dense); ``layer``:
     the layer's form (eta_key, query_residual). ``calls`` "mlp" (with ``hidden``, 0: 4 D):
-    TTT-MLP without autograd, with states (``packed``, ``layer`` as above)."""
+    TTT-MLP without autograd, with states (``packed``, ``layer`` as above); "mlp split" the
+    same with a generation step split over 4 programs per chain (``step_splits``)."""
     label: str
     dtype: str = "bf16"
     B: int = 2
@@ -91,6 +92,9 @@ CASES = (
     Case("mlp step", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp", hidden=40),
     Case("mlp step d64", B=4, T=1, layer=True, calls="mlp"),
     Case("mlp step fp32 d128", "fp32", B=4, T=1, D=128, calls="mlp"),
+    Case("mlp step split d64", B=4, T=1, layer=True, calls="mlp split"),
+    Case("mlp step split packed", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp split",
+         hidden=300),
     # the largest tile the TTT-MLP backward takes (launcher.BACKWARD_MAX_TILE), the most
     # shared memory of its launches
     Case("mlp train d64 c64", B=1, T=70, chunk=64, layer=True, calls="mlp train"),
@@ -138,6 +142,8 @@ def recorded_launches(case) -> list:
     recorded = []
     if calls.startswith("mlp"):
         mlp_launcher.run_launch = recorded.append
+        if calls == "mlp split":         # a step of fewer chains than SMs
+            mlp_launcher.step_splits = lambda *args: 4
         p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, False)
         F = hidden or 4 * D
         N = len(packed) if packed else B

@@ -112,6 +112,8 @@ def test_generation_step(monkeypatch):
     kernel; the eager call (the op's implementation run directly) equals the custom op's
     bitwise; with autograd the step runs the chain and its backward."""
     seen = _recorded_launches(monkeypatch)
+    monkeypatch.setattr(launcher, "step_splits", lambda *args: 1)   # (as where chains fill
+                                                                    # the GPU)
     inputs = _inputs((1, 0, 1), seed=2)
     cast = _float32_on_device(inputs)
     with torch.no_grad():
@@ -132,6 +134,43 @@ def test_generation_step(monkeypatch):
     with torch.no_grad():      # past launcher.STEP_MAX_BD (padded to 128): the chain
         ttt.chunk_ttt_mlp(**_float32_on_device(_inputs((1, 1), D=72, F=16)), backend="triton")
     assert seen == ["ttt_mlp_fwd_chain_kernel"]
+
+
+SPLIT_STEP = ["ttt_mlp_step_z2_kernel", "ttt_mlp_step_update_kernel",
+              "ttt_mlp_step_out_kernel"]
+
+
+@pytest.mark.parametrize("splits", [3, 4, 8])
+@pytest.mark.parametrize("given_state", [True, False])
+def test_split_generation_step(monkeypatch, splits, given_state):
+    """A generation step with its hidden blocks split over programs (fewer chains than SMs:
+    ``launcher.step_splits``) is three launches and gives the one-launch
+    step's output and final state: a packed batch with an empty sequence, eta_key, hidden
+    width 200 in blocks of 64 (3 splits: two of two blocks; 4 and 8: four, the last
+    partial), with and without an initial state."""
+    seen = _recorded_launches(monkeypatch)
+    cast = _float32_on_device(_inputs((1, 0, 1), D=64, F=200, seed=4))
+    if not given_state:
+        del cast["initial_state"]
+    with torch.no_grad():
+        monkeypatch.setattr(launcher, "step_splits", lambda *args: 1)
+        one = ttt.chunk_ttt_mlp(**cast, backend="triton")
+        monkeypatch.setattr(launcher, "step_splits", lambda *args: splits)
+        split = ttt.chunk_ttt_mlp(**cast, backend="triton")
+    assert seen == ["ttt_mlp_fwd_decode_kernel", *SPLIT_STEP]
+    for name, got, want in zip(("o", *STATE_NAMES), (split[0], *split[1]),
+                               (one[0], *one[1])):
+        expect_close(name, got.double().cpu(), want.double().cpu(), TOLERANCES[F32][0])
+    assert not torch.equal(one[0], torch.zeros_like(one[0]))
+
+
+def test_step_splits():
+    """One launch where the chains fill the SMs (or off a GPU); fewer chains split the hidden
+    blocks toward two programs an SM, one block or more each."""
+    assert launcher.step_splits(64, 4, None) == 1
+    assert launcher.step_splits(132, 4, 132) == 1 and launcher.step_splits(1024, 4, 132) == 1
+    assert launcher.step_splits(64, 4, 132) == 4 and launcher.step_splits(16, 4, 132) == 4
+    assert launcher.step_splits(100, 4, 132) == 3 and launcher.step_splits(64, 2, 132) == 2
 
 
 def test_backward_beyond_the_largest_tile_is_refused():

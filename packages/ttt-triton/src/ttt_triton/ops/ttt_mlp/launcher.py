@@ -1,5 +1,6 @@
 """The TTT-MLP launchers: the forward (one launch of :mod:`.fwd_chain`'s kernel, one program
-per (sequence, head); for a generation step of one token per sequence, :mod:`.fwd_decode`'s)
+per (sequence, head); for a generation step of one token per sequence, :mod:`.fwd_decode`'s,
+or its three split launches where the chains are fewer than the SMs)
 and the backward (one launch of :mod:`.bwd_chain`'s), as the custom ops
 ``ttt_triton::ttt_mlp_fwd`` and ``ttt_triton::ttt_mlp_bwd``, the first differentiable
 through the second (``torch.library.register_autograd``): ``torch.compile`` and CUDA graphs
@@ -22,7 +23,12 @@ from ..ttt_linear.launches import Launch
 from ..ttt_linear.tuning import block_sizes, dot_precision
 from .bwd_chain import ttt_mlp_bwd_chain_kernel
 from .fwd_chain import ttt_mlp_fwd_chain_kernel
-from .fwd_decode import ttt_mlp_fwd_decode_kernel
+from .fwd_decode import (
+    ttt_mlp_fwd_decode_kernel,
+    ttt_mlp_step_out_kernel,
+    ttt_mlp_step_update_kernel,
+    ttt_mlp_step_z2_kernel,
+)
 
 
 def num_warps(BD: int, BT: int) -> int:
@@ -90,6 +96,52 @@ def _step_constants(H: int, D: int, hidden: int, varlen: bool, key: bool, output
                 **options)
 
 
+def step_splits(chains: int, blocks: int, sms: int | None) -> int:
+    """Programs per (sequence, head) of a generation step's walks over its ``blocks`` hidden
+    blocks, on a GPU of ``sms`` SMs (None: not a GPU). 1, one launch of the whole step, where
+    the chains fill the SMs; fewer chains split the blocks over enough programs to give each
+    SM two, one block or more each, in three launches (:func:`_split_step`): a chain's state
+    streams through one SM otherwise, its blocks one after another."""
+    if sms is None or chains >= sms:
+        return 1
+    return max(1, min(blocks, triton.cdiv(2 * sms, chains)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _kernel_kwargs(kernel, consts: dict, **options) -> dict:
+    """The constexprs of ``consts`` that ``kernel`` takes, with its launch ``options``."""
+    names = set(kernel.arg_names) | {"num_warps", "num_stages"}
+    return {**{k: v for k, v in consts.items() if k in names}, **options}
+
+
+def _split_step(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps,
+                hidden, chains, splits, consts) -> None:
+    """A generation step in three launches, the hidden units split ``splits`` ways: the
+    splits' ``X_2 W_2`` (:func:`.fwd_decode.ttt_mlp_step_z2_kernel`), then each split's
+    update and share of the output, then the output."""
+    BD, BF, T = consts["BD"], consts["BF"], q.shape[1]
+    FS = triton.cdiv(triton.cdiv(hidden, BF), splits) * BF       # hidden units per split
+    S = triton.cdiv(hidden, FS)
+    scratch = q.new_empty(chains * (2 * S * BD + S + BD), dtype=torch.float32)
+    z2_part, z_part, m_part, g2 = scratch.split(
+        [chains * S * BD, chains * S * BD, chains * S, chains * BD])
+    run_launch(Launch(ttt_mlp_step_z2_kernel, (chains, S), (
+        q, k, v, eta, eta_key, *initial[:3], final[1], z2_part, cu_seqlens, T, hidden, FS),
+        _kernel_kwargs(ttt_mlp_step_z2_kernel, consts)))
+    run_launch(Launch(ttt_mlp_step_update_kernel, (chains, S), (
+        q, k, v, eta, w, b, eta_key, *initial, *final, z2_part, z_part, m_part, g2,
+        cu_seqlens, scale, eps, T, hidden, FS),
+        _kernel_kwargs(ttt_mlp_step_update_kernel, consts)))
+    out_options = {} if kernels_interpreted() else {"num_warps": 4, "num_stages": 1}
+    run_launch(Launch(ttt_mlp_step_out_kernel, (chains,), (
+        q, k, v, eta, w, b, eta_key, o, initial[3], z_part, m_part, g2, cu_seqlens, eps, T,
+        S), _kernel_kwargs(ttt_mlp_step_out_kernel, consts, **out_options)))
+
+
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
     return state_shapes(N, q.shape[2], q.shape[3], F)
 
@@ -129,11 +181,19 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Te
              for shape in _state_shapes(q, N, hidden)]
     o = torch.empty_like(q)
     if step:
-        consts = _step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
-                                 eta_key is not None, output, kernels_interpreted())
-        run_launch(Launch(ttt_mlp_fwd_decode_kernel, (N * q.shape[2],), (
-            q, k, v, eta, w, b, eta_key, o, *(state or final), *final, cu_seqlens, scale, eps,
-            q.shape[1], hidden), dict(consts, USE_INITIAL=bool(state))))
+        consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
+                                      eta_key is not None, output, kernels_interpreted()),
+                      USE_INITIAL=bool(state))
+        chains, initial = N * q.shape[2], state or final
+        sms = _sm_count(q.device.index) if q.device.type == "cuda" else None
+        splits = step_splits(chains, triton.cdiv(hidden, consts["BF"]), sms)
+        if splits > 1:
+            _split_step(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale,
+                        eps, hidden, chains, splits, consts)
+        else:
+            run_launch(Launch(ttt_mlp_fwd_decode_kernel, (chains,), (
+                q, k, v, eta, w, b, eta_key, o, *initial, *final, cu_seqlens, scale, eps,
+                q.shape[1], hidden), consts))
         return o, *final, []
     slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
