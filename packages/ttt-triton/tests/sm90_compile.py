@@ -142,8 +142,9 @@ def recorded_launches(case) -> list:
     recorded = []
     if calls.startswith("mlp"):
         mlp_launcher.run_launch = recorded.append
-        if calls == "mlp split":         # a step of fewer chains than SMs
+        if calls == "mlp split":         # a step of fewer chains than SMs, in a graph
             mlp_launcher.step_splits = lambda *args: 4
+            mlp_launcher.capturing = lambda: True
         p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, False)
         F = hidden or 4 * D
         N = len(packed) if packed else B

@@ -143,9 +143,9 @@ SPLIT_STEP = ["ttt_mlp_step_z2_kernel", "ttt_mlp_step_update_kernel",
 @pytest.mark.parametrize("splits", [3, 4, 8])
 @pytest.mark.parametrize("given_state", [True, False])
 def test_split_generation_step(monkeypatch, splits, given_state):
-    """A generation step with its hidden blocks split over programs (fewer chains than SMs:
-    ``launcher.step_splits``) is three launches and gives the one-launch
-    step's output and final state: a packed batch with an empty sequence, eta_key, hidden
+    """A generation step with its hidden blocks split over programs (in a CUDA graph
+    capture, fewer chains than SMs: ``launcher.step_splits``) is three launches and gives the
+    one-launch step's output and final state: a packed batch with an empty sequence, eta_key, hidden
     width 200 in blocks of 64 (3 splits: two of two blocks; 4 and 8: four, the last
     partial), with and without an initial state."""
     seen = _recorded_launches(monkeypatch)
@@ -156,6 +156,7 @@ def test_split_generation_step(monkeypatch, splits, given_state):
         monkeypatch.setattr(launcher, "step_splits", lambda *args: 1)
         one = ttt.chunk_ttt_mlp(**cast, backend="triton")
         monkeypatch.setattr(launcher, "step_splits", lambda *args: splits)
+        monkeypatch.setattr(launcher, "capturing", lambda: True)
         split = ttt.chunk_ttt_mlp(**cast, backend="triton")
     assert seen == ["ttt_mlp_fwd_decode_kernel", *SPLIT_STEP]
     for name, got, want in zip(("o", *STATE_NAMES), (split[0], *split[1]),
@@ -164,9 +165,32 @@ def test_split_generation_step(monkeypatch, splits, given_state):
     assert not torch.equal(one[0], torch.zeros_like(one[0]))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_split_step_in_a_cuda_graph(monkeypatch):
+    """An eager step, then the same step captured in a CUDA graph: the capture takes the
+    split launches (two chains, fewer than the SMs), loaded by the eager call, and the
+    replay gives the eager step's output and final state."""
+    seen = _recorded_launches(monkeypatch)
+    cast = _float32_on_device(_inputs((1, 1), D=64, F=256, seed=5))
+    del cast["cu_seqlens"]                      # dense: two sequences of one token
+    for name in ("q", "k", "v", "eta", "eta_key"):
+        cast[name] = cast[name].reshape(2, 1, *cast[name].shape[2:])
+    with torch.no_grad():
+        want = ttt.chunk_ttt_mlp(**cast, backend="triton")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = ttt.chunk_ttt_mlp(**cast, backend="triton")
+        graph.replay()
+        torch.cuda.synchronize()
+    assert seen == ["ttt_mlp_fwd_decode_kernel", *SPLIT_STEP]
+    for name, g, w in zip(("o", *STATE_NAMES), (got[0], *got[1]), (want[0], *want[1])):
+        expect_close(name, g.double().cpu(), w.double().cpu(), TOLERANCES[F32][0])
+
+
 def test_step_splits():
-    """One launch where the chains fill the SMs (or off a GPU); fewer chains split the hidden
-    blocks toward two programs an SM, one block or more each."""
+    """In a CUDA graph: one launch where the chains fill the SMs (or off a GPU); fewer
+    chains split the hidden blocks toward two programs an SM, one block or more each."""
     assert launcher.step_splits(64, 4, None) == 1
     assert launcher.step_splits(132, 4, 132) == 1 and launcher.step_splits(1024, 4, 132) == 1
     assert launcher.step_splits(64, 4, 132) == 4 and launcher.step_splits(16, 4, 132) == 4

@@ -75,6 +75,12 @@ class Launch:
         with torch.cuda.device(device):
             self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
 
+    def load(self, device: torch.device) -> None:
+        """Compile and load onto ``device`` what launching would, without launching it: a
+        CUDA graph capture may then launch it (loading a module is not allowed there)."""
+        with torch.cuda.device(device):
+            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)[self.grid]
+
 
 def prepare_triton() -> None:
     """Set up Triton's driver in the calling thread (once per process; later calls cost a

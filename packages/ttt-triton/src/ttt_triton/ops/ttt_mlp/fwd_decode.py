@@ -26,9 +26,9 @@ the update there (no second ``k W_1``: H100, bf16, H 16, D 64, a step in a CUDA 
 24.9 -> 22.5 us at B 4, 208 -> 192 us at B 64). A packed sequence of no token passes its
 state through (``e`` is zero there).
 
-With fewer chains than SMs a chain's state would stream through one SM, block after block,
-while others idle; the step then splits its hidden blocks over S programs per chain, in
-three launches: ``ttt_mlp_step_z2_kernel`` (each split's share of ``X_2 W_2``),
+With fewer chains than SMs a chain's state streams through one SM, block after block, while
+others idle; in a CUDA graph (where launches cost little) the step then splits its hidden
+blocks over S programs per chain, in three launches: ``ttt_mlp_step_z2_kernel`` (each split's share of ``X_2 W_2``),
 ``ttt_mlp_step_update_kernel`` (the shares summed, ``g_2``, each split's walk 2 and its
 shares of ``\bar X_2 W_2`` and ``\bar X_2 \cdot X_2``) and ``ttt_mlp_step_out_kernel``
 (``z`` and ``o``). The same products as the one-launch kernel, summed in another order.

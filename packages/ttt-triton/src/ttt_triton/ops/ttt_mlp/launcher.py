@@ -1,6 +1,6 @@
 """The TTT-MLP launchers: the forward (one launch of :mod:`.fwd_chain`'s kernel, one program
 per (sequence, head); for a generation step of one token per sequence, :mod:`.fwd_decode`'s,
-or its three split launches where the chains are fewer than the SMs)
+or, in a CUDA graph where the chains are fewer than the SMs, its three split launches)
 and the backward (one launch of :mod:`.bwd_chain`'s), as the custom ops
 ``ttt_triton::ttt_mlp_fwd`` and ``ttt_triton::ttt_mlp_bwd``, the first differentiable
 through the second (``torch.library.register_autograd``): ``torch.compile`` and CUDA graphs
@@ -98,13 +98,20 @@ def _step_constants(H: int, D: int, hidden: int, varlen: bool, key: bool, output
 
 def step_splits(chains: int, blocks: int, sms: int | None) -> int:
     """Programs per (sequence, head) of a generation step's walks over its ``blocks`` hidden
-    blocks, on a GPU of ``sms`` SMs (None: not a GPU). 1, one launch of the whole step, where
-    the chains fill the SMs; fewer chains split the blocks over enough programs to give each
-    SM two, one block or more each, in three launches (:func:`_split_step`): a chain's state
-    streams through one SM otherwise, its blocks one after another."""
+    blocks, on a GPU of ``sms`` SMs (None: not a GPU), in a CUDA graph. 1, one launch of the
+    whole step, where the chains fill the SMs; fewer chains split the blocks over enough
+    programs to give each SM two, one block or more each, in three launches
+    (:func:`_split_launches`): a chain's state streams through one SM otherwise, its blocks
+    one after another. Eager calls take one launch whatever the chains: their host time per
+    launch exceeds the step's time on the GPU (:func:`_step`)."""
     if sms is None or chains >= sms:
         return 1
     return max(1, min(blocks, triton.cdiv(2 * sms, chains)))
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph captures the current stream."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 @functools.cache
@@ -112,14 +119,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _kernel_kwargs(kernel, consts: dict, **options) -> dict:
-    """The constexprs of ``consts`` that ``kernel`` takes, with its launch ``options``."""
-    names = set(kernel.arg_names) | {"num_warps", "num_stages"}
-    return {**{k: v for k, v in consts.items() if k in names}, **options}
+@functools.lru_cache(maxsize=64)
+def _split_kwargs(consts: tuple) -> tuple[dict, dict, dict]:
+    """The three split kernels' constexprs and options, from the step's (as items)."""
+    out = {} if kernels_interpreted() else {"num_warps": 4, "num_stages": 1}
+
+    def only(kernel, **options) -> dict:
+        names = set(kernel.arg_names) | {"num_warps", "num_stages"}
+        return {**{k: v for k, v in consts if k in names}, **options}
+
+    return (only(ttt_mlp_step_z2_kernel), only(ttt_mlp_step_update_kernel),
+            only(ttt_mlp_step_out_kernel, **out))
 
 
-def _split_step(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps,
-                hidden, chains, splits, consts) -> None:
+def _split_launches(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps,
+                    hidden, chains, splits, consts) -> list[Launch]:
     """A generation step in three launches, the hidden units split ``splits`` ways: the
     splits' ``X_2 W_2`` (:func:`.fwd_decode.ttt_mlp_step_z2_kernel`), then each split's
     update and share of the output, then the output."""
@@ -129,17 +143,53 @@ def _split_step(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scal
     scratch = q.new_empty(chains * (2 * S * BD + S + BD), dtype=torch.float32)
     z2_part, z_part, m_part, g2 = scratch.split(
         [chains * S * BD, chains * S * BD, chains * S, chains * BD])
-    run_launch(Launch(ttt_mlp_step_z2_kernel, (chains, S), (
-        q, k, v, eta, eta_key, *initial[:3], final[1], z2_part, cu_seqlens, T, hidden, FS),
-        _kernel_kwargs(ttt_mlp_step_z2_kernel, consts)))
-    run_launch(Launch(ttt_mlp_step_update_kernel, (chains, S), (
-        q, k, v, eta, w, b, eta_key, *initial, *final, z2_part, z_part, m_part, g2,
-        cu_seqlens, scale, eps, T, hidden, FS),
-        _kernel_kwargs(ttt_mlp_step_update_kernel, consts)))
-    out_options = {} if kernels_interpreted() else {"num_warps": 4, "num_stages": 1}
-    run_launch(Launch(ttt_mlp_step_out_kernel, (chains,), (
-        q, k, v, eta, w, b, eta_key, o, initial[3], z_part, m_part, g2, cu_seqlens, eps, T,
-        S), _kernel_kwargs(ttt_mlp_step_out_kernel, consts, **out_options)))
+    z2_kw, update_kw, out_kw = _split_kwargs(tuple(consts.items()))
+    return [
+        Launch(ttt_mlp_step_z2_kernel, (chains, S), (
+            q, k, v, eta, eta_key, *initial[:3], final[1], z2_part, cu_seqlens, T, hidden,
+            FS), z2_kw),
+        Launch(ttt_mlp_step_update_kernel, (chains, S), (
+            q, k, v, eta, w, b, eta_key, *initial, *final, z2_part, z_part, m_part, g2,
+            cu_seqlens, scale, eps, T, hidden, FS), update_kw),
+        Launch(ttt_mlp_step_out_kernel, (chains,), (
+            q, k, v, eta, w, b, eta_key, o, initial[3], z_part, m_part, g2, cu_seqlens, eps,
+            T, S), out_kw)]
+
+
+_SPLITS_LOADED: set = set()
+"""The steps (:func:`_step`'s keys) whose split launches are loaded on their device."""
+
+
+def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, hidden,
+          N, output) -> None:
+    """A generation step's launches: one of :mod:`.fwd_decode`'s whole-step kernel or, in a
+    CUDA graph capture, the split ones where :func:`step_splits` says. An eager step that a
+    capture would split also compiles and loads the split launches, once per dtypes,
+    constexprs and device: a capture after eager warm-up calls, as usual, may launch them
+    (loading a module is not allowed during a capture)."""
+    consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
+                                  eta_key is not None, output, kernels_interpreted()),
+                  USE_INITIAL=bool(state))
+    chains, initial = N * q.shape[2], state or final
+    sms = _sm_count(q.device.index) if q.device.type == "cuda" else None
+    splits = step_splits(chains, triton.cdiv(hidden, consts["BF"]), sms)
+    if splits > 1:
+        key = (*consts.items(), q.device, *(
+            None if t is None else t.dtype for t in (q, k, v, eta, w, b, eta_key)))
+        in_capture = capturing()
+        if in_capture or key not in _SPLITS_LOADED:
+            launches = _split_launches(q, k, v, eta, w, b, eta_key, o, initial, final,
+                                       cu_seqlens, scale, eps, hidden, chains, splits, consts)
+            if in_capture:
+                for launch in launches:
+                    run_launch(launch)
+                return
+            for launch in launches:
+                launch.load(q.device)
+            _SPLITS_LOADED.add(key)
+    run_launch(Launch(ttt_mlp_fwd_decode_kernel, (chains,), (
+        q, k, v, eta, w, b, eta_key, o, *initial, *final, cu_seqlens, scale, eps, q.shape[1],
+        hidden), consts))
 
 
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
@@ -181,19 +231,8 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Te
              for shape in _state_shapes(q, N, hidden)]
     o = torch.empty_like(q)
     if step:
-        consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
-                                      eta_key is not None, output, kernels_interpreted()),
-                      USE_INITIAL=bool(state))
-        chains, initial = N * q.shape[2], state or final
-        sms = _sm_count(q.device.index) if q.device.type == "cuda" else None
-        splits = step_splits(chains, triton.cdiv(hidden, consts["BF"]), sms)
-        if splits > 1:
-            _split_step(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale,
-                        eps, hidden, chains, splits, consts)
-        else:
-            run_launch(Launch(ttt_mlp_fwd_decode_kernel, (chains,), (
-                q, k, v, eta, w, b, eta_key, o, *initial, *final, cu_seqlens, scale, eps,
-                q.shape[1], hidden), consts))
+        _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, hidden, N,
+              output)
         return o, *final, []
     slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
