@@ -37,11 +37,16 @@ from ttt_triton.ops.ttt_linear.fwd_out import ttt_linear_fwd_out_kernel
 from ttt_triton.ops.ttt_mlp import launcher as mlp_launcher
 from ttt_triton.ops.ttt_mlp.bwd_chain import ttt_mlp_bwd_chain_kernel
 from ttt_triton.ops.ttt_mlp.fwd_chain import ttt_mlp_fwd_chain_kernel
-from ttt_triton.ops.ttt_mlp.fwd_decode import ttt_mlp_fwd_decode_kernel
+from ttt_triton.ops.ttt_mlp.fwd_decode import (
+    ttt_mlp_fwd_decode_kernel,
+    ttt_mlp_step_out_kernel,
+    ttt_mlp_step_update_kernel,
+    ttt_mlp_step_z2_kernel,
+)
 
 INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do", "dq", "dk", "dv"}
 INTS = {"cu_seqlens": "*i64", "grp_offsets": "*i64", "grp_seq": "*i32", "T": "i32",
-        "scale": "fp32", "eps": "fp32", "F": "i32", "NG": "i32"}
+        "scale": "fp32", "eps": "fp32", "F": "i32", "NG": "i32", "FS": "i32", "S": "i32"}
 # (name, kernel, launch kind, tunable of its rows per block or None, extra constexprs)
 KERNELS = (
     ("fwd_chain", ttt_linear_fwd_chain_kernel, "chain", None,
@@ -62,9 +67,15 @@ MLP_KERNELS = (
     ("mlp_infer", ttt_mlp_fwd_chain_kernel, dict(USE_INITIAL=True, SAVE=False)),
     ("mlp_bwd", ttt_mlp_bwd_chain_kernel, {}),
     ("mlp_step", ttt_mlp_fwd_decode_kernel, dict(USE_INITIAL=True)),
+    ("mlp_step_z2", ttt_mlp_step_z2_kernel, dict(USE_INITIAL=True)),
+    ("mlp_step_update", ttt_mlp_step_update_kernel, dict(USE_INITIAL=True)),
+    ("mlp_step_out", ttt_mlp_step_out_kernel, dict(USE_INITIAL=True)),
 )
 """TTT-MLP's launches (hidden width 4 D): the forward saving checkpoints for a backward, the
-forward alone, the backward, and the generation step (no chunk: one row per line)."""
+forward alone, the backward, and the generation step (no chunk: one row per line), whole
+or split over programs in a CUDA graph (``mlp_step_*``)."""
+STEP_KERNELS = (ttt_mlp_fwd_decode_kernel, ttt_mlp_step_z2_kernel,
+                ttt_mlp_step_update_kernel, ttt_mlp_step_out_kernel)
 MLP_INPUTS = {"q", "k", "v", "eta", "w", "b", "o", "do"}   # its dq, dk, dv are fp32
 
 DEFAULT_FORM = dict(eta_key=None, deta_key=None, HAS_ETA_KEY=False, OUTPUT="norm_residual",
@@ -113,9 +124,12 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
     q = torch.empty(1, 1, H, BD, device="meta",
                     dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     eta_key = q if form["HAS_ETA_KEY"] else None
-    if fn is ttt_mlp_fwd_decode_kernel:
+    if fn in STEP_KERNELS:
         consts = dict(mlp_launcher._step_constants(H, BD, 4 * BD, False, eta_key is not None,
-                                                   form["OUTPUT"], False))
+                                                   form["OUTPUT"], False), USE_INITIAL=True)
+        if fn is not ttt_mlp_fwd_decode_kernel:
+            consts = dict(mlp_launcher._split_kwargs(tuple(consts.items()))[
+                STEP_KERNELS.index(fn) - 1])
         options = {"num_warps": consts.pop("num_warps"),
                    "num_stages": consts.pop("num_stages")}
     else:
@@ -234,13 +248,15 @@ def main() -> None:
                     _report(label, src, options, args.arch,
                              "" if picked(name, dtype, BD, BT) else " (not picked)")
                 for name, fn, extra in MLP_KERNELS:
-                    step = name == "mlp_step"               # (no chunk: once per BD)
+                    step = name.startswith("mlp_step")      # (no chunk: once per BD)
                     if only and name not in only or step and BT != args.bt[0]:
                         continue
                     src, options, consts = mlp_compile_inputs(
                         fn, extra, dtype, BD, BT, form=form, aligned=args.aligned)
                     label = (f"{name:9} {dtype} BD={BD:>3} BT={'-' if step else BT:>2} "
-                             f"warps={options['num_warps']} BF={consts['BF']}")
+                             f"warps={options['num_warps']}")
+                    if "BF" in consts:
+                        label += f" BF={consts['BF']}"
                     refused = name == "mlp_bwd" and not mlp_launcher.backward_fits(BD, BT)
                     _report(label, src, options, args.arch, " (not picked)" * refused)
 
