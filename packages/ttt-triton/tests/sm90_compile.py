@@ -93,6 +93,7 @@ CASES = (
     Case("mlp step d64", B=4, T=1, layer=True, calls="mlp"),
     Case("mlp step fp32 d128", "fp32", B=4, T=1, D=128, calls="mlp"),
     Case("mlp step split d64", B=4, T=1, layer=True, calls="mlp split"),
+    Case("mlp step split fp32 d128", "fp32", B=4, T=1, D=128, calls="mlp split"),
     Case("mlp step split packed", "fp16", B=1, T=2, D=24, packed=(1, 0, 1), calls="mlp split",
          hidden=300),
     # the largest tile the TTT-MLP backward takes (launcher.BACKWARD_MAX_TILE), the most

@@ -140,16 +140,18 @@ SPLIT_STEP = ["ttt_mlp_step_z2_kernel", "ttt_mlp_step_update_kernel",
               "ttt_mlp_step_out_kernel"]
 
 
-@pytest.mark.parametrize("splits", [3, 4, 8])
+@pytest.mark.parametrize(("D", "F", "splits"), [(64, 200, 3), (64, 200, 4), (64, 200, 8),
+                                                (72, 80, 3)])
 @pytest.mark.parametrize("given_state", [True, False])
-def test_split_generation_step(monkeypatch, splits, given_state):
+def test_split_generation_step(monkeypatch, D, F, splits, given_state):
     """A generation step with its hidden blocks split over programs (in a CUDA graph
     capture, fewer chains than SMs: ``launcher.step_splits``) is three launches and gives the
-    one-launch step's output and final state: a packed batch with an empty sequence, eta_key, hidden
-    width 200 in blocks of 64 (3 splits: two of two blocks; 4 and 8: four, the last
-    partial), with and without an initial state."""
+    output and final state of the step in one launch (past ``STEP_MAX_BD``, the chain's): a
+    packed batch with an empty sequence, eta_key, hidden width 200 in blocks of 64 (3
+    splits: two of two blocks; 4 and 8: four, the last partial) and, at head dim 72 (padded
+    to 128), 80 in blocks of 32; with and without an initial state."""
     seen = _recorded_launches(monkeypatch)
-    cast = _float32_on_device(_inputs((1, 0, 1), D=64, F=200, seed=4))
+    cast = _float32_on_device(_inputs((1, 0, 1), D=D, F=F, seed=4))
     if not given_state:
         del cast["initial_state"]
     with torch.no_grad():
@@ -158,7 +160,8 @@ def test_split_generation_step(monkeypatch, splits, given_state):
         monkeypatch.setattr(launcher, "step_splits", lambda *args: splits)
         monkeypatch.setattr(launcher, "capturing", lambda: True)
         split = ttt.chunk_ttt_mlp(**cast, backend="triton")
-    assert seen == ["ttt_mlp_fwd_decode_kernel", *SPLIT_STEP]
+    whole = "ttt_mlp_fwd_decode_kernel" if D <= 64 else "ttt_mlp_fwd_chain_kernel"
+    assert seen == [whole, *SPLIT_STEP]
     for name, got, want in zip(("o", *STATE_NAMES), (split[0], *split[1]),
                                (one[0], *one[1])):
         expect_close(name, got.double().cpu(), want.double().cpu(), TOLERANCES[F32][0])

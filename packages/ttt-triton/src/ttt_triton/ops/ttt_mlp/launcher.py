@@ -74,9 +74,9 @@ STEP_ROWS = 1
 longer step runs the chain (``ttt.schedule.row_step``)."""
 
 STEP_MAX_BD = 64
-"""The largest padded head dim whose generation steps run the step kernel: at 128 the
-chain's padded chunk was faster (H100, bf16, B 4, H 16, a step in a CUDA graph: the chain
-173 us, the step kernel 189)."""
+"""The largest padded head dim whose generation steps run the one-launch step kernel: at
+128 the chain's padded chunk was faster (H100, bf16, B 4, H 16: eager 207 against 214 us, in
+a CUDA graph 173 against 189). A step split over programs (:func:`step_splits`) takes any."""
 
 STEP_TILE = 64 * 64
 """Entries of each state block ([BD, BF], [BF, BD] fp32) the step's kernel holds in registers
@@ -161,12 +161,13 @@ _SPLITS_LOADED: set = set()
 
 
 def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, hidden,
-          N, output) -> None:
-    """A generation step's launches: one of :mod:`.fwd_decode`'s whole-step kernel or, in a
-    CUDA graph capture, the split ones where :func:`step_splits` says. An eager step that a
-    capture would split also compiles and loads the split launches, once per dtypes,
-    constexprs and device: a capture after eager warm-up calls, as usual, may launch them
-    (loading a module is not allowed during a capture)."""
+          N, output) -> bool:
+    """A generation step's launches: in a CUDA graph capture, the split ones where
+    :func:`step_splits` says, else :mod:`.fwd_decode`'s whole-step kernel up to
+    :data:`STEP_MAX_BD` (False past it: the chain's). An eager step that a capture would
+    split also compiles and loads the split launches, once per dtypes, constexprs and
+    device: a capture after eager warm-up calls, as usual, may launch them (loading a
+    module is not allowed during a capture)."""
     consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
                                   eta_key is not None, output, kernels_interpreted()),
                   USE_INITIAL=bool(state))
@@ -183,13 +184,16 @@ def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, 
             if in_capture:
                 for launch in launches:
                     run_launch(launch)
-                return
+                return True
             for launch in launches:
                 launch.load(q.device)
             _SPLITS_LOADED.add(key)
+    if consts["BD"] > STEP_MAX_BD:
+        return False
     run_launch(Launch(ttt_mlp_fwd_decode_kernel, (chains,), (
         q, k, v, eta, w, b, eta_key, o, *initial, *final, cu_seqlens, scale, eps, q.shape[1],
         hidden), consts))
+    return True
 
 
 def _state_shapes(q: Tensor, N: int, F: int) -> tuple[tuple[int, ...], ...]:
@@ -230,9 +234,8 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor, eta: Te
     final = [torch.empty(shape, dtype=torch.float32, device=q.device)
              for shape in _state_shapes(q, N, hidden)]
     o = torch.empty_like(q)
-    if step:
-        _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, hidden, N,
-              output)
+    if step and _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps,
+                      hidden, N, output):
         return o, *final, []
     slots = _slots(q, N, NG, hidden) if NG else [None] * 4
     consts = _constants(q, chunk_size, hidden, cu_seqlens, eta_key, output)
@@ -332,8 +335,7 @@ def ttt_mlp_fwd(problem: MlpProblem) -> tuple[Tensor, tuple[Tensor, ...]]:
     if p.requires_grad:
         chunks = max(p.chunk_counts())
         NG = max(1, -(-chunks // CHECKPOINT_EVERY))
-    step = (schedule.row_step(p, p.requires_grad, STEP_ROWS)
-            and block_sizes(p.q.shape[3], 16)[1] <= STEP_MAX_BD)
+    step = schedule.row_step(p, p.requires_grad, STEP_ROWS)
     args = (p.q, p.k, p.v, p.w, p.b, p.eta, p.eta_key, state, p.cu_seqlens, float(p.scale),
             float(p.eps), p.chunk_size, p.hidden, p.N, NG, p.output, step)
     # without autograd, an eager call runs the op's implementation itself: the dispatcher's
