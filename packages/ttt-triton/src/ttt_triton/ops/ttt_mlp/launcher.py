@@ -140,9 +140,9 @@ def _split_launches(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, 
     BD, BF, T = consts["BD"], consts["BF"], q.shape[1]
     FS = triton.cdiv(triton.cdiv(hidden, BF), splits) * BF       # hidden units per split
     S = triton.cdiv(hidden, FS)
-    scratch = q.new_empty(chains * (2 * S * BD + S + BD), dtype=torch.float32)
-    z2_part, z_part, m_part, g2 = scratch.split(
-        [chains * S * BD, chains * S * BD, chains * S, chains * BD])
+    scratch = q.new_empty(chains * (2 * S * BD + BD + S), dtype=torch.float32)
+    z2_part, z_part, g2, m_part = scratch.split(     # (each 16-byte aligned, as Triton
+        [chains * S * BD, chains * S * BD, chains * BD, chains * S])   # specializes on it)
     z2_kw, update_kw, out_kw = _split_kwargs(tuple(consts.items()))
     return [
         Launch(ttt_mlp_step_z2_kernel, (chains, S), (
