@@ -146,6 +146,7 @@ def recorded_launches(case) -> list:
         if calls == "mlp split":         # a step of fewer chains than SMs, in a graph
             mlp_launcher.step_splits = lambda *args: 4
             mlp_launcher.capturing = lambda: True
+            mlp_launcher.split_loaded = lambda key: True
         p = problem(DTYPES[dtype], B, T, H, D, chunk, packed, layer, False)
         F = hidden or 4 * D
         N = len(packed) if packed else B

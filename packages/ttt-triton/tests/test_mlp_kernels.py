@@ -159,6 +159,7 @@ def test_split_generation_step(monkeypatch, D, F, splits, given_state):
         one = ttt.chunk_ttt_mlp(**cast, backend="triton")
         monkeypatch.setattr(launcher, "step_splits", lambda *args: splits)
         monkeypatch.setattr(launcher, "capturing", lambda: True)
+        monkeypatch.setattr(launcher, "split_loaded", lambda key: True)
         split = ttt.chunk_ttt_mlp(**cast, backend="triton")
     whole = "ttt_mlp_fwd_decode_kernel" if D <= 64 else "ttt_mlp_fwd_chain_kernel"
     assert seen == [whole, *SPLIT_STEP]

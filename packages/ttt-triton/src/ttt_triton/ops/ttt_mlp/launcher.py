@@ -160,14 +160,19 @@ _SPLITS_LOADED: set = set()
 """The steps (:func:`_step`'s keys) whose split launches are loaded on their device."""
 
 
+def split_loaded(key: tuple) -> bool:
+    """Whether an eager step of ``key`` (:func:`_step`) loaded the split launches."""
+    return key in _SPLITS_LOADED
+
+
 def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, hidden,
           N, output) -> bool:
     """A generation step's launches: in a CUDA graph capture, the split ones where
     :func:`step_splits` says, else :mod:`.fwd_decode`'s whole-step kernel up to
-    :data:`STEP_MAX_BD` (False past it: the chain's). An eager step that a capture would
-    split also compiles and loads the split launches, once per dtypes, constexprs and
-    device: a capture after eager warm-up calls, as usual, may launch them (loading a
-    module is not allowed during a capture)."""
+    :data:`STEP_MAX_BD` (False past it: the chain's). A capture may not load a module, so
+    an eager step that a capture would split compiles and loads the split launches (once
+    per dtypes, constexprs and device), and a capture takes them only where one did: after
+    the usual eager warm-up calls of the same shapes."""
     consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
                                   eta_key is not None, output, kernels_interpreted()),
                   USE_INITIAL=bool(state))
@@ -177,15 +182,15 @@ def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, 
     if splits > 1:
         key = (*consts.items(), q.device, *(
             None if t is None else t.dtype for t in (q, k, v, eta, w, b, eta_key)))
-        in_capture = capturing()
-        if in_capture or key not in _SPLITS_LOADED:
-            launches = _split_launches(q, k, v, eta, w, b, eta_key, o, initial, final,
-                                       cu_seqlens, scale, eps, hidden, chains, splits, consts)
-            if in_capture:
-                for launch in launches:
-                    run_launch(launch)
-                return True
-            for launch in launches:
+        split = (q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps, hidden,
+                 chains, splits, consts)
+        in_capture, loaded = capturing(), split_loaded(key)
+        if in_capture and loaded:
+            for launch in _split_launches(*split):
+                run_launch(launch)
+            return True
+        if not in_capture and not loaded:
+            for launch in _split_launches(*split):
                 launch.load(q.device)
             _SPLITS_LOADED.add(key)
     if consts["BD"] > STEP_MAX_BD:
