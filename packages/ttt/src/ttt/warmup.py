@@ -76,7 +76,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads, ops)
-    progress = _silent if progress is None else progress
+    progress = ProgressBar(quiet=True) if progress is None else progress
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
@@ -106,10 +106,6 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
                                    time.perf_counter() - plan_start))
     progress(done, total, "done")
     return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
-
-
-def _silent(done: int, total: int, label: str) -> None:
-    pass
 
 
 def _call_groups(plans: list[_Plan]) -> list[list[dict]]:
