@@ -81,7 +81,6 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
     calls = sum(len(plan.calls) for plan in plans)
-    groups = _call_groups(plans)
     workers = _workers.default_workers(device, calls) if workers is None else workers
     workers = min(workers, calls)
     total, done, entries = calls * (2 if workers > 1 else 1), 0, []
@@ -92,7 +91,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
             progress(done, total, f"compiling in {workers} processes")
 
         count(0)
-        for failure in _workers.run(groups, device, workers, count):
+        for failure in _workers.run(_call_groups(plans), device, workers, count):
             warnings.warn(f"ttt.warmup: a worker process failed ({failure}); this process "
                           f"compiles what it left", RuntimeWarning, stacklevel=2)
         done = calls
