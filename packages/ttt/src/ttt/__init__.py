@@ -1,9 +1,8 @@
 """ttt: chunked TTT-Linear and TTT-MLP for PyTorch, with pluggable backends.
 
 ``ttt.chunk_ttt_linear(q, k, v, w, b, eta, ...)`` (and ``ttt.chunk_ttt_mlp``) runs on the
-active backend
-(``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the inputs);
-``ttt.register_backend`` adds a backend in this process.
+active backend (``ttt.set_backend``, ``TTT_BACKEND``, or the best installed one for the
+inputs); ``ttt.register_backend`` adds a backend in this process.
 Importing ttt touches no GPU and compiles nothing.
 """
 

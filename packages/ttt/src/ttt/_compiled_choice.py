@@ -11,7 +11,7 @@ from ._custom_op import problem_of
 from .arguments import GRAD_INPUTS
 from .choice import select_backend
 from .errors import BackendNotSupportedError
-from .problem import as_mlp_problem
+from .problem import as_mlp_problem, state_shapes
 
 
 def _stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -29,8 +29,8 @@ def compiled_backend_name(signature: tuple, requested: str | None) -> str:
     seq_lens = (chunk_size,) if packed_lens is None else tuple(packed_lens)
     B, T, N = 1, sum(seq_lens), len(seq_lens)
     shapes = dict(q=(B, T, H, D), k=(B, T, H, D), v=(B, T, H, D), w=(H, D), b=(H, D),
-                  eta=(B, T, H, 1), eta_key=(B, T, H, 1), initial_state=(N, H, D, D),
-                  initial_state_bias=(N, H, 1, D))
+                  eta=(B, T, H, 1), eta_key=(B, T, H, 1))
+    shapes["initial_state"], shapes["initial_state_bias"] = state_shapes(N, H, D)
     t = {name: None if dtype is None else _stand_in(shapes[name], dtype, device)
          for name, dtype in zip(GRAD_INPUTS, dtypes)}
     cu_seqlens = None if packed_lens is None else _stand_in((N + 1,), torch.int64, device)

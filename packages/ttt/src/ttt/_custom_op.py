@@ -220,15 +220,10 @@ chunk_ttt_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------ the eager shortcut
-# An eager call of an op goes through the dispatcher's generic Python glue (the autograd
-# formula's pytree flattening of list arguments and outputs, its schema walk), which costs
-# a multiple of the core's own work at a small shape. Where the dispatcher would only run
-# that glue on the way to the implementation, the calls below do what it does directly:
-# the same implementation below the autograd keys, the same aliasing check of the outputs,
-# the same setup_context and backward formula in an autograd.Function. Anything else that
-# may see or transform the op takes the op: torch.compile / export / jit tracing, a torch
-# function or dispatch mode (fake tensors, opcheck, FlopCounterMode, functionalization), a
-# functorch transform, the profiler, a tensor subclass, the meta device.
+# Where the dispatcher would only run its generic Python glue on the way to the
+# implementation (docs/api.md, "under torch.compile and autocast"), the calls below do what
+# it does directly: the implementation below the autograd keys, the outputs' aliasing check,
+# setup_context and the backward formula in an autograd.Function.
 
 _PLAIN_OR_ABSENT = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 """The types of the op's tensor arguments that a call may take the shortcut with."""

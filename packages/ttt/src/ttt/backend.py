@@ -1,9 +1,7 @@
 """The interface every backend implements (:class:`Backend`: ``forward``, ``backward``,
 ``saved_shapes``, ``warmup_shapes``, ``chunk_ttt_mlp``) and its declared
-:class:`Capabilities`; the contract of each method: docs/backends.md. The core
-(``ttt.ops``, ``ttt._custom_op``) owns validation, the custom op, its autograd, autocast
-and gradient dtype casts; nothing in it special-cases a backend.
-"""
+:class:`Capabilities`; the contract of each method, and what the core does around it:
+docs/backends.md."""
 
 from __future__ import annotations
 

@@ -23,19 +23,12 @@ from .choice import select_backend
 from .errors import BackendError, BackendNotInstalledError
 from .ops import chunk_ttt_linear
 from .oracle import oracle_chunk_ttt_linear
+from .problem import state_dtype
 from .registry import KNOWN_BACKENDS, declared_capabilities
 from .status import available_backends, backend_status
 from .tolerances import TOLERANCES
 from .validation import dtype_name, make_problem
-from .warmup import (
-    DEFAULT_CHUNK_SIZES,
-    DEFAULT_HEAD_DIMS,
-    DEFAULT_HEADS,
-    DEFAULT_OPS,
-    OPS,
-    ProgressBar,
-    warmup,
-)
+from .warmup import OPS, ProgressBar, warmup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -157,9 +150,8 @@ def cmd_demo(args) -> int:
                 eta=0.1 * torch.rand(B, T, H, 1, generator=g, dtype=torch.float64),
                 initial_state=rand(B, H, D, D, scale=0.1),
                 initial_state_bias=rand(B, H, 1, D, scale=0.1))
-    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    inputs = {n: t.to(device=device, dtype=state_dtype if n.startswith("initial") else dtype)
-              .requires_grad_(True) for n, t in base.items()}
+    inputs = {n: t.to(device=device, dtype=state_dtype(dtype) if n.startswith("initial")
+                      else dtype).requires_grad_(True) for n, t in base.items()}
     problem = make_problem(**inputs, chunk_size=C, output_final_state=True)
     backend = select_backend(problem, args.backend)
     print(f"ttt demo: TTT-linear forward + backward on backend {backend.name!r}")
@@ -213,13 +205,13 @@ def cmd_demo(args) -> int:
 def cmd_warmup(args) -> int:
     device = _demo_device(args.device)
     _require_runnable(args.backend)
+    repeated = {"head_dims": args.head_dim, "chunk_sizes": args.chunk_size,
+                "heads": args.heads, "ops": args.op}     # None where not given: the defaults
     report = warmup(args.backend,
                     dtypes=None if args.dtype is None else [DTYPES[d] for d in args.dtype],
-                    head_dims=args.head_dim or DEFAULT_HEAD_DIMS,
-                    chunk_sizes=args.chunk_size or DEFAULT_CHUNK_SIZES,
-                    heads=args.heads or DEFAULT_HEADS, backward=not args.no_backward,
-                    device=device, progress=ProgressBar(quiet=args.quiet),
-                    workers=args.workers, ops=args.op or DEFAULT_OPS)
+                    backward=not args.no_backward, device=device,
+                    progress=ProgressBar(quiet=args.quiet), workers=args.workers,
+                    **{name: values for name, values in repeated.items() if values})
     passes = "forward" if args.no_backward else "forward + backward"
     for entry in report.entries:
         print(f"warmed up {entry.config.describe()} on {entry.backend} ({passes}, "

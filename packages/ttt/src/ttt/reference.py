@@ -94,5 +94,4 @@ class ReferenceBackend(Backend):
                       and leaves[name].requires_grad]
             grads = torch.autograd.grad(outputs, [leaves[n] for n in wanted], cotangents,
                                         allow_unused=True) if wanted else ()
-        found = dict(zip(wanted, grads))
-        return Gradients(**{GRADIENT_FIELDS[name]: grad for name, grad in found.items()})
+        return Gradients(**{GRADIENT_FIELDS[name]: grad for name, grad in zip(wanted, grads)})

@@ -76,12 +76,11 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
         raise ValueError(f"workers: expected a positive int or None, got {workers}")
     configs = _configs(DEFAULT_DTYPES if dtypes is None else dtypes, head_dims, chunk_sizes,
                        heads, ops)
-    progress = _silent if progress is None else progress
+    progress = ProgressBar(quiet=True) if progress is None else progress
     start = time.perf_counter()
     plans, skipped = _plans(configs, backend, device, shapes, backward,
                             strict=dtypes is not None)
     calls = sum(len(plan.calls) for plan in plans)
-    groups = _call_groups(plans)
     workers = _workers.default_workers(device, calls) if workers is None else workers
     workers = min(workers, calls)
     total, done, entries = calls * (2 if workers > 1 else 1), 0, []
@@ -92,7 +91,7 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
             progress(done, total, f"compiling in {workers} processes")
 
         count(0)
-        for failure in _workers.run(groups, device, workers, count):
+        for failure in _workers.run(_call_groups(plans), device, workers, count):
             warnings.warn(f"ttt.warmup: a worker process failed ({failure}); this process "
                           f"compiles what it left", RuntimeWarning, stacklevel=2)
         done = calls
@@ -106,10 +105,6 @@ def warmup(backend: str | None = None, *, dtypes: Iterable[torch.dtype] | None =
                                    time.perf_counter() - plan_start))
     progress(done, total, "done")
     return WarmupReport(device, entries, skipped, time.perf_counter() - start, workers)
-
-
-def _silent(done: int, total: int, label: str) -> None:
-    pass
 
 
 def _call_groups(plans: list[_Plan]) -> list[list[dict]]:

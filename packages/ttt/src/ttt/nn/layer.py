@@ -12,7 +12,7 @@ from torch import nn
 
 from ..mlp import HIDDEN_FACTOR, STATE_NAMES, chunk_ttt_mlp
 from ..ops import chunk_ttt_linear
-from ..problem import state_shapes
+from ..problem import state_dtype, state_shapes
 from ..validation import positive_int
 from .cache import LayerState, TTTCache
 from .rotary import apply_rotary, rotary_cos_sin, sequence_positions
@@ -174,8 +174,7 @@ class TTTLinear(nn.Module):
     def _initial_states(self, count: int, q_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The inner model's state (``W1, b1``) expanded over ``count`` sequences, in the
         operator's state dtype."""
-        dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
-        return tuple(getattr(self, name).to(dtype).expand(count, -1, -1, -1)
+        return tuple(getattr(self, name).to(state_dtype(q_dtype)).expand(count, -1, -1, -1)
                      for name in self._state_shapes())
 
     def _op_arguments(self, eta_key, chunk_positions, cu_seqlens, output_final_state) -> dict:
