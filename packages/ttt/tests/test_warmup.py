@@ -135,6 +135,15 @@ def test_forward_only(recorder):
     assert all(kind == "forward" and not grad for kind, _, grad in recorder.calls)
 
 
+def test_one_shot_iterables(recorder):
+    """Iterators are read once: every dtype gets every head dim, chunk size and head count."""
+    report = warmup("recorder", dtypes=iter([torch.float32, torch.float64]),
+                    head_dims=iter([16]), chunk_sizes=iter([16]), heads=iter([1]),
+                    backward=False, device="cpu", shapes=SMALL[:1])
+    assert [(e.config.dtype, e.config.head_dim) for e in report.entries] == [
+        (torch.float32, 16), (torch.float64, 16)]
+
+
 def test_layer_form_only_where_declared(recorder, monkeypatch):
     monkeypatch.setattr(recorder, "capabilities", replace(recorder.capabilities,
                                                           eta_key=False))

@@ -218,10 +218,11 @@ def _configs(dtypes, head_dims, chunk_sizes, heads, ops) -> list[Config]:
             raise TypeError(f"dtypes: expected floating torch dtypes, got {d!r}")
     if not dtypes:
         raise ValueError("dtypes: expected at least one dtype, got none")
-    return [Config(dt, d, c, h, op) for op in ops for dt in dtypes
-            for d in _positive_ints("head_dims", head_dims)
-            for c in _positive_ints("chunk_sizes", chunk_sizes)
-            for h in _positive_ints("heads", heads)]
+    head_dims = _positive_ints("head_dims", head_dims)      # (each iterable read once)
+    chunk_sizes = _positive_ints("chunk_sizes", chunk_sizes)
+    heads = _positive_ints("heads", heads)
+    return [Config(dt, d, c, h, op) for op in ops for dt in dtypes for d in head_dims
+            for c in chunk_sizes for h in heads]
 
 
 def _backend_for(config: Config, name: str | None, device: torch.device) -> Backend:
