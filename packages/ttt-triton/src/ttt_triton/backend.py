@@ -54,11 +54,10 @@ CAPABILITIES = Capabilities(
         "ttt_mlp: one program per (sequence, head) streams the fp32 state from global "
         "memory in hidden blocks; a forward is one launch (with checkpoint slots every 16 "
         "chunks when autograd needs them; a generation step of one token per sequence "
-        "without autograd at padded head dims up to 64: ops.ttt_mlp.fwd_decode, no "
-        "padded chunk, in a CUDA graph split over programs where chains are fewer than SMs), "
-        "the backward one "
-        "launch that recomputes each "
-        "group's states from its slot; the backward takes chunk tiles up to "
+        "without autograd: ops.ttt_mlp.fwd_decode, no padded chunk, in a CUDA graph split "
+        "over programs where chains are fewer than SMs, eager past padded head dim 64 the "
+        "chain), the backward one launch that recomputes each group's states from its "
+        "slot; the backward takes chunk tiles up to "
         "ops.ttt_mlp.launcher.BACKWARD_MAX_TILE (shared memory): chunk 64 at head dims "
         "above 64 runs forward only",
     ),
