@@ -125,11 +125,9 @@ def mlp_compile_inputs(fn, extra: dict, dtype: str, BD: int, BT: int, *,
                     dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     eta_key = q if form["HAS_ETA_KEY"] else None
     if fn in STEP_KERNELS:
-        consts = dict(mlp_launcher._step_constants(H, BD, 4 * BD, False, eta_key is not None,
-                                                   form["OUTPUT"], False), USE_INITIAL=True)
-        if fn is not ttt_mlp_fwd_decode_kernel:
-            consts = dict(mlp_launcher._split_kwargs(tuple(consts.items()))[
-                STEP_KERNELS.index(fn) - 1])
+        setup = mlp_launcher.step_setup(H, BD, 4 * BD, False, eta_key is not None,
+                                        form["OUTPUT"], True, False)
+        consts = dict(setup[STEP_KERNELS.index(fn)])
         options = {"num_warps": consts.pop("num_warps"),
                    "num_stages": consts.pop("num_stages")}
     else:

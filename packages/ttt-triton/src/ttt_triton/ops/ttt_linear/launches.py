@@ -69,17 +69,15 @@ class Launch:
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
-    def compile(self, device: torch.device) -> None:
-        """Compile (and keep, in Triton's caches) what launching would, without loading or
-        launching it; in any thread (the device is this thread's current one only inside)."""
+    def compile(self, device: torch.device, load: bool = False) -> None:
+        """Compile (and keep, in Triton's caches) what launching would, without launching
+        it; in any thread (the device is this thread's current one only inside). ``load``:
+        also load it onto ``device``, so that a CUDA graph capture may launch it (loading a
+        module is not allowed there)."""
         with torch.cuda.device(device):
-            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
-
-    def load(self, device: torch.device) -> None:
-        """Compile and load onto ``device`` what launching would, without launching it: a
-        CUDA graph capture may then launch it (loading a module is not allowed there)."""
-        with torch.cuda.device(device):
-            self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)[self.grid]
+            compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)
+            if load:
+                compiled[self.grid]
 
 
 def prepare_triton() -> None:

@@ -121,6 +121,15 @@ def update_walk(b_k, b_qs, b_g2, b_a1, b_e, W1_0, b1_0, W2_0, W1, b1, W2, i_nh, 
     return tl.sum(b_zp, 0)[None, :], tl.sum(b_m2p)
 
 
+@triton.jit
+def split_sum(part, i_nh, S, o_d, BD: tl.constexpr):
+    """The ``S`` splits' [1, BD] shares of chain ``i_nh`` in ``part`` [N * H, S, BD], summed."""
+    b_sum = tl.zeros([1, BD], dtype=tl.float32)
+    for i in range(0, S):
+        b_sum += tl.load(part + (i_nh * S + i) * BD + o_d[None, :])
+    return b_sum
+
+
 @triton.jit(do_not_specialize=["T", "F"])
 def ttt_mlp_fwd_decode_kernel(
     q, k, v, eta, w, b,
@@ -193,9 +202,7 @@ def ttt_mlp_step_update_kernel(
     i_s, S = tl.program_id(1), tl.num_programs(1)
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
     b_b2 = initial_b2(b2_0, i_nh, D, o_d, m_d, BD, USE_INITIAL)
-    b_z2 = tl.zeros([1, BD], dtype=tl.float32)
-    for i in range(0, S):
-        b_z2 += tl.load(z2_part + (i_nh * S + i) * BD + o_d[None, :])
+    b_z2 = split_sum(z2_part, i_nh, S, o_d, BD)                            # [1, BD]
     b_g2 = inner_grad(b_z2 + b_b2, b_k, b_v, b_w, b_b, m_x, D, eps)[0] * b_l  # [1, BD]
     b_qs = r_q.to(tl.float32) * scale                                      # [1, BD]
     b_a1 = b_e * (tl.sum(b_qs * b_k) + 1.)
@@ -222,10 +229,9 @@ def ttt_mlp_step_out_kernel(
     i_nh, i_h, o_d, m_d, m_x, _pe, p_x, r_q, _k, _v, b_e, _l = step_row(
         q, k, v, eta, eta_key, cu_seqlens, T, H, D, BD, IS_VARLEN, False)
     b_w, b_b = load_norm_params(w, b, i_h, D, o_d, m_d)
-    b_zq = tl.zeros([1, BD], dtype=tl.float32)
+    b_zq = split_sum(z_part, i_nh, S, o_d, BD)                             # [1, BD]
     b_m2 = 0.
     for i in range(0, S):
-        b_zq += tl.load(z_part + (i_nh * S + i) * BD + o_d[None, :])
         b_m2 += tl.load(m_part + i_nh * S + i)
     b_g2 = tl.load(g2 + i_nh * BD + o_d[None, :])                          # [1, BD]
     b_b2 = initial_b2(b2_0, i_nh, D, o_d, m_d, BD, USE_INITIAL)

@@ -9,6 +9,7 @@ see opaque calls, autograd the usual graph."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -84,16 +85,34 @@ at once, over its 8 warps: 16 per thread each. Twice that spills at padded head 
 128 (sm_90, ``tests/sm90_compile.py``), with 8 warps or 16."""
 
 
+class StepSetup(NamedTuple):
+    """A generation step's kernel arguments that are not tensors, per :func:`step_setup`
+    key: the one-launch kernel's constexprs and options, and the three split kernels'."""
+
+    whole: dict
+    z2: dict
+    update: dict
+    out: dict
+
+
 @functools.lru_cache(maxsize=256)
-def _step_constants(H: int, D: int, hidden: int, varlen: bool, key: bool, output: str,
-                    interpreted: bool) -> dict:
-    """The step kernel's constexprs and options (:data:`STEP_TILE`; two stages: the next
+def step_setup(H: int, D: int, hidden: int, varlen: bool, key: bool, output: str,
+               use_initial: bool, interpreted: bool) -> StepSetup:
+    """The step kernels' constexprs and options (:data:`STEP_TILE`; two stages: the next
     hidden block's loads go out by cp.async while one is computed), made once per key."""
     BD = block_sizes(D, 16)[1]
     BF = max(16, min(STEP_TILE // BD, triton.next_power_of_2(hidden)))
     options = {} if interpreted else {"num_warps": 8, "num_stages": 2}
-    return dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=varlen, HAS_ETA_KEY=key, OUTPUT=output,
-                **options)
+    whole = dict(H=H, D=D, BD=BD, BF=BF, IS_VARLEN=varlen, HAS_ETA_KEY=key, OUTPUT=output,
+                 USE_INITIAL=use_initial, **options)
+
+    def only(kernel, **kernel_options) -> dict:
+        names = set(kernel.arg_names) | {"num_warps", "num_stages"}
+        return {**{k: v for k, v in whole.items() if k in names}, **kernel_options}
+
+    out = {} if interpreted else {"num_warps": 4, "num_stages": 1}
+    return StepSetup(whole, only(ttt_mlp_step_z2_kernel), only(ttt_mlp_step_update_kernel),
+                     only(ttt_mlp_step_out_kernel, **out))
 
 
 def step_splits(chains: int, blocks: int, sms: int | None) -> int:
@@ -119,41 +138,27 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=64)
-def _split_kwargs(consts: tuple) -> tuple[dict, dict, dict]:
-    """The three split kernels' constexprs and options, from the step's (as items)."""
-    out = {} if kernels_interpreted() else {"num_warps": 4, "num_stages": 1}
-
-    def only(kernel, **options) -> dict:
-        names = set(kernel.arg_names) | {"num_warps", "num_stages"}
-        return {**{k: v for k, v in consts if k in names}, **options}
-
-    return (only(ttt_mlp_step_z2_kernel), only(ttt_mlp_step_update_kernel),
-            only(ttt_mlp_step_out_kernel, **out))
-
-
 def _split_launches(q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps,
-                    hidden, chains, splits, consts) -> list[Launch]:
+                    hidden, chains, splits, setup: StepSetup) -> list[Launch]:
     """A generation step in three launches, the hidden units split ``splits`` ways: the
     splits' ``X_2 W_2`` (:func:`.fwd_decode.ttt_mlp_step_z2_kernel`), then each split's
     update and share of the output, then the output."""
-    BD, BF, T = consts["BD"], consts["BF"], q.shape[1]
+    BD, BF, T = setup.whole["BD"], setup.whole["BF"], q.shape[1]
     FS = triton.cdiv(triton.cdiv(hidden, BF), splits) * BF       # hidden units per split
     S = triton.cdiv(hidden, FS)
     scratch = q.new_empty(chains * (2 * S * BD + BD + S), dtype=torch.float32)
     z2_part, z_part, g2, m_part = scratch.split(     # (each 16-byte aligned, as Triton
         [chains * S * BD, chains * S * BD, chains * BD, chains * S])   # specializes on it)
-    z2_kw, update_kw, out_kw = _split_kwargs(tuple(consts.items()))
     return [
         Launch(ttt_mlp_step_z2_kernel, (chains, S), (
             q, k, v, eta, eta_key, *initial[:3], final[1], z2_part, cu_seqlens, T, hidden,
-            FS), z2_kw),
+            FS), setup.z2),
         Launch(ttt_mlp_step_update_kernel, (chains, S), (
             q, k, v, eta, w, b, eta_key, *initial, *final, z2_part, z_part, m_part, g2,
-            cu_seqlens, scale, eps, T, hidden, FS), update_kw),
+            cu_seqlens, scale, eps, T, hidden, FS), setup.update),
         Launch(ttt_mlp_step_out_kernel, (chains,), (
             q, k, v, eta, w, b, eta_key, o, initial[3], z_part, m_part, g2, cu_seqlens, eps,
-            T, S), out_kw)]
+            T, S), setup.out)]
 
 
 _SPLITS_LOADED: set = set()
@@ -173,17 +178,17 @@ def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, 
     an eager step that a capture would split compiles and loads the split launches (once
     per dtypes, constexprs and device), and a capture takes them only where one did: after
     the usual eager warm-up calls of the same shapes."""
-    consts = dict(_step_constants(q.shape[2], q.shape[3], hidden, cu_seqlens is not None,
-                                  eta_key is not None, output, kernels_interpreted()),
-                  USE_INITIAL=bool(state))
+    step = (q.shape[2], q.shape[3], hidden, cu_seqlens is not None, eta_key is not None,
+            output, bool(state), kernels_interpreted())
+    setup = step_setup(*step)
     chains, initial = N * q.shape[2], state or final
     sms = _sm_count(q.device.index) if q.device.type == "cuda" else None
-    splits = step_splits(chains, triton.cdiv(hidden, consts["BF"]), sms)
+    splits = step_splits(chains, triton.cdiv(hidden, setup.whole["BF"]), sms)
     if splits > 1:
-        key = (*consts.items(), q.device, *(
-            None if t is None else t.dtype for t in (q, k, v, eta, w, b, eta_key)))
+        key = (step, q.device, q.dtype, eta.dtype, w.dtype, b.dtype,   # (k, v: q's dtype)
+               None if eta_key is None else eta_key.dtype)
         split = (q, k, v, eta, w, b, eta_key, o, initial, final, cu_seqlens, scale, eps, hidden,
-                 chains, splits, consts)
+                 chains, splits, setup)
         in_capture, loaded = capturing(), split_loaded(key)
         if in_capture and loaded:
             for launch in _split_launches(*split):
@@ -191,13 +196,13 @@ def _step(q, k, v, eta, w, b, eta_key, o, state, final, cu_seqlens, scale, eps, 
             return True
         if not in_capture and not loaded:
             for launch in _split_launches(*split):
-                launch.load(q.device)
+                launch.compile(q.device, load=True)
             _SPLITS_LOADED.add(key)
-    if consts["BD"] > STEP_MAX_BD:
+    if setup.whole["BD"] > STEP_MAX_BD:
         return False
     run_launch(Launch(ttt_mlp_fwd_decode_kernel, (chains,), (
         q, k, v, eta, w, b, eta_key, o, *initial, *final, cu_seqlens, scale, eps, q.shape[1],
-        hidden), consts))
+        hidden), setup.whole))
     return True
 
 
