@@ -172,7 +172,7 @@ def test_split_generation_step(monkeypatch, D, F, splits, given_state):
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
 def test_split_step_in_a_cuda_graph(monkeypatch):
     """An eager step, then the same step captured in a CUDA graph: the capture takes the
-    split launches (two chains, fewer than the SMs), loaded by the eager call, and the
+    split launches (four chains, fewer than the SMs), loaded by the eager call, and the
     replay gives the eager step's output and final state."""
     seen = _recorded_launches(monkeypatch)
     cast = _float32_on_device(_inputs((1, 1), D=64, F=256, seed=5))
